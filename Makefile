@@ -1,0 +1,37 @@
+# Two commands a new user needs: `make demo` and `make test`. Both bootstrap .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch 2.14.1 / torchvision 0.29.1 install from local disk on the project's machines;
+# elsewhere override, e.g. `make test TORCH="torch torchvision"` for any recent release.
+TORCH ?= torch==2.14.1 torchvision==0.29.1
+FMNIST_DIR := /usr/share/datasets/fashion-mnist
+
+.PHONY: demo test data bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+# Real Fashion-MNIST from Debian's package when apt is there; everything still runs
+# without it (scikit-learn digits is the embedded default), so a failure only warns.
+data:
+	@if [ ! -d $(FMNIST_DIR) ] && command -v apt-get >/dev/null 2>&1; then \
+	  (apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+	   (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)) || \
+	  echo "warning: could not install dataset-fashion-mnist; Fashion-MNIST runs need --data-root"; \
+	fi
+
+test: $(BIN)/.installed data
+	$(BIN)/python -m pytest
+
+demo: $(BIN)/.installed data
+	$(BIN)/python -m edgetorch.demo
+
+bench: $(BIN)/.installed data
+	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

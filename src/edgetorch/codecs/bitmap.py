@@ -1,0 +1,177 @@
+"""Bitmap storage of one tensor: one bit per element ("stored") plus the stored elements packed.
+
+BitTrain (Hosny et al., SEC'21), Sec. 3.2: for n elements of which nnz are kept, the bitmap
+format holds ``value_bytes * nnz + n / 8`` bytes (the paper's M_b), against ``value_bytes * n``
+dense (M_d). Zero is decided on the bit pattern, so NaN and Inf are kept exactly and -0.0 counts
+as zero (the only thing a lossless roundtrip may change is the sign of a zero).
+
+Bit order: element i is bit ``i % 8`` (least significant first) of byte ``i // 8``, row-major
+over the tensor's logical shape, whatever its strides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Floats are compared as integers of the same width: |v| as bits is monotone in |v| for every
+# IEEE-style float (NaN sorts above Inf), so "keep iff abs_bits > limit" is one integer test.
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+_ABS_MASK = {torch.int64: 0x7FFF_FFFF_FFFF_FFFF, torch.int32: 0x7FFF_FFFF, torch.int16: 0x7FFF}
+FLOAT_DTYPES = tuple(_INT_VIEW)
+
+
+@dataclass(frozen=True, eq=False)
+class BitmapTensor:
+    """A tensor held as a bitmap of stored positions plus the stored values.
+
+    Attributes:
+        bitmap: ``uint8`` tensor of ``ceil(numel / 8)`` bytes; bit ``i % 8`` of byte ``i // 8``
+            is set when element ``i`` (row-major) is stored in ``values``.
+        values: 1-D tensor of the stored elements in row-major order, in the value dtype.
+        shape: logical shape of the original tensor.
+        dtype: dtype of the original tensor (what :meth:`unpack` returns).
+    """
+
+    bitmap: torch.Tensor
+    values: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        """Number of stored values."""
+        return self.values.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes of tensor memory held: bitmap bytes + stored value bytes."""
+        return self.bitmap.numel() + self.values.numel() * self.values.element_size()
+
+    def unpack(self) -> torch.Tensor:
+        """Rebuild the dense tensor (a new, contiguous tensor; this object is left intact).
+
+        Returns:
+            A tensor of ``shape`` and ``dtype`` on ``device``: stored values in place, zeros elsewhere.
+        """
+        values = self.values if self.values.dtype == self.dtype else self.values.to(self.dtype)
+        flat = _unpack(self.bitmap, values.view(_INT_VIEW[self.dtype]), self.numel)
+        return flat.view(self.dtype).view(self.shape)
+
+
+def pack_bitmap(
+    t: torch.Tensor, threshold: float = 0.0, value_dtype: torch.dtype | None = None
+) -> BitmapTensor:
+    """Store ``t`` as a bitmap plus its non-zero values.
+
+    Args:
+        t: a floating-point tensor (float16, bfloat16, float32, float64) of any shape, including
+            0-d, empty and non-contiguous; on any device.
+        threshold: values with ``|v| <= threshold`` are dropped (read back as 0). ``0.0`` is
+            lossless: only exact zeros are dropped, NaN and Inf are kept bit for bit.
+        value_dtype: store the kept values in this float dtype (e.g. ``torch.float16``, the
+            paper's Fig. 8 combination); ``None`` keeps ``t.dtype``. Rounding follows
+            ``Tensor.to``: float16 overflows to Inf beyond 65504, bfloat16 does not.
+
+    Returns:
+        A :class:`BitmapTensor`; ``.unpack()`` gives the dense tensor back.
+
+    Example:
+        >>> x = torch.relu(torch.randn(16, 64, 56, 56))
+        >>> p = pack_bitmap(x)
+        >>> p.nbytes == 4 * p.nnz + (x.numel() + 7) // 8
+        True
+        >>> torch.equal(p.unpack(), x)
+        True
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"pack_bitmap expects a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INT_VIEW:
+        raise TypeError(
+            f"pack_bitmap stores floating-point tensors ({_names(FLOAT_DTYPES)}); got {t.dtype}. "
+            "Integer and bool tensors have no activation sparsity to exploit: keep them dense."
+        )
+    limit = zero_limit_bits(t.dtype, threshold)
+    if value_dtype is not None and value_dtype not in _INT_VIEW:
+        raise TypeError(f"value_dtype must be one of {_names(FLOAT_DTYPES)} or None; got {value_dtype}")
+    flat = t.detach().reshape(-1)
+    bitmap, values = _pack(flat.view(_INT_VIEW[t.dtype]), limit)
+    values = values.view(t.dtype)
+    if value_dtype is not None and value_dtype != t.dtype:
+        values = values.to(value_dtype)
+    return BitmapTensor(bitmap=bitmap, values=values, shape=t.shape, dtype=t.dtype)
+
+
+def zero_limit_bits(dtype: torch.dtype, threshold: float) -> int:
+    """Largest ``abs`` bit pattern of ``dtype`` that counts as zero under ``|v| <= threshold``."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise TypeError(f"threshold must be a non-negative number, got {threshold!r}")
+    if not threshold >= 0:  # also rejects NaN
+        raise ValueError(f"threshold must be >= 0 (0 = lossless), got {threshold!r}")
+    if threshold == 0:
+        return 0
+    as_dtype = torch.tensor(threshold, dtype=torch.float64).to(dtype)
+    bits = int(as_dtype.view(_INT_VIEW[dtype]).item())
+    # Rounding to dtype may land above the threshold; then the largest value <= threshold is
+    # the next representable value below it (one step down in the bit pattern).
+    if as_dtype.double().item() > threshold:
+        bits -= 1
+    return bits
+
+
+def _pack(bits: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if bits.device.type == "cpu":
+        from . import _cpu_kernels
+
+        return _cpu_kernels.pack(bits, limit)
+    return pack_torch(bits, limit)
+
+
+def _unpack(bitmap: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    if values.device.type == "cpu":
+        from . import _cpu_kernels
+
+        return _cpu_kernels.unpack(bitmap, values, numel)
+    return unpack_torch(bitmap, values, numel)
+
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_torch(bits: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-generic packing with torch ops (the GPU path; also the reference on CPU)."""
+    keep = (bits & _ABS_MASK[bits.dtype]) > limit
+    values = bits[keep]
+    pad = (-keep.numel()) % 8
+    if pad:
+        keep = torch.cat([keep, keep.new_zeros(pad)])
+    weights = _BIT_WEIGHTS.to(bits.device)
+    bitmap = (keep.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
+    return bitmap, values
+
+
+def unpack_torch(bitmap: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    """Device-generic unpacking with torch ops (the GPU path; also the reference on CPU)."""
+    weights = _BIT_WEIGHTS.to(bitmap.device)
+    keep = (bitmap.unsqueeze(1) & weights).ne(0).view(-1)[:numel]
+    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    return out.masked_scatter_(keep, values)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
