@@ -1,0 +1,84 @@
+"""Measured process memory: what the operating system (or the CUDA allocator) says, not formulas.
+
+On Linux the peak resident set (VmHWM) can be reset by writing ``5`` to ``/proc/self/clear_refs``,
+so one step's peak can be read without the import-time peak hiding it. USS (memory unique to the
+process, freed if it exited) is the paper's measure; it comes from psutil (``/proc/self/smaps``).
+
+glibc keeps freed heap memory mapped once its mmap threshold has adapted upward, which makes
+RSS lag behind what is live. :data:`HONEST_MALLOC_ENV` pins the threshold so every large tensor
+is its own mapping and RSS follows live memory; :func:`run_fresh` starts workers with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+HONEST_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    return psutil.Process().memory_info().rss
+
+
+def uss_bytes() -> int | None:
+    """Current unique set size of this process, or None where the platform does not report it."""
+    try:
+        return psutil.Process().memory_full_info().uss
+    except (psutil.AccessDenied, AttributeError):
+        return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since process start or the last :func:`reset_peak_rss`."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak RSS counter (Linux only). Returns False where it cannot be reset."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_fresh(module: str, payload: dict, timeout: float | None = None) -> dict:
+    """Run ``python -m module`` in a fresh interpreter, feeding ``payload`` as JSON on stdin.
+
+    The worker prints one JSON object as its last line of stdout; that object is returned.
+    A fresh process is the only honest way to compare peaks: allocator caches, imported
+    libraries and an earlier policy's peak would otherwise leak into the next measurement.
+
+    Raises:
+        RuntimeError: the worker failed; the message carries its stderr.
+    """
+    env = {**os.environ, **HONEST_MALLOC_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-m", module],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {module} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if not lines:
+        raise RuntimeError(f"worker {module} printed no result; stderr:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
