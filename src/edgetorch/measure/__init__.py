@@ -1,5 +1,17 @@
 """Memory accounting: the saved-tensor ledger (formulas) and measured process memory (the OS)."""
 
+from .ledger import SavedRecord, SavedTensorLedger, Totals, model_memory, tensor_bytes
 from .process import peak_rss_bytes, reset_peak_rss, rss_bytes, run_fresh, uss_bytes
 
-__all__ = ["peak_rss_bytes", "reset_peak_rss", "rss_bytes", "run_fresh", "uss_bytes"]
+__all__ = [
+    "SavedRecord",
+    "SavedTensorLedger",
+    "Totals",
+    "model_memory",
+    "peak_rss_bytes",
+    "reset_peak_rss",
+    "rss_bytes",
+    "run_fresh",
+    "tensor_bytes",
+    "uss_bytes",
+]
