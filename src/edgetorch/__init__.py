@@ -1,12 +1,13 @@
 """edgetorch: train, shrink and deploy neural networks on memory- and energy-constrained devices."""
 
-from .activations import Bitmap, Dense, Policy, compress_activations, parse_policy
+from .activations import Bitmap, CheckpointEvery, Dense, Policy, compress_activations, parse_policy
 from .codecs import BitmapTensor, pack_bitmap
 from .measure import SavedTensorLedger, model_memory
 
 __all__ = [
     "Bitmap",
     "BitmapTensor",
+    "CheckpointEvery",
     "Dense",
     "Policy",
     "SavedTensorLedger",

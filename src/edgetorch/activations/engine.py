@@ -76,6 +76,9 @@ class _View:
         self.entry, self.size, self.stride, self.offset = entry, size, stride, offset
 
     def unpack(self) -> torch.Tensor:
+        # The stored copy is the value at save time, but a later in-place change is still a
+        # bug in the caller's code that plain PyTorch would report: report it too.
+        _check_version(self.entry.source(), self.entry.version)
         return self.entry.flat().as_strided(self.size, self.stride, self.offset)
 
 
@@ -89,15 +92,19 @@ class _Kept:
         self.entry = entry  # keeps the ledger's count of live bytes until autograd drops it
 
     def unpack(self) -> torch.Tensor:
-        if self.tensor._version != self.version:
-            t = self.tensor
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
-                f"expected version {self.version} instead (detected by edgetorch, whose hooks "
-                "replace PyTorch's own check)."
-            )
+        _check_version(self.tensor, self.version)
         return self.tensor
+
+
+def _check_version(t: torch.Tensor | None, version: int) -> None:
+    """Raise as plain PyTorch would when a saved tensor was modified in place after saving."""
+    if t is not None and t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {version} instead (detected by edgetorch, whose hooks replace "
+            "PyTorch's own check)."
+        )
 
 
 class _OpTracker(TorchFunctionMode):
@@ -127,6 +134,8 @@ class compress_activations(contextlib.ContextDecorator):
         policy: e.g. :class:`edgetorch.Bitmap` (BitTrain) or :class:`edgetorch.Dense`.
         min_bytes: tensors smaller than this stay as they are (encoding them saves nothing).
         ledger: a :class:`edgetorch.SavedTensorLedger` to fill with one row per saved tensor.
+        keep: further tensors the caller holds (inputs not passed through ``model``'s call);
+            like the model's own inputs they are never re-encoded.
 
     Example:
         >>> with edgetorch.compress_activations(model, edgetorch.Bitmap()):
@@ -141,6 +150,7 @@ class compress_activations(contextlib.ContextDecorator):
         *,
         min_bytes: int = 4096,
         ledger: SavedTensorLedger | None = None,
+        keep: tuple[torch.Tensor, ...] = (),
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -152,6 +162,7 @@ class compress_activations(contextlib.ContextDecorator):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
         self.model, self.policy, self.min_bytes, self.ledger = model, policy, min_bytes, ledger
+        self._keep = {t.untyped_storage().data_ptr() for t in keep}
         self.saved_count = 0
         self._pack_fn = self._pack  # one bound object, so the hook on top can be recognised
 
@@ -161,7 +172,7 @@ class compress_activations(contextlib.ContextDecorator):
         self._external = {
             t.untyped_storage().data_ptr()
             for t in (*self.model.parameters(), *self.model.buffers())
-        }
+        } | self._keep
         self._inputs: set[int] = set()
         self._table: dict[tuple, list[weakref.ref]] = {}
         self._stack: list[tuple[str, str]] = [("", type(self.model).__name__)]

@@ -1,0 +1,37 @@
+"""Small reference models, their pretraining recipes, and model-spec resolution."""
+
+from .models import MLP, BasicBlock, SmallResNet
+from .pretrain import (
+    RECIPES,
+    PretrainConfig,
+    build_zoo_model,
+    checkpoint_paths,
+    default_config,
+    evaluate_accuracy,
+    load_pretrained,
+    pretrain,
+    pretrained,
+)
+from .registry import ZOO_MODELS, build_model, torchvision_classification_models
+from .weights import CheckpointError, load_weights, save_weights
+
+__all__ = [
+    "MLP",
+    "RECIPES",
+    "ZOO_MODELS",
+    "BasicBlock",
+    "CheckpointError",
+    "PretrainConfig",
+    "SmallResNet",
+    "build_model",
+    "build_zoo_model",
+    "checkpoint_paths",
+    "default_config",
+    "evaluate_accuracy",
+    "load_pretrained",
+    "load_weights",
+    "pretrain",
+    "pretrained",
+    "save_weights",
+    "torchvision_classification_models",
+]

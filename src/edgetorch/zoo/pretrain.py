@@ -1,0 +1,333 @@
+"""Reproducible pretraining of the zoo models, cached as safetensors plus a JSON record.
+
+Recipe: AdamW with a one-cycle learning-rate schedule, cross-entropy, no augmentation, full
+batches only (the last partial batch of each epoch is dropped), evaluated on the whole test
+split. Model init and batch order come from ``config.seed`` (the caller's global RNG state is
+left untouched). Same seed, torch version and thread count give the same weights on CPU.
+
+Cache layout, under ``cache_dir() / "zoo"``: ``{model}-{dataset}-{key}.safetensors`` and
+``.json``, where ``key`` hashes the whole config, so changing any hyperparameter trains a new
+model rather than reusing a stale one. The JSON (config, test accuracy, train time, torch
+version, SHA-256 of the weights) is written last: a checkpoint without it counts as absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ..data import cache_dir, dataset_info, load_dataset
+from .registry import ZOO_MODELS
+from .weights import CheckpointError, file_sha256, load_weights, save_weights
+
+log = logging.getLogger(__name__)
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Everything that determines a pretrained zoo model.
+
+    Attributes:
+        model: zoo model name (``"cnn"`` or ``"mlp"``).
+        dataset: dataset name accepted by :func:`edgetorch.data.load_dataset`.
+        epochs: passes over the training subset.
+        lr: peak learning rate of the one-cycle schedule.
+        batch_size: samples per step.
+        seed: seeds model init and batch order.
+        train_limit: train on the first ``train_limit`` training samples (``None``: all).
+        image_size: images are resized to this (28 lets digits feed the same models).
+        weight_decay: AdamW decoupled weight decay.
+    """
+
+    model: str = "cnn"
+    dataset: str = "fashion-mnist"
+    epochs: int = 2
+    lr: float = 3e-3
+    batch_size: int = 128
+    seed: int = 0
+    train_limit: int | None = None
+    image_size: int = 28
+    weight_decay: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if self.model not in ZOO_MODELS:
+            raise ValueError(f"unknown zoo model {self.model!r}; accepted: {', '.join(ZOO_MODELS)}")
+        # Canonical dataset name, so "Fashion_MNIST" and "fashion-mnist" share one cache entry.
+        object.__setattr__(self, "dataset", dataset_info(self.dataset).name)
+        for name in ("epochs", "batch_size", "image_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.train_limit is not None and (
+            isinstance(self.train_limit, bool)
+            or not isinstance(self.train_limit, int)
+            or self.train_limit < self.batch_size
+        ):
+            raise ValueError(
+                f"train_limit must be None or an int >= batch_size ({self.batch_size}), "
+                f"got {self.train_limit!r}"
+            )
+        if not (self.lr > 0 and self.weight_decay >= 0):
+            raise ValueError(f"need lr > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
+
+    def key(self) -> str:
+        """Short stable hash of the config, used in cache file names.
+
+        Returns:
+            12 hex characters.
+        """
+        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+# Tuned so each Fashion-MNIST run takes a few minutes on 2 CPU cores; digits takes seconds.
+RECIPES: dict[tuple[str, str], PretrainConfig] = {
+    ("cnn", "fashion-mnist"): PretrainConfig("cnn", "fashion-mnist", epochs=2),
+    ("mlp", "fashion-mnist"): PretrainConfig("mlp", "fashion-mnist", epochs=10),
+    ("cnn", "digits"): PretrainConfig("cnn", "digits", epochs=6, batch_size=64),
+    ("mlp", "digits"): PretrainConfig("mlp", "digits", epochs=20, batch_size=64),
+}
+
+
+def default_config(model: str = "cnn", dataset: str = "fashion-mnist") -> PretrainConfig:
+    """The tuned recipe for a zoo model on a dataset.
+
+    Args:
+        model: zoo model name.
+        dataset: dataset name.
+
+    Returns:
+        The recipe's config.
+
+    Raises:
+        ValueError: no recipe for this pair (the message lists the available ones).
+    """
+    pair = (model, dataset_info(dataset).name)
+    if pair not in RECIPES:
+        available = ", ".join(f"{m}/{d}" for m, d in RECIPES)
+        raise ValueError(f"no pretraining recipe for {model}/{dataset}; available: {available}")
+    return RECIPES[pair]
+
+
+def build_zoo_model(config: PretrainConfig) -> nn.Module:
+    """A freshly initialised zoo model shaped for ``config``'s dataset and image size.
+
+    Args:
+        config: the pretraining config.
+
+    Returns:
+        The untrained model (init from the current global RNG).
+    """
+    num_classes = dataset_info(config.dataset).num_classes
+    if config.model == "mlp":
+        return ZOO_MODELS["mlp"](num_classes=num_classes, image_size=config.image_size)
+    return ZOO_MODELS[config.model](num_classes=num_classes)
+
+
+@torch.no_grad()
+def evaluate_accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 512) -> float:
+    """Top-1 accuracy of ``model`` on ``data`` (eval mode during, previous mode restored).
+
+    Args:
+        model: a classifier returning logits.
+        data: ``TensorDataset`` of images and int labels.
+        batch_size: inference batch size.
+
+    Returns:
+        Fraction of correct predictions in [0, 1].
+    """
+    was_training = model.training
+    model.eval()
+    images, labels = data.tensors
+    correct = sum(
+        int((model(x).argmax(1) == y).sum())
+        for x, y in zip(images.split(batch_size), labels.split(batch_size))
+    )
+    model.train(was_training)
+    return correct / len(labels)
+
+
+def _train(model: nn.Module, data: TensorDataset, config: PretrainConfig) -> float:
+    images, labels = data.tensors
+    steps_per_epoch = len(labels) // config.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"{len(labels)} training samples is less than one batch of {config.batch_size}"
+        )
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=config.lr, total_steps=config.epochs * steps_per_epoch
+    )
+    order = torch.Generator().manual_seed(config.seed)
+    model.train()
+    loss_sum = 0.0
+    for epoch in range(config.epochs):
+        perm = torch.randperm(len(labels), generator=order)
+        loss_sum = 0.0
+        for step in range(steps_per_epoch):
+            idx = perm[step * config.batch_size : (step + 1) * config.batch_size]
+            loss = F.cross_entropy(model(images[idx]), labels[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            loss_sum += loss.item()
+        log.info("%s/%s epoch %d/%d: train loss %.4f", config.model, config.dataset,
+                 epoch + 1, config.epochs, loss_sum / steps_per_epoch)  # fmt: skip
+    return loss_sum / steps_per_epoch
+
+
+def checkpoint_paths(config: PretrainConfig, cache: str | Path | None = None) -> tuple[Path, Path]:
+    """Where ``config``'s checkpoint lives.
+
+    Args:
+        config: the pretraining config.
+        cache: cache root; ``None`` means :func:`edgetorch.data.cache_dir`.
+
+    Returns:
+        ``(weights_path, metadata_path)`` (``.safetensors`` and ``.json``).
+    """
+    root = Path(cache) if cache is not None else cache_dir()
+    stem = root / "zoo" / f"{config.model}-{config.dataset}-{config.key()}"
+    return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+
+
+def pretrain(
+    config: PretrainConfig, cache: str | Path | None = None, data_root: str | Path | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Train a zoo model per ``config``, evaluate it, and write it to the cache (overwriting).
+
+    Args:
+        config: the recipe.
+        cache: cache root; ``None`` means :func:`edgetorch.data.cache_dir`.
+        data_root: Fashion-MNIST location (see :func:`edgetorch.data.load_dataset`).
+
+    Returns:
+        ``(model, metadata)``: the trained model in eval mode and the record written as JSON.
+
+    Raises:
+        ValueError: ``data_root`` given for digits, or the training subset is smaller than a batch.
+        DatasetNotFoundError: Fashion-MNIST files not found.
+    """
+    train = load_dataset(
+        config.dataset, "train", root=data_root, size=config.image_size, limit=config.train_limit
+    )
+    test = load_dataset(config.dataset, "test", root=data_root, size=config.image_size)
+    # fork_rng restores the caller's global RNG afterwards; the seed fixes the model init.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = build_zoo_model(config)
+        start = time.perf_counter()
+        final_loss = _train(model, train, config)
+        seconds = time.perf_counter() - start
+    accuracy = evaluate_accuracy(model, test)
+    model.eval()
+    weights_path, meta_path = checkpoint_paths(config, cache)
+    metadata = {
+        "format": _FORMAT_VERSION,
+        "config": dataclasses.asdict(config),
+        "test_accuracy": accuracy,
+        "test_samples": len(test),
+        "train_samples": len(train),
+        "final_train_loss": final_loss,
+        "train_seconds": round(seconds, 2),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "sha256": save_weights(model, weights_path),
+    }
+    tmp = meta_path.with_name(f".{meta_path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(metadata, indent=2) + "\n")
+    os.replace(tmp, meta_path)
+    log.info("%s/%s: test accuracy %.4f after %.1f s", config.model, config.dataset, accuracy, seconds)
+    return model, metadata
+
+
+def load_pretrained(
+    config: PretrainConfig, cache: str | Path | None = None
+) -> tuple[nn.Module, dict[str, Any]] | None:
+    """Load ``config``'s cached checkpoint, verifying it.
+
+    Args:
+        config: the pretraining config.
+        cache: cache root; ``None`` means :func:`edgetorch.data.cache_dir`.
+
+    Returns:
+        ``(model, metadata)`` with the model in eval mode, or ``None`` when no complete
+        checkpoint (weights and JSON) is cached.
+
+    Raises:
+        CheckpointError: the cached files are corrupted, or belong to another config or model.
+    """
+    weights_path, meta_path = checkpoint_paths(config, cache)
+    if not (weights_path.is_file() and meta_path.is_file()):
+        return None
+    try:
+        metadata = json.loads(meta_path.read_text())
+        recorded_config, recorded_sha = metadata["config"], metadata["sha256"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({exc})") from exc
+    if recorded_config != dataclasses.asdict(config):
+        raise CheckpointError(f"{meta_path}: records config {recorded_config}, expected {config}")
+    if file_sha256(weights_path) != recorded_sha:
+        raise CheckpointError(
+            f"{weights_path}: SHA-256 differs from the one recorded in {meta_path.name} "
+            "(file corrupted or replaced); delete both files or pass retrain=True"
+        )
+    model = load_weights(build_zoo_model(config), weights_path)
+    return model.eval(), metadata
+
+
+def pretrained(
+    name: str = "cnn",
+    dataset: str = "fashion-mnist",
+    config: PretrainConfig | None = None,
+    cache: str | Path | None = None,
+    data_root: str | Path | None = None,
+    retrain: bool = False,
+) -> nn.Module:
+    """A pretrained zoo model, from the cache or trained now (then cached).
+
+    Args:
+        name: zoo model name (``"cnn"`` or ``"mlp"``).
+        dataset: ``"fashion-mnist"`` or ``"digits"``.
+        config: a custom recipe for the same model and dataset; ``None`` uses
+            :func:`default_config`.
+        cache: cache root; ``None`` means ``$EDGETORCH_CACHE`` or ``~/.cache/edgetorch``.
+        data_root: Fashion-MNIST location, used only when training.
+        retrain: train even when a cached checkpoint exists (and overwrite it).
+
+    Returns:
+        The model in eval mode.
+
+    Raises:
+        ValueError: no recipe for ``name``/``dataset``, or ``config`` is for another pair.
+        CheckpointError: a cached checkpoint exists but fails verification.
+    """
+    if config is None:
+        config = default_config(name, dataset)
+    elif (config.model, config.dataset) != (name, dataset_info(dataset).name):
+        raise ValueError(
+            f"config is for {config.model}/{config.dataset} but {name}/{dataset} was requested"
+        )
+    if not retrain:
+        cached = load_pretrained(config, cache)
+        if cached is not None:
+            return cached[0]
+    return pretrain(config, cache, data_root)[0]

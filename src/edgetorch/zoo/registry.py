@@ -1,0 +1,130 @@
+"""Resolve a model spec string to a freshly built ``nn.Module``.
+
+Accepted specs:
+
+* ``zoo:NAME`` -- an edgetorch zoo model (``zoo:cnn``, ``zoo:mlp``);
+* ``torchvision:NAME`` -- any torchvision classification model builder, randomly initialised
+  (``weights=None``: no download is ever attempted; pass ``weights=PATH`` for a local file);
+* ``package.module:factory`` -- import ``package.module`` and call ``factory`` (a dotted
+  attribute path such as ``Class.build`` is allowed). The prefixes ``zoo`` and
+  ``torchvision`` always mean the two cases above.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .models import MLP, SmallResNet
+from .weights import load_weights
+
+ZOO_MODELS: dict[str, type[nn.Module]] = {"cnn": SmallResNet, "mlp": MLP}
+_FORMS = "'zoo:NAME', 'torchvision:NAME' or 'package.module:factory'"
+
+
+def torchvision_classification_models() -> list[str]:
+    """Names accepted after ``torchvision:``.
+
+    Returns:
+        Sorted classification model names of the installed torchvision.
+    """
+    import torchvision
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def _build_zoo(name: str, num_classes: int | None, kw: dict[str, Any]) -> nn.Module:
+    if name not in ZOO_MODELS:
+        raise ValueError(f"unknown zoo model {name!r}; accepted: {', '.join(ZOO_MODELS)}")
+    cls = ZOO_MODELS[name]
+    if num_classes is not None:
+        kw = {**kw, "num_classes": num_classes}
+    try:
+        inspect.signature(cls).bind(**kw)
+    except TypeError as exc:
+        accepted = ", ".join(inspect.signature(cls).parameters)
+        raise ValueError(f"zoo:{name} got bad arguments ({exc}); accepted: {accepted}") from exc
+    return cls(**kw)
+
+
+def _build_torchvision(name: str, num_classes: int | None, kw: dict[str, Any]) -> nn.Module:
+    import torchvision
+
+    names = torchvision_classification_models()
+    if name not in names:
+        raise ValueError(
+            f"unknown torchvision classification model {name!r}; accepted: {', '.join(names)}"
+        )
+    if "weights" in kw:
+        raise ValueError(
+            "torchvision models are built with weights=None; pass a local file as "
+            "build_model(..., weights=PATH) instead"
+        )
+    if num_classes is not None:
+        kw = {**kw, "num_classes": num_classes}
+    return torchvision.models.get_model(name, weights=None, **kw)
+
+
+def _resolve_factory(spec: str, module_name: str, attr_path: str) -> Callable[..., Any]:
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"model spec {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"model spec {spec!r}: {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"model spec {spec!r}: {attr_path!r} is not callable")
+    return obj
+
+
+def build_model(
+    spec: str,
+    num_classes: int | None = None,
+    weights: str | Path | None = None,
+    **kw: Any,
+) -> nn.Module:
+    """Build a model from a spec string (see the module docstring for the accepted forms).
+
+    Args:
+        spec: ``zoo:NAME``, ``torchvision:NAME`` or ``package.module:factory``.
+        num_classes: passed to the builder as ``num_classes=`` when given; ``None`` keeps the
+            builder's default.
+        weights: optional local weight file (safetensors, or a state dict read with
+            ``torch.load(weights_only=True)``), loaded with a strict key/shape check.
+        **kw: further keyword arguments for the builder (e.g. ``widths=`` for ``zoo:cnn``).
+
+    Returns:
+        The built model (training mode, as builders return it).
+
+    Raises:
+        ValueError: malformed spec, unknown name (the message lists accepted ones), unimportable
+            module, bad builder arguments for a zoo model.
+        TypeError: a factory returned something that is not an ``nn.Module``.
+        CheckpointError: ``weights`` does not fit the model.
+    """
+    prefix, sep, name = spec.partition(":")
+    if not sep or not prefix or not name:
+        raise ValueError(f"malformed model spec {spec!r}; accepted forms: {_FORMS}")
+    if prefix == "zoo":
+        model = _build_zoo(name, num_classes, kw)
+    elif prefix == "torchvision":
+        model = _build_torchvision(name, num_classes, kw)
+    else:
+        factory = _resolve_factory(spec, prefix, name)
+        if num_classes is not None:
+            kw = {**kw, "num_classes": num_classes}
+        model = factory(**kw)
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model spec {spec!r}: factory returned {type(model).__name__}, expected nn.Module"
+            )
+    if weights is not None:
+        load_weights(model, weights)
+    return model

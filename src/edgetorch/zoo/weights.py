@@ -1,0 +1,133 @@
+"""Safe model weight files: safetensors, or PyTorch files loaded with ``weights_only=True``.
+
+Nothing here unpickles arbitrary objects. Loading is strict: every key the model expects must
+be present with the same shape, and no extra keys are accepted; the error names the offending
+keys rather than leaving a model half loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+SAFETENSORS_SUFFIX = ".safetensors"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+_SHOWN = 5  # how many offending keys an error lists
+
+
+class CheckpointError(ValueError):
+    """A weight file is unreadable, corrupted, or does not match the model it is loaded into."""
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes (streamed, so large files are not read into memory).
+
+    Args:
+        path: file to hash.
+
+    Returns:
+        The 64-character lowercase hex digest.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_weights(model: nn.Module, path: str | Path) -> str:
+    """Write ``model.state_dict()`` as safetensors, atomically (temp file, then rename).
+
+    Args:
+        model: the model to save (tensors are copied to CPU, contiguous).
+        path: destination, normally ending in ``.safetensors``.
+
+    Returns:
+        The SHA-256 of the written file, for integrity checks on reload.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    # A unique temp name per process so concurrent writers never interleave bytes.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(state, str(tmp))
+    digest = file_sha256(tmp)
+    os.replace(tmp, path)
+    return digest
+
+
+def _read_state(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == SAFETENSORS_SUFFIX:
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+    if path.suffix in TORCH_SUFFIXES:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch.load raises many types (UnpicklingError, RuntimeError, ...)
+            raise CheckpointError(
+                f"{path}: not loadable with torch.load(weights_only=True) ({exc})"
+            ) from exc
+        if not isinstance(state, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise CheckpointError(f"{path}: expected a state dict (str -> tensor mapping)")
+        return dict(state)
+    accepted = ", ".join((SAFETENSORS_SUFFIX, *TORCH_SUFFIXES))
+    raise CheckpointError(f"{path}: unknown weight file suffix {path.suffix!r}; accepted: {accepted}")
+
+
+def _listed(keys: list[str]) -> str:
+    more = f" (+{len(keys) - _SHOWN} more)" if len(keys) > _SHOWN else ""
+    return ", ".join(keys[:_SHOWN]) + more
+
+
+def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load a weight file into ``model`` with a strict key and shape check.
+
+    Args:
+        model: the model to fill (modified in place).
+        path: a ``.safetensors`` file, or a ``.pt``/``.pth``/``.bin`` state dict (read with
+            ``torch.load(weights_only=True)``).
+
+    Returns:
+        ``model``, for chaining.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: unreadable file, or missing / unexpected keys or shape mismatches
+            (the message names them).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weight file {path} does not exist")
+    state = _read_state(path)
+    expected = model.state_dict()
+    problems = []
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [
+        f"{k} (file {list(state[k].shape)}, model {list(v.shape)})"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if missing:
+        problems.append("missing keys: " + _listed(missing))
+    if unexpected:
+        problems.append("unexpected keys: " + _listed(unexpected))
+    if mismatched:
+        problems.append("shape mismatch: " + _listed(mismatched))
+    if problems:
+        raise CheckpointError(
+            f"{path} does not match {type(model).__name__}: " + "; ".join(problems)
+        )
+    model.load_state_dict(state, strict=True)
+    return model
