@@ -1,0 +1,183 @@
+"""One training step per policy, each in a fresh process: ledger bytes and measured memory side by side.
+
+Run as ``python -m edgetorch.activations.profile`` with a JSON request on stdin (what
+:func:`profile_policies` does for each policy); it prints one JSON result line.
+
+Measured numbers: a warm-up step first (so gradients, optimizer state, kernel compilation and
+allocator pools exist, as in a real training loop), then the peak-RSS counter is reset and one
+more step is measured. ``peak_memory_bytes`` is that step's process peak RSS (CPU) or the CUDA
+allocator's peak; ``step_peak_increase_bytes`` subtracts the resident memory before the step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..measure import SavedTensorLedger, model_memory, run_fresh
+from ..measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes, uss_bytes
+from .engine import compress_activations
+from .policies import parse_policy
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """What to profile: a model spec, an input size, one policy spec, a device."""
+
+    model: str
+    batch: int
+    resolution: int
+    policy: str = "dense"
+    channels: int | None = None  # None: the first conv's in_channels, else 1
+    num_classes: int = 10
+    device: str = "cpu"
+    seed: int = 0
+
+
+def profile_policies(
+    model: str,
+    batch: int,
+    resolution: int,
+    policies: list[str],
+    *,
+    channels: int | None = None,
+    num_classes: int = 10,
+    device: str = "cpu",
+    on_result: Callable[[dict], None] | None = None,
+) -> dict:
+    """Profile one training step of ``model`` under each policy, each in a fresh process.
+
+    Args:
+        model: ``torchvision:NAME``, ``zoo:NAME`` or ``pkg.module:factory``.
+        batch: batch size; resolution: input height = width.
+        policies: policy specs, e.g. ``["dense", "bitmap", "bitmap:threshold=0.01"]``.
+        channels: input channels (None: inferred from the model's first convolution).
+        num_classes: classifier outputs for builders that take it.
+        device: ``cpu`` or ``cuda``.
+        on_result: called with each policy's result as it arrives (progress display).
+
+    Returns:
+        ``{"model", "batch", "resolution", "device", "machine", "results": [...]}``, one result
+        per policy with ``activation_bytes`` (ledger, stored), ``dense_activation_bytes``
+        (ledger, plain PyTorch) and ``peak_memory_bytes`` (measured), among others.
+    """
+    if batch < 1 or resolution < 1:
+        raise ValueError(f"batch and resolution must be >= 1, got batch={batch}, resolution={resolution}")
+    for spec in policies:
+        parse_policy(spec)  # fail before starting any worker
+    results = []
+    for spec in policies:
+        request = ProfileRequest(model, batch, resolution, spec, channels, num_classes, device)
+        result = run_fresh("edgetorch.activations.profile", asdict(request))
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return {
+        "model": model,
+        "batch": batch,
+        "resolution": resolution,
+        "device": device,
+        "machine": machine_description(),
+        "results": results,
+    }
+
+
+def profile_one(request: ProfileRequest) -> dict:
+    """Run the warm-up and the measured step in this process (call it in a fresh one)."""
+    from ..zoo import build_model
+
+    torch.manual_seed(request.seed)
+    device = torch.device(request.device)
+    policy = parse_policy(request.policy)
+    model = build_model(request.model, num_classes=request.num_classes).to(device).train()
+    channels = request.channels or _input_channels(model)
+    x = torch.randn(request.batch, channels, request.resolution, request.resolution, device=device)
+    y = torch.randint(0, request.num_classes, (request.batch,), device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def train_step(ledger: SavedTensorLedger | None) -> dict:
+        with compress_activations(model, policy, ledger=ledger):
+            loss = F.cross_entropy(model(x), y)
+        measured = {"rss_after_forward_bytes": rss_bytes(), "uss_after_forward_bytes": uss_bytes()}
+        loss.backward()
+        optimizer.step()
+        measured.update(model_memory(model, optimizer))
+        # Gradients are freed between steps, so the resident memory measured before the next
+        # step holds parameters and optimizer state only; the step's increase then covers
+        # saved activations plus gradients as backward creates them.
+        optimizer.zero_grad(set_to_none=True)
+        return measured
+
+    train_step(None)
+    _sync(device)
+    ledger = SavedTensorLedger()
+    before = rss_bytes()
+    reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    measured = train_step(ledger)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    total = ledger.total()
+    return {
+        "policy": policy.spec(),
+        "activation_bytes": total.stored_bytes,
+        "dense_activation_bytes": total.dense_bytes,
+        "peak_live_activation_bytes": ledger.peak_live_bytes,
+        "sparsity": total.sparsity,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
+        "rss_before_step_bytes": before,
+        "step_peak_increase_bytes": peak - before if device.type == "cpu" else None,
+        **measured,
+        "step_seconds": seconds,
+        "by_op": {k: v.to_dict() for k, v in ledger.by_op().items()},
+        "by_module_type": {k: v.to_dict() for k, v in ledger.by_module_type().items()},
+    }
+
+
+def machine_description() -> dict:
+    """Cores, memory, CPU model and library versions, recorded next to every measurement."""
+    import os
+    import platform
+
+    import psutil
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def _input_channels(model: nn.Module) -> int:
+    first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return first_conv.in_channels if first_conv is not None else 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    request = ProfileRequest(**json.loads(sys.stdin.read()))
+    print(json.dumps(profile_one(request)))
