@@ -11,7 +11,7 @@ from rich.table import Table
 
 app = typer.Typer(help="edgetorch: memory-efficient training and deployment on edge devices.",
                   no_args_is_help=True, add_completion=False)
-console = Console()
+console = Console(width=130)
 
 
 @app.callback()
@@ -64,14 +64,17 @@ def profile(
                                   num_classes=num_classes, device=device, on_result=progress)
 
     table = Table(title=f"{model}  batch {batch}  {resolution}px  ({device})")
-    for col in ("policy", "saved act. MiB\n(ledger)", "dense act. MiB\n(ledger)", "vs dense",
-                "sparsity", "peak MiB\n(measured)", "step increase MiB\n(measured)", "step s"):
+    table.add_column("policy", no_wrap=True)
+    for col in ("saved act. MiB\n(ledger)", "dense act. MiB\n(ledger)", "vs dense", "sparsity",
+                "forward incr. MiB\n(measured)", "step incr. MiB\n(measured)",
+                "peak MiB\n(measured)", "step s"):
         table.add_column(col, justify="right")
     for r in result["results"]:
         table.add_row(r["policy"], _mib(r["activation_bytes"]), _mib(r["dense_activation_bytes"]),
                       f"{r['activation_bytes'] / max(r['dense_activation_bytes'], 1):.3f}",
-                      f"{r['sparsity']:.1%}", _mib(r["peak_memory_bytes"]),
-                      _mib(r["step_peak_increase_bytes"]), f"{r['step_seconds']:.2f}")
+                      f"{r['sparsity']:.1%}", _mib(r["forward_increase_bytes"]),
+                      _mib(r["step_peak_increase_bytes"]), _mib(r["peak_memory_bytes"]),
+                      f"{r['step_seconds']:.2f}")
     console.print(table)
     console.print("ledger = exact tensor bytes autograd holds; measured = the process peak "
                   f"({result['results'][0]['peak_memory_kind']}); they are different quantities.")

@@ -138,6 +138,9 @@ def profile_one(request: ProfileRequest) -> dict:
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
         "rss_before_step_bytes": before,
         "step_peak_increase_bytes": peak - before if device.type == "cpu" else None,
+        # Resident memory added by the forward and still held when it ends: the measured
+        # counterpart of the ledger's saved bytes (plus the logits and allocator slack).
+        "forward_increase_bytes": measured["rss_after_forward_bytes"] - before,
         **measured,
         "step_seconds": seconds,
         "by_op": {k: v.to_dict() for k, v in ledger.by_op().items()},
