@@ -1,0 +1,244 @@
+"""Bitmap codec throughput on CPU, as ratios to ``t.clone()`` of the same fp32 tensor.
+
+For 1M, 10M and 100M fp32 elements at 0/25/50/75/100 % zeros, times (median of several
+repeats, all variants interleaved in each repeat so that load on the machine hits them alike):
+
+- ``clone``: ``t.clone()``, the reference (a fresh buffer plus a copy at memory speed);
+- ``pack`` / ``unpack``: the native numba kernel (``pack_bitmap`` / ``BitmapTensor.unpack``);
+- ``pack_4k`` / ``unpack_4k``: the same kernel without its transparent-huge-page advice on
+  large output buffers, i.e. paying one page fault per 4 KiB like ``clone`` does;
+- ``torch_pack`` / ``torch_unpack``: the device-generic torch-ops path on CPU.
+
+Ratio = clone time / codec time: above 1 the codec is faster than copying the tensor.
+
+Every variant allocates its result, so the allocator's state is part of what is timed. Each of
+two regimes runs in its own fresh process: ``default`` (glibc as configured: below 32 MiB a
+freed block is often reused with its pages already mapped, so a small ``clone`` is a warm
+memcpy) and ``fresh-pages`` (``HONEST_MALLOC_ENV``, as edgetorch's memory workers run: every
+large block is a new mapping whose pages fault in on first write, for the codec and clone alike).
+
+Writes docs/results/codec_throughput.{json,md} and prints the table.
+
+Usage: ``python bench/codec_throughput.py [--quick]`` (``--quick``: 1M and 10M only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numba
+import numpy as np
+import psutil
+import torch
+
+from edgetorch.codecs import _cpu_kernels, pack_bitmap
+from edgetorch.codecs.bitmap import pack_torch, unpack_torch
+from edgetorch.measure.process import HONEST_MALLOC_ENV
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+SIZES = {1_000_000: 15, 10_000_000: 7, 100_000_000: 3}  # elements -> repeats
+ZERO_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+TORCH_PATH_MAX_REPEATS = 3  # ~7x slower than clone; a few repeats bound the runtime
+REGIMES = {"default": {}, "fresh-pages": HONEST_MALLOC_ENV}
+RATIO_COLUMNS = ("pack", "unpack", "pack_4k", "unpack_4k", "torch_pack", "torch_unpack")
+
+
+def machine() -> dict:
+    """The machine and software a result was measured on.
+
+    Returns:
+        CPU model, logical and physical cores, total memory, load average, library versions
+        and the UTC date.
+    """
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": model,
+        "logical_cores": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "load_average_1m": _load_average(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numba": numba.__version__,
+        "numpy": np.__version__,
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _load_average() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def _sparse(n: int, zero_fraction: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n, generator=g)
+    t[torch.rand(n, generator=g) < zero_fraction] = 0.0
+    return t
+
+
+def _time(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _without_hugepages(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        saved = _cpu_kernels._HUGEPAGE_MIN_BYTES
+        _cpu_kernels._HUGEPAGE_MIN_BYTES = math.inf
+        try:
+            return fn()
+        finally:
+            _cpu_kernels._HUGEPAGE_MIN_BYTES = saved
+    return run
+
+
+def measure(n: int, zero_fraction: float, repeats: int, seed: int = 0) -> dict:
+    """Median seconds of every variant for one tensor size and zero fraction.
+
+    Args:
+        n: number of fp32 elements.
+        zero_fraction: probability of each element being zero.
+        repeats: repeats per variant (the torch path runs at most ``TORCH_PATH_MAX_REPEATS``).
+        seed: seed of the tensor's content.
+
+    Returns:
+        The cell: size, measured zero fraction, median and minimum seconds per variant, and
+        ratios of the medians to clone's.
+    """
+    t = _sparse(n, zero_fraction, seed)
+    bits = t.view(torch.int32)
+    packed = pack_bitmap(t)
+    assert torch.equal(packed.unpack(), t)
+    ref_bitmap, ref_values = pack_torch(bits, 0)
+    variants = {
+        "clone": t.clone,
+        "pack": lambda: pack_bitmap(t),
+        "unpack": packed.unpack,
+        "pack_4k": _without_hugepages(lambda: pack_bitmap(t)),
+        "unpack_4k": _without_hugepages(packed.unpack),
+        "torch_pack": lambda: pack_torch(bits, 0),
+        "torch_unpack": lambda: unpack_torch(ref_bitmap, ref_values, n),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(repeats):
+        for name, fn in variants.items():
+            if name.startswith("torch_") and r >= TORCH_PATH_MAX_REPEATS:
+                continue
+            times[name].append(_time(fn))
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return {
+        "elements": n,
+        "zero_fraction": round(1 - packed.nnz / n, 4),
+        "repeats": repeats,
+        "seconds": median,
+        "min_seconds": {name: min(ts) for name, ts in times.items()},
+        "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"},
+    }
+
+
+def markdown(results: dict[str, list[dict]], info: dict) -> str:
+    """The results as markdown tables, one per allocator regime, with the machine stated."""
+    lines = [
+        "# Bitmap codec throughput (CPU, fp32)",
+        "",
+        f"Machine: {info['cpu']}, {info['logical_cores']} logical cores, {info['memory_gib']} GiB; "
+        f"torch {info['torch']} ({info['torch_threads']} threads), numba {info['numba']}, "
+        f"numpy {info['numpy']}, Python {info['python']}; 1-min load average "
+        f"{info['load_average_1m']} at start, {info['load_average_1m_end']} at end "
+        f"(shared machine); {info['date_utc']}.",
+        "",
+        "Ratio = `t.clone()` time / codec time, medians measured in the same process (higher is "
+        "faster; 1.00 = as fast as copying the tensor). `4k`: without the kernel's huge-page "
+        "advice on output buffers of 32 MiB and more. `torch`: the torch-ops path (GPU path) "
+        "on CPU. "
+        "*default*: glibc as configured, where blocks under 32 MiB are often reused with their "
+        "pages mapped (a warm memcpy for `clone`); *fresh-pages*: glibc's mmap threshold pinned "
+        f"at {int(HONEST_MALLOC_ENV['MALLOC_MMAP_THRESHOLD_']) // 1024} KiB, so every large result "
+        "faults its pages in, for `clone` and the codec alike.",
+    ]
+    for regime, rows in results.items():
+        lines += [
+            "",
+            f"## {regime}",
+            "",
+            "| elements | zeros | clone ms | pack ms | unpack ms | pack | unpack | pack 4k "
+            "| unpack 4k | torch pack | torch unpack |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in rows:
+            t, r = row["seconds"], row["ratio_to_clone"]
+            ms = [f"{1e3 * t[k]:.2f}" for k in ("clone", "pack", "unpack")]
+            ratios = [f"{r[k]:.2f}x" for k in RATIO_COLUMNS]
+            cells = [f"{row['elements']:,}", f"{100 * row['zero_fraction']:.0f}%", *ms, *ratios]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_regime(sizes: dict[int, int]) -> list[dict]:
+    """Measure every cell in this process (whose allocator settings define the regime).
+
+    Args:
+        sizes: elements -> repeats.
+
+    Returns:
+        One row per size and zero fraction, as :func:`measure` returns it.
+    """
+    pack_bitmap(torch.ones(16))  # load the compiled kernels before timing
+    rows = []
+    for n, repeats in sizes.items():
+        for zf in ZERO_FRACTIONS:
+            rows.append(measure(n, zf, repeats))
+            r = rows[-1]["ratio_to_clone"]
+            print(f"{n:>11,} zeros {zf:4.0%}: pack {r['pack']:.2f}x unpack {r['unpack']:.2f}x",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    """Run both regimes in fresh processes, write JSON and markdown under docs/results, print."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1M and 10M elements only")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sizes = {n: r for n, r in SIZES.items() if not (args.quick and n > 10_000_000)}
+    if args.worker:
+        print(json.dumps(run_regime(sizes)))
+        return
+    info = machine()
+    results = {}
+    for regime, env in REGIMES.items():
+        print(f"regime {regime}", file=sys.stderr, flush=True)
+        cmd = [sys.executable, __file__, "--worker"] + (["--quick"] if args.quick else [])
+        env = {**os.environ, **env}
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
+        results[regime] = json.loads(proc.stdout.splitlines()[-1])
+    info["load_average_1m_end"] = _load_average()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    record = {"machine": info, "results": results}
+    (RESULTS / "codec_throughput.json").write_text(json.dumps(record, indent=2))
+    table = markdown(results, info)
+    (RESULTS / "codec_throughput.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
