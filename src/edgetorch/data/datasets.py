@@ -78,7 +78,8 @@ def load_dataset(
         limit: keep only the first ``limit`` samples of the split (in file order).
 
     Returns:
-        A ``TensorDataset`` of ``float32`` images ``[N, 1, H, W]`` in [0, 1] and ``int64`` labels ``[N]``.
+        A ``TensorDataset`` of ``float32`` images ``[N, 1, H, W]`` in [0, 1] and ``int64``
+        labels ``[N]``.
 
     Raises:
         ValueError: unknown name or split, a non-positive ``size`` or ``limit``, a ``limit``
@@ -87,7 +88,8 @@ def load_dataset(
     """
     info = dataset_info(name)
     for arg, value in (("size", size), ("limit", limit)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        bad_type = isinstance(value, bool) or not isinstance(value, int)
+        if value is not None and (bad_type or value < 1):
             raise ValueError(f"{arg} must be a positive int or None, got {value!r}")
 
     if info.name == "digits":

@@ -88,7 +88,8 @@ def locate_fashion_mnist(root: str | Path | None = None, download: bool = False)
         target = root if root is not None else cache_dir() / "datasets"
         try:
             _download(target)
-        except (OSError, RuntimeError) as exc:  # urllib errors are OSErrors; torchvision wraps others
+        # urllib errors are OSErrors; torchvision raises RuntimeError when every mirror failed.
+        except (OSError, RuntimeError) as exc:
             tried.append(f"download into {target} failed: {exc}")
         else:
             raw = target / "FashionMNIST" / "raw"
@@ -144,6 +145,7 @@ def load_fashion_mnist(
         )
     if len(labels) and labels.max() >= len(CLASS_NAMES):
         raise ValueError(
-            f"{label_path}: label {int(labels.max())} out of range; accepted 0..{len(CLASS_NAMES) - 1}"
+            f"{label_path}: label {int(labels.max())} out of range; "
+            f"accepted 0..{len(CLASS_NAMES) - 1}"
         )
     return images, labels.astype(np.int64)

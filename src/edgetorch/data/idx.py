@@ -41,7 +41,7 @@ def read_idx(path: str | Path) -> np.ndarray:
         A writable array in native byte order with the shape stored in the header.
 
     Raises:
-        IDXFormatError: the file is not a well-formed IDX file (the message says which check failed).
+        IDXFormatError: the file is not well-formed IDX (the message says which check failed).
         FileNotFoundError: ``path`` does not exist.
     """
     path = Path(path)

@@ -53,11 +53,12 @@ class BasicBlock(nn.Module):
 
 
 class SmallResNet(nn.Module):
-    """ResNet-style CNN for small grey images (default about 0.17M parameters, ~21M MACs at 28x28).
+    """ResNet-style CNN for small grey images (default about 0.31M parameters, ~10M MACs at 28x28).
 
-    Layout: stem (conv3x3-BN-ReLU at ``widths[0]``), then one stage per width; every stage but
-    the first starts with a stride-2 block. 28x28 input gives 28 -> 14 -> 7 spatial size with
-    the default three stages. Any input size works (global average pooling).
+    Layout: stem (conv3x3-BN-ReLU at ``widths[0]``, full resolution), then one stage per width,
+    each starting with a stride-2 block: 28x28 input gives 28 -> 14 -> 7 -> 4 with the default
+    three stages. Downsampling in every stage keeps CPU training of the Fashion-MNIST recipe to
+    minutes. Any input size works (global average pooling).
 
     Args:
         num_classes: outputs of the linear head.
@@ -70,7 +71,7 @@ class SmallResNet(nn.Module):
         self,
         num_classes: int = 10,
         in_channels: int = 1,
-        widths: Sequence[int] = (24, 48, 96),
+        widths: Sequence[int] = (32, 64, 128),
         blocks_per_stage: int | Sequence[int] = 1,
     ) -> None:
         super().__init__()
@@ -92,10 +93,9 @@ class SmallResNet(nn.Module):
             )
         ]
         channels = widths[0]
-        for stage, (width, count) in enumerate(zip(widths, blocks)):
+        for width, count in zip(widths, blocks):
             for i in range(count):
-                stride = 2 if stage > 0 and i == 0 else 1
-                layers.append(BasicBlock(channels, width, stride))
+                layers.append(BasicBlock(channels, width, stride=2 if i == 0 else 1))
                 channels = width
         self.features = nn.Sequential(*layers)
         self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
@@ -123,7 +123,9 @@ class MLP(nn.Sequential):
         hidden: Sequence[int] = (256, 128),
     ) -> None:
         hidden = _positive_ints("hidden", hidden)
-        _positive_ints("num_classes, in_channels and image_size", (num_classes, in_channels, image_size))
+        _positive_ints(
+            "num_classes, in_channels and image_size", (num_classes, in_channels, image_size)
+        )
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_channels * image_size * image_size
         for h in hidden:

@@ -60,11 +60,6 @@ def _build_torchvision(name: str, num_classes: int | None, kw: dict[str, Any]) -
         raise ValueError(
             f"unknown torchvision classification model {name!r}; accepted: {', '.join(names)}"
         )
-    if "weights" in kw:
-        raise ValueError(
-            "torchvision models are built with weights=None; pass a local file as "
-            "build_model(..., weights=PATH) instead"
-        )
     if num_classes is not None:
         kw = {**kw, "num_classes": num_classes}
     return torchvision.models.get_model(name, weights=None, **kw)
@@ -74,7 +69,9 @@ def _resolve_factory(spec: str, module_name: str, attr_path: str) -> Callable[..
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"model spec {spec!r}: cannot import module {module_name!r} ({exc})") from exc
+        raise ValueError(
+            f"model spec {spec!r}: cannot import module {module_name!r} ({exc})"
+        ) from exc
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"model spec {spec!r}: {module_name!r} has no attribute {attr_path!r}")

@@ -72,7 +72,8 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix in TORCH_SUFFIXES:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch.load raises many types (UnpicklingError, RuntimeError, ...)
+        # torch.load raises many types here (UnpicklingError, RuntimeError, EOFError, ...).
+        except Exception as exc:
             raise CheckpointError(
                 f"{path}: not loadable with torch.load(weights_only=True) ({exc})"
             ) from exc
@@ -82,7 +83,9 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path}: expected a state dict (str -> tensor mapping)")
         return dict(state)
     accepted = ", ".join((SAFETENSORS_SUFFIX, *TORCH_SUFFIXES))
-    raise CheckpointError(f"{path}: unknown weight file suffix {path.suffix!r}; accepted: {accepted}")
+    raise CheckpointError(
+        f"{path}: unknown weight file suffix {path.suffix!r}; accepted: {accepted}"
+    )
 
 
 def _listed(keys: list[str]) -> str:
@@ -108,7 +111,10 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"weight file {path} does not exist")
+        raise FileNotFoundError(
+            f"weight file {path} does not exist (a local .safetensors/.pt/.pth/.bin path is "
+            "expected; named pretrained weights are never downloaded)"
+        )
     state = _read_state(path)
     expected = model.state_dict()
     problems = []
