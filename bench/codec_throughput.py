@@ -1,13 +1,15 @@
 """Bitmap codec throughput on CPU, as ratios to ``t.clone()`` of the same fp32 tensor.
 
 For 1M, 10M and 100M fp32 elements at 0/25/50/75/100 % zeros, times (median of several
-repeats, all variants interleaved in each repeat so that load on the machine hits them alike):
+repeats; clone and the codec interleaved in each repeat, so that load on the machine hits them
+alike, and the torch path in a round of its own after them):
 
 - ``clone``: ``t.clone()``, the reference (a fresh buffer plus a copy at memory speed);
 - ``pack`` / ``unpack``: the native numba kernel (``pack_bitmap`` / ``BitmapTensor.unpack``);
 - ``pack_4k`` / ``unpack_4k``: the same kernel without its transparent-huge-page advice on
   large output buffers, i.e. paying one page fault per 4 KiB like ``clone`` does;
-- ``torch_pack`` / ``torch_unpack``: the device-generic torch-ops path on CPU.
+- ``torch_pack`` / ``torch_unpack``: the device-generic torch-ops path on CPU (up to 10M
+  elements: it is several times slower than clone, which at 100M would double the runtime).
 
 Ratio = clone time / codec time: above 1 the codec is faster than copying the tensor.
 
@@ -47,9 +49,10 @@ from edgetorch.codecs.bitmap import pack_torch, unpack_torch
 from edgetorch.measure.process import HONEST_MALLOC_ENV
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
-SIZES = {1_000_000: 15, 10_000_000: 7, 100_000_000: 3}  # elements -> repeats
+SIZES = {1_000_000: 21, 10_000_000: 11, 100_000_000: 5}  # elements -> repeats
 ZERO_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
-TORCH_PATH_MAX_REPEATS = 3  # ~7x slower than clone; a few repeats bound the runtime
+TORCH_PATH_MAX_REPEATS = 5
+TORCH_PATH_MAX_ELEMENTS = 10_000_000
 REGIMES = {"default": {}, "fresh-pages": HONEST_MALLOC_ENV}
 RATIO_COLUMNS = ("pack", "unpack", "pack_4k", "unpack_4k", "torch_pack", "torch_unpack")
 
@@ -117,7 +120,8 @@ def measure(n: int, zero_fraction: float, repeats: int, seed: int = 0) -> dict:
     Args:
         n: number of fp32 elements.
         zero_fraction: probability of each element being zero.
-        repeats: repeats per variant (the torch path runs at most ``TORCH_PATH_MAX_REPEATS``).
+        repeats: repeats per variant (the torch path: at most ``TORCH_PATH_MAX_REPEATS``, and
+            only up to ``TORCH_PATH_MAX_ELEMENTS``).
         seed: seed of the tensor's content.
 
     Returns:
@@ -128,22 +132,28 @@ def measure(n: int, zero_fraction: float, repeats: int, seed: int = 0) -> dict:
     bits = t.view(torch.int32)
     packed = pack_bitmap(t)
     assert torch.equal(packed.unpack(), t)
-    ref_bitmap, ref_values = pack_torch(bits, 0)
-    variants = {
-        "clone": t.clone,
-        "pack": lambda: pack_bitmap(t),
-        "unpack": packed.unpack,
-        "pack_4k": _without_hugepages(lambda: pack_bitmap(t)),
-        "unpack_4k": _without_hugepages(packed.unpack),
-        "torch_pack": lambda: pack_torch(bits, 0),
-        "torch_unpack": lambda: unpack_torch(ref_bitmap, ref_values, n),
-    }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(repeats):
-        for name, fn in variants.items():
-            if name.startswith("torch_") and r >= TORCH_PATH_MAX_REPEATS:
-                continue
-            times[name].append(_time(fn))
+    # The torch path runs in its own round afterwards: its temporaries grow the heap, which would
+    # otherwise change where the other variants' buffers come from.
+    rounds = [
+        (repeats, {
+            "clone": t.clone,
+            "pack": lambda: pack_bitmap(t),
+            "unpack": packed.unpack,
+            "pack_4k": _without_hugepages(lambda: pack_bitmap(t)),
+            "unpack_4k": _without_hugepages(packed.unpack),
+        }),
+    ]
+    if n <= TORCH_PATH_MAX_ELEMENTS:
+        ref_bitmap, ref_values = pack_torch(bits, 0)
+        rounds.append((min(repeats, TORCH_PATH_MAX_REPEATS), {
+            "torch_pack": lambda: pack_torch(bits, 0),
+            "torch_unpack": lambda: unpack_torch(ref_bitmap, ref_values, n),
+        }))
+    times: dict[str, list[float]] = {}
+    for count, variants in rounds:
+        for _ in range(count):
+            for name, fn in variants.items():
+                times.setdefault(name, []).append(_time(fn))
     median = {name: statistics.median(ts) for name, ts in times.items()}
     return {
         "elements": n,
@@ -187,7 +197,7 @@ def markdown(results: dict[str, list[dict]], info: dict) -> str:
         for row in rows:
             t, r = row["seconds"], row["ratio_to_clone"]
             ms = [f"{1e3 * t[k]:.2f}" for k in ("clone", "pack", "unpack")]
-            ratios = [f"{r[k]:.2f}x" for k in RATIO_COLUMNS]
+            ratios = [f"{r[k]:.2f}x" if k in r else "–" for k in RATIO_COLUMNS]
             cells = [f"{row['elements']:,}", f"{100 * row['zero_fraction']:.0f}%", *ms, *ratios]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -5,8 +5,8 @@ For each activation shape of the paper's Table 1 (batch 16) at 0/25/50/75/100 % 
 - theoretical MB (MB = 2**20 bytes) from the packed tensor's exact ``.nbytes`` (the paper's
   M_d = 4 n and M_b = 4 nnz + n / 8), and the improvement 1 - M_b / M_d;
 - measured MB: in a fresh process per cell (``edgetorch.measure.tensor_worker``), the growth of
-  the process's USS while it holds the dense tensor, and while it holds only the packed form
-  after the dense tensor was deleted; the improvement from those two;
+  the process's anonymous memory (the tensor part of USS) while it holds the dense tensor, and
+  while it holds only the packed form after the dense tensor was deleted; the improvement;
 - the paper's Theoretical and On-board (Jetson Nano, USS) columns next to ours.
 
 Writes docs/results/table1_bitmap_memory.{json,md} and prints the table.
@@ -98,8 +98,7 @@ def cell(shape: tuple[int, ...], nonzero_percent: int) -> dict:
     n = math.prod(shape)
     dense_theory = 4 * n / MB
     bitmap_theory = measured["packed_nbytes"] / MB
-    uss_known = measured["dense_uss"] >= 0
-    kind = "uss" if uss_known else "rss"
+    kind = next(k for k in ("anon", "uss", "rss") if measured[f"dense_{k}"] >= 0)
     dense_measured = measured[f"dense_{kind}"] / MB
     bitmap_measured = measured[f"packed_{kind}"] / MB
     paper = dict(zip(PAPER_KEYS, PAPER[shape][NONZERO_PERCENT.index(nonzero_percent)]))
@@ -138,12 +137,14 @@ def markdown(rows: list[dict], info: dict) -> str:
         f"{info['date_utc']}.",
         "",
         "MB = 2^20 bytes. *Theory*: exact tensor bytes (ours: the packed tensor's `.nbytes`). "
-        "*Measured*: growth of the process's unique set size (USS, as the paper measures on-board) "
-        "while holding the dense tensor, and while holding only the packed form after the dense "
-        "one was deleted; one fresh process per row, glibc's mmap threshold pinned so that freed "
+        "*Measured*: growth of the process's anonymous memory while holding the dense tensor, and "
+        "while holding only the packed form after the dense one was deleted. That is the part of "
+        "the paper's USS (unique set size) that tensors live in; total USS also moves when the "
+        "kernel drops clean library pages under memory pressure, so USS and RSS deltas are kept "
+        "in the JSON as a cross-check. One fresh process per row, glibc's mmap threshold pinned so that freed "
         f"tensors leave the process. Blocks under that threshold ({_MMAP_THRESHOLD_KIB} KiB) come "
-        "from the heap and may reuse memory that is already resident, so the 49 KiB bitmap of "
-        "16x512x7x7 can read as less than its size. *Paper*: Table 1 of BitTrain (on-board = "
+        "from the heap, which grows and shrinks in larger steps, so a small packed form (the "
+        "49 KiB bitmap of 16x512x7x7 at 0%) can read above or below its size. *Paper*: Table 1 of BitTrain (on-board = "
         "Jetson Nano). Theory and measurement are different quantities; both are shown. Rounded "
         "like the paper (halves up).",
         "",

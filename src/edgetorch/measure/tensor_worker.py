@@ -4,7 +4,7 @@ Run through :func:`edgetorch.measure.run_fresh` (which pins glibc's mmap thresho
 tensors leave the process): ``run_fresh("edgetorch.measure.tensor_worker", payload)`` with
 ``payload = {"shape": [16, 64, 56, 56], "nonzero_fraction": 0.25, "seed": 0}``.
 
-Everything a first call loads (numba kernels, torch thread pools) is warmed up on a small tensor
+Everything a first call loads (numba kernels, thread pools) is warmed up on another tensor
 before the baseline is taken, so the deltas hold only the tensor and its packed form.
 """
 
@@ -14,6 +14,7 @@ import gc
 import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 
@@ -42,10 +43,27 @@ def _sparse_tensor(shape: tuple[int, ...], nonzero_fraction: float, seed: int) -
     return x.view(shape)
 
 
-def _snapshot() -> tuple[int, int]:
+def _anon_bytes() -> int | None:
+    """Anonymous memory mapped in (Linux): unlike USS, blind to library pages being reclaimed."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _snapshot() -> dict[str, int | None]:
     gc.collect()
-    uss = uss_bytes()
-    return (uss if uss is not None else -1), rss_bytes()
+    return {"uss": uss_bytes(), "rss": rss_bytes(), "anon": _anon_bytes()}
+
+
+def _growth(now: dict[str, int | None], base: dict[str, int | None], prefix: str) -> dict[str, int]:
+    return {
+        f"{prefix}_{kind}": now[kind] - base[kind] if base[kind] is not None else -1
+        for kind in ("uss", "rss", "anon")
+    }
 
 
 def measure_tensor(shape: tuple[int, ...], nonzero_fraction: float, seed: int = 0) -> dict:
@@ -57,30 +75,29 @@ def measure_tensor(shape: tuple[int, ...], nonzero_fraction: float, seed: int = 
         seed: seed of the tensor's content.
 
     Returns:
-        Bytes: ``dense_uss``/``dense_rss`` (growth while the dense tensor is held),
-        ``packed_uss``/``packed_rss`` (growth once the dense tensor is deleted and only the
-        packed form remains), ``pack_peak_rss`` (peak growth while packing, when both
-        coexist), and the packed form's own accounting ``packed_nbytes`` and ``nnz``.
-        -1 where the platform reports no USS or cannot reset the peak.
+        Bytes: ``dense_{uss,rss,anon}`` (growth while the dense tensor is held),
+        ``packed_{uss,rss,anon}`` (growth once the dense tensor is deleted and only the packed
+        form remains), ``pack_peak_rss`` (peak growth while packing, when both coexist), and
+        the packed form's own accounting ``packed_nbytes`` and ``nnz``. USS is the paper's
+        measure; under memory pressure the kernel may drop this process's clean library pages,
+        which lowers USS but not ``anon``. -1 where the platform does not report a quantity.
     """
-    small = pack_bitmap(_sparse_tensor((2, 3, 32, 32), 0.5, seed))
-    small.unpack()
-    del small
+    # Big enough that the codec starts its worker threads: their stacks are not the tensor's.
+    warm = pack_bitmap(_sparse_tensor((16, 64, 32, 32), 0.5, seed))
+    warm.unpack()
+    del warm
 
-    base_uss, base_rss = _snapshot()
+    base = _snapshot()
     x = _sparse_tensor(shape, nonzero_fraction, seed)
-    dense_uss, dense_rss = _snapshot()
+    dense = _snapshot()
     peak_resettable = reset_peak_rss()
     peak_base = rss_bytes()
     packed = pack_bitmap(x)
     pack_peak = peak_rss_bytes() - peak_base if peak_resettable else -1
     del x
-    packed_uss, packed_rss = _snapshot()
     return {
-        "dense_uss": dense_uss - base_uss if base_uss >= 0 else -1,
-        "dense_rss": dense_rss - base_rss,
-        "packed_uss": packed_uss - base_uss if base_uss >= 0 else -1,
-        "packed_rss": packed_rss - base_rss,
+        **_growth(dense, base, "dense"),
+        **_growth(_snapshot(), base, "packed"),
         "pack_peak_rss": pack_peak,
         "packed_nbytes": packed.nbytes,
         "nnz": packed.nnz,
