@@ -13,7 +13,10 @@ _PARTS = [
 
 
 def plot_memory_breakdown(profile: dict, path: str | Path) -> Path:
-    """Stacked bars of the ledger's memory parts per policy, with the measured peak beside them.
+    """Two panels per policy: the ledger's memory parts (stacked) and the measured increases.
+
+    The panels are kept apart on purpose: ledger bytes are exact tensor sizes, measured bytes
+    are resident process memory, and a shared axis would invite comparing them as equals.
 
     Args:
         profile: the dict returned by :func:`edgetorch.activations.profile.profile_policies`.
@@ -29,21 +32,25 @@ def plot_memory_breakdown(profile: dict, path: str | Path) -> Path:
 
     results = profile["results"]
     names = [r["policy"] for r in results]
+    xs = list(range(len(names)))
     mib = 2.0**20
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(names), 4.5))
-    xs = range(len(names))
+    fig, (ledger_ax, measured_ax) = plt.subplots(1, 2, figsize=(4 + 2.4 * len(names), 5.6))
     bottom = [0.0] * len(names)
     for key, label in _PARTS:
         heights = [r[key] / mib for r in results]
-        ax.bar([x - 0.2 for x in xs], heights, 0.4, bottom=bottom, label=label)
+        ledger_ax.bar(xs, heights, 0.6, bottom=bottom, label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    peaks = [r.get("step_peak_increase_bytes") or r["peak_memory_bytes"] for r in results]
-    ax.bar([x + 0.2 for x in xs], [p / mib for p in peaks], 0.4, color="0.6", hatch="//",
-           label="measured step peak (process)")
-    ax.set_xticks(list(xs), names, rotation=15)
-    ax.set_ylabel("MiB")
-    ax.set_title(f"{profile['model']}  batch {profile['batch']}  {profile['resolution']}px")
-    ax.legend(fontsize=8)
+    ledger_ax.set_title("ledger (exact tensor bytes)")
+    for offset, key, label in ((-0.2, "forward_increase_bytes", "forward: held at its end"),
+                               (0.2, "step_peak_increase_bytes", "step: peak incl. backward")):
+        values = [(r.get(key) or 0) / mib for r in results]
+        measured_ax.bar([x + offset for x in xs], values, 0.4, label=label)
+    measured_ax.set_title(f"measured ({results[0]['peak_memory_kind']}) increase over resident")
+    for ax in (ledger_ax, measured_ax):
+        ax.set_xticks(xs, names, rotation=15, fontsize=8)
+        ax.set_ylabel("MiB")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    fig.suptitle(f"{profile['model']}  batch {profile['batch']}  {profile['resolution']}px")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
