@@ -125,6 +125,10 @@ def zero_limit_bits(dtype: torch.dtype, threshold: float) -> int:
         raise ValueError(f"threshold must be >= 0 (0 = lossless), got {threshold!r}")
     if threshold == 0:
         return 0
+    try:
+        threshold = float(threshold)
+    except OverflowError:  # an int beyond float range exceeds every finite value, like inf
+        threshold = math.inf
     as_dtype = torch.tensor(threshold, dtype=torch.float64).to(dtype)
     bits = int(as_dtype.view(_INT_VIEW[dtype]).item())
     # Rounding to dtype may land above the threshold; then the largest value <= threshold is
