@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..measure import SavedTensorLedger, model_memory, run_fresh
+from ..measure import SavedTensorLedger, machine_description, model_memory, run_fresh
 from ..measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes, uss_bytes
 from .engine import compress_activations
 from .policies import parse_policy
@@ -145,29 +145,6 @@ def profile_one(request: ProfileRequest) -> dict:
         "step_seconds": seconds,
         "by_op": {k: v.to_dict() for k, v in ledger.by_op().items()},
         "by_module_type": {k: v.to_dict() for k, v in ledger.by_module_type().items()},
-    }
-
-
-def machine_description() -> dict:
-    """Cores, memory, CPU model and library versions, recorded next to every measurement."""
-    import os
-    import platform
-
-    import psutil
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 
