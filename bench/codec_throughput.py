@@ -27,11 +27,9 @@ Usage: ``python bench/codec_throughput.py [--quick]`` (``--quick``: 1M and 10M o
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -39,13 +37,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numba
-import numpy as np
-import psutil
 import torch
 
 from edgetorch.codecs import _cpu_kernels, pack_bitmap
 from edgetorch.codecs.bitmap import pack_torch, unpack_torch
+from edgetorch.measure import machine_description as machine
 from edgetorch.measure.process import HONEST_MALLOC_ENV
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -55,39 +51,6 @@ TORCH_PATH_MAX_REPEATS = 5
 TORCH_PATH_MAX_ELEMENTS = 10_000_000
 REGIMES = {"default": {}, "fresh-pages": HONEST_MALLOC_ENV}
 RATIO_COLUMNS = ("pack", "unpack", "pack_4k", "unpack_4k", "torch_pack", "torch_unpack")
-
-
-def machine() -> dict:
-    """The machine and software a result was measured on.
-
-    Returns:
-        CPU model, logical and physical cores, total memory, load average, library versions
-        and the UTC date.
-    """
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu": model,
-        "logical_cores": os.cpu_count(),
-        "physical_cores": psutil.cpu_count(logical=False),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "load_average_1m": _load_average(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "numba": numba.__version__,
-        "numpy": np.__version__,
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def _load_average() -> float | None:
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def _sparse(n: int, zero_fraction: float, seed: int) -> torch.Tensor:
@@ -170,7 +133,7 @@ def markdown(results: dict[str, list[dict]], info: dict) -> str:
     lines = [
         "# Bitmap codec throughput (CPU, fp32)",
         "",
-        f"Machine: {info['cpu']}, {info['logical_cores']} logical cores, {info['memory_gib']} GiB; "
+        f"Machine: {info['cpu']}, {info['cores']} logical cores, {info['memory_bytes'] / 2**30:.1f} GiB; "
         f"torch {info['torch']} ({info['torch_threads']} threads), numba {info['numba']}, "
         f"numpy {info['numpy']}, Python {info['python']}; 1-min load average "
         f"{info['load_average_1m']} at start, {info['load_average_1m_end']} at end "
@@ -241,7 +204,7 @@ def main() -> None:
         env = {**os.environ, **env}
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
         results[regime] = json.loads(proc.stdout.splitlines()[-1])
-    info["load_average_1m_end"] = _load_average()
+    info["load_average_1m_end"] = round(os.getloadavg()[0], 2)
     RESULTS.mkdir(parents=True, exist_ok=True)
     record = {"machine": info, "results": results}
     (RESULTS / "codec_throughput.json").write_text(json.dumps(record, indent=2))

@@ -19,8 +19,8 @@ import math
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
-from codec_throughput import machine  # bench/ is on sys.path when this script runs
 
+from edgetorch.measure import machine_description as machine
 from edgetorch.measure import run_fresh
 from edgetorch.measure.process import HONEST_MALLOC_ENV
 
@@ -132,7 +132,7 @@ def markdown(rows: list[dict], info: dict) -> str:
     lines = [
         "# BitTrain Table 1: bitmap vs dense memory of ResNet conv activations (fp32, batch 16)",
         "",
-        f"Machine: {info['cpu']}, {info['logical_cores']} logical cores, {info['memory_gib']} GiB; "
+        f"Machine: {info['cpu']}, {info['cores']} logical cores, {info['memory_bytes'] / 2**30:.1f} GiB; "
         f"torch {info['torch']}, numba {info['numba']}, Python {info['python']}; "
         f"{info['date_utc']}.",
         "",

@@ -18,7 +18,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import time
