@@ -246,3 +246,15 @@ def test_checkpoint_every_matches_plain_training_and_lowers_the_peak():
     assert ledger.peak_live_bytes < 0.75 * flat_ledger.peak_live_bytes
     with pytest.raises(ValueError, match="every"):
         et.CheckpointEvery(blocks, every=0)
+
+
+def test_a_shared_tensor_is_decoded_once_per_backward(monkeypatch):
+    calls = []
+    original = et.BitmapTensor.unpack
+    monkeypatch.setattr(et.BitmapTensor, "unpack", lambda self: calls.append(1) or original(self))
+    model = ConvReluConv()
+    with et.compress_activations(model, et.Bitmap()):
+        loss = model(torch.randn(2, 3, 16, 16)).sum()
+    loss.backward()
+    # two stored entries (relu(conv1), relu(conv2)), each saved by two ops
+    assert len(calls) == 2

@@ -35,7 +35,10 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class _Entry:
     """One region of one storage, held in the policy's stored form (or kept as is)."""
 
-    __slots__ = ("source", "version", "lo", "hi", "gathered", "stored", "_dense", "__weakref__")
+    __slots__ = (
+        "source", "version", "lo", "hi", "gathered", "stored", "_dense", "_held", "_pending",
+        "__weakref__",
+    )
 
     def __init__(self, t: torch.Tensor, lo: int, hi: int, gathered: bool, stored):
         self.source = weakref.ref(t)
@@ -45,6 +48,8 @@ class _Entry:
         self.gathered = _geometry(t) if gathered else None
         self.stored = stored  # None: kept as is (it did not compress), nothing to share
         self._dense = None
+        self._held = None
+        self._pending = 0  # views handed to autograd that have not been unpacked yet
 
     def covers(self, t: torch.Tensor, lo: int, hi: int) -> bool:
         if self.source() is None or self.version != t._version:
@@ -54,16 +59,25 @@ class _Entry:
         return self.lo <= lo and hi <= self.hi
 
     def view_of(self, t: torch.Tensor) -> _View:
+        self._pending += 1
         if self.gathered is not None:
             return _View(self, t.shape, _contiguous_strides(t.shape), 0)
         return _View(self, t.shape, t.stride(), t.storage_offset() - self.lo)
 
     def flat(self) -> torch.Tensor:
-        """The region as a dense 1-D tensor; reused while an earlier unpack is still alive."""
-        dense = self._dense() if self._dense is not None else None
+        """The region as a dense 1-D tensor, decoded once for all the ops that saved it.
+
+        A ReLU output is unpacked by the next convolution's backward and then, right after,
+        by the ReLU's own: the decoded tensor is held until every view handed out has been
+        unpacked (plain PyTorch holds it that long too), then only weakly, so that repeated
+        unpacking under retain_graph still works without keeping anything alive.
+        """
+        dense = self._held if self._held is not None else (self._dense and self._dense())
         if dense is None:
             dense = self.stored.unpack()
             self._dense = weakref.ref(dense)
+        self._pending -= 1
+        self._held = dense if self._pending > 0 else None
         return dense
 
 
