@@ -1,0 +1,107 @@
+"""Shared by the bench scripts: machine record, markdown tables, writing docs/results/NAME.{json,md}.
+
+Every benchmark states where and when it ran, so a number is never read without its machine.
+This module only defines helpers; running it does nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import statistics
+import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+import torchvision
+
+from edgetorch.measure import machine_description
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
+MIB = 2.0**20
+
+
+def machine() -> dict:
+    """The library's machine record plus what else changes timings: torchvision, torch threads."""
+    return {
+        **machine_description(),
+        "torchvision": torchvision.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def source_state() -> dict:
+    """The commit measured, and library files that differed from it (the tree is shared and edited)."""
+
+    def git(*args: str) -> str:
+        root = Path(__file__).resolve().parent.parent
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "uncommitted_library_files": git("status", "--porcelain", "--", "src").splitlines(),
+    }
+
+
+def machine_line(info: dict) -> str:
+    """One human-readable line describing ``info`` (a :func:`machine` record)."""
+    gib = info["memory_bytes"] / 2**30
+    return (
+        f"{info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads), "
+        f"{gib:.1f} GiB RAM; torch {info['torch']}, torchvision {info['torchvision']}, "
+        f"Python {info['python']}"
+    )
+
+
+def mib(nbytes: float) -> str:
+    """Bytes as MiB with two decimals (the unit of every memory table)."""
+    return f"{nbytes / MIB:.2f}"
+
+
+def pct(fraction: float) -> str:
+    """A fraction as a percentage with one decimal."""
+    return f"{100 * fraction:.1f}%"
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A GitHub markdown table; cells are rendered with ``str``."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, title: str, body: str, data: dict) -> tuple[Path, Path]:
+    """Write ``docs/results/NAME.json`` and ``NAME.md`` and print the markdown.
+
+    Args:
+        name: file stem, also recorded as ``benchmark`` in the JSON.
+        title: the markdown heading.
+        body: markdown below the machine line (tables and notes).
+        data: the raw results; machine, date and torch version are added to it.
+
+    Returns:
+        The JSON and markdown paths.
+    """
+    info = machine()
+    date = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = RESULTS_DIR / f"{name}.json", RESULTS_DIR / f"{name}.md"
+    source = source_state()
+    record = {"benchmark": name, "date": date, "machine": info, "source": source, **data}
+    json_path.write_text(json.dumps(record, indent=2) + "\n")
+    markdown = (
+        f"# {title}\n\n"
+        f"Machine: {machine_line(info)}. Date: {date}. "
+        f"Produced by `bench/{name}.py` at commit {str(source['commit'])[:10]}"
+        f"{' (with uncommitted library changes, listed in the JSON)' if source['uncommitted_library_files'] else ''}"
+        f"; raw numbers in `{name}.json`.\n\n{body.strip()}\n"
+    )
+    md_path.write_text(markdown)
+    print(markdown)
+    return json_path, md_path
