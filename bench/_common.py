@@ -10,6 +10,7 @@ import datetime as _dt
 import json
 import statistics
 import subprocess
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -105,3 +106,14 @@ def write_results(name: str, title: str, body: str, data: dict) -> tuple[Path, P
     md_path.write_text(markdown)
     print(markdown)
     return json_path, md_path
+
+
+def timed_step(module: torch.nn.Module, scope, x: torch.Tensor, y: torch.Tensor, optimizer) -> float:
+    """One forward (inside ``scope``), backward and optimizer step; returns its wall-clock seconds."""
+    start = time.perf_counter()
+    with scope:
+        loss = torch.nn.functional.cross_entropy(module(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 from collections.abc import Callable
 
 import torch
 import torchvision
-from _common import median, mib, pct, table, write_results
+from _common import median, mib, pct, table, timed_step, write_results
 from torch import nn
-from torch.nn import functional as F
 
 import edgetorch
 
@@ -74,15 +72,9 @@ def configurations(blocks: nn.Sequential) -> dict[str, Configuration]:
 
 def run_step(make: Configuration, ledger, x: torch.Tensor, y: torch.Tensor, optimizer) -> float:
     """One forward/backward/SGD step of the configuration ``make`` builds; returns seconds."""
-    start = time.perf_counter()
     module, scope = make(ledger)
     torch.manual_seed(0)  # same dropout mask in every configuration
-    with scope:
-        loss = F.cross_entropy(module(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return timed_step(module, scope, x, y, optimizer)
 
 
 def main() -> None:

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torchvision
-from _common import median, table, write_results
+from _common import median, table, timed_step, write_results
 from torch import nn
-from torch.nn import functional as F
 
 import edgetorch
 
@@ -44,14 +43,8 @@ BASELINE = "dense (plain PyTorch)"
 
 def train_step(model: nn.Module, optimizer, x, y, policy: edgetorch.Policy | None) -> float:
     """One forward/backward/SGD step; returns its wall-clock seconds."""
-    start = time.perf_counter()
     scope = contextlib.nullcontext() if policy is None else edgetorch.compress_activations(model, policy)
-    with scope:
-        loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return timed_step(model, scope, x, y, optimizer)
 
 
 @dataclass
