@@ -258,3 +258,19 @@ def test_a_shared_tensor_is_decoded_once_per_backward(monkeypatch):
     loss.backward()
     # two stored entries (relu(conv1), relu(conv2)), each saved by two ops
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("policy", [et.Dense(), et.Bitmap()])
+def test_a_graph_dropped_without_backward_frees_what_it_saved(policy):
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Linear(256, 4))
+    with et.compress_activations(model, policy):
+        # sigmoid saves its own output, which has no zeros: kept as is under both policies
+        h = torch.sigmoid(model[1](model[0](torch.randn(64, 256))))
+        out = model[2](h).sum()
+    ref = weakref.ref(h)
+    del h, out
+    gc.collect()
+    assert ref() is None

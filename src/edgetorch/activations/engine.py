@@ -102,7 +102,9 @@ class _Kept:
     __slots__ = ("tensor", "version", "entry")
 
     def __init__(self, t: torch.Tensor, entry: _Entry | None = None):
-        self.tensor, self.version = t, t._version
+        # Detached: the same storage and version counter, but no reference back to the graph
+        # node that holds this object (that cycle would outlive a graph dropped unbackwarded).
+        self.tensor, self.version = t.detach(), t._version
         self.entry = entry  # keeps the ledger's count of live bytes until autograd drops it
 
     def unpack(self) -> torch.Tensor:
