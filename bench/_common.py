@@ -51,7 +51,7 @@ def machine_line(info: dict) -> str:
     gib = info["memory_bytes"] / 2**30
     return (
         f"{info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads), "
-        f"{gib:.1f} GiB RAM; torch {info['torch']}, torchvision {info['torchvision']}, "
+        f"{gib:.1f} GiB RAM; torch {info['torch']}, torchvision {info['torchvision']}, numba {info['numba']}, "
         f"Python {info['python']}"
     )
 

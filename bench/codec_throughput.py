@@ -34,17 +34,15 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
+from _common import write_results
 
 from edgetorch.codecs import _cpu_kernels, pack_bitmap
 from edgetorch.codecs.bitmap import pack_torch, unpack_torch
-from edgetorch.measure import machine_description as machine
 from edgetorch.measure.process import HONEST_MALLOC_ENV
 
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 SIZES = {1_000_000: 21, 10_000_000: 11, 100_000_000: 5}  # elements -> repeats
 ZERO_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 TORCH_PATH_MAX_REPEATS = 5
@@ -128,16 +126,11 @@ def measure(n: int, zero_fraction: float, repeats: int, seed: int = 0) -> dict:
     }
 
 
-def markdown(results: dict[str, list[dict]], info: dict) -> str:
-    """The results as markdown tables, one per allocator regime, with the machine stated."""
+def markdown(results: dict[str, list[dict]], load_start: float, load_end: float) -> str:
+    """The results as markdown tables, one per allocator regime (the machine line is added by
+    ``write_results``)."""
     lines = [
-        "# Bitmap codec throughput (CPU, fp32)",
-        "",
-        f"Machine: {info['cpu']}, {info['cores']} logical cores, {info['memory_bytes'] / 2**30:.1f} GiB; "
-        f"torch {info['torch']} ({info['torch_threads']} threads), numba {info['numba']}, "
-        f"numpy {info['numpy']}, Python {info['python']}; 1-min load average "
-        f"{info['load_average_1m']} at start, {info['load_average_1m_end']} at end "
-        f"(shared machine); {info['date_utc']}.",
+        f"1-min load average {load_start} at start, {load_end} at end (shared machine).",
         "",
         "Ratio = `t.clone()` time / codec time, medians measured in the same process (higher is "
         "faster; 1.00 = as fast as copying the tensor). `4k`: without the kernel's huge-page "
@@ -196,7 +189,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_regime(sizes)))
         return
-    info = machine()
+    load_start = round(os.getloadavg()[0], 2)
     results = {}
     for regime, env in REGIMES.items():
         print(f"regime {regime}", file=sys.stderr, flush=True)
@@ -204,14 +197,13 @@ def main() -> None:
         env = {**os.environ, **env}
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
         results[regime] = json.loads(proc.stdout.splitlines()[-1])
-    info["load_average_1m_end"] = round(os.getloadavg()[0], 2)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"machine": info, "results": results}
-    (RESULTS / "codec_throughput.json").write_text(json.dumps(record, indent=2))
-    table = markdown(results, info)
-    (RESULTS / "codec_throughput.md").write_text(table)
-    print(table)
-
+    load_end = round(os.getloadavg()[0], 2)
+    write_results(
+        "codec_throughput",
+        "Bitmap codec throughput (CPU, fp32)",
+        markdown(results, load_start, load_end),
+        {"results": results},
+    )
 
 if __name__ == "__main__":
     main()

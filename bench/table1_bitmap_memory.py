@@ -14,17 +14,15 @@ Writes docs/results/table1_bitmap_memory.{json,md} and prints the table.
 
 from __future__ import annotations
 
-import json
 import math
 from decimal import ROUND_HALF_UP, Decimal
-from pathlib import Path
 
 
-from edgetorch.measure import machine_description as machine
+from _common import write_results
+
 from edgetorch.measure import run_fresh
 from edgetorch.measure.process import HONEST_MALLOC_ENV
 
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
 MB = 2**20
 NONZERO_PERCENT = (0, 25, 50, 75, 100)
 _MMAP_THRESHOLD_KIB = int(HONEST_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]) // 1024
@@ -127,15 +125,9 @@ def _r2(x: float) -> str:
     return str(Decimal(repr(x)).quantize(Decimal("0.01"), rounding=ROUND_HALF_UP))
 
 
-def markdown(rows: list[dict], info: dict) -> str:
-    """The results as a markdown table with the machine stated above it."""
+def markdown(rows: list[dict]) -> str:
+    """The results as a markdown table (the machine line is added by ``write_results``)."""
     lines = [
-        "# BitTrain Table 1: bitmap vs dense memory of ResNet conv activations (fp32, batch 16)",
-        "",
-        f"Machine: {info['cpu']}, {info['cores']} logical cores, {info['memory_bytes'] / 2**30:.1f} GiB; "
-        f"torch {info['torch']}, numba {info['numba']}, Python {info['python']}; "
-        f"{info['date_utc']}.",
-        "",
         "MB = 2^20 bytes. *Theory*: exact tensor bytes (ours: the packed tensor's `.nbytes`). "
         "*Measured*: growth of the process's anonymous memory while holding the dense tensor, and "
         "while holding only the packed form after the dense one was deleted. That is the part of "
@@ -171,7 +163,6 @@ def markdown(rows: list[dict], info: dict) -> str:
 
 def main() -> None:
     """Measure every cell, write JSON and markdown under docs/results, print the table."""
-    info = machine()
     rows = []
     for shape in PAPER:
         for pct in NONZERO_PERCENT:
@@ -183,13 +174,12 @@ def main() -> None:
                 f"bitmap {o['bitmap_measured_mb']:.2f} MB ({o['improv_measured_pct']:.1f}%)",
                 flush=True,
             )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"machine": info, "rows": rows}
-    (RESULTS / "table1_bitmap_memory.json").write_text(json.dumps(record, indent=2))
-    table = markdown(rows, info)
-    (RESULTS / "table1_bitmap_memory.md").write_text(table)
-    print(table)
-
+    write_results(
+        "table1_bitmap_memory",
+        "BitTrain Table 1: bitmap vs dense memory of ResNet conv activations (fp32, batch 16)",
+        markdown(rows),
+        {"rows": rows},
+    )
 
 if __name__ == "__main__":
     main()
