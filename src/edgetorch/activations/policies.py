@@ -24,11 +24,6 @@ class Policy:
     def encode(self, t: torch.Tensor) -> BitmapTensor | None:
         raise NotImplementedError
 
-    @property
-    def lossless(self) -> bool:
-        """True when backward sees exactly the tensors plain PyTorch would."""
-        return False
-
     def spec(self) -> str:
         """The string :func:`parse_policy` turns back into this policy."""
         args = ",".join(
@@ -47,10 +42,6 @@ class Dense(Policy):
 
     def encode(self, t: torch.Tensor) -> None:
         return None
-
-    @property
-    def lossless(self) -> bool:
-        return True
 
 
 @dataclass(frozen=True)
@@ -91,17 +82,14 @@ class Bitmap(Policy):
 
         A conv output feeding batch norm has no zeros; packing it only to find it does not
         shrink costs two passes over the tensor, which is half the packing time in a ResNet.
-        The estimate only decides between two exact storages, never what backward sees.
+        A tensor kept dense is never less exact than its packed form (with a threshold it is
+        simply not pruned), so a wrong estimate costs memory, never correctness.
         """
         flat = t.reshape(-1)
         sample = flat[:: max(1, flat.numel() // _SAMPLE)]
         kept = (~(sample.abs() <= self.threshold)).float().mean().item()  # NaN counts as kept
         value_bytes = (self.value_dtype or t.dtype).itemsize
         return value_bytes * kept + 1 / 8 < _WORTHWHILE * t.element_size()
-
-    @property
-    def lossless(self) -> bool:
-        return self.threshold == 0 and self.value_dtype is None
 
 
 _SAMPLE = 4096  # elements looked at to estimate the kept fraction
