@@ -1,4 +1,4 @@
-"""`make demo`: fine-tune the zoo CNN with dense and with bitmap activation storage, side by side.
+"""Demo section: fine-tune the zoo CNN with dense and with bitmap activation storage, side by side.
 
 On the embedded default data (scikit-learn digits at 28x28): load the cached pretrained CNN (or
 train it, seconds), fine-tune a copy with plain PyTorch and a copy under lossless BitTrain, check
@@ -15,13 +15,12 @@ from rich.console import Console
 from rich.table import Table
 from torch.nn import functional as F
 
-from . import Bitmap, Dense, SavedTensorLedger, compress_activations
-from .activations.profile import profile_policies
-from .data import load_dataset
-from .zoo import evaluate_accuracy, pretrained
+from .. import Bitmap, Dense, SavedTensorLedger, compress_activations
+from ..activations.profile import profile_policies
+from ..data import load_dataset
+from ..zoo import evaluate_accuracy, pretrained
 
 STEPS, BATCH, LR = 30, 64, 0.01
-console = Console(width=110)
 
 
 def fine_tune(model: torch.nn.Module, data, policy) -> tuple[list[float], SavedTensorLedger]:
@@ -43,7 +42,8 @@ def fine_tune(model: torch.nn.Module, data, policy) -> tuple[list[float], SavedT
     return losses, ledger
 
 
-def main() -> None:
+def run(console: Console) -> None:
+    """Print the BitTrain section; exits non-zero if lossless storage changed any loss."""
     torch.manual_seed(0)
     console.rule("edgetorch demo: BitTrain on the zoo CNN (scikit-learn digits, 28x28)")
     base = pretrained("cnn", dataset="digits")
@@ -90,7 +90,3 @@ def main() -> None:
                   "includes the interpreter, torch and numba.")
     if not identical:
         raise SystemExit("lossless bitmap diverged from dense: this is a bug")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The ``edgetorch`` command."""
+"""``edgetorch profile``: saved-activation bytes and measured peak memory per policy."""
 
 from __future__ import annotations
 
@@ -6,21 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(help="edgetorch: memory-efficient training and deployment on edge devices.",
-                  no_args_is_help=True, add_completion=False)
-console = Console(width=130)
-
-
-@app.callback()
-def main() -> None:
-    """edgetorch command line."""
-
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.1f}"
+from ._app import app, console, mib
 
 
 @app.command()
@@ -36,9 +24,9 @@ def profile(
     plot: Path = typer.Option(None, help="write a PNG of the memory breakdown per policy here"),
 ) -> None:
     """Profile one training step per policy: saved-activation bytes (ledger) and measured peak memory."""
-    from .activations import parse_policy
-    from .activations.profile import profile_policies
-    from .zoo import build_model
+    from ..activations import parse_policy
+    from ..activations.profile import profile_policies
+    from ..zoo import build_model
 
     try:
         for spec in policy:
@@ -70,10 +58,10 @@ def profile(
                 "peak MiB\n(measured)", "step s"):
         table.add_column(col, justify="right")
     for r in result["results"]:
-        table.add_row(r["policy"], _mib(r["activation_bytes"]), _mib(r["dense_activation_bytes"]),
+        table.add_row(r["policy"], mib(r["activation_bytes"]), mib(r["dense_activation_bytes"]),
                       f"{r['activation_bytes'] / max(r['dense_activation_bytes'], 1):.3f}",
-                      f"{r['sparsity']:.1%}", _mib(r["forward_increase_bytes"]),
-                      _mib(r["step_peak_increase_bytes"]), _mib(r["peak_memory_bytes"]),
+                      f"{r['sparsity']:.1%}", mib(r["forward_increase_bytes"]),
+                      mib(r["step_peak_increase_bytes"]), mib(r["peak_memory_bytes"]),
                       f"{r['step_seconds']:.2f}")
     console.print(table)
     console.print("ledger = exact tensor bytes autograd holds; measured = the process peak "
@@ -82,10 +70,6 @@ def profile(
         json_path.write_text(json.dumps(result, indent=2))
         console.print(f"wrote {json_path}")
     if plot is not None:
-        from .measure.plots import plot_memory_breakdown
+        from ..measure.plots import plot_memory_breakdown
 
         console.print(f"wrote {plot_memory_breakdown(result, plot)}")
-
-
-if __name__ == "__main__":
-    app()
