@@ -1,12 +1,22 @@
 """edgetorch: train, shrink and deploy neural networks on memory- and energy-constrained devices."""
 
-from .activations import Bitmap, CheckpointEvery, Dense, Policy, compress_activations, parse_policy
+from .activations import (
+    BackRazor,
+    Bitmap,
+    CheckpointEvery,
+    Dense,
+    Policy,
+    compress_activations,
+    freeze_batchnorm,
+    parse_policy,
+)
 from .codecs import BitmapTensor, pack_bitmap
 from .data import load_dataset
 from .measure import SavedTensorLedger, model_memory
 from .zoo import build_model, pretrained
 
 __all__ = [
+    "BackRazor",
     "Bitmap",
     "BitmapTensor",
     "CheckpointEvery",
@@ -15,6 +25,7 @@ __all__ = [
     "SavedTensorLedger",
     "build_model",
     "compress_activations",
+    "freeze_batchnorm",
     "load_dataset",
     "model_memory",
     "pack_bitmap",

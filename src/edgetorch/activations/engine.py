@@ -23,32 +23,37 @@ import weakref
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..measure.ledger import SavedRecord, SavedTensorLedger
 from .policies import Policy
+from .roles import EXACT, Need, OpWatch, saved_by_custom_function
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class _Entry:
-    """One region of one storage, held in the policy's stored form (or kept as is)."""
+    """One region of one storage, held in one or more stored forms.
+
+    ``reps`` maps a form (``exact``, ``prune``, ``mask ...``, ``shape``) to what holds it: a
+    codec object with ``.nbytes`` and ``.unpack()``. An ``exact`` form serves every view, so
+    adding one drops the others.
+    """
 
     __slots__ = (
-        "source", "version", "lo", "hi", "gathered", "stored", "_dense", "_held", "_pending",
+        "source", "version", "lo", "hi", "gathered", "reps", "_dense", "_held", "_pending",
         "__weakref__",
     )
 
-    def __init__(self, t: torch.Tensor, lo: int, hi: int, gathered: bool, stored):
+    def __init__(self, t: torch.Tensor, lo: int, hi: int, gathered: bool):
         self.source = weakref.ref(t)
         self.version = t._version
         self.lo, self.hi = lo, hi  # element range of the storage this entry covers
         # gathered: holds only t's own elements, row-major (t was a sparse view of its storage)
         self.gathered = _geometry(t) if gathered else None
-        self.stored = stored  # None: kept as is (it did not compress), nothing to share
-        self._dense = None
-        self._held = None
+        self.reps: dict[str, object] = {}
+        self._dense: dict[str, weakref.ref] = {}
+        self._held: dict[str, torch.Tensor] = {}
         self._pending = 0  # views handed to autograd that have not been unpacked yet
 
     def covers(self, t: torch.Tensor, lo: int, hi: int) -> bool:
@@ -58,58 +63,114 @@ class _Entry:
             return self.gathered == _geometry(t)
         return self.lo <= lo and hi <= self.hi
 
-    def view_of(self, t: torch.Tensor) -> _View:
+    def serves(self, form: str) -> bool:
+        return form == "shape" or "exact" in self.reps or form in self.reps
+
+    def add(self, form: str, rep) -> None:
+        if form == "exact":
+            self.reps.clear()  # the exact copy answers every form
+        self.reps[form] = rep
+
+    def view_of(self, t: torch.Tensor, form: str) -> _View:
         self._pending += 1
         if self.gathered is not None:
-            return _View(self, t.shape, _contiguous_strides(t.shape), 0)
-        return _View(self, t.shape, t.stride(), t.storage_offset() - self.lo)
+            return _View(self, t.shape, _contiguous_strides(t.shape), 0, form, t.dtype, t.device)
+        return _View(self, t.shape, t.stride(), t.storage_offset() - self.lo, form, t.dtype, t.device)
 
-    def flat(self) -> torch.Tensor:
-        """The region as a dense 1-D tensor, decoded once for all the ops that saved it.
+    def flat(self, form: str) -> torch.Tensor:
+        """The region in ``form`` as a dense tensor, decoded once for all the ops that saved it.
 
         A ReLU output is unpacked by the next convolution's backward and then, right after,
         by the ReLU's own: the decoded tensor is held until every view handed out has been
         unpacked (plain PyTorch holds it that long too), then only weakly, so that repeated
         unpacking under retain_graph still works without keeping anything alive.
         """
-        dense = self._held if self._held is not None else (self._dense and self._dense())
+        source = "exact" if "exact" in self.reps else form
+        ref = self._dense.get(source)
+        dense = self._held.get(source)
+        if dense is None and ref is not None:
+            dense = ref()
         if dense is None:
-            dense = self.stored.unpack()
-            self._dense = weakref.ref(dense)
+            dense = self.reps[source].unpack()
+            self._dense[source] = weakref.ref(dense)
         self._pending -= 1
-        self._held = dense if self._pending > 0 else None
+        if self._pending > 0:
+            self._held[source] = dense
+        else:
+            self._held.clear()
         return dense
+
+    def live(self) -> torch.Tensor | None:
+        """A tensor sharing the saved tensor's version counter, if one is still alive."""
+        region = self.reps.get("exact")
+        return region.probe if isinstance(region, _Region) else self.source()
+
+
+class _Region:
+    """An exact form that is the saved memory itself (it did not compress): no copy.
+
+    ``probe`` is the detached saved tensor: it shares the version counter for the in-place check.
+    """
+
+    def __init__(self, region: torch.Tensor, probe: torch.Tensor):
+        self.tensor, self.probe = region, probe
+        self.nbytes = region.numel() * region.element_size()
+        self.nnz = region.numel()
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
 
 
 class _View:
-    """What autograd holds for a stored tensor: an entry plus the tensor's geometry in it."""
+    """What autograd holds for a stored tensor: an entry, a form and the tensor's geometry in it."""
 
-    __slots__ = ("entry", "size", "stride", "offset")
+    __slots__ = ("entry", "size", "stride", "offset", "form", "dtype", "device")
 
-    def __init__(self, entry: _Entry, size, stride, offset: int):
+    def __init__(self, entry: _Entry, size, stride, offset: int, form: str, dtype, device):
         self.entry, self.size, self.stride, self.offset = entry, size, stride, offset
+        self.form, self.dtype, self.device = form, dtype, device
 
     def unpack(self) -> torch.Tensor:
         # The stored copy is the value at save time, but a later in-place change is still a
         # bug in the caller's code that plain PyTorch would report: report it too.
-        _check_version(self.entry.source(), self.entry.version)
-        return self.entry.flat().as_strided(self.size, self.stride, self.offset)
+        _check_version(self.entry.live(), self.entry.version)
+        if self.form == "shape":  # backward reads only the shape: zero bytes, zero copies
+            self.entry._pending -= 1
+            return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.size)
+        base = self.entry.flat(self.form)  # a decoded copy, or the kept region in place
+        return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
 
 
 class _Kept:
-    """A tensor held as is; its version is checked on unpack, as PyTorch does without hooks."""
+    """A tensor held as is, outside any entry; its version is checked on unpack, as PyTorch does."""
 
-    __slots__ = ("tensor", "version", "entry")
+    __slots__ = ("tensor", "version")
 
-    def __init__(self, t: torch.Tensor, entry: _Entry | None = None):
+    def __init__(self, detached: torch.Tensor, version: int):
         # Detached: the same storage and version counter, but no reference back to the graph
         # node that holds this object (that cycle would outlive a graph dropped unbackwarded).
-        self.tensor, self.version = t.detach(), t._version
-        self.entry = entry  # keeps the ledger's count of live bytes until autograd drops it
+        self.tensor, self.version = detached, version
 
     def unpack(self) -> torch.Tensor:
         _check_version(self.tensor, self.version)
         return self.tensor
+
+
+class _Pending:
+    """A pack whose op is not known yet: :class:`OpWatch` resolves it at the op's edge."""
+
+    __slots__ = ("tensor", "detached", "module", "target", "forced")
+
+    def __init__(self, t: torch.Tensor, module: tuple[str, str], forced: Need | None):
+        # Detached here, at autograd level: an alias made later, inside the dispatch mode,
+        # would not share the version counter that catches in-place changes.
+        self.tensor, self.detached = t, t.detach()
+        self.module, self.target, self.forced = module, None, forced
+
+    def unpack(self) -> torch.Tensor:
+        if self.target is None:
+            raise RuntimeError("edgetorch: a saved tensor was never resolved (engine bug)")
+        return self.target.unpack()
 
 
 def _check_version(t: torch.Tensor | None, version: int) -> None:
@@ -121,21 +182,6 @@ def _check_version(t: torch.Tensor | None, version: int) -> None:
             f"expected version {version} instead (detected by edgetorch, whose hooks replace "
             "PyTorch's own check)."
         )
-
-
-class _OpTracker(TorchFunctionMode):
-    """Remembers the outermost torch function running, to name the op that saves a tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.current = "?"
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        previous, self.current = self.current, getattr(func, "__name__", str(func))
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            self.current = previous
 
 
 class compress_activations(contextlib.ContextDecorator):
@@ -199,8 +245,12 @@ class compress_activations(contextlib.ContextDecorator):
             self._handles.append(module.register_forward_pre_hook(self._enter_module(name)))
             self._handles.append(module.register_forward_hook(self._leave_module, always_call=True))
         self._exits = contextlib.ExitStack()
-        if self.ledger is not None:
-            self._ops = self._exits.enter_context(_OpTracker())
+        self._watch = None
+        if self.ledger is not None or self.policy.needs_roles:
+            # Deferred packs must be resolved even if the forward raises, or they would hold
+            # their tensors: the flush is registered before the mode, so it runs after it.
+            self._exits.callback(self._flush)
+            self._watch = self._exits.enter_context(OpWatch(self._resolve, self._is_external))
         self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_fn, self._unpack))
         return self
 
@@ -263,63 +313,92 @@ class compress_activations(contextlib.ContextDecorator):
             warnings.warn(message, stacklevel=4)
 
     # -- saved tensor hooks -------------------------------------------------------------------
+    def _is_external(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._external
+
     def _pack(self, t: torch.Tensor):
         self.saved_count += 1
+        if self._watch is None:
+            return self._hold(t, t.detach(), EXACT, self._stack[-1])
+        forced = EXACT if saved_by_custom_function() else None
+        pending = _Pending(t, self._stack[-1], forced)
+        self._watch.pending.append(pending)
+        return pending
+
+    def _resolve(self, pending: _Pending, need: Need) -> None:
+        pending.target = self._hold(pending.tensor, pending.detached, pending.forced or need, pending.module)
+        pending.tensor = pending.detached = None
+
+    def _hold(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str]):
+        """Store ``t`` (``d``: its detached alias, made at autograd level) for ``need``."""
         ptr = t.untyped_storage().data_ptr()
         if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
-            self._record(t, "external", 0, 0, 0)
-            return _Kept(t)
+            self._record(t, module, "external", 0, 0, 0, need)
+            return _Kept(d, t._version)
         nbytes = t.numel() * t.element_size()
         if t.dtype not in _FLOATS or nbytes < self.min_bytes:
-            self._record(t, "dense", nbytes, nbytes, t.numel())
-            return _Kept(t)
+            self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
+            return _Kept(d, t._version)
+        return self._save(t, d, need, module)
+
+    def _flush(self) -> None:
+        if self._watch is not None:
+            self._watch.flush()
+
+    def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str]):
+        form = self.policy.form(need)
         lo, hi = _span(t)
-        key = (ptr, t.dtype)
+        key = (t.untyped_storage().data_ptr(), t.dtype)
         for ref in self._table.get(key, ()):
             entry = ref()
             if entry is not None and entry.covers(t, lo, hi):
-                self._record(t, "shared", 0, 0, 0)
-                return _Kept(t, entry) if entry.stored is None else entry.view_of(t)
-        return self._store(t, key, lo, hi)
-
-    def _store(self, t: torch.Tensor, key: tuple, lo: int, hi: int):
+                if entry.serves(form):
+                    self._record(t, module, "shared", 0, 0, 0, need, form)
+                else:
+                    self._encode(entry, t, d, need, form, module, dense_bytes=0)
+                return entry.view_of(t, form)
         # Dense enough: store the storage region, so later views of it can share the entry;
         # a sparse view of a big storage (every third row, say) stores only its own elements.
-        gathered = hi - lo > 2 * t.numel()
-        d = t.detach()
-        region = d.reshape(-1) if gathered else torch.as_strided(d, (hi - lo,), (1,), lo)
-        dense_bytes = region.numel() * region.element_size()
-        stored = self.policy.encode(region)
-        if stored is None or stored.nbytes >= dense_bytes:
-            # Never worse than plain PyTorch: a tensor that does not compress stays as it is.
-            entry = _Entry(t, lo, hi, gathered, None)
-            held = dense_bytes
-            self._record(t, "dense", dense_bytes, held, region.numel())
-            result = _Kept(t, entry)
-        else:
-            entry = _Entry(t, lo, hi, gathered, stored)
-            held = stored.nbytes
-            self._record(t, "stored", dense_bytes, held, region.numel(), stored.nnz)
-            result = entry.view_of(t)
-        if self.ledger is not None:
-            self.ledger.hold(held)
-            weakref.finalize(entry, self.ledger.release, held)
+        entry = _Entry(t, lo, hi, gathered=hi - lo > 2 * t.numel())
+        self._encode(entry, t, d, need, form, module, dense_bytes=(hi - lo if entry.gathered is None else t.numel()) * t.element_size())
         self._table.setdefault(key, []).append(weakref.ref(entry))
-        return result
+        return entry.view_of(t, form)
+
+    def _encode(self, entry: _Entry, t, d, need: Need, form: str, module, dense_bytes: int) -> None:
+        """Add ``form`` to ``entry``; ``dense_bytes`` is what plain PyTorch holds (0 if shared)."""
+        if entry.gathered is not None:
+            region, rows = d.reshape(-1), (t.shape[0] if t.dim() else 1)
+        else:
+            region, rows = torch.as_strided(d, (entry.hi - entry.lo,), (1,), entry.lo), _rows(t, entry)
+        if form == "shape":
+            rep = _SHAPE
+        else:
+            rep = self.policy.encode(region.view(rows, -1), need)
+            region_bytes = region.numel() * region.element_size()
+            if rep is None or rep.nbytes >= region_bytes:
+                # Never worse than plain PyTorch: what does not compress is held as it is.
+                form, rep = "exact", _Region(region, d)
+        entry.add(form, rep)
+        storage = "dense" if isinstance(rep, _Region) else "stored"
+        # A form added to an entry already counted adds bytes, not elements.
+        numel, nnz = (region.numel(), rep.nnz) if dense_bytes else (0, 0)
+        self._record(t, module, storage, dense_bytes, rep.nbytes, numel, need, form, nnz)
+        if self.ledger is not None and rep.nbytes:
+            self.ledger.hold(rep.nbytes)
+            weakref.finalize(rep, self.ledger.release, rep.nbytes)
 
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
         return packed.unpack()
 
-    def _record(self, t, storage, dense_bytes, stored_bytes, numel, nnz=None) -> None:
+    def _record(self, t, module, storage, dense_bytes, stored_bytes, numel, need=EXACT, form="exact", nnz=None) -> None:
         if self.ledger is None:
             return
-        module, module_type = self._stack[-1]
         self.ledger.add(
             SavedRecord(
-                module=module,
-                module_type=module_type,
-                op=self._ops.current,
+                module=module[0],
+                module_type=module[1],
+                op=need.op,
                 shape=tuple(t.shape),
                 dtype=str(t.dtype).removeprefix("torch."),
                 storage=storage,
@@ -327,8 +406,31 @@ class compress_activations(contextlib.ContextDecorator):
                 stored_bytes=stored_bytes,
                 numel=numel,
                 nnz=numel if nnz is None else nnz,
+                form=form,
             )
         )
+
+
+class _Shape:
+    """The form of a tensor whose values backward never reads: nothing is held."""
+
+    nbytes = 0
+    nnz = 0
+
+
+_SHAPE = _Shape()
+
+
+def _rows(t: torch.Tensor, entry: _Entry) -> int:
+    """Rows for per-row codecs: the extent of ``t``'s outermost dimension in memory.
+
+    For a batch-first tensor, or a transposed view of one, that is the batch: one row per sample.
+    """
+    if t.dim() == 0:
+        return 1
+    outer = max(range(t.dim()), key=lambda d: (t.stride(d), -d))
+    n = t.shape[outer]
+    return n if n > 0 and (entry.hi - entry.lo) % n == 0 else 1
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

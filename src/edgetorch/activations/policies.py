@@ -8,6 +8,9 @@ import torch
 
 from ..codecs import FLOAT_DTYPES, pack_bitmap
 from ..codecs.bitmap import BitmapTensor, zero_limit_bits
+from ..codecs.mask import pack_mask
+from ..codecs.topk import check_sparsity, pack_topk
+from .roles import EXACT, Need
 
 
 class Policy:
@@ -15,14 +18,25 @@ class Policy:
 
     The engine (:func:`edgetorch.compress_activations`) has already left parameters, buffers,
     model inputs, integer/bool and tiny tensors alone, and removed duplicates; a policy only
-    sees tensors worth encoding. ``encode`` returns an object with ``.nbytes`` and
-    ``.unpack()``, or None to keep the tensor as it is.
+    sees tensors worth encoding, as ``[rows, n]`` (one row per sample for batch-first
+    tensors). ``encode`` returns an object with ``.nbytes``, ``.nnz`` and ``.unpack()``, or
+    None to keep the tensor as it is.
+
+    A policy that treats tensors differently by what backward needs of them sets
+    ``needs_roles``; the engine then tells it, per tensor, the :class:`~edgetorch.activations.roles.Need`
+    of the op that saved it, and ``form(need)`` names the stored form (tensors saved by several
+    ops are stored once per distinct form).
     """
 
     name = "policy"
+    needs_roles = False
 
-    def encode(self, t: torch.Tensor) -> BitmapTensor | None:
+    def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
+
+    def form(self, need: Need) -> str:
+        """The stored form for ``need``; the default stores every tensor one (exact) way."""
+        return "exact"
 
     def spec(self) -> str:
         """The string :func:`parse_policy` turns back into this policy."""
@@ -40,7 +54,7 @@ class Dense(Policy):
 
     name = "dense"
 
-    def encode(self, t: torch.Tensor) -> None:
+    def encode(self, t: torch.Tensor, need: Need = EXACT) -> None:
         return None
 
 
@@ -72,7 +86,7 @@ class Bitmap(Policy):
                 f"got {self.value_dtype!r}"
             )
 
-    def encode(self, t: torch.Tensor) -> BitmapTensor | None:
+    def encode(self, t: torch.Tensor, need: Need = EXACT) -> BitmapTensor | None:
         if not self._worth_packing(t):
             return None
         return pack_bitmap(t, self.threshold, self.value_dtype)
@@ -94,8 +108,71 @@ class Bitmap(Policy):
 
 _SAMPLE = 4096  # elements looked at to estimate the kept fraction
 _WORTHWHILE = 0.97  # pack when the estimate is at least 3% below dense (sampling error ~1.5%)
+_SCOPES = ("weights", "all")
 
-POLICIES: dict[str, type[Policy]] = {"dense": Dense, "bitmap": Bitmap}
+
+@dataclass(frozen=True)
+class BackRazor(Policy):
+    """Back Razor: the forward stays dense; saved copies that feed only a weight gradient keep
+    their top-k magnitudes per sample, as bitmap + values (Jiang et al., NeurIPS'22).
+
+    What each op's backward reads decides what is stored (see
+    :mod:`edgetorch.activations.roles`): inputs of Conv/Linear/matmul with a parameter are
+    pruned; ReLU, ReLU6 and leaky ReLU keep an exact 1-bit mask; pooling keeps only the shape;
+    everything else (GELU, softmax, LayerNorm, attention, training-mode batch norm) is stored
+    losslessly. Input gradients therefore equal plain PyTorch's wherever no batch norm trains.
+
+    Args:
+        sparsity: fraction of each sample's values dropped, in [0, 1). A sample that already
+            has more exact zeros keeps all its non-zeros (effective sparsity
+            max(natural, requested)).
+        value_dtype: store kept values as ``torch.float16`` / ``torch.bfloat16``; None keeps
+            each tensor's dtype. Exact forms are never rounded.
+        scope: ``"weights"`` (default) prunes only what feeds weight gradients; ``"all"`` also
+            prunes the saved inputs/outputs of GELU, softmax, LayerNorm and attention, as the
+            paper does for ViTs: less memory, approximate input gradients.
+
+    Example:
+        >>> with edgetorch.compress_activations(model, edgetorch.BackRazor(0.9)):
+        ...     loss = criterion(model(x), y)
+        >>> loss.backward()  # forward exact; weight gradients from the pruned copies
+    """
+
+    name = "backrazor"
+    needs_roles = True
+    sparsity: float = 0.9
+    value_dtype: torch.dtype | None = None
+    scope: str = "weights"
+
+    def __post_init__(self) -> None:
+        check_sparsity(self.sparsity)
+        if self.value_dtype is not None and self.value_dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"value_dtype must be None or one of {', '.join(map(str, FLOAT_DTYPES))}; "
+                f"got {self.value_dtype!r}"
+            )
+        if self.scope not in _SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(_SCOPES)}; got {self.scope!r}")
+
+    def form(self, need: Need) -> str:
+        if need.kind == "exact" and need.prunable and self.scope == "all":
+            return "prune"
+        if need.kind == "mask":
+            return f"mask({need.low:g},{need.high:g})"
+        return need.kind
+
+    def encode(self, t: torch.Tensor, need: Need = EXACT):
+        form = self.form(need)
+        if form == "prune":
+            return pack_topk(t, self.sparsity, value_dtype=self.value_dtype)
+        if form.startswith("mask"):
+            return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
+        return _LOSSLESS.encode(t)
+
+
+_LOSSLESS = Bitmap()
+
+POLICIES: dict[str, type[Policy]] = {"dense": Dense, "bitmap": Bitmap, "backrazor": BackRazor}
 _DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
@@ -106,7 +183,8 @@ def parse_policy(spec: str) -> Policy:
 
     Args:
         spec: e.g. ``dense``, ``bitmap``, ``bitmap:threshold=0.01``,
-            ``bitmap:threshold=0.05,value_dtype=float16``.
+            ``bitmap:threshold=0.05,value_dtype=float16``, ``backrazor:sparsity=0.9``,
+            ``backrazor:sparsity=0.95,scope=all``.
 
     Returns:
         The policy object.
@@ -134,6 +212,8 @@ def parse_policy(spec: str) -> Policy:
 
 
 def _parse_value(key: str, value: str):
+    if key == "scope":
+        return value
     if key.endswith("dtype"):
         if value.lower() in ("none", ""):
             return None

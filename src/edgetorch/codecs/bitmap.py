@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Floats are compared as integers of the same width: |v| as bits is monotone in |v| for every
@@ -157,24 +158,44 @@ def _unpack(bitmap: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Ten
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as a bitmap: bit ``i % 8`` of byte ``i // 8`` is element ``i`` (row-major).
+
+    Args:
+        mask: bool tensor of any shape, on any device.
+
+    Returns:
+        ``uint8`` tensor of ``ceil(mask.numel() / 8)`` bytes; the unused high bits are 0.
+    """
+    flat = mask.reshape(-1)
+    if flat.device.type == "cpu":
+        return torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = _BIT_WEIGHTS.to(flat.device)
+    return (flat.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` bits of ``bitmap`` as a 1-D bool tensor (inverse of :func:`pack_bits`)."""
+    if bitmap.device.type == "cpu":
+        bits = np.unpackbits(bitmap.numpy(), count=numel, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
+    weights = _BIT_WEIGHTS.to(bitmap.device)
+    return (bitmap.unsqueeze(1) & weights).ne(0).view(-1)[:numel]
+
+
 def pack_torch(bits: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Device-generic packing with torch ops (the GPU path; also the reference on CPU)."""
     keep = (bits & _ABS_MASK[bits.dtype]) > limit
-    values = bits[keep]
-    pad = (-keep.numel()) % 8
-    if pad:
-        keep = torch.cat([keep, keep.new_zeros(pad)])
-    weights = _BIT_WEIGHTS.to(bits.device)
-    bitmap = (keep.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
-    return bitmap, values
+    return pack_bits(keep), bits[keep]
 
 
 def unpack_torch(bitmap: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
     """Device-generic unpacking with torch ops (the GPU path; also the reference on CPU)."""
-    weights = _BIT_WEIGHTS.to(bitmap.device)
-    keep = (bitmap.unsqueeze(1) & weights).ne(0).view(-1)[:numel]
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
-    return out.masked_scatter_(keep, values)
+    return out.masked_scatter_(unpack_bits(bitmap, numel), values)
 
 
 def _names(dtypes) -> str:

@@ -22,7 +22,8 @@ class SavedRecord:
     Attributes:
         module: qualified name of the innermost module running when it was saved ("" = root).
         module_type: that module's class name.
-        op: the torch function that saved it (e.g. ``conv2d``, ``relu_``, ``batch_norm``).
+        op: the ATen op that saved it (e.g. ``convolution``, ``relu_``, ``native_batch_norm``;
+            ``?`` when it was saved outside any op, as by a custom autograd Function).
         shape: logical shape of the saved tensor.
         dtype: its dtype, as a string.
         storage: how it is held: ``stored`` (encoded by the policy), ``shared`` (same memory as
@@ -32,6 +33,8 @@ class SavedRecord:
         stored_bytes: bytes held under the policy (0 for shared and external records).
         numel: elements held (0 for shared and external records).
         nnz: values the codec kept (``numel`` when held dense).
+        form: what was stored: ``exact``, ``prune`` (top-k values), ``mask ...`` (one bit per
+            element), ``shape`` (nothing: backward never reads the values).
     """
 
     module: str
@@ -44,6 +47,7 @@ class SavedRecord:
     stored_bytes: int
     numel: int
     nnz: int
+    form: str = "exact"
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,9 @@ class SavedTensorLedger:
     def by_op(self) -> dict[str, Totals]:
         return self._group(lambda r: r.op)
 
+    def by_form(self) -> dict[str, Totals]:
+        return self._group(lambda r: r.form)
+
     def _group(self, key) -> dict[str, Totals]:
         groups: dict[str, Totals] = defaultdict(Totals)
         for r in self.records:
@@ -130,6 +137,7 @@ class SavedTensorLedger:
             "total": self.total().to_dict(),
             "peak_live_bytes": self.peak_live_bytes,
             "by_op": {k: v.to_dict() for k, v in self.by_op().items()},
+            "by_form": {k: v.to_dict() for k, v in self.by_form().items()},
             "by_module_type": {k: v.to_dict() for k, v in self.by_module_type().items()},
         }
 

@@ -1,0 +1,243 @@
+"""What each op's backward needs of the tensors it saves, and which op saved a tensor.
+
+Back Razor may prune a saved tensor only where that cannot change an input gradient. Per ATen op
+(the level at which autograd saves), this module says what backward reads:
+
+========================================  ======================  ============================
+op (ATen)                                 saved tensor            need
+========================================  ======================  ============================
+convolution, mm, addmm, bmm, baddbmm,     an activation operand   ``prune`` when every other
+mul                                       whose partner is a      operand is a parameter
+                                          parameter               (it feeds only the weight
+                                                                  gradient); ``shape`` when that
+                                                                  parameter is frozen
+same ops                                  activation x activation ``exact`` (attention scores,
+                                                                  gating): feeds input grads
+relu, relu\\_                              output                  ``mask`` v > 0
+hardtanh, hardtanh\\_ (ReLU6)              input / output          ``mask`` min < v < max
+leaky_relu, leaky_relu\\_                  input / output          ``mask`` v > 0 (sign)
+max/avg/adaptive pooling                  input                   ``shape`` (values unused)
+native_batch_norm, training               input                   ``exact``
+native_batch_norm, eval statistics        input                   ``shape`` if frozen
+                                                                  (weight too), else ``exact``
+native_layer_norm, native_group_norm      input                   ``exact`` (prunable)
+gelu, silu, elu, softplus, mish,          input                   ``exact`` (prunable)
+hardswish, hardsigmoid
+sigmoid, tanh, softmax, log_softmax       output                  ``exact`` (prunable)
+fused attention (SDPA flash / efficient   q, k, v, output         ``exact`` (prunable)
+/ cuDNN)
+anything else                             any                     ``exact``
+========================================  ======================  ============================
+
+"prunable": exact by default; ``BackRazor(scope="all")`` prunes it too, as the paper does for
+ViTs, making input gradients approximate.
+
+Identifying the op: autograd packs an op's inputs right before the op reaches the dispatcher
+below it, and its outputs right after; :class:`OpWatch`, a dispatch mode, sees those edges and
+hands each pending pack its need. A tensor saved by a custom ``autograd.Function`` is packed at
+the end of ``apply``, outside any op, and is marked ``exact``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass(frozen=True)
+class Need:
+    """What backward reads of one saved tensor.
+
+    Attributes:
+        kind: ``exact`` (every value), ``prune`` (feeds only a weight gradient: top-k is
+            enough), ``mask`` (only whether each value lies in ``(low, high)``), ``shape``
+            (only its shape: the values are never read).
+        low, high: the interval of a ``mask`` need.
+        inside, outside: stand-in values a mask reads back (see :func:`edgetorch.codecs.mask.pack_mask`).
+        prunable: an ``exact`` need that ``BackRazor(scope="all")`` prunes anyway.
+        op: the ATen op that saved the tensor, for the ledger.
+    """
+
+    kind: str
+    low: float = 0.0
+    high: float = math.inf
+    inside: float = 1.0
+    outside: float = 0.0
+    prunable: bool = False
+    op: str = "?"
+
+
+EXACT = Need("exact")
+
+_BILINEAR = {"convolution", "mm", "addmm", "bmm", "baddbmm", "mul"}
+_POOLS = {
+    "max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices",
+    "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+    "avg_pool1d", "avg_pool2d", "avg_pool3d",
+    "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "adaptive_avg_pool1d",
+}
+_BATCH_NORMS = {
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "cudnn_batch_norm", "miopen_batch_norm",
+}
+_PRUNABLE_INPUTS = {
+    "native_layer_norm", "native_group_norm", "gelu", "silu", "elu", "softplus", "mish",
+    "hardswish", "hardsigmoid",
+}
+_PRUNABLE_OUTPUTS = {"sigmoid", "tanh", "_softmax", "_safe_softmax", "_log_softmax"}
+_ATTENTION = {
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+}
+# Ops that save some of their outputs, and which: a pack right after one of them may be one.
+_SAVED_OUTPUTS = {
+    "relu": (0,), "relu_": (0,), "hardtanh_": (0,), "leaky_relu_": (0,),
+    "native_batch_norm": (1, 2), "native_layer_norm": (1, 2), "native_group_norm": (1, 2),
+    "max_pool2d_with_indices": (1,), "max_pool3d_with_indices": (1,),
+    **{op: (0,) for op in _PRUNABLE_OUTPUTS}, **{op: (0, 1) for op in _ATTENTION},
+    # An in-place op whose backward reads its original input saves a clone made just before.
+    "clone": (0,),
+}
+
+
+_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
+
+
+def _name(func) -> str:
+    return func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)]
+
+
+def _arg(args: tuple, kwargs: dict, index: int, key: str, default):
+    return args[index] if len(args) > index else kwargs.get(key, default)
+
+
+def input_need(op: str, t: torch.Tensor, args: tuple, kwargs: dict, is_param: Callable) -> Need:
+    """What backward of ``op`` (called with ``args``) needs of its input ``t``."""
+    if op in _BILINEAR:
+        others = [a for a in _tensors((args, kwargs)) if not _same(a, t) and a.dim() > 0]
+        if others and all(is_param(a) for a in others):
+            trains = any(a.requires_grad for a in others)
+            return Need("prune" if trains else "shape", op=op)
+        return Need("exact", op=op)
+    if op in ("hardtanh", "hardtanh_"):
+        low, high = float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0))
+        return _interval(low, high, op)
+    if op in ("leaky_relu", "leaky_relu_"):
+        return Need("mask", 0.0, math.inf, 1.0, -1.0, op=op)
+    if op in _POOLS:
+        return Need("shape", op=op)
+    if op in _BATCH_NORMS and _same(args[0], t):
+        weight = _arg(args, kwargs, 1, "weight", None)
+        training = op != "_native_batch_norm_legit_no_training" and _arg(args, kwargs, 5, "training", True)
+        if training or (weight is not None and weight.requires_grad):
+            # Batch statistics' gradients read every input value; so does the affine weight's
+            # gradient through (x - mean) / std, which top-k of x does not approximate.
+            return Need("exact", op=op)
+        return Need("shape", op=op)  # frozen: grad_input = grad * weight / std reads no x
+    if op in _PRUNABLE_INPUTS or op in _ATTENTION:
+        return Need("exact", prunable=True, op=op)
+    return Need("exact", op=op)
+
+
+def output_need(op: str, args: tuple, kwargs: dict) -> Need:
+    """What backward of ``op`` needs of an output it saved."""
+    if op in ("relu", "relu_"):
+        return Need("mask", 0.0, math.inf, 1.0, 0.0, op=op)
+    if op == "hardtanh_":
+        return _interval(float(_arg(args, kwargs, 1, "min_val", -1.0)),
+                         float(_arg(args, kwargs, 2, "max_val", 1.0)), op)
+    if op == "leaky_relu_":
+        return Need("mask", 0.0, math.inf, 1.0, -1.0, op=op)
+    if op in _PRUNABLE_OUTPUTS or op in _ATTENTION:
+        return Need("exact", prunable=True, op=op)
+    return Need("exact", op=op)
+
+
+def _interval(low: float, high: float, op: str) -> Need:
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        return Need("exact", op=op)
+    return Need("mask", low, high, (low + high) / 2, low, op=op)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same memory: one storage, same offset, shape and strides (a view of itself counts)."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+_CUSTOM_FUNCTION_FILE = "autograd" + ("\\" if sys.platform == "win32" else "/") + "function.py"
+
+
+def saved_by_custom_function() -> bool:
+    """True when the pack hook runs inside ``torch.autograd.Function.apply``."""
+    # Three frames up: this function, the engine's pack hook, then whatever called into C++.
+    frame = sys._getframe(2)
+    return frame is not None and frame.f_code.co_filename.endswith(_CUSTOM_FUNCTION_FILE)
+
+
+class OpWatch(TorchDispatchMode):
+    """Assigns each pending pack the :class:`Need` of the op that saved it.
+
+    Args:
+        resolve: called as ``resolve(pending, need)`` once the op is known; ``pending.tensor``
+            is the tensor autograd packed.
+        is_param: whether a tensor is a parameter or buffer of the model (or a view of one).
+    """
+
+    def __init__(self, resolve: Callable, is_param: Callable):
+        super().__init__()
+        self.resolve, self.is_param = resolve, is_param
+        self.pending: list = []
+        self._last: tuple | None = None  # (op, args, kwargs, saved outputs) of the op just run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "is_view", False) or func in _ALIASES:
+            # Views save nothing and sit between an op and the packs of its outputs (the
+            # engine's own detach runs inside the pack hook): they are no edge.
+            return func(*args, **kwargs)
+        op = _name(func)
+        if self.pending:
+            self.flush(op, args, kwargs)
+        out = func(*args, **kwargs)
+        if op in _SAVED_OUTPUTS:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            saved = [outs[i] for i in _SAVED_OUTPUTS[op] if i < len(outs)]
+            self._last = (op, args, kwargs, [o for o in saved if isinstance(o, torch.Tensor)])
+        else:
+            self._last = None
+        return out
+
+    def flush(self, op: str | None = None, args: tuple = (), kwargs: dict | None = None) -> None:
+        """Resolve the pending packs, in order: outputs of the op just run, then inputs of ``op``."""
+        pending, self.pending = self.pending, []
+        kwargs = kwargs or {}
+        outputs = list(self._last[3]) if self._last is not None else []
+        inputs = _tensors((args, kwargs)) if op is not None else []
+        for p in pending:
+            t, need = p.tensor, EXACT
+            match = next((i for i, o in enumerate(outputs) if _same(o, t)), None)
+            if match is not None:
+                del outputs[match]  # each output is saved once; a second pack is an input
+                if self._last[0] != "clone":
+                    need = output_need(self._last[0], self._last[1], self._last[2])
+                elif op is not None and op.endswith("_") and args:
+                    need = input_need(op, args[0], args, kwargs, self.is_param)
+            elif any(_same(a, t) for a in inputs):
+                need = input_need(op, t, args, kwargs, self.is_param)
+            self.resolve(p, need)
+        self._last = None

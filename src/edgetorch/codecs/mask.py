@@ -1,0 +1,90 @@
+"""One bit per element: where a value lies strictly inside an interval, which is all that the
+backward of ReLU, ReLU6/hardtanh and leaky ReLU reads from its saved tensor.
+
+ReLU's backward passes the gradient where its output is > 0; hardtanh's where its input lies in
+(min, max); leaky ReLU's scales it by 1 or the slope on the sign of its input. Storing that
+predicate as a bitmap (``n / 8`` bytes) and reading back a stand-in value on each side gives the
+exact same gradient (Back Razor keeps ReLU6 this way; Jiang et al., NeurIPS'22, Sec. 4.2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .bitmap import FLOAT_DTYPES, pack_bits, unpack_bits
+
+
+@dataclass(frozen=True, eq=False)
+class MaskTensor:
+    """Which elements lay inside an open interval, read back as ``inside`` / ``outside`` values.
+
+    Attributes:
+        bitmap: ``uint8``, bit ``i % 8`` of byte ``i // 8`` set when element ``i`` was inside.
+        shape: logical shape of the original tensor.
+        dtype: dtype that :meth:`unpack` returns.
+        inside: value read back where the bit is set.
+        outside: value read back elsewhere.
+    """
+
+    bitmap: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    inside: float
+    outside: float
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        """Stored values: none, only bits."""
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes held: the bitmap."""
+        return self.bitmap.numel()
+
+    def unpack(self) -> torch.Tensor:
+        """A new tensor of ``shape`` and ``dtype``: ``inside`` where the bit is set, else ``outside``."""
+        inside = unpack_bits(self.bitmap, self.numel).view(self.shape)
+        out = torch.full(self.shape, self.outside, dtype=self.dtype, device=self.bitmap.device)
+        return out.masked_fill_(inside, self.inside)
+
+
+def pack_mask(
+    t: torch.Tensor, low: float, high: float = math.inf, *, inside: float = 1.0, outside: float | None = None
+) -> MaskTensor:
+    """Store only whether each element of ``t`` lies in the open interval ``(low, high)``.
+
+    Args:
+        t: a floating-point tensor.
+        low: lower bound (exclusive).
+        high: upper bound (exclusive); ``inf`` for "greater than ``low``".
+        inside: value :meth:`MaskTensor.unpack` writes where ``low < v < high``; must itself
+            lie in the interval, so the predicate survives a second pack.
+        outside: value written elsewhere (default ``low``, which is outside the interval).
+
+    Returns:
+        A :class:`MaskTensor` of ``t.numel() / 8`` bytes.
+
+    Example:
+        >>> y = torch.relu(torch.randn(4, 8))
+        >>> m = pack_mask(y, 0.0)          # ReLU backward reads y > 0 only
+        >>> torch.equal(m.unpack() > 0, y > 0)
+        True
+    """
+    if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"pack_mask stores floating-point tensors; got {getattr(t, 'dtype', type(t))}")
+    outside = low if outside is None else outside
+    if not low < inside < high or low < outside < high:
+        raise ValueError(
+            f"inside={inside} must lie in ({low}, {high}) and outside={outside} must not"
+        )
+    d = t.detach()
+    keep = d > low if math.isinf(high) else (d > low) & (d < high)
+    return MaskTensor(pack_bits(keep), t.shape, t.dtype, float(inside), float(outside))

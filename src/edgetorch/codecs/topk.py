@@ -1,0 +1,96 @@
+"""Top-k storage of one tensor: per row, only the largest magnitudes survive (Back Razor, Sec. 3.2).
+
+Jiang et al. (NeurIPS'22) prune each sample to a fixed sparsity with a per-sample threshold and
+store the result as bitmap + values, ``n / 8 + kept * value_bytes`` bytes. Two corners of the
+published code are handled differently here:
+
+* A row with more exact zeros than the requested sparsity keeps its non-zeros only: zeros are
+  never stored as values (thresholding with ``kthvalue`` over all values gives threshold 0 there
+  and stores every zero). The effective sparsity is max(natural, requested).
+* Ties at the threshold are broken by position, so every row keeps exactly its quota of values
+  (or all of its non-zeros, if fewer). NaN counts as the largest magnitude.
+
+The threshold is a selection (``kthvalue``), not a sort, so its cost is linear in the row length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .bitmap import FLOAT_DTYPES, BitmapTensor, pack_bits
+
+
+def kept_per_row(row_numel: int, sparsity: float) -> int:
+    """How many values a row of ``row_numel`` elements keeps at ``sparsity``: ``n - round(s * n)``."""
+    return row_numel - round(sparsity * row_numel)
+
+
+def pack_topk(
+    t: torch.Tensor,
+    sparsity: float,
+    *,
+    rows: int | None = None,
+    value_dtype: torch.dtype | None = None,
+) -> BitmapTensor:
+    """Keep the largest-magnitude values of each row of ``t``; drop (read back as 0) the rest.
+
+    Args:
+        t: a floating-point tensor (float16, bfloat16, float32, float64), on any device.
+        sparsity: fraction of each row's values to drop, in [0, 1).
+        rows: split ``t`` (row-major) into this many equal rows, one threshold each. Default
+            ``t.shape[0]``: one per sample for a batch-first tensor (the paper's choice).
+        value_dtype: store the kept values in this float dtype (e.g. ``torch.float16``);
+            ``None`` keeps ``t.dtype``.
+
+    Returns:
+        A :class:`BitmapTensor` of ``t``'s shape; each row holds exactly
+        ``min(kept_per_row(n, sparsity), non-zeros of the row)`` values.
+
+    Example:
+        >>> x = torch.randn(8, 64, 14, 14)
+        >>> p = pack_topk(x, 0.9)
+        >>> p.nnz == 8 * kept_per_row(64 * 14 * 14, 0.9)
+        True
+    """
+    if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"pack_topk stores floating-point tensors; got {getattr(t, 'dtype', type(t))}")
+    check_sparsity(sparsity)
+    if value_dtype is not None and value_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"value_dtype must be a float dtype or None; got {value_dtype}")
+    rows = (t.shape[0] if t.dim() else 1) if rows is None else rows
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or t.numel() % rows:
+        raise ValueError(f"rows must be a positive int dividing numel={t.numel()}; got {rows!r}")
+    x = t.detach().reshape(rows, -1)
+    keep = _topk_mask(x, kept_per_row(x.shape[1], sparsity))
+    values = x[keep]
+    if value_dtype is not None and value_dtype != t.dtype:
+        values = values.to(value_dtype)
+    return BitmapTensor(bitmap=pack_bits(keep), values=values, shape=t.shape, dtype=t.dtype)
+
+
+def check_sparsity(sparsity: float) -> None:
+    """Raise unless ``sparsity`` is a number in [0, 1)."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
+        raise ValueError(
+            f"sparsity must be a number in [0, 1) (the fraction of each sample's values dropped, "
+            f"e.g. 0.9); got {sparsity!r}"
+        )
+
+
+def _topk_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
+    """Bool mask of each row's ``keep`` largest non-zero magnitudes (ties broken by position)."""
+    n = x.shape[1]
+    a = x.abs()
+    if keep >= n or n == 0:
+        return a != 0  # every non-zero survives; zeros are never stored as values
+    if keep == 0:
+        return torch.zeros_like(a, dtype=torch.bool)
+    # The (n - keep)-th smallest magnitude: strictly above it are at most `keep` values.
+    thr = a.kthvalue(n - keep, dim=1, keepdim=True).values
+    mask = ~(a <= thr)  # NaN compares false, so it is kept
+    # Rows short of their quota hold ties at a non-zero threshold: take the first ones.
+    short = (keep - mask.sum(1)) * (thr.squeeze(1) > 0)
+    for r in short.nonzero().flatten().tolist():
+        tied = (a[r] == thr[r]).nonzero().flatten()[: int(short[r])]
+        mask[r, tied] = True
+    return mask
