@@ -1,0 +1,296 @@
+"""The bottleneck payload: 8-bit affine quantisation in a small, versioned, validated binary format.
+
+BottleFit sends the head's output (the bottleneck tensor) as 8-bit integers plus what is needed to
+dequantise them, following Jacob et al. 2018 (the paper's [5]): ``q = clamp(round(x / s) + z, 0, 255)``
+and ``x ~ s * (q - z)``, with the range widened to contain 0 so that 0 is exact. ``z`` is an
+integer in [0, 255] and ``s > 0``; the rounding error is at most ``s / 2`` per element.
+
+Two choices differ from the published reference code, on purpose:
+
+* a range of width 0 (an all-zero tensor or sample) gets ``s = 1`` instead of dividing by zero;
+* with ``per_sample=True`` (the default) every sample of the batch (dim 0) has its own ``s, z``,
+  so a sample's payload and prediction do not depend on what else is in the batch.
+
+Wire format, version 1 (all integers little-endian; nothing is pickled)::
+
+    offset  size       field
+    0       4          magic b"ETBQ"
+    4       1          version = 1
+    5       1          mode: 0 = one (s, z) for the tensor, 1 = one (s, z) per sample (dim 0)
+    6       1          value dtype: 1 = uint8 (the only one in version 1)
+    7       1          restored dtype: 1 = float32, 2 = float16, 3 = bfloat16, 4 = float64
+    8       1          ndim, 1..8
+    9       4          CRC-32 (zlib) of every other byte of the payload: bytes 0..8, then 13..end
+    13      4 * ndim   shape, uint32 each, every dim >= 1
+    ...     5 * G      G = 1 or shape[0] groups: scale float32 (finite, > 0), zero point uint8
+    ...     numel      the quantised values, uint8, C order
+
+So a payload is ``numel + 13 + 4 * ndim + 5 * G`` bytes: for a [1, 12, 28, 28] bottleneck,
+9,408 values + 34 bytes. :func:`decode` checks every field, that the length is exact and the
+checksum matches (so a corrupted payload is an error, never a plausible wrong tensor), and
+raises :class:`PayloadError` (a ``ValueError``) naming what was wrong.
+
+Example:
+    >>> x = torch.randn(2, 3, 4, 4)
+    >>> blob = encode(x)
+    >>> len(blob) == payload_size(x.shape)
+    True
+    >>> decode(blob).shape
+    torch.Size([2, 3, 4, 4])
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAGIC = b"ETBQ"
+VERSION = 1
+MAX_NDIM = 8
+_FIXED = struct.Struct("<4sBBBBBI")  # magic, version, mode, value dtype, restored dtype, ndim, crc
+_CRC_AT = 9  # offset of the CRC field
+_PARAM = np.dtype([("scale", "<f4"), ("zero_point", "u1")])  # 5 bytes, packed
+_UINT8 = 1
+_RESTORED = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.float64}
+_RESTORED_CODE = {dtype: code for code, dtype in _RESTORED.items()}
+_QMAX = 255
+
+
+class PayloadError(ValueError):
+    """A payload (or a tensor given to :func:`encode`) is not valid; the message says why."""
+
+
+@dataclass(frozen=True)
+class PayloadHeader:
+    """The decoded header of a payload.
+
+    Attributes:
+        version: format version (1).
+        per_sample: one (scale, zero point) per sample along dim 0, else one for the tensor.
+        dtype: the floating dtype :func:`decode` returns.
+        shape: the tensor's shape.
+        header_bytes: bytes before the quantised values (fixed part, shape, scales/zero points).
+    """
+
+    version: int
+    per_sample: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    header_bytes: int
+
+    @property
+    def numel(self) -> int:
+        """Number of quantised values (one byte each)."""
+        return int(np.prod(self.shape, dtype=object))
+
+    @property
+    def total_bytes(self) -> int:
+        """The exact length a valid payload with this header has."""
+        return self.header_bytes + self.numel
+
+
+def header_size(ndim: int, groups: int) -> int:
+    """Bytes before the values: fixed part, ``ndim`` dims, ``groups`` (scale, zero point) pairs."""
+    return _FIXED.size + 4 * ndim + _PARAM.itemsize * groups
+
+
+def payload_size(shape: Sequence[int], per_sample: bool = True) -> int:
+    """Exact byte length of ``encode(x, per_sample)`` for a tensor of ``shape``, without encoding.
+
+    Args:
+        shape: the tensor's shape (1..8 dims, each >= 1).
+        per_sample: as in :func:`encode`.
+
+    Returns:
+        ``numel + header_size``.
+
+    Example:
+        >>> payload_size((1, 12, 28, 28))
+        9442
+    """
+    shape = _check_shape(tuple(int(d) for d in shape))
+    groups = shape[0] if per_sample else 1
+    return int(np.prod(shape)) + header_size(len(shape), groups)
+
+
+def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    if not 1 <= len(shape) <= MAX_NDIM:
+        raise PayloadError(f"a payload tensor has 1..{MAX_NDIM} dims, got {len(shape)}")
+    if any(d < 1 or d >= 2**32 for d in shape):
+        raise PayloadError(f"every dim must be in 1..2**32-1, got shape {shape}")
+    return shape
+
+
+def quantize(x: torch.Tensor, per_sample: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """8-bit affine quantisation (Jacob et al. 2018) of a floating tensor.
+
+    Args:
+        x: finite floating tensor, at least 1-D, no zero-size dims.
+        per_sample: one (scale, zero point) per index of dim 0, else one for the whole tensor.
+
+    Returns:
+        ``(q, scale, zero_point)``: ``q`` uint8 with ``x``'s shape; ``scale`` float32 and
+        ``zero_point`` uint8, each of shape [G] with G = ``x.shape[0]`` or 1.
+
+    Raises:
+        PayloadError: non-floating, empty or non-finite input.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in _RESTORED_CODE:
+        raise PayloadError(
+            f"encode takes a float32/float16/bfloat16/float64 tensor, got "
+            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
+        )
+    _check_shape(tuple(x.shape))
+    groups = x.shape[0] if per_sample else 1
+    flat = x.detach().to("cpu", torch.float64).reshape(groups, -1)
+    if not torch.isfinite(flat).all():
+        raise PayloadError("encode needs finite values; the tensor holds NaN or inf")
+    # The range always contains 0 so that 0 (ReLU zeros, padding) is represented exactly ([5], 2.1).
+    lo = flat.amin(dim=1).clamp(max=0.0)
+    hi = flat.amax(dim=1).clamp(min=0.0)
+    # Width-0 range = all-zero group: any positive scale is exact; 1 avoids the reference code's 0/0.
+    scale = torch.where(hi > lo, (hi - lo) / _QMAX, torch.ones_like(hi)).to(torch.float32)
+    # A scale below float32's range would be stored as 0; such tiny tensors are quantised at that
+    # smallest scale instead (error still <= scale / 2 because |x| is then below it).
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny)
+    stored = scale.to(torch.float64)  # quantise with the value the receiver will read
+    zero_point = torch.round(-lo / stored).clamp(0, _QMAX)
+    q = torch.round(flat / stored[:, None] + zero_point[:, None]).clamp(0, _QMAX)
+    return q.to(torch.uint8).reshape(x.shape), scale, zero_point.to(torch.uint8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize`: ``scale * (q - zero_point)`` per group, as ``dtype``.
+
+    Args:
+        q: uint8 values, shape [G, ...] or any shape when G = 1.
+        scale: float32 [G].
+        zero_point: uint8 [G].
+        dtype: the floating dtype to return.
+
+    Returns:
+        A tensor of ``q``'s shape.
+    """
+    groups = scale.numel()
+    flat = q.reshape(groups, -1).to(torch.float32)
+    real = (flat - zero_point.to(torch.float32)[:, None]) * scale[:, None]
+    return real.reshape(q.shape).to(dtype)
+
+
+def encode(x: torch.Tensor, per_sample: bool = True) -> bytes:
+    """Quantise ``x`` to 8 bits and serialise it in the version-1 wire format (module docstring).
+
+    Args:
+        x: the bottleneck tensor (finite floating, 1..8 dims, no zero-size dims), any device.
+        per_sample: one (scale, zero point) per sample along dim 0 (batch-size independent, 5 bytes
+            per sample), else one pair for the whole tensor.
+
+    Returns:
+        The payload; ``len(result) == payload_size(x.shape, per_sample)``.
+
+    Raises:
+        PayloadError: unsupported dtype, shape, or non-finite values.
+
+    Example:
+        >>> len(encode(torch.zeros(1, 3, 4, 4)))
+        82
+    """
+    q, scale, zero_point = quantize(x, per_sample)
+    params = np.empty(scale.numel(), dtype=_PARAM)
+    params["scale"] = scale.numpy()
+    params["zero_point"] = zero_point.numpy()
+    fields = (MAGIC, VERSION, int(per_sample), _UINT8, _RESTORED_CODE[x.dtype], x.dim())
+    body = b"".join((struct.pack(f"<{x.dim()}I", *x.shape), params.tobytes(),
+                     q.contiguous().numpy().tobytes()))
+    unsealed = _FIXED.pack(*fields, 0)
+    return _FIXED.pack(*fields, _checksum(unsealed, body)) + body
+
+
+def _checksum(fixed: bytes | memoryview, body: bytes | memoryview) -> int:
+    """CRC-32 over the fixed header without its CRC field, then everything after the fixed header."""
+    return zlib.crc32(body, zlib.crc32(fixed[:_CRC_AT]))
+
+
+def read_header(data: bytes | bytearray | memoryview) -> PayloadHeader:
+    """Parse and validate a payload's header (not its length; :func:`decode` checks that).
+
+    Args:
+        data: the payload bytes.
+
+    Returns:
+        The :class:`PayloadHeader`.
+
+    Raises:
+        PayloadError: not bytes, bad magic, unknown version/mode/dtype, bad ndim or shape,
+            or too short to hold the header.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"a payload is bytes, got {type(data).__name__}")
+    data = memoryview(data).cast("B")
+    if len(data) < _FIXED.size:
+        raise PayloadError(f"truncated payload: {len(data)} bytes, the fixed header alone is {_FIXED.size}")
+    magic, version, mode, value_dtype, restored, ndim, _ = _FIXED.unpack_from(data)
+    if magic != MAGIC:
+        raise PayloadError(f"not an edgetorch bottleneck payload: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise PayloadError(f"payload format version {version} is not supported (this reader: {VERSION})")
+    if mode not in (0, 1):
+        raise PayloadError(f"unknown quantisation mode {mode}; accepted: 0 (per tensor), 1 (per sample)")
+    if value_dtype != _UINT8:
+        raise PayloadError(f"unknown value dtype code {value_dtype}; version 1 accepts only {_UINT8} (uint8)")
+    if restored not in _RESTORED:
+        raise PayloadError(f"unknown restored dtype code {restored}; accepted: {sorted(_RESTORED)}")
+    if not 1 <= ndim <= MAX_NDIM:
+        raise PayloadError(f"payload ndim {ndim} is outside 1..{MAX_NDIM}")
+    if len(data) < _FIXED.size + 4 * ndim:
+        raise PayloadError(f"truncated payload: {len(data)} bytes cannot hold a {ndim}-dim shape")
+    shape = _check_shape(struct.unpack_from(f"<{ndim}I", data, _FIXED.size))
+    groups = shape[0] if mode == 1 else 1
+    return PayloadHeader(VERSION, mode == 1, _RESTORED[restored], shape, header_size(ndim, groups))
+
+
+def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> torch.Tensor:
+    """Validate a payload and return the dequantised tensor.
+
+    Args:
+        data: bytes produced by :func:`encode`.
+        max_bytes: if given, payloads longer than this are rejected before anything is allocated.
+
+    Returns:
+        A CPU tensor of the encoded shape and dtype, within ``scale / 2`` of what was encoded.
+
+    Raises:
+        PayloadError: any malformed payload: too long, truncated or with trailing bytes, bad
+            header fields, a checksum mismatch, or a scale that is not finite and positive.
+
+    Example:
+        >>> decode(encode(torch.ones(2, 2))).tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
+    """
+    if max_bytes is not None and isinstance(data, (bytes, bytearray, memoryview)) and len(data) > max_bytes:
+        raise PayloadError(f"payload of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
+    header = read_header(data)
+    data = memoryview(data).cast("B")
+    if len(data) != header.total_bytes:
+        kind = "truncated" if len(data) < header.total_bytes else "oversized"
+        raise PayloadError(
+            f"{kind} payload: {len(data)} bytes, but its header (shape {header.shape}) needs exactly "
+            f"{header.total_bytes}"
+        )
+    if _checksum(data[:_FIXED.size], data[_FIXED.size:]) != _FIXED.unpack_from(data)[-1]:
+        raise PayloadError("corrupted payload: its CRC-32 does not match its bytes")
+    groups = header.shape[0] if header.per_sample else 1
+    params_at = header.header_bytes - _PARAM.itemsize * groups
+    params = np.frombuffer(data, dtype=_PARAM, count=groups, offset=params_at)
+    scale = params["scale"].astype(np.float32)
+    if not (np.isfinite(scale).all() and (scale > 0).all()):
+        raise PayloadError("inconsistent payload: every scale must be finite and > 0")
+    values = np.frombuffer(data, dtype=np.uint8, offset=header.header_bytes).reshape(header.shape)
+    return dequantize(torch.from_numpy(values.copy()), torch.from_numpy(scale),
+                      torch.from_numpy(params["zero_point"].copy()), header.dtype)
