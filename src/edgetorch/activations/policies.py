@@ -154,6 +154,12 @@ class BackRazor(Policy):
         if self.scope not in _SCOPES:
             raise ValueError(f"scope must be one of {', '.join(_SCOPES)}; got {self.scope!r}")
 
+    def spec(self) -> str:
+        """Always names the sparsity (``backrazor:sparsity=0.9``), the number every table needs."""
+        rest = super().spec().partition(":")[2]
+        rest = ",".join(a for a in rest.split(",") if a and not a.startswith("sparsity="))
+        return f"backrazor:sparsity={self.sparsity:g}" + (f",{rest}" if rest else "")
+
     def form(self, need: Need) -> str:
         if need.kind == "exact" and need.prunable and self.scope == "all":
             return "prune"

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from ..measure import SavedTensorLedger, machine_description, model_memory, run_fresh
 from ..measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes, uss_bytes
+from .batchnorm import freeze_batchnorm
 from .engine import compress_activations
 from .policies import parse_policy
 
@@ -39,6 +40,7 @@ class ProfileRequest:
     num_classes: int = 10
     device: str = "cpu"
     seed: int = 0
+    freeze_bn: bool = False  # the Back Razor paper's choice: BN statistics and affine frozen
 
 
 def profile_policies(
@@ -50,6 +52,7 @@ def profile_policies(
     channels: int | None = None,
     num_classes: int = 10,
     device: str = "cpu",
+    freeze_bn: bool = False,
     on_result: Callable[[dict], None] | None = None,
 ) -> dict:
     """Profile one training step of ``model`` under each policy, each in a fresh process.
@@ -61,6 +64,8 @@ def profile_policies(
         channels: input channels (None: inferred from the model's first convolution).
         num_classes: classifier outputs for builders that take it.
         device: ``cpu`` or ``cuda``.
+        freeze_bn: freeze every batch norm first (:func:`edgetorch.freeze_batchnorm`), for
+            every policy alike.
         on_result: called with each policy's result as it arrives (progress display).
 
     Returns:
@@ -74,7 +79,8 @@ def profile_policies(
         parse_policy(spec)  # fail before starting any worker
     results = []
     for spec in policies:
-        request = ProfileRequest(model, batch, resolution, spec, channels, num_classes, device)
+        request = ProfileRequest(model, batch, resolution, spec, channels, num_classes, device,
+                                 freeze_bn=freeze_bn)
         result = run_fresh("edgetorch.activations.profile", asdict(request))
         results.append(result)
         if on_result is not None:
@@ -84,6 +90,7 @@ def profile_policies(
         "batch": batch,
         "resolution": resolution,
         "device": device,
+        "freeze_bn": freeze_bn,
         "machine": machine_description(),
         "results": results,
     }
@@ -97,10 +104,12 @@ def profile_one(request: ProfileRequest) -> dict:
     device = torch.device(request.device)
     policy = parse_policy(request.policy)
     model = build_model(request.model, num_classes=request.num_classes).to(device).train()
+    if request.freeze_bn:
+        freeze_batchnorm(model)
     channels = request.channels or _input_channels(model)
     x = torch.randn(request.batch, channels, request.resolution, request.resolution, device=device)
     y = torch.randint(0, request.num_classes, (request.batch,), device=device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
 
     def train_step(ledger: SavedTensorLedger | None) -> dict:
         with compress_activations(model, policy, ledger=ledger):
@@ -144,6 +153,7 @@ def profile_one(request: ProfileRequest) -> dict:
         **measured,
         "step_seconds": seconds,
         "by_op": {k: v.to_dict() for k, v in ledger.by_op().items()},
+        "by_form": {k: v.to_dict() for k, v in ledger.by_form().items()},
         "by_module_type": {k: v.to_dict() for k, v in ledger.by_module_type().items()},
     }
 

@@ -16,10 +16,14 @@ def profile(
     model: str = typer.Option(..., help="torchvision:NAME, zoo:NAME or pkg.module:factory"),
     batch: int = typer.Option(16, min=1, help="batch size"),
     resolution: int = typer.Option(224, min=1, help="input height and width"),
-    policy: list[str] = typer.Option(["dense", "bitmap"], help="repeatable: dense, bitmap, bitmap:threshold=0.01,value_dtype=float16"),
+    policy: list[str] = typer.Option(
+        ["dense", "bitmap"],
+        help="repeatable: dense, bitmap, bitmap:threshold=0.01,value_dtype=float16, backrazor:sparsity=0.9[,scope=all]",
+    ),
     channels: int = typer.Option(None, help="input channels (default: the first conv's)"),
     num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
     device: str = typer.Option("cpu", help="cpu or cuda"),
+    freeze_bn: bool = typer.Option(False, "--freeze-bn", help="freeze batch norm first (the Back Razor paper's choice)"),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     plot: Path = typer.Option(None, help="write a PNG of the memory breakdown per policy here"),
 ) -> None:
@@ -49,7 +53,8 @@ def profile(
 
         status.update(f"profiling {policy[0]} (a fresh process per policy)")
         result = profile_policies(model, batch, resolution, policy, channels=channels,
-                                  num_classes=num_classes, device=device, on_result=progress)
+                                  num_classes=num_classes, device=device, freeze_bn=freeze_bn,
+                                  on_result=progress)
 
     table = Table(title=f"{model}  batch {batch}  {resolution}px  ({device})")
     table.add_column("policy", no_wrap=True)

@@ -74,9 +74,9 @@ def _empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _over_chunks(kernel, n_chunks: int, *args) -> None:
+def over_chunks(kernel, n_chunks: int, *args, min_per_thread: int = _MIN_CHUNKS_PER_THREAD) -> None:
     """Run ``kernel(*args, lo, hi)`` over chunk ranges covering ``[0, n_chunks)``."""
-    threads = min(torch.get_num_threads(), n_chunks // _MIN_CHUNKS_PER_THREAD)
+    threads = min(torch.get_num_threads(), n_chunks // min_per_thread)
     if threads <= 1:
         kernel(*args, 0, n_chunks)
         return
@@ -217,10 +217,10 @@ def pack(bits: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     counts = np.empty(n_chunks, dtype=np.int64)
     # Mask and limit as wide as the elements: a wider compare would halve the vector lanes.
     mask, limit = x.dtype.type(_MASKS[bits.dtype]), x.dtype.type(limit)
-    _over_chunks(_build_bitmap, n_chunks, x, mask, limit, bm, counts)
+    over_chunks(_build_bitmap, n_chunks, x, mask, limit, bm, counts)
     offsets = _offsets(counts)
     values = _empty(int(offsets[-1]), bits.dtype)
-    _over_chunks(_compact, n_chunks, x, bm, offsets, values.numpy())
+    over_chunks(_compact, n_chunks, x, bm, offsets, values.numpy())
     return bitmap, values
 
 
@@ -239,5 +239,5 @@ def unpack(bitmap: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tens
     bm = bitmap.numpy()
     counts = np.empty(-(-bm.shape[0] // _CHUNK_BYTES), dtype=np.int64)
     _chunk_counts(bm, counts)
-    _over_chunks(_scatter, counts.shape[0], bm, values.numpy(), _offsets(counts), out.numpy())
+    over_chunks(_scatter, counts.shape[0], bm, values.numpy(), _offsets(counts), out.numpy())
     return out

