@@ -1,0 +1,120 @@
+"""``allocate``: choose per-layer reduction factors for a total multiplication budget."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .exact import solve_exact
+from .problem import make_problem
+from .pso import PSOConfig, solve_pso
+from .uniform import uniform_lowrank, uniform_prune
+
+SOLVERS = ("uniform", "pso", "exact")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """An allocation and how it was found.
+
+    Attributes:
+        theta: kept input neurons per layer (pruning) or ranks per layer (low-rank).
+        method: ``"prune"`` or ``"lowrank"``.
+        solver: ``"uniform"``, ``"pso"`` or ``"exact"``.
+        objective: ``J(theta)`` (eq. 12).
+        cost: multiplications of the reduced network.
+        total: multiplications of the full network.
+        seconds: wall time of the solver.
+        proven_gap: for ``"exact"``, J minus the proven lower bound (0.0 = proven optimal);
+            ``None`` for the heuristics, which prove nothing.
+    """
+
+    theta: list[int]
+    method: str
+    solver: str
+    objective: float
+    cost: int
+    total: int
+    seconds: float
+    proven_gap: float | None
+
+    @property
+    def alpha(self) -> float:
+        """The achieved total reduction factor ``1 - cost / total`` (eq. 7 / 11)."""
+        return 1.0 - self.cost / self.total
+
+
+def solve_allocation(
+    errors: Sequence[Sequence[float]],
+    widths: Sequence[int],
+    alpha: float,
+    method: str,
+    solver: str = "exact",
+    *,
+    seed: int = 0,
+    time_limit: float = 60.0,
+) -> Allocation:
+    """Like :func:`allocate`, returning the full :class:`Allocation` record (J, cost, time, gap).
+
+    Args:
+        errors, widths, alpha, method, solver: see :func:`allocate`.
+        seed: PSO seed.
+        time_limit: exact solver's time limit in seconds.
+
+    Returns:
+        The allocation record.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; accepted: {', '.join(SOLVERS)}")
+    problem = make_problem(errors, widths, alpha, method)
+    start = time.perf_counter()
+    gap = None
+    if solver == "uniform":
+        theta = uniform_prune(problem) if method == "prune" else uniform_lowrank(problem)
+    elif solver == "pso":
+        theta = solve_pso(problem, PSOConfig(seed=seed))
+    else:
+        result = solve_exact(problem, time_limit)
+        theta, gap = result.theta, result.proven_gap
+    seconds = time.perf_counter() - start
+    if not problem.feasible(theta):  # every solver must return a feasible point; never ship one that is not
+        raise AssertionError(f"{solver} returned an infeasible allocation {theta}")
+    return Allocation(theta, method, solver, problem.objective(theta), problem.cost(theta),
+                      problem.total, seconds, gap)
+
+
+def allocate(
+    errors: Sequence[Sequence[float]],
+    widths: Sequence[int],
+    alpha: float,
+    method: str,
+    solver: str = "exact",
+    *,
+    seed: int = 0,
+) -> list[int]:
+    """Per-layer kept neurons (pruning) or ranks (low-rank) minimising ``sum_l J_l`` (eq. 15).
+
+    Args:
+        errors: per weight layer l = 1..L, the curve ``J_l(v)`` for v = 0..M_{l-1} (pruning:
+            kept input neurons) or v = 0..K_l, K_l = min(M_{l-1}, M_l) (low-rank: rank; full
+            rank keeps the layer dense). Index 0 is never chosen.
+        widths: ``[M_0, ..., M_L]``, input first.
+        alpha: the minimum total reduction factor, in [0, 1).
+        method: ``"prune"`` or ``"lowrank"`` (which cost model, eq. 7 or 11).
+        solver: ``"uniform"`` (same factor everywhere), ``"pso"`` (the paper's particle swarm on
+            the relaxation, projected to a feasible integer point) or ``"exact"`` (the optimum).
+        seed: PSO seed.
+
+    Returns:
+        ``[M~_0, ..., M~_{L-1}]`` or ``[k_1, ..., k_L]``, meeting ``1 - cost/total >= alpha``.
+
+    Raises:
+        ValueError: unknown method or solver, wrong curve lengths, NaN/negative errors, or an
+            alpha that even the smallest network misses.
+
+    Example:
+        >>> allocate([[0, 3, 1, 0], [0, 5, 0]], [3, 2, 2], alpha=0.3, method="prune")
+        [1, 2]
+    """
+    return solve_allocation(errors, widths, alpha, method, solver, seed=seed).theta

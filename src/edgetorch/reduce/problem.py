@@ -1,0 +1,168 @@
+"""The allocation problem of the paper (eq. 5-7, 10-15): validated inputs, costs and budgets.
+
+Notation follows the paper: ``widths = [M_0, ..., M_L]`` are the neuron-layer widths, input first;
+there are ``L`` weight layers. A *choice* ``theta`` has one integer per weight layer:
+
+* pruning: ``theta[l-1] = M~_{l-1}``, the kept input neurons of layer ``l`` (1..M_{l-1}); the
+  output width ``M_L`` is never pruned. Cost (eq. 7) ``sum_{l<L} M~_{l-1} M~_l + M~_{L-1} M_L``.
+* low-rank: ``theta[l-1] = k_l`` in 1..K_l, ``K_l = min(M_{l-1}, M_l)``. A layer at ``k_l = K_l``
+  stays dense (``M_{l-1} M_l`` multiplications, error ``J_l(K_l)``), otherwise it is factored into
+  two thin layers costing ``(M_{l-1} + M_l) k_l`` (eq. 10-11).
+
+``errors[l-1][v]`` is ``J_l(v)`` for ``v = 0..upper_l``; index 0 is never a valid choice and is
+ignored. A choice is feasible when ``cost <= budget``, ``budget = floor((1 - alpha) * total)``,
+which is the paper's ``alpha_tot(theta) >= alpha`` in exact integer arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+METHODS = ("prune", "lowrank")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated allocation problem.
+
+    Attributes:
+        method: ``"prune"`` or ``"lowrank"``.
+        widths: ``[M_0, ..., M_L]``.
+        errors: one float array per weight layer, ``errors[l][v] = J_{l+1}(v)``; entry 0 is inf.
+        alpha: requested minimum total reduction factor.
+        budget: the most multiplications a feasible choice may cost.
+    """
+
+    method: str
+    widths: tuple[int, ...]
+    errors: tuple[np.ndarray, ...]
+    alpha: float
+    budget: int
+
+    @property
+    def layers(self) -> int:
+        """Number of weight layers ``L``."""
+        return len(self.widths) - 1
+
+    @property
+    def total(self) -> int:
+        """Multiplications of the full network, ``sum_l M_{l-1} M_l``."""
+        return full_cost(self.widths)
+
+    @property
+    def upper(self) -> tuple[int, ...]:
+        """Largest valid choice per layer (``M_{l-1}`` for pruning, ``K_l`` for low-rank)."""
+        return tuple(len(e) - 1 for e in self.errors)
+
+    def cost(self, theta: Sequence[int]) -> int:
+        """Multiplications of the reduced network for an integer choice (eq. 7 or 11)."""
+        if self.method == "prune":
+            return prune_cost(self.widths, theta)
+        return lowrank_cost(self.widths, theta)
+
+    def objective(self, theta: Sequence[int]) -> float:
+        """``J(theta) = sum_l J_l(theta_l)`` (eq. 12)."""
+        return float(sum(e[int(v)] for e, v in zip(self.errors, theta)))
+
+    def feasible(self, theta: Sequence[int]) -> bool:
+        """Whether ``theta`` is in range and meets the budget."""
+        in_range = all(1 <= int(v) <= u for v, u in zip(theta, self.upper))
+        return in_range and self.cost(theta) <= self.budget
+
+
+def full_cost(widths: Sequence[int]) -> int:
+    """Multiplications of the full fully connected network (footnote 1: weights only)."""
+    return sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+
+
+def prune_cost(widths: Sequence[int], kept: Sequence[int]) -> int:
+    """Eq. 7's numerator: ``sum_{l=1}^{L-1} M~_{l-1} M~_l + M~_{L-1} M_L``."""
+    kept = [int(v) for v in kept] + [int(widths[-1])]
+    return sum(a * b for a, b in zip(kept[:-1], kept[1:]))
+
+
+def layer_lowrank_cost(m_in: int, m_out: int, rank: int) -> int:
+    """Multiplications of one layer at ``rank`` (dense at full rank, eq. 10 otherwise)."""
+    return m_in * m_out if rank >= min(m_in, m_out) else (m_in + m_out) * rank
+
+
+def lowrank_cost(widths: Sequence[int], ranks: Sequence[int]) -> int:
+    """Eq. 11's numerator, with full-rank layers kept dense."""
+    return sum(layer_lowrank_cost(a, b, int(k)) for a, b, k in zip(widths[:-1], widths[1:], ranks))
+
+
+def budget_for(alpha: float, total: int) -> int:
+    """Largest integer cost with ``1 - cost / total >= alpha``.
+
+    A relative slack of 1e-12 absorbs the float rounding of ``(1 - alpha) * total`` (0.3 * 10
+    is 2.9999999999999996), so alpha = 0.7 of 10 multiplications allows 3.
+    """
+    return math.floor((1.0 - alpha) * total * (1 + 1e-12))
+
+
+def make_problem(
+    errors: Sequence[Sequence[float]], widths: Sequence[int], alpha: float, method: str
+) -> Problem:
+    """Validate the inputs of :func:`edgetorch.reduce.allocate` and build the problem.
+
+    Args:
+        errors: per weight layer, ``J_l(v)`` for ``v = 0..upper_l`` (see the module docstring).
+        widths: ``[M_0, ..., M_L]``, at least two positive ints.
+        alpha: minimum total reduction factor in [0, 1).
+        method: ``"prune"`` or ``"lowrank"``.
+
+    Returns:
+        The validated :class:`Problem`.
+
+    Raises:
+        ValueError: unknown method, bad widths, alpha outside [0, 1), wrong number or length of
+            error curves, NaN/inf/negative errors at valid indices, or an alpha no choice reaches.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
+    widths = tuple(widths)
+    if len(widths) < 2 or any(
+        isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1 for w in widths
+    ):
+        raise ValueError(f"widths must be >= 2 positive ints [M_0, ..., M_L], got {widths!r}")
+    widths = tuple(int(w) for w in widths)
+    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha < 1.0):
+        raise ValueError(f"alpha must be a number in [0, 1), got {alpha!r}")
+    layers = len(widths) - 1
+    if len(errors) != layers:
+        raise ValueError(f"expected {layers} error curves (one per weight layer), got {len(errors)}")
+    curves = []
+    for l, curve in enumerate(errors, start=1):
+        upper = widths[l - 1] if method == "prune" else min(widths[l - 1], widths[l])
+        values = np.asarray(curve, dtype=np.float64)
+        if values.shape != (upper + 1,):
+            what = "M_{l-1}" if method == "prune" else "K_l = min(M_{l-1}, M_l)"
+            raise ValueError(
+                f"errors[{l - 1}] must hold J_{l}(v) for v = 0..{what} = {upper}, "
+                f"i.e. {upper + 1} values, got shape {values.shape}"
+            )
+        valid = values[1:]
+        if not np.all(np.isfinite(valid)) or np.any(valid < 0):
+            raise ValueError(
+                f"errors[{l - 1}] must be finite and >= 0 at indices 1..{upper} "
+                f"(got NaN, inf or a negative value)"
+            )
+        values = values.copy()
+        values[0] = np.inf  # choosing nothing is never allowed
+        curves.append(values)
+    total = full_cost(widths)
+    budget = budget_for(float(alpha), total)
+    smallest = [1] * layers
+    cheapest = prune_cost(widths, smallest) if method == "prune" else lowrank_cost(widths, smallest)
+    if cheapest > budget:
+        best = 1 - cheapest / total
+        raise ValueError(
+            f"alpha={alpha} is infeasible for {method} on widths {list(widths)}: even one "
+            f"neuron/rank per layer keeps {cheapest} of {total} multiplications "
+            f"(largest reachable alpha {best:.6f})"
+        )
+    return Problem(method, widths, tuple(curves), float(alpha), budget)

@@ -1,0 +1,123 @@
+"""reduce.allocate: every solver feasible; exact equals brute force on random small instances."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgetorch.reduce import allocate, solve_allocation
+from edgetorch.reduce.problem import full_cost, lowrank_cost, make_problem, prune_cost
+
+
+def brute_force(errors, widths, alpha, method):
+    problem = make_problem(errors, widths, alpha, method)
+    best = min(
+        (problem.objective(t), t)
+        for t in itertools.product(*(range(1, u + 1) for u in problem.upper))
+        if problem.feasible(t)
+    )
+    return best[0], problem
+
+
+@st.composite
+def instances(draw, method):
+    layers = draw(st.integers(1, 3))
+    widths = draw(st.lists(st.integers(1, 6), min_size=layers + 1, max_size=layers + 1))
+    uppers = widths[:-1] if method == "prune" else [min(a, b) for a, b in zip(widths[:-1], widths[1:])]
+    # Arbitrary non-negative curves (not convex, not monotone): the solver may assume nothing.
+    value = st.floats(0, 10, allow_nan=False) | st.sampled_from([0.0, 1.0])
+    errors = [[0.0] + draw(st.lists(value, min_size=u, max_size=u)) for u in uppers]
+    cheapest = (prune_cost if method == "prune" else lowrank_cost)(widths, [1] * layers)
+    top = 1 - cheapest / full_cost(widths)
+    alpha = draw(st.floats(0, max(0.0, top), allow_nan=False))
+    return errors, widths, min(alpha, 0.999)
+
+
+@pytest.mark.parametrize("method", ["prune", "lowrank"])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_exact_matches_brute_force_and_heuristics_are_feasible(method, data):
+    errors, widths, alpha = data.draw(instances(method))
+    best, problem = brute_force(errors, widths, alpha, method)
+    exact = solve_allocation(errors, widths, alpha, method, "exact")
+    assert exact.proven_gap == 0.0
+    assert problem.feasible(exact.theta)
+    assert exact.objective <= best + 1e-9 * max(1.0, best)
+    assert exact.alpha >= alpha - 1e-12
+    for solver in ("uniform", "pso"):
+        other = solve_allocation(errors, widths, alpha, method, solver)
+        assert problem.feasible(other.theta)
+        assert exact.objective <= other.objective + 1e-9 * max(1.0, other.objective)
+
+
+def eq14_curve(powers):
+    # J(m) = sum of the powers dropped / sum of the powers kept, powers sorted decreasing (eq. 14).
+    s = np.sort(np.asarray(powers, dtype=float))[::-1]
+    kept = np.cumsum(s)
+    return [np.inf] + list((kept[-1] - kept) / kept)
+
+
+def test_paper_fig1_toy_problem_by_enumeration():
+    # Fig. 1: L = 2, M_0 = 10, M_1 = M_2 = 5, alpha_tot = 0.5 (pruning); J from eq. 14.
+    rng = np.random.default_rng(1)
+    errors = [eq14_curve(rng.gamma(1.0, size=10)), eq14_curve(rng.gamma(1.0, size=5))]
+    widths = [10, 5, 5]
+    best, problem = brute_force(errors, widths, 0.5, "prune")
+    theta = allocate(errors, widths, 0.5, "prune", "exact")
+    assert problem.feasible(theta) and problem.objective(theta) == pytest.approx(best, rel=1e-12)
+    assert problem.cost(theta) <= 37  # 75 multiplications in full, at most half kept
+    pso = solve_allocation(errors, widths, 0.5, "prune", "pso")
+    assert pso.objective >= problem.objective(theta)
+
+
+def test_alpha_zero_keeps_everything():
+    widths = [6, 5, 4, 3]
+    prune = [[0] + [1.0 / v for v in range(1, w + 1)] for w in widths[:-1]]
+    assert allocate(prune, widths, 0.0, "prune") == [6, 5, 4]
+    ranks = [[0] + [1.0 / v for v in range(1, min(a, b) + 1)] for a, b in zip(widths[:-1], widths[1:])]
+    assert allocate(ranks, widths, 0.0, "lowrank") == [5, 4, 3]
+    assert allocate(prune, widths, 0.0, "prune", "uniform") == [6, 5, 4]
+
+
+def test_pso_is_seeded():
+    widths = [30, 20, 10, 5]
+    rng = np.random.default_rng(0)
+    errors = [eq14_curve(rng.gamma(1.0, size=w)) for w in widths[:-1]]
+    runs = [allocate(errors, widths, 0.6, "prune", "pso", seed=s) for s in (3, 3)]
+    assert runs[0] == runs[1]
+
+
+def test_paper_network_exact_is_fast_and_proven():
+    widths = [784, 2500, 2000, 1500, 1000, 500, 10]
+    rng = np.random.default_rng(0)
+    prune = [eq14_curve(rng.gamma(0.5, size=w)) for w in widths[:-1]]
+    result = solve_allocation(prune, widths, 0.7, "prune", "exact")
+    assert result.proven_gap == 0.0 and result.alpha >= 0.7 and result.seconds < 20
+    pso = solve_allocation(prune, widths, 0.7, "prune", "pso")
+    assert result.objective <= pso.objective
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"method": "svd"}, "unknown method"),
+        ({"solver": "greedy"}, "unknown solver"),
+        ({"alpha": 1.0}, "alpha must be"),
+        ({"alpha": -0.1}, "alpha must be"),
+        ({"alpha": 0.99}, "infeasible"),
+        ({"widths": [4, 0, 2]}, "widths must be"),
+        ({"errors": [[0, 1, 2, 3, 4]]}, "expected 2 error curves"),
+        ({"errors": [[0, 1, 2], [0, 1, 2]]}, "must hold J_1"),
+        ({"errors": [[0, 1, np.nan, 0, 0], [0, 1, 0]]}, "finite and >= 0"),
+        ({"errors": [[0, 1, -1, 0, 0], [0, 1, 0]]}, "finite and >= 0"),
+    ],
+)
+def test_bad_input_is_rejected_clearly(kwargs, fragment):
+    args = {"errors": [[0, 3, 2, 1, 0], [0, 1, 0]], "widths": [4, 2, 2], "alpha": 0.2,
+            "method": "prune", "solver": "exact", **kwargs}
+    with pytest.raises(ValueError, match=fragment):
+        allocate(args["errors"], args["widths"], args["alpha"], args["method"], args["solver"])
