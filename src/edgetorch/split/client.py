@@ -1,0 +1,155 @@
+"""The device side: image -> head -> 8-bit payload -> HTTP -> logits, timing every stage."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .export import Preprocess, SplitManifest, load_part
+from .payload import encode
+
+
+class SplitClientError(RuntimeError):
+    """The server refused a request or answered something that is not logits of the right shape."""
+
+
+@dataclass(frozen=True)
+class InferenceResult:
+    """One round trip.
+
+    Attributes:
+        logits: [N, num_classes] from the server.
+        payload_bytes: the request body's exact length.
+        seconds: wall-clock seconds per stage: ``head``, ``encode``, ``network`` (round trip minus
+            the server's own time), ``server`` (decode + tail, as the server measured), ``total``.
+    """
+
+    logits: torch.Tensor
+    payload_bytes: int
+    seconds: dict[str, float]
+
+    @property
+    def predictions(self) -> list[int]:
+        """Arg-max class per sample."""
+        return self.logits.argmax(dim=1).tolist()
+
+
+def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_channels: int) -> torch.Tensor:
+    """Load image files (PNG, JPEG, anything PIL reads) as the head's input batch.
+
+    Args:
+        paths: image files.
+        preprocess: the manifest's preprocessing (size, color, normalisation).
+        in_channels: the head's input channels (gray images are repeated to fill them).
+
+    Returns:
+        float32 [N, in_channels, H, W].
+
+    Raises:
+        ValueError: a file PIL cannot read, or a color mode that cannot fill ``in_channels``.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    mode = "L" if preprocess.color == "gray" else "RGB"
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                array = np.asarray(image.convert(mode), dtype=np.float32) / 255.0
+        except (UnidentifiedImageError, OSError) as exc:
+            raise ValueError(f"{path}: not a readable image ({exc})") from None
+        pixels = torch.from_numpy(array.reshape(*array.shape[:2], -1)).permute(2, 0, 1)[None]
+        # The same resize load_dataset applies to training images (bilinear, antialiased when shrinking).
+        shrinking = pixels.shape[-1] > preprocess.size[1] or pixels.shape[-2] > preprocess.size[0]
+        pixels = F.interpolate(pixels, size=tuple(preprocess.size), mode="bilinear",
+                               align_corners=False, antialias=shrinking).clamp_(0.0, 1.0)
+        images.append(pixels[0])
+    batch = torch.stack(images)
+    if batch.shape[1] != in_channels:
+        if batch.shape[1] != 1:
+            raise ValueError(f"{preprocess.color} images have {batch.shape[1]} channels; the head takes {in_channels}")
+        batch = batch.expand(-1, in_channels, -1, -1)
+    mean = torch.tensor(preprocess.mean).view(1, -1, 1, 1)
+    std = torch.tensor(preprocess.std).view(1, -1, 1, 1)
+    return ((batch - mean) / std).contiguous()
+
+
+class SplitClient:
+    """Runs the head locally and the tail on a server.
+
+    Args:
+        head: the device-side module.
+        manifest: the artifact manifest (bottleneck shape, preprocessing).
+        server: base URL, e.g. ``http://127.0.0.1:8000``.
+        token: bearer token, if the server requires one.
+        timeout: seconds per HTTP request.
+
+    Example:
+        >>> client = SplitClient.from_dir("artifacts", "http://127.0.0.1:8000")  # doctest: +SKIP
+        >>> client.infer_files(["shoe.png"]).predictions  # doctest: +SKIP
+    """
+
+    def __init__(self, head: nn.Module, manifest: SplitManifest, server: str,
+                 token: str | None = None, timeout: float = 30.0) -> None:
+        import httpx
+
+        self.head, self.manifest = head, manifest
+        headers = {"content-type": "application/octet-stream"}
+        if token is not None:
+            headers["authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout)
+
+    @classmethod
+    def from_dir(cls, artifact_dir: str | Path, server: str, **kwargs) -> SplitClient:
+        """Load the verified head from an artifact directory (the device needs no tail)."""
+        head, manifest = load_part(artifact_dir, "head")
+        return cls(head, manifest, server, **kwargs)
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> SplitClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def infer(self, images: torch.Tensor) -> InferenceResult:
+        """One round trip for a batch of preprocessed images [N, *input_shape].
+
+        Raises:
+            SplitClientError: a non-200 answer (its JSON error is quoted) or malformed logits.
+        """
+        start = time.perf_counter()
+        with torch.inference_mode():
+            bottleneck = self.head(images)
+        headed = time.perf_counter()
+        body = encode(bottleneck)
+        encoded = time.perf_counter()
+        response = self._http.post("/infer", content=body)
+        answered = time.perf_counter()
+        if response.status_code != 200:
+            raise SplitClientError(f"server answered {response.status_code}: {response.text}")
+        answer = response.json()
+        logits = torch.tensor(answer["logits"], dtype=torch.float32)
+        if logits.shape != (images.shape[0], self.manifest.num_classes):
+            raise SplitClientError(f"server returned logits of shape {list(logits.shape)}, expected "
+                                   f"[{images.shape[0]}, {self.manifest.num_classes}]")
+        server_s = float(answer["timing"]["decode_s"]) + float(answer["timing"]["tail_s"])
+        seconds = {"head": headed - start, "encode": encoded - headed,
+                   "network": answered - encoded - server_s, "server": server_s,
+                   "total": time.perf_counter() - start}
+        return InferenceResult(logits, len(body), seconds)
+
+    def infer_files(self, paths: Sequence[str | Path]) -> InferenceResult:
+        """Preprocess image files as the manifest says, then :meth:`infer` (preprocessing not timed)."""
+        images = preprocess_images(paths, self.manifest.preprocess, self.manifest.input_shape[0])
+        return self.infer(images)
