@@ -98,11 +98,17 @@ class _Chain:
     def minimiser(self, lam: float) -> list[int]:
         """A minimiser of the Lagrangian (backtracking the DP)."""
         unary, prefix = self.tables(lam)
-        theta = [int(np.argmin(prefix[-1])) + 1]
+        theta = [_last_argmin(prefix[-1]) + 1]
         for l in range(len(prefix) - 2, -1, -1):
             pair = lam * self.values[l] * theta[0] if self.coupled else 0.0
-            theta.insert(0, int(np.argmin(prefix[l] + pair)) + 1)
+            theta.insert(0, _last_argmin(prefix[l] + pair) + 1)
         return theta
+
+
+def _last_argmin(values: np.ndarray) -> int:
+    # Among equal values keep the larger choice: at alpha = 0 an error-free plateau (zero-variance
+    # neurons, full rank) then keeps the network whole rather than dropping neurons for free.
+    return len(values) - 1 - int(np.argmin(values[::-1]))
 
 
 def _min_over_lines(intercepts: np.ndarray, slopes: np.ndarray, at: np.ndarray) -> np.ndarray:

@@ -1,0 +1,134 @@
+"""``reduce``: a trained MLP in, a physically smaller one out, at a total multiplication budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .allocate import Allocation, solve_allocation
+from .mlp import factorised, input_statistics, lowrank_curves, prune_orders, pruned, widths_of
+from .problem import layer_lowrank_cost
+
+REDUCTIONS = ("prune", "prune-ls", "lowrank")
+ALLOCATIONS = {"optimal": "exact", "uniform": "uniform", "pso": "pso"}
+
+
+@dataclass(frozen=True)
+class LayerFactor:
+    """One weight layer of the reduction.
+
+    Attributes:
+        layer: weight layer number l (1-based, as in the paper).
+        in_features, out_features: ``M_{l-1}``, ``M_l`` of the full layer.
+        kept_inputs: ``M~_{l-1}`` (pruning) -- ``None`` for low-rank.
+        rank: ``k_l`` (low-rank; ``K_l`` means kept dense) -- ``None`` for pruning.
+        macs: multiplications of the reduced layer.
+        alpha: the layer's reduction factor ``1 - macs / (M_{l-1} M_l)`` (eq. 5, 6, 10).
+        error: ``J_l`` at the chosen value.
+    """
+
+    layer: int
+    in_features: int
+    out_features: int
+    kept_inputs: int | None
+    rank: int | None
+    macs: int
+    alpha: float
+    error: float
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """The reduced model with its allocation and per-layer factors."""
+
+    model: nn.Module
+    method: str
+    allocation: Allocation
+    layers: list[LayerFactor]
+
+
+def _layer_factors(widths: list[int], allocation: Allocation, curves) -> list[LayerFactor]:
+    theta, rows = allocation.theta, []
+    kept = theta + [widths[-1]]
+    for l in range(len(widths) - 1):
+        m_in, m_out = widths[l], widths[l + 1]
+        if allocation.method == "prune":
+            macs, value = kept[l] * kept[l + 1], kept[l]
+        else:
+            macs, value = layer_lowrank_cost(m_in, m_out, theta[l]), theta[l]
+        rows.append(LayerFactor(
+            l + 1, m_in, m_out, value if allocation.method == "prune" else None,
+            value if allocation.method == "lowrank" else None, macs, 1 - macs / (m_in * m_out),
+            float(curves[l][value]),
+        ))
+    return rows
+
+
+def reduce_model(
+    model: nn.Module,
+    alpha: float,
+    method: str = "prune",
+    allocation: str = "optimal",
+    calibration: torch.Tensor | None = None,
+    seed: int = 0,
+) -> Reduction:
+    """Like :func:`reduce`, also returning the allocation and the per-layer factor table."""
+    if method not in REDUCTIONS:
+        raise ValueError(f"unknown reduction method {method!r}; accepted: {', '.join(REDUCTIONS)}")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
+    widths = widths_of(model)
+    if method == "lowrank":
+        curves = lowrank_curves(model)
+    else:
+        if calibration is None:
+            raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
+        stats = input_statistics(model, calibration)
+        orders = prune_orders(stats, correlated=method == "prune-ls")
+        curves = [curve for _, curve in orders]
+    cost_model = "lowrank" if method == "lowrank" else "prune"
+    chosen = solve_allocation(curves, widths, alpha, cost_model, ALLOCATIONS[allocation], seed=seed)
+    if method == "lowrank":
+        reduced = factorised(model, chosen.theta)
+    else:
+        reduced = pruned(model, chosen.theta, orders, stats, refit=method == "prune-ls")
+    return Reduction(reduced.eval(), method, chosen, _layer_factors(widths, chosen, curves))
+
+
+def reduce(
+    model: nn.Module,
+    alpha: float,
+    method: str = "prune",
+    allocation: str = "optimal",
+    calibration: torch.Tensor | None = None,
+    seed: int = 0,
+) -> nn.Module:
+    """Reduce a trained MLP so that at least ``alpha`` of its multiplications are saved.
+
+    Args:
+        model: an ``nn.Sequential`` of Linear layers and elementwise activations (a Flatten may
+            come first), e.g. :class:`edgetorch.zoo.MLP`.
+        alpha: total reduction factor in [0, 1) (eq. 7 / 11).
+        method: ``"prune"`` (the paper's naive pruning: keep the highest-power neurons),
+            ``"prune-ls"`` (correlation-aware: pivoted-Cholesky selection and least-squares refit
+            of the next layer) or ``"lowrank"`` (SVD, no data needed).
+        allocation: ``"optimal"`` (exact solution of eq. 15), ``"pso"`` (the paper's solver) or
+            ``"uniform"`` (the same factor in every layer).
+        calibration: unlabeled input samples ``[N, ...]`` (pruning only).
+        seed: PSO seed.
+
+    Returns:
+        A new, smaller module in eval mode; the input model is not modified.
+
+    Raises:
+        ValueError: unknown method or allocation, missing calibration data, infeasible alpha.
+        TypeError: an unsupported architecture.
+
+    Example:
+        >>> small = reduce(model, 0.5, "prune", calibration=images[:1000])
+        >>> count_macs(small, images[:1]) <= 0.5 * count_macs(model, images[:1])
+        True
+    """
+    return reduce_model(model, alpha, method, allocation, calibration, seed).model

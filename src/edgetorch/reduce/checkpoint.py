@@ -1,0 +1,143 @@
+"""Reduced networks on disk without pickle: safetensors weights + a JSON layer list.
+
+``save_reduced(model, "small.safetensors")`` writes the weights and ``small.json``, which lists
+every module of the ``nn.Sequential`` with its sizes (widths, ranks, kept input features) and the
+few constructor arguments of activations. ``load_reduced`` rebuilds the modules from the JSON and
+loads the weights with a strict key/shape check: nothing in either file is ever executed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..zoo import CheckpointError, load_weights, save_weights
+from .mlp import ELEMENTWISE, KeepFeatures
+
+_FORMAT = "edgetorch.reduced/1"
+# Constructor arguments worth keeping, per parameter-free module type.
+_ARGUMENTS: dict[type[nn.Module], tuple[str, ...]] = {
+    nn.LeakyReLU: ("negative_slope",), nn.ELU: ("alpha",), nn.GELU: ("approximate",),
+    nn.Hardtanh: ("min_val", "max_val"), nn.Softplus: ("beta", "threshold"), nn.Dropout: ("p",),
+    nn.Softmax: ("dim",), nn.LogSoftmax: ("dim",), nn.Flatten: ("start_dim", "end_dim"),
+}
+_SIMPLE = {cls.__name__: cls for cls in (*ELEMENTWISE, nn.Softmax, nn.LogSoftmax, nn.Flatten)}
+
+
+def _describe(module: nn.Module) -> dict[str, Any]:
+    if isinstance(module, nn.Linear):
+        return {"type": "Linear", "in": module.in_features, "out": module.out_features,
+                "bias": module.bias is not None}
+    if isinstance(module, KeepFeatures):
+        return {"type": "KeepFeatures", "size": int(module.index.numel())}
+    if (isinstance(module, nn.Sequential) and len(module) == 2
+            and all(isinstance(m, nn.Linear) for m in module) and module[0].bias is None):
+        first, second = module
+        return {"type": "LowRank", "in": first.in_features, "rank": first.out_features,
+                "out": second.out_features, "bias": second.bias is not None}
+    if type(module).__name__ in _SIMPLE and type(module) is _SIMPLE[type(module).__name__]:
+        keys = _ARGUMENTS.get(type(module), ())
+        return {"type": type(module).__name__, "args": {k: getattr(module, k) for k in keys}}
+    raise TypeError(f"cannot describe a {type(module).__name__} in a reduced network")
+
+
+def architecture(model: nn.Sequential) -> dict[str, Any]:
+    """The JSON-able description of a reduced (or full) supported network.
+
+    Args:
+        model: an ``nn.Sequential`` of the modules :func:`edgetorch.reduce.reduce` produces.
+
+    Returns:
+        ``{"format": ..., "modules": [...]}``.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"expected an nn.Sequential, got {type(model).__name__}")
+    return {"format": _FORMAT, "modules": [_describe(m) for m in model]}
+
+
+def _positive(entry: dict[str, Any], *keys: str) -> list[int]:
+    values = [entry.get(k) for k in keys]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise CheckpointError(f"module entry {entry} needs positive integer {', '.join(keys)}")
+    return values
+
+
+def build(description: dict[str, Any]) -> nn.Sequential:
+    """Rebuild the (untrained) modules listed by :func:`architecture`.
+
+    Raises:
+        CheckpointError: an unknown format, module type or argument, or a bad size.
+    """
+    if not isinstance(description, dict) or description.get("format") != _FORMAT:
+        raise CheckpointError(f"not a reduced-network description (expected format {_FORMAT!r})")
+    modules: list[nn.Module] = []
+    for entry in description.get("modules", []):
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if kind == "Linear":
+            m_in, m_out = _positive(entry, "in", "out")
+            modules.append(nn.Linear(m_in, m_out, bias=bool(entry.get("bias", True))))
+        elif kind == "LowRank":
+            m_in, rank, m_out = _positive(entry, "in", "rank", "out")
+            modules.append(nn.Sequential(nn.Linear(m_in, rank, bias=False),
+                                         nn.Linear(rank, m_out, bias=bool(entry.get("bias", True)))))
+        elif kind == "KeepFeatures":
+            (size,) = _positive(entry, "size")
+            modules.append(KeepFeatures(torch.zeros(size, dtype=torch.long)))
+        elif kind in _SIMPLE:
+            args = entry.get("args", {})
+            allowed = _ARGUMENTS.get(_SIMPLE[kind], ())
+            if not isinstance(args, dict) or set(args) - set(allowed):
+                raise CheckpointError(f"{kind} accepts arguments {list(allowed)}, got {args!r}")
+            modules.append(_SIMPLE[kind](**args))
+        else:
+            accepted = ", ".join(["Linear", "LowRank", "KeepFeatures", *_SIMPLE])
+            raise CheckpointError(f"unknown module type {kind!r}; accepted: {accepted}")
+    return nn.Sequential(*modules)
+
+
+def save_reduced(model: nn.Sequential, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` as ``PATH`` (safetensors) and ``PATH`` with ``.json`` (architecture).
+
+    Args:
+        model: a reduced (or full) supported network.
+        path: the weights file, ending in ``.safetensors``.
+        extra: more JSON-able facts to record next to the architecture (alpha, method, ...).
+
+    Returns:
+        The JSON path.
+    """
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"reduced checkpoints are .safetensors files, got {path.name!r}")
+    record = {**architecture(model), **(extra or {})}
+    save_weights(model, path)
+    json_path = path.with_suffix(".json")
+    json_path.write_text(json.dumps(record, indent=2) + "\n")
+    return json_path
+
+
+def load_reduced(path: str | Path) -> tuple[nn.Sequential, dict[str, Any]]:
+    """Rebuild a network written by :func:`save_reduced` (weights checked strictly).
+
+    Args:
+        path: the ``.safetensors`` file; its ``.json`` must sit next to it.
+
+    Returns:
+        ``(model in eval mode, the JSON record)``.
+
+    Raises:
+        CheckpointError: missing or malformed JSON, or weights that do not fit it.
+    """
+    path = Path(path)
+    json_path = path.with_suffix(".json")
+    try:
+        record = json.loads(json_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{json_path}: cannot read the architecture ({exc})") from exc
+    model = build(record)
+    load_weights(model, path)
+    return model.eval(), record

@@ -1,0 +1,57 @@
+"""Multiplication counting as the paper does it (footnote 1: weights only; no bias, no activation)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def count_macs(model: nn.Module, example: torch.Tensor) -> int:
+    """Multiplications per sample of one forward pass through ``model``.
+
+    Counts ``nn.Linear`` (``in * out`` per row it is applied to) and ``nn.Conv1d/2d/3d``
+    (output elements times ``in/groups * kernel volume``); biases, normalisation and
+    activations are not multiplications of weights and are left out, as in the paper.
+
+    Args:
+        model: any module.
+        example: a batch of inputs; the count is divided by its first dimension.
+
+    Returns:
+        Multiplications per sample (``sum_l M_{l-1} M_l`` for a dense MLP).
+
+    Example:
+        >>> count_macs(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), torch.zeros(1, 4))
+        18
+    """
+    if not isinstance(example, torch.Tensor) or example.ndim == 0 or len(example) == 0:
+        raise ValueError("example must be a batch tensor with at least one sample")
+    total = 0
+
+    def linear(module: nn.Linear, inputs, output) -> None:
+        nonlocal total
+        total += module.in_features * output.numel()
+
+    def conv(module: nn.modules.conv._ConvNd, inputs, output) -> None:
+        nonlocal total
+        per_output = module.in_channels // module.groups
+        for k in module.kernel_size:
+            per_output *= k
+        total += per_output * output.numel()
+
+    handles = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            handles.append(module.register_forward_hook(linear))
+        elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            handles.append(module.register_forward_hook(conv))
+    was_training = model.training
+    model.eval()
+    try:
+        model(example)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return total // len(example)

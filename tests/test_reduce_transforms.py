@@ -1,0 +1,153 @@
+"""reduce transforms: exact at alpha = 0, MACs at the budget, physically smaller, safe checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from edgetorch.reduce import (
+    KeepFeatures,
+    count_macs,
+    load_reduced,
+    reduce,
+    reduce_model,
+    save_reduced,
+)
+from edgetorch.reduce.curves import correlated_order, power_order
+from edgetorch.reduce.mlp import input_statistics, pruned
+from edgetorch.zoo import MLP, CheckpointError
+
+
+@pytest.fixture(scope="module")
+def mlp_and_data():
+    torch.manual_seed(0)
+    model = MLP(image_size=8, hidden=(40, 30, 20)).eval()
+    x = torch.rand(200, 1, 8, 8)
+    return model, x
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_count_macs_matches_the_formulas():
+    mlp = MLP(image_size=8, hidden=(40, 30))
+    assert count_macs(mlp, torch.zeros(5, 1, 8, 8)) == 64 * 40 + 40 * 30 + 30 * 10
+    conv = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, groups=2, bias=True), nn.ReLU(),
+                         nn.Conv2d(8, 6, 1, stride=2))
+    # 8 x 6 x 6 outputs x (4/2 x 3 x 3) + 6 x 3 x 3 outputs x 8
+    assert count_macs(conv, torch.zeros(2, 4, 6, 6)) == 8 * 36 * 18 + 6 * 9 * 8
+
+
+@pytest.mark.parametrize("method", ["prune", "prune-ls", "lowrank"])
+@pytest.mark.parametrize("allocation", ["optimal", "uniform"])
+def test_alpha_zero_gives_identical_outputs(mlp_and_data, method, allocation):
+    model, x = mlp_and_data
+    small = reduce(model, 0.0, method, allocation, calibration=x)
+    assert torch.equal(small(x), model(x))
+
+
+@pytest.mark.parametrize("method", ["prune", "prune-ls", "lowrank"])
+@pytest.mark.parametrize("allocation", ["optimal", "uniform", "pso"])
+@pytest.mark.parametrize("alpha", [0.3, 0.8])
+def test_macs_meet_the_budget_and_the_model_shrinks(mlp_and_data, method, allocation, alpha):
+    model, x = mlp_and_data
+    result = reduce_model(model, alpha, method, allocation, calibration=x)
+    full = count_macs(model, x[:1])
+    macs = count_macs(result.model, x[:1])
+    assert macs == result.allocation.cost == sum(layer.macs for layer in result.layers)
+    assert 1 - macs / full >= alpha
+    assert n_params(result.model) < n_params(model)
+    assert result.model(x).shape == (len(x), 10)
+    assert [m.weight.shape[1] for m in model if isinstance(m, nn.Linear)] == [64, 40, 30, 20]  # untouched
+
+
+def test_lowrank_layer_is_the_truncated_svd(mlp_and_data):
+    model, _ = mlp_and_data
+    result = reduce_model(model, 0.6, "lowrank")
+    layer, k = model[1], result.layers[0].rank
+    factored = result.model[1]
+    assert isinstance(factored, nn.Sequential) and factored[0].out_features == k
+    u, s, vt = torch.linalg.svd(layer.weight.double())
+    expected = (u[:, :k] * s[:k]) @ vt[:k]
+    torch.testing.assert_close((factored[1].weight @ factored[0].weight).double(), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_correlation_aware_order_reduces_to_eq14_for_uncorrelated_inputs():
+    cov = np.diag([3.0, 0.5, 2.0, 0.0, 1.0])
+    order_a, curve_a = power_order(cov)
+    order_b, curve_b = correlated_order(cov)
+    np.testing.assert_allclose(curve_a, curve_b)
+    assert list(order_a[:4]) == list(order_b[:4]) == [0, 2, 4, 1]
+    # A neuron that duplicates another explains nothing new: it is picked last, at zero error.
+    dup = np.array([[2.0, 2.0, 0.0], [2.0, 2.0, 0.0], [0.0, 0.0, 1.0]])
+    order, curve = correlated_order(dup)
+    assert set(order[:2]) == {0, 2} or set(order[:2]) == {1, 2}
+    assert curve[2] == 0.0 and power_order(dup)[1][2] > 0
+
+
+def test_least_squares_refit_recovers_a_redundant_neuron_exactly():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Identity(), nn.Linear(5, 3)).eval()
+    with torch.no_grad():  # hidden neuron 4 = 2 * neuron 0 - neuron 1: a linear combination
+        model[0].weight[4] = 2 * model[0].weight[0] - model[0].weight[1]
+        model[0].bias[4] = 2 * model[0].bias[0] - model[0].bias[1]
+    x = torch.randn(300, 6)
+    stats = input_statistics(model, x)
+    orders = [correlated_order(c) for c in stats.covariances]
+    naive = [power_order(c) for c in stats.covariances]
+    refit = pruned(model, [6, 4], orders, stats, refit=True)
+    plain = pruned(model, [6, 4], naive, stats, refit=False)
+    torch.testing.assert_close(refit(x), model(x), rtol=1e-4, atol=1e-4)
+    assert (plain(x) - model(x)).abs().max() > 1e-2
+
+
+def test_naive_pruning_moves_a_constant_neuron_into_the_bias():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    with torch.no_grad():
+        model[0].weight[2] = 0.0
+        model[0].bias[2] = 1.5  # neuron 2 is always 1.5: zero variance, non-zero mean
+    x = torch.randn(100, 3)
+    stats = input_statistics(model, x)
+    orders = [power_order(c) for c in stats.covariances]
+    assert 2 not in orders[1][0][:3]
+    small = pruned(model, [3, 3], orders, stats)
+    torch.testing.assert_close(small(x), model(x))
+
+
+@pytest.mark.parametrize("method", ["prune", "lowrank"])
+def test_checkpoint_roundtrip_without_pickle(tmp_path, mlp_and_data, method):
+    model, x = mlp_and_data
+    small = reduce(model, 0.85, method, calibration=x)
+    if method == "prune":
+        assert any(isinstance(m, KeepFeatures) for m in small)
+    json_path = save_reduced(small, tmp_path / "small.safetensors", {"alpha": 0.85})
+    loaded, record = load_reduced(tmp_path / "small.safetensors")
+    assert record["alpha"] == 0.85
+    assert torch.equal(loaded(x), small(x))
+    record["modules"][0] = {"type": "os.system", "args": {}}
+    json_path.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="unknown module type"):
+        load_reduced(tmp_path / "small.safetensors")
+
+
+def test_bad_inputs_are_rejected(mlp_and_data):
+    model, x = mlp_and_data
+    with pytest.raises(ValueError, match="needs calibration"):
+        reduce(model, 0.5, "prune")
+    with pytest.raises(ValueError, match="unknown reduction method"):
+        reduce(model, 0.5, "svd")
+    with pytest.raises(ValueError, match="unknown allocation"):
+        reduce(model, 0.5, "lowrank", allocation="greedy")
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        reduce(nn.Module(), 0.5, "lowrank")
+    conv = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    with pytest.raises(TypeError, match="not elementwise"):
+        reduce(conv, 0.5, "lowrank")
+    with pytest.raises(ValueError, match="infeasible"):
+        reduce(model, 0.999, "lowrank")
