@@ -11,8 +11,8 @@ mul                                       whose partner is a      operand is a p
                                           parameter               (it feeds only the weight
                                                                   gradient); ``shape`` when that
                                                                   parameter is frozen
-same ops                                  activation x activation ``exact`` (attention scores,
-                                                                  gating): feeds input grads
+same ops                                  activation x activation ``exact`` (prunable):
+                                                                  attention scores, gating
 relu, relu\\_                              output                  ``mask`` v > 0
 hardtanh, hardtanh\\_ (ReLU6)              input / output          ``mask`` min < v < max
 leaky_relu, leaky_relu\\_                  input / output          ``mask`` v > 0 (sign)
@@ -128,7 +128,7 @@ def input_need(op: str, t: torch.Tensor, args: tuple, kwargs: dict, is_param: Ca
         if others and all(is_param(a) for a in others):
             trains = any(a.requires_grad for a in others)
             return Need("prune" if trains else "shape", op=op)
-        return Need("exact", op=op)
+        return Need("exact", prunable=True, op=op)  # attention scores, gating: input gradients
     if op in ("hardtanh", "hardtanh_"):
         low, high = float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0))
         return _interval(low, high, op)
