@@ -1,0 +1,270 @@
+"""The deployment decision: local, full offload, or split at each C, by delay, energy and accuracy.
+
+BottleFit's model (Sec. III-D): D_e2e = D_H + D_N + D_T and P_md = P_H + P_N. Here:
+
+* D_H (device): the head (or, for local computing, the whole model) timed on this host, batch 1,
+  scaled by the device profile's speed ratio (:mod:`edgetorch.split.power`);
+* D_N: the link model (:mod:`edgetorch.split.links`) for the true payload bytes: the 8-bit
+  bottleneck payload (:func:`edgetorch.split.payload.payload_size`) for split computing, the
+  mean PNG or JPEG file size of real test images at the model's resolution for full offload;
+* D_T (server): the tail (or the whole model for offload) timed on this host, divided by an
+  assumed ``server_speedup`` (1 = the server is this host; an edge server with a GPU is faster).
+
+Accuracy is not measured by the planner: it comes from a JSON file (part A's training results or
+the user's), and the plan says which; options without a known accuracy show none.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .links import Link
+from .payload import payload_size
+from .power import DeviceProfile
+
+
+@dataclass(frozen=True)
+class HostTimes:
+    """Median seconds per batch-1 inference on this host.
+
+    Attributes:
+        arch: model spec.
+        resolution: input height = width.
+        full_s: the unsplit model.
+        head_s, tail_s: per bottleneck channel count C.
+        bottleneck_shapes: per C, one sample's bottleneck shape.
+        reference_s: the device profile's reference model, for the speed ratio.
+    """
+
+    arch: str
+    resolution: int
+    full_s: float
+    head_s: dict[int, float]
+    tail_s: dict[int, float]
+    bottleneck_shapes: dict[int, tuple[int, ...]]
+    reference_s: float
+
+
+def time_module(module: nn.Module, x: torch.Tensor, repeats: int = 5) -> float:
+    """Median wall-clock seconds of ``module(x)`` under inference mode after one warm-up call."""
+    module.eval()
+    times = []
+    with torch.inference_mode():
+        module(x)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            module(x)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_host_times(arch: str, channels: list[int], resolution: int, reference: DeviceProfile,
+                       split_point: str = "sp2", num_classes: int = 10, repeats: int = 5) -> HostTimes:
+    """Time the full model, each C's head and tail, and the profile's reference model on this host.
+
+    Weights do not change the time of a dense CNN, so randomly initialised models are timed.
+
+    Args:
+        arch: ``torchvision:NAME`` of a ResNet/DenseNet accepted by ``inject_bottleneck``.
+        channels: bottleneck channel counts to plan for.
+        resolution: input height = width (must suit the bottleneck's stride, e.g. a multiple of 32).
+        reference: the device profile whose reference model sets the speed ratio.
+        split_point: ``"sp1"`` or ``"sp2"``.
+        num_classes: classifier outputs.
+        repeats: timed calls per module (median).
+
+    Returns:
+        :class:`HostTimes`.
+    """
+    from ..zoo import build_model
+    from .bottleneck import inject_bottleneck
+
+    torch.manual_seed(0)
+    teacher = build_model(arch, num_classes=num_classes)
+    x = torch.rand(1, 3, resolution, resolution)
+    heads, tails, shapes = {}, {}, {}
+    for c in channels:
+        student = inject_bottleneck(teacher, c, split_point).eval()
+        with torch.inference_mode():
+            z = student.head(x)
+        heads[c] = time_module(student.head, x, repeats)
+        tails[c] = time_module(student.tail, z, repeats)
+        shapes[c] = tuple(z.shape[1:])
+    ref_x = torch.rand(1, 3, reference.reference_resolution, reference.reference_resolution)
+    ref_s = time_module(build_model(reference.reference_model, num_classes=1000), ref_x, max(2, repeats // 2))
+    return HostTimes(arch, resolution, time_module(teacher, x, repeats), heads, tails, shapes, ref_s)
+
+
+def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
+                     dataset: str = "fashion-mnist") -> dict[str, float]:
+    """Mean PNG and JPEG file sizes of real test images resized to the model's resolution.
+
+    Images are gray (one channel), as Fashion-MNIST is; the model repeats them to 3 channels, so a
+    device would send the one-channel file.
+
+    Args:
+        resolution: height = width after resizing (as ``load_dataset(size=...)`` does).
+        count: images averaged (the first ``count`` of the test split).
+        jpeg_quality: PIL JPEG quality.
+        dataset: ``"fashion-mnist"`` or ``"digits"``.
+
+    Returns:
+        ``{"png": mean bytes, "jpeg": mean bytes}``.
+    """
+    from PIL import Image
+
+    from ..data import load_dataset
+
+    images = load_dataset(dataset, "test", size=resolution, limit=count).tensors[0]
+    sizes: dict[str, list[int]] = {"png": [], "jpeg": []}
+    for image in images:
+        pixels = Image.fromarray((image[0].numpy() * 255).round().astype(np.uint8), mode="L")
+        for fmt, options in (("png", {"optimize": True}), ("jpeg", {"quality": jpeg_quality})):
+            buffer = io.BytesIO()
+            pixels.save(buffer, format=fmt.upper(), **options)
+            sizes[fmt].append(buffer.tell())
+    return {fmt: float(np.mean(v)) for fmt, v in sizes.items()}
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """Known accuracies and where they come from.
+
+    Attributes:
+        teacher: the unsplit model (local computing and lossless PNG offload).
+        jpeg: the unsplit model on JPEG inputs, if measured.
+        split: per C, the split model with the 8-bit payload.
+        source: the file they were read from.
+    """
+
+    teacher: float | None
+    jpeg: float | None
+    split: dict[int, float]
+    source: str
+
+
+def load_accuracy(path: str | Path) -> Accuracy:
+    """Read accuracies from ``{"teacher": a, "jpeg": a (optional), "split": {"C": a, ...}}``.
+
+    Args:
+        path: the JSON file (e.g. written from the training benchmark's results).
+
+    Returns:
+        :class:`Accuracy` with ``source`` = the path.
+
+    Raises:
+        ValueError: unreadable file or values outside [0, 1].
+    """
+    try:
+        raw = json.loads(Path(path).read_text())
+        split = {int(c): float(a) for c, a in raw.get("split", {}).items()}
+        result = Accuracy(_fraction(raw.get("teacher")), _fraction(raw.get("jpeg")), split, str(path))
+    except (OSError, json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: not an accuracy file {{'teacher', 'jpeg', 'split': {{C: acc}}}} ({exc})") from None
+    if any(not 0 <= a <= 1 for a in split.values()):
+        raise ValueError(f"{path}: accuracies are fractions in [0, 1]")
+    return result
+
+
+def _fraction(value: object) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    if not 0 <= value <= 1:
+        raise ValueError(f"accuracy {value} is not a fraction in [0, 1]")
+    return value
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One deployment option.
+
+    Attributes:
+        option: ``local``, ``offload png``, ``offload jpeg`` or ``split C=c``.
+        sent_bytes: request bytes over the link (0 for local).
+        head_s: device compute seconds (whole model when local).
+        network_s, network_p95_s: link delay, mean and 95th percentile over the link's samples.
+        tail_s: server compute seconds.
+        e2e_s: head + network (mean) + tail.
+        energy_j: device energy per inference.
+        power_w: mean device power over e2e.
+        accuracy: known accuracy or None.
+    """
+
+    option: str
+    sent_bytes: int
+    head_s: float
+    network_s: float
+    network_p95_s: float
+    tail_s: float
+    e2e_s: float
+    energy_j: float
+    power_w: float
+    accuracy: float | None
+
+
+def _row(option: str, nbytes: int, head_s: float, tail_s: float, link: Link | None,
+         device: DeviceProfile, accuracy: float | None) -> PlanRow:
+    if link is None:  # local: no transfer, no server
+        delays, uplink = np.zeros(1), np.zeros(1)
+    else:
+        delays, uplink = link.delays(nbytes), link.uplink(nbytes)
+    network = float(delays.mean())
+    transmit = float(uplink.mean())
+    e2e = head_s + network + tail_s
+    energy = device.energy(head_s, transmit, network - transmit + tail_s)
+    return PlanRow(option, nbytes, head_s, network, float(np.percentile(delays, 95)), tail_s, e2e,
+                   energy, energy / e2e, accuracy)
+
+
+def plan(times: HostTimes, file_bytes: dict[str, float], link: Link, device: DeviceProfile,
+         accuracy: Accuracy | None = None, per_sample: bool = True,
+         server_speedup: float = 1.0) -> list[PlanRow]:
+    """Every option's delay, energy and accuracy for one link and device.
+
+    Args:
+        times: host timings (:func:`measure_host_times`).
+        file_bytes: mean input file sizes (:func:`image_file_bytes`).
+        link: the network model.
+        device: the device profile.
+        accuracy: known accuracies, or None.
+        per_sample: payload scale mode (5 bytes more per sample when True).
+        server_speedup: how many times faster than this host the server runs (assumption).
+
+    Returns:
+        Rows in the order local, offload png, offload jpeg, split C ascending.
+    """
+    if not server_speedup > 0:
+        raise ValueError(f"server_speedup must be > 0, got {server_speedup}")
+    slowdown = device.reference_seconds / times.reference_s
+    server_full, server_tail = times.full_s / server_speedup, {c: t / server_speedup for c, t in times.tail_s.items()}
+    acc = accuracy or Accuracy(None, None, {}, "none")
+    rows = [_row("local", 0, times.full_s * slowdown, 0.0, None, device, acc.teacher)]
+    for fmt, known in (("png", acc.teacher), ("jpeg", acc.jpeg)):
+        rows.append(_row(f"offload {fmt}", round(file_bytes[fmt]), 0.0, server_full, link, device, known))
+    for c in sorted(times.head_s):
+        nbytes = payload_size((1, *times.bottleneck_shapes[c]), per_sample)
+        rows.append(_row(f"split C={c}", nbytes, times.head_s[c] * slowdown, server_tail[c], link,
+                         device, acc.split.get(c)))
+    return rows
+
+
+def plan_record(rows: list[PlanRow], link: Link, device: DeviceProfile, times: HostTimes,
+                accuracy: Accuracy | None, server_speedup: float = 1.0) -> dict:
+    """A JSON-ready record of a plan with every assumption it used."""
+    return {"link": link.name, "device": asdict(device), "host_times": asdict(times),
+            "device_slowdown_vs_host": device.reference_seconds / times.reference_s,
+            "server_speedup_vs_host": server_speedup,
+            "accuracy_source": accuracy.source if accuracy else None,
+            "rows": [asdict(r) for r in rows],
+            "best_delay": min(rows, key=lambda r: r.e2e_s).option,
+            "best_energy": min(rows, key=lambda r: r.energy_j).option}

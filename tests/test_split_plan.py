@@ -1,0 +1,142 @@
+"""Delay/power planning: link models (LoRa airtime against published values), profiles, the plan."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from edgetorch.split.links import LoRaLink, RateLink, TraceLink, parse_link
+from edgetorch.split.payload import payload_size
+from edgetorch.split.plan import Accuracy, HostTimes, image_file_bytes, load_accuracy, plan, plan_record
+from edgetorch.split.power import PROFILES, DeviceProfile, load_profile, profile_json
+
+
+@pytest.mark.parametrize("sf, phy_bytes, ms", [
+    # The Things Network airtime tables: a 10-byte application payload is 23 PHY bytes (13 of
+    # LoRaWAN overhead), explicit header, CRC on, 8 preamble symbols, BW 125 kHz, CR 4/5.
+    (7, 23, 61.696),
+    (12, 23, 1482.752),  # SF12 at 125 kHz switches on the low data-rate optimisation
+])
+def test_lora_airtime_matches_published_values(sf, phy_bytes, ms):
+    assert LoRaLink(spreading_factor=sf).airtime(phy_bytes) * 1e3 == pytest.approx(ms, abs=1e-6)
+
+
+def test_lora_sf6_implicit_header_and_paper_rate():
+    link = LoRaLink(spreading_factor=6, bandwidth_hz=500e3)
+    assert link.nominal_bps == pytest.approx(37_500)  # the paper's "maximum data rate of 37.5 kbps"
+    # SF6: implicit header (IH=1), symbol 128 us: 12.25 preamble + 8 + ceil((80-24+28+16-20)/24)*5 symbols.
+    assert link.airtime(10) == pytest.approx((12.25 + 8 + 4 * 5) * 64 / 500e3)
+
+
+def test_lora_fragments_and_duty_cycle():
+    link = LoRaLink(max_payload=255)
+    full, rest = link.airtime(255), link.airtime(90)
+    assert link.fragments(600) == 3 and link.transfer_s(600) == pytest.approx(2 * full + rest)
+    slow = replace(link, duty_cycle=0.01)
+    assert slow.transfer_s(600) == pytest.approx(2 * full + rest + 2 * full * 99)
+    assert slow.uplink(600)[0] == pytest.approx(2 * full + rest)  # radio on-air time only
+    with pytest.raises(ValueError, match="0..255 bytes"):
+        link.airtime(256)
+
+
+def test_rate_and_trace_links(tmp_path):
+    wifi = parse_link("wifi:8,rtt_ms=10")
+    assert isinstance(wifi, RateLink)
+    assert wifi.delays(996)[0] == pytest.approx(1000 * 8 / 8e6 + 0.01)
+    assert parse_link("lte:10").rtt_s == 0.05
+    trace = tmp_path / "lte.txt"
+    trace.write_text("1\n2\n4\n")
+    link = parse_link(f"trace:{trace},rtt_ms=0")
+    assert isinstance(link, TraceLink)
+    assert link.delays(124_996).tolist() == pytest.approx([1.0, 0.5, 0.25])
+    assert isinstance(parse_link("lora:sf=7,bw=250,cr=2,duty=0.01"), LoRaLink)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("5g:100", "unknown link kind"),
+    ("wifi:-1", "non-positive"),
+    ("wifi:abc", "bad link spec"),
+    ("wifi:10,foo=1", "unknown options"),
+    ("lora:sf=5", "spreading factor"),
+    ("lora:bw=200", "bandwidth"),
+    ("lora:cr=9", "coding rate"),
+    ("lora:sf", "key=value"),
+    ("trace:/nonexistent/file", "bad link spec"),
+])
+def test_bad_link_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_link(spec)
+
+
+def test_profiles_are_labelled_assumptions_and_replaceable(tmp_path):
+    for profile in PROFILES.values():
+        assert profile.source.startswith("ASSUMPTION")
+    path = tmp_path / "mine.json"
+    path.write_text(profile_json(replace(PROFILES["jetson-nano"], name="mine", idle_watts=0.5)))
+    assert load_profile(str(path)).idle_watts == 0.5
+    path.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ValueError, match="exactly the keys"):
+        load_profile(str(path))
+    with pytest.raises(ValueError, match="unknown device"):
+        load_profile("iphone")
+    with pytest.raises(ValueError, match="compute_watts must be > 0"):
+        replace(PROFILES["jetson-nano"], compute_watts=0)
+
+
+TIMES = HostTimes("torchvision:resnet18", 96, full_s=0.2, head_s={3: 0.02, 12: 0.025},
+                  tail_s={3: 0.19, 12: 0.19}, bottleneck_shapes={3: (3, 12, 12), 12: (12, 12, 12)},
+                  reference_s=1.0)
+DEVICE = DeviceProfile("dev", "torchvision:resnet18", 96, 2.0, compute_watts=5.0, transmit_watts=2.0,
+                       idle_watts=1.0, source="ASSUMPTION: test")
+FILES = {"png": 20_000.0, "jpeg": 8_000.0}
+
+
+def test_plan_follows_the_delay_and_energy_model():
+    link = RateLink("test", 1e6, 0.01)
+    accuracy = Accuracy(0.9, 0.88, {3: 0.85}, "test.json")
+    rows = {r.option: r for r in plan(TIMES, FILES, link, DEVICE, accuracy, server_speedup=2.0)}
+    assert list(rows) == ["local", "offload png", "offload jpeg", "split C=3", "split C=12"]
+    local = rows["local"]
+    assert (local.head_s, local.network_s, local.tail_s, local.sent_bytes) == (0.4, 0.0, 0.0, 0)
+    assert local.energy_j == pytest.approx(5.0 * 0.4) and local.power_w == pytest.approx(5.0)
+    split = rows["split C=3"]
+    nbytes = payload_size((1, 3, 12, 12))
+    assert split.sent_bytes == nbytes
+    uplink, network = nbytes * 8 / 1e6, (nbytes + 4) * 8 / 1e6 + 0.01
+    assert split.head_s == pytest.approx(0.04) and split.tail_s == pytest.approx(0.095)
+    assert split.network_s == pytest.approx(network)
+    assert split.e2e_s == pytest.approx(0.04 + network + 0.095)
+    assert split.energy_j == pytest.approx(5.0 * 0.04 + 2.0 * uplink + 1.0 * (network - uplink + 0.095))
+    assert (rows["offload png"].accuracy, rows["offload jpeg"].accuracy, split.accuracy) == (0.9, 0.88, 0.85)
+    assert rows["split C=12"].accuracy is None
+    record = plan_record(list(rows.values()), link, DEVICE, TIMES, accuracy, 2.0)
+    assert record["best_delay"] == min(rows.values(), key=lambda r: r.e2e_s).option
+    assert record["accuracy_source"] == "test.json" and record["device_slowdown_vs_host"] == 2.0
+    json.dumps(record)
+
+
+def test_slow_links_favour_split_over_offload_and_trace_gives_a_tail():
+    rows = {r.option: r for r in plan(TIMES, FILES, LoRaLink(bandwidth_hz=500e3), DEVICE)}
+    assert rows["split C=3"].e2e_s < rows["offload jpeg"].e2e_s < rows["offload png"].e2e_s
+    trace = TraceLink("t", (1e5, 1e6, 1e7), 0.0)
+    row = plan(TIMES, FILES, trace, DEVICE)[1]
+    assert row.network_p95_s > row.network_s
+    assert row.network_s == pytest.approx(float(np.mean(trace.delays(20_000))))
+
+
+def test_accuracy_file(tmp_path):
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"teacher": 0.91, "split": {"3": 0.8, "12": 0.9}}))
+    accuracy = load_accuracy(path)
+    assert (accuracy.teacher, accuracy.jpeg, accuracy.split, accuracy.source) == (0.91, None, {3: 0.8, 12: 0.9}, str(path))
+    path.write_text(json.dumps({"teacher": 91}))
+    with pytest.raises(ValueError, match="not an accuracy file"):
+        load_accuracy(path)
+
+
+def test_image_file_bytes_from_real_images():
+    sizes = image_file_bytes(32, count=4, dataset="digits")
+    assert set(sizes) == {"png", "jpeg"} and all(v > 0 for v in sizes.values())
