@@ -140,3 +140,36 @@ def test_accuracy_file(tmp_path):
 def test_image_file_bytes_from_real_images():
     sizes = image_file_bytes(32, count=4, dataset="digits")
     assert set(sizes) == {"png", "jpeg"} and all(v > 0 for v in sizes.values())
+
+
+def test_cli_plan_prints_every_option_and_writes_json(tmp_path):
+    from typer.testing import CliRunner
+
+    import edgetorch.cli.split  # noqa: F401  (registers `edgetorch split`)
+    from edgetorch.cli import app
+
+    device = tmp_path / "board.json"  # a cheap reference model keeps the test fast
+    device.write_text(profile_json(DeviceProfile("board", "torchvision:resnet18", 32, 0.5, 3.0, 1.5, 1.0, "ASSUMPTION: test")))
+    accuracy = tmp_path / "acc.json"
+    accuracy.write_text(json.dumps({"teacher": 0.9, "split": {"3": 0.87}}))
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["split", "plan", "--link", "wifi:5", "--link", "lora:sf=6,bw=500",
+                                      "--device", str(device), "--resolution", "32", "--channels", "3",
+                                      "--channels", "12", "--accuracy", str(accuracy), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    for option in ("local", "offload png", "offload jpeg", "split C=3", "split C=12"):
+        assert option in result.output
+    assert f"accuracy: {accuracy}" in result.output.replace("\n", "")
+    records = json.loads(out.read_text())
+    assert [r["link"] for r in records] == ["wifi 5 Mbit/s", "LoRa SF6 BW500 CR4/5"]
+    split3 = next(r for r in records[0]["rows"] if r["option"] == "split C=3")
+    assert split3["sent_bytes"] == payload_size((1, 3, 4, 4)) and split3["accuracy"] == 0.87
+    bad = CliRunner().invoke(app, ["split", "plan", "--link", "carrier-pigeon:1"])
+    assert bad.exit_code != 0 and "unknown link kind" in bad.output
+
+
+def test_accuracy_file_without_accuracies_is_refused(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"benchmark": "split_training", "runs": []}))
+    with pytest.raises(ValueError, match="neither a 'teacher' nor a 'split'"):
+        load_accuracy(path)

@@ -171,3 +171,84 @@ def test_round_trip_over_real_uvicorn_on_loopback(artifact, tmp_path):
         with SplitClient.from_dir(artifact, url, token="wrong") as device, \
                 pytest.raises(SplitClientError, match="401"):
             device.infer_files(images)
+
+
+def test_cli_export_then_infer_over_loopback(tmp_path):
+    from typer.testing import CliRunner
+
+    import edgetorch.cli.split  # noqa: F401  (registers `edgetorch split`)
+    from edgetorch.cli import app
+    from edgetorch.split.bottleneck import inject_bottleneck
+    from edgetorch.zoo import build_model
+
+    runner = CliRunner()
+    out = tmp_path / "r18"
+    args = ["split", "export", "--model", "torchvision:resnet18", "--channels", "3", "--resolution", "32", "--out", str(out)]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code != 0 and "exactly one of --checkpoint" in refused.output
+    torch.manual_seed(0)
+    done = runner.invoke(app, [*args, "--random-init"])
+    assert done.exit_code == 0, done.output
+    assert read_manifest(out).bottleneck_shape == (3, 4, 4)
+
+    # The same seed rebuilds the same student: the exported split with the 8-bit payload must
+    # match the unsplit model up to quantisation.
+    torch.manual_seed(0)
+    student = inject_bottleneck(build_model("torchvision:resnet18", num_classes=10), 3, "sp2").eval()
+    head, tail = load(out)
+    x = torch.rand(8, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        unsplit, z = student(x), student.head(x)
+        exact, quantised = tail(head(x)), tail(decode(encode(head(x))))
+    assert torch.allclose(exact, unsplit, atol=1e-4) and torch.allclose(head(x), z, atol=1e-5)
+    spread = float(unsplit.amax() - unsplit.amin())
+    assert 0 < (quantised - unsplit).abs().max() < 0.05 * spread
+    bad = runner.invoke(app, [*args[:-2], "--out", str(tmp_path / "x"), "--checkpoint", str(tmp_path / "none.safetensors")])
+    assert bad.exit_code != 0
+
+    images = [_png(tmp_path / f"{i}.png", i) for i in range(2)]
+    tail, manifest = load_part(out, "tail")
+    with serve_in_background(create_app(tail, manifest)) as url:
+        answer = runner.invoke(app, ["split", "infer", str(out), *images, "--server", url])
+    assert answer.exit_code == 0, answer.output
+    assert "class" in answer.output and f"payload {2 * 3 * 4 * 4 + 13 + 16 + 10} bytes" in answer.output
+    for stage in ("head", "encode", "network", "server", "total"):
+        assert f"{stage} " in answer.output
+    unreachable = runner.invoke(app, ["split", "infer", str(out), *images, "--server", "http://127.0.0.1:9"])
+    assert unreachable.exit_code == 1 and "request failed" in unreachable.output
+
+
+def test_cli_serve_runs_uvicorn_with_a_token_from_the_environment(artifact):
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = "import sys, edgetorch.cli.split; from edgetorch.cli import app; sys.argv[0] = 'edgetorch'; app()"
+    command = [sys.executable, "-c", code, "split", "serve", str(artifact), "--port", str(port), "--token-env", "SPLIT_TOKEN"]
+    missing = subprocess.run(command, capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "SPLIT_TOKEN"})
+    assert missing.returncode != 0 and "SPLIT_TOKEN is not set" in missing.stdout + missing.stderr
+    server = subprocess.Popen(command, env={**os.environ, "SPLIT_TOKEN": "abc"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(url + "/", timeout=1).json()["auth"] is True
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and server.poll() is None
+                time.sleep(0.2)
+        body = encode(torch.randn(1, 2, 8, 8))
+        assert httpx.post(url + "/infer", content=body, headers={"content-type": "application/octet-stream"}).status_code == 401
+        ok = httpx.post(url + "/infer", content=body, headers={"content-type": "application/octet-stream",
+                                                               "authorization": "Bearer abc"})
+        assert ok.status_code == 200 and len(ok.json()["logits"][0]) == 5
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

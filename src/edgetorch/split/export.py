@@ -264,3 +264,29 @@ def load(artifact_dir: str | Path) -> tuple[nn.Module, nn.Module]:
     """
     manifest = read_manifest(artifact_dir)
     return _load_program(artifact_dir, manifest, "head"), _load_program(artifact_dir, manifest, "tail")
+
+
+def export_model(model: nn.Module, out_dir: str | Path, resolution: int,
+                 preprocess: Preprocess | None = None) -> SplitManifest:
+    """Export a :class:`~edgetorch.split.bottleneck.BottleneckModel`'s head and tail.
+
+    Args:
+        model: a bottleneck-injected student (``inject_bottleneck``), trained or not.
+        out_dir: artifact directory to write.
+        resolution: input height = width (a multiple of ``model.input_multiple``).
+        preprocess: image preprocessing for the client; default: gray images at ``resolution``.
+
+    Returns:
+        The written :class:`SplitManifest`.
+
+    Raises:
+        ValueError: ``resolution`` does not suit the model's strides.
+    """
+    from .bottleneck import split
+
+    if resolution % model.input_multiple:
+        raise ValueError(f"resolution must be a multiple of {model.input_multiple} for this model, got {resolution}")
+    head, tail = split(model)
+    return export_split(head, tail, out_dir, arch=f"torchvision:{model.arch}", channels=model.channels,
+                        split_point=model.split_point, input_shape=(3, resolution, resolution),
+                        preprocess=preprocess)

@@ -170,6 +170,8 @@ def load_accuracy(path: str | Path) -> Accuracy:
         result = Accuracy(_fraction(raw.get("teacher")), _fraction(raw.get("jpeg")), split, str(path))
     except (OSError, json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: not an accuracy file {{'teacher', 'jpeg', 'split': {{C: acc}}}} ({exc})") from None
+    if result.teacher is None and not split:
+        raise ValueError(f"{path}: holds neither a 'teacher' nor a 'split' accuracy")
     if any(not 0 <= a <= 1 for a in split.values()):
         raise ValueError(f"{path}: accuracies are fractions in [0, 1]")
     return result

@@ -1,0 +1,173 @@
+"""``edgetorch split``: export a split model, serve its tail, run its head, plan a deployment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from ._app import app, console
+
+split_app = typer.Typer(help="BottleFit split computing: export, serve, infer, plan.", no_args_is_help=True)
+app.add_typer(split_app, name="split")
+
+
+@split_app.command()
+def export(
+    model: str = typer.Option(..., help="teacher: torchvision:resnet18|50|152 or torchvision:densenet121|169|201"),
+    channels: int = typer.Option(..., min=1, help="bottleneck channels C"),
+    out: Path = typer.Option(..., help="artifact directory to write"),
+    checkpoint: Path = typer.Option(None, help="trained BottleneckModel state dict (.safetensors), loaded strictly"),
+    random_init: bool = typer.Option(False, "--random-init", help="export untrained weights (timing, smoke tests)"),
+    split_point: str = typer.Option("sp2", help="sp1 or sp2"),
+    downsample: bool = typer.Option(False, help="halve the bottleneck's height and width once more"),
+    resolution: int = typer.Option(96, min=8, help="input height = width"),
+    num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
+) -> None:
+    """Write head.pt2, tail.pt2 and manifest.json for a bottleneck-injected model."""
+    from ..split.bottleneck import inject_bottleneck
+    from ..split.export import export_model
+    from ..zoo import CheckpointError, build_model, load_weights
+
+    if (checkpoint is None) == (not random_init):
+        raise typer.BadParameter("give exactly one of --checkpoint FILE or --random-init")
+    try:
+        student = inject_bottleneck(build_model(model, num_classes=num_classes), channels, split_point,
+                                    downsample=downsample)
+        if checkpoint is not None:
+            load_weights(student, checkpoint)
+        manifest = export_model(student, out, resolution)
+    except (ValueError, TypeError, ImportError, CheckpointError) as err:
+        raise typer.BadParameter(str(err)) from None
+    console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
+                  f"{manifest.num_classes} logits ({'random init' if random_init else checkpoint})")
+
+
+@split_app.command()
+def serve(
+    artifact_dir: Path = typer.Argument(..., help="directory written by `edgetorch split export`"),
+    host: str = typer.Option("127.0.0.1", help="address to bind"),
+    port: int = typer.Option(8000, min=0, max=65535, help="port to bind"),
+    max_payload_bytes: int = typer.Option(None, min=1, help="request size limit (default: 64 bottlenecks)"),
+    token_env: str = typer.Option(None, help="require `Authorization: Bearer <token>`, the token read from this environment variable"),
+) -> None:
+    """Serve the tail over HTTP (POST /infer, GET / health) with uvicorn."""
+    import os
+
+    import uvicorn
+
+    from ..split.export import SplitArtifactError
+    from ..split.server import ServerConfig, app_from_dir
+
+    token = None
+    if token_env is not None:
+        token = os.environ.get(token_env)
+        if not token:
+            raise typer.BadParameter(f"environment variable {token_env} is not set or empty")
+    try:
+        server = app_from_dir(artifact_dir, ServerConfig(max_payload_bytes, token))
+    except SplitArtifactError as err:
+        raise typer.BadParameter(str(err)) from None
+    uvicorn.run(server, host=host, port=port, log_level="info")
+
+
+@split_app.command()
+def infer(
+    artifact_dir: Path = typer.Argument(..., help="directory written by `edgetorch split export`"),
+    images: list[Path] = typer.Argument(..., help="PNG/JPEG files"),
+    server: str = typer.Option(..., help="base URL of `edgetorch split serve`, e.g. http://127.0.0.1:8000"),
+    token_env: str = typer.Option(None, help="send the bearer token read from this environment variable"),
+) -> None:
+    """Run the head here, send the 8-bit payload, print predictions and each stage's time."""
+    import os
+
+    import httpx
+
+    from ..split.client import SplitClient, SplitClientError
+    from ..split.export import SplitArtifactError
+
+    token = os.environ.get(token_env) if token_env else None
+    try:
+        with SplitClient.from_dir(artifact_dir, server, token=token) as client:
+            result = client.infer_files(images)
+    except (SplitArtifactError, ValueError) as err:
+        raise typer.BadParameter(str(err)) from None
+    except (SplitClientError, httpx.HTTPError) as err:
+        console.print(f"[red]request failed: {err}[/red]")
+        raise typer.Exit(1) from None
+    for path, label in zip(images, result.predictions):
+        console.print(f"{path}: class {label}")
+    stages = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
+    console.print(f"payload {result.payload_bytes:,} bytes for {len(images)} image(s); {stages}")
+
+
+TRAINING_RESULTS = Path("docs/results/split_training.json")
+
+
+def _training_results_accuracy():
+    """Accuracies from the training benchmark's results when run in the repository, else None."""
+    from ..split.plan import load_accuracy
+
+    if not TRAINING_RESULTS.is_file():
+        return None
+    try:
+        return load_accuracy(TRAINING_RESULTS)
+    except ValueError:
+        console.print(f"{TRAINING_RESULTS} holds no {{teacher, split}} accuracies; pass --accuracy FILE")
+        return None
+
+
+@split_app.command()
+def plan(
+    link: list[str] = typer.Option(..., help="repeatable: wifi:MBPS, lte:MBPS, trace:FILE, lora:sf=6,bw=125,cr=1"),
+    device: str = typer.Option("jetson-nano", help="jetson-nano, raspberry-pi-4, raspberry-pi-4-lora or a profile .json"),
+    model: str = typer.Option("torchvision:resnet18", help="teacher architecture"),
+    channels: list[int] = typer.Option([1, 2, 3, 6, 9, 12], help="repeatable: bottleneck channels to compare"),
+    split_point: str = typer.Option("sp2", help="sp1 or sp2"),
+    resolution: int = typer.Option(96, min=8, help="input height = width"),
+    accuracy: Path = typer.Option(None, help="accuracy JSON {teacher, jpeg, split: {C: acc}} (default: docs/results/split_training.json if it holds them)"),
+    server_speedup: float = typer.Option(1.0, help="assumed server speed relative to this machine"),
+    json_path: Path = typer.Option(None, "--json", help="write the plan(s) as JSON here"),
+) -> None:
+    """Local vs full offload (PNG/JPEG) vs split at each C: delay, device energy, accuracy."""
+    from ..split.links import parse_link
+    from ..split.plan import image_file_bytes, load_accuracy, measure_host_times
+    from ..split.plan import plan as make_plan
+    from ..split.plan import plan_record
+    from ..split.power import load_profile
+
+    try:
+        links = [parse_link(spec) for spec in link]
+        profile = load_profile(device)
+        known = load_accuracy(accuracy) if accuracy is not None else _training_results_accuracy()
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    with console.status("timing the head/tail per C and the device's reference model on this machine"):
+        times = measure_host_times(model, sorted(set(channels)), resolution, profile, split_point)
+        files = image_file_bytes(resolution)
+    console.print(f"device: {profile.name} ({profile.source}); device/host speed ratio "
+                  f"{profile.reference_seconds / times.reference_s:.3g}; server = this machine / {server_speedup:g}")
+    console.print(f"accuracy: {known.source if known else 'none given (pass --accuracy FILE)'}")
+    records = []
+    for one in links:
+        rows = make_plan(times, files, one, profile, known, server_speedup=server_speedup)
+        record = plan_record(rows, one, profile, times, known, server_speedup)
+        records.append(record)
+        table = Table(title=f"{model} {resolution}px on {profile.name} over {one.name}")
+        for col in ("option", "bytes sent", "D_head ms", "D_net ms (p95)", "D_tail ms", "D_e2e ms",
+                    "energy mJ", "power W", "accuracy"):
+            table.add_column(col, justify="left" if col == "option" else "right")
+        for r in rows:
+            marks = "".join(m for m, best in (("*d", record["best_delay"]), ("*e", record["best_energy"])) if best == r.option)
+            table.add_row(f"{r.option} {marks}", f"{r.sent_bytes:,}", f"{r.head_s * 1e3:.1f}",
+                          f"{r.network_s * 1e3:.1f} ({r.network_p95_s * 1e3:.1f})", f"{r.tail_s * 1e3:.1f}",
+                          f"{r.e2e_s * 1e3:.1f}", f"{r.energy_j * 1e3:.0f}", f"{r.power_w:.2f}",
+                          "-" if r.accuracy is None else f"{r.accuracy:.3f}")
+        console.print(table)
+    console.print("*d = lowest delay, *e = lowest device energy. Times measured on this machine, "
+                  "scaled by the profile's assumed speed; links and power are assumptions.")
+    if json_path is not None:
+        json_path.write_text(json.dumps(records, indent=2))
+        console.print(f"wrote {json_path}")
