@@ -1,0 +1,543 @@
+"""Back Razor transfer learning at CPU scale: the paper's Table 1, Fig. 3 and Fig. 4 (Jiang et al., NeurIPS'22).
+
+Source task: Fashion-MNIST classes 0-4 (T-shirt, trouser, pullover, dress, coat); target task:
+classes 5-9 (sandal, shirt, sneaker, bag, ankle boot), a new 5-way head. The zoo CNN
+(``SmallResNet``, with batch norm) and a small torchvision ViT are pretrained on the source
+(cached under ``cache_dir()/backrazor_transfer``), then fine-tuned on a subset of the target with
+each method, several seeds, Adam + cosine schedule (the paper's CNN recipe), and evaluated on the
+whole target test split.
+
+Memory per method: the saved-activation ledger of one training step (exact bytes, the paper's
+"theoretical" column) and the measured peak RSS of one step in a fresh process (after a warm-up
+step, peak counter reset, glibc pinned so RSS follows live memory: ``run_fresh``).
+
+Fig. 3: the per-sample top-k mask applied to the *forward* inputs of every Conv/Linear but the
+stem (forward pre-hooks, so the forward itself is pruned: "symmetric") vs Back Razor (backward
+copies only), CNN, one seed.
+
+Usage: python bench/backrazor_transfer.py [--seeds 0 1 2] [--train-limit 5000] [--epochs 2]
+Finished runs are kept in a JSON-lines file in the cache, so a rerun resumes instead of repeating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _common import RESULTS_DIR, mib, table, write_results
+from torch import nn
+from torch.utils.data import TensorDataset
+from torchvision.models import VisionTransformer
+
+import edgetorch as et
+from edgetorch.codecs.topk import pack_topk
+from edgetorch.data import cache_dir, load_dataset
+from edgetorch.measure.process import HONEST_MALLOC_ENV, peak_rss_bytes, reset_peak_rss, rss_bytes
+from edgetorch.zoo import SmallResNet, evaluate_accuracy, load_weights, save_weights
+
+SOURCE_CLASSES = (0, 1, 2, 3, 4)
+TARGET_CLASSES = (5, 6, 7, 8, 9)
+ARCHS = ("cnn", "vit")
+CACHE = cache_dir() / "backrazor_transfer"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How much data and compute every run gets (scaled to a shared 2-core CPU)."""
+
+    source_limit: int = 15000
+    source_epochs: int = 3
+    source_lr: float = 2e-3
+    train_limit: int = 4000
+    epochs: int = 2
+    batch: int = 64
+    lr_full: float = 1e-3  # every method that back-propagates into the backbone
+    lr_head: float = 1e-2  # FT-Last / FT-Norm+Last: few parameters, the usual larger probe rate
+
+
+@dataclass(frozen=True)
+class Method:
+    """One fine-tuning method.
+
+    Attributes:
+        name: row label.
+        trains: ``last`` (head only), ``norm_last`` (norm affines + head) or ``full``.
+        sparsity: Back Razor sparsity (None: plain PyTorch saving).
+        scope: Back Razor scope (``weights`` or ``all``).
+        freeze_bn: batch norm in eval mode with frozen affine (the paper's Back Razor choice).
+        forward_prune: also prune the forward inputs of Conv/Linear (Fig. 3's symmetric scheme).
+    """
+
+    name: str
+    trains: str
+    sparsity: float | None = None
+    scope: str = "weights"
+    freeze_bn: bool = False
+    forward_prune: bool = False
+
+    def policy(self) -> et.Policy:
+        return et.Dense() if self.sparsity is None else et.BackRazor(self.sparsity, scope=self.scope)
+
+
+def table_methods(arch: str) -> list[Method]:
+    """Table 1 rows. CNN: Back Razor with frozen BN as in the paper; FT-Full both ways."""
+    cnn = arch == "cnn"
+    methods = [
+        Method("FT-Last", "last", freeze_bn=True),  # a linear probe: BN statistics frozen too
+        Method("FT-Norm+Last", "norm_last"),
+        Method("FT-Full", "full"),
+    ]
+    if cnn:
+        methods.append(Method("FT-Full (BN frozen)", "full", freeze_bn=True))
+    methods += [Method(f"Back Razor@{round(100 * s)}%", "full", s, freeze_bn=cnn) for s in (0.9, 0.95, 0.97, 0.99)]
+    if not cnn:
+        methods.append(Method("Back Razor@90% (scope=all)", "full", 0.9, scope="all"))
+    return methods
+
+
+def fig3_methods() -> list[Method]:
+    """Fig. 3 points on the CNN: backward-only (Back Razor) and symmetric pruning per ratio."""
+    out = []
+    for s in (0.5, 0.7, 0.9, 0.95, 0.99):
+        out.append(Method(f"Back Razor@{round(100 * s)}%", "full", s, freeze_bn=True))
+        out.append(Method(f"Symmetric@{round(100 * s)}%", "full", s, freeze_bn=True, forward_prune=True))
+    return out
+
+
+# --- models and data ------------------------------------------------------------------------
+
+def build(arch: str) -> nn.Module:
+    """A fresh 5-class model: the zoo CNN, or a 4-layer ViT with 7x7 patches (16 tokens + class token)."""
+    if arch == "cnn":
+        return SmallResNet(num_classes=len(SOURCE_CLASSES))
+    vit = VisionTransformer(image_size=28, patch_size=7, num_layers=4, num_heads=4, hidden_dim=64,
+                            mlp_dim=128, num_classes=len(SOURCE_CLASSES))
+    vit.conv_proj = nn.Conv2d(1, 64, kernel_size=7, stride=7)  # grey images: 1 input channel
+    return vit
+
+
+def head_of(model: nn.Module) -> nn.Linear:
+    return model.classifier if isinstance(model, SmallResNet) else model.heads.head
+
+
+def set_head(model: nn.Module, head: nn.Linear) -> None:
+    if isinstance(model, SmallResNet):
+        model.classifier = head
+    else:
+        model.heads.head = head
+
+
+def class_subset(split: str, classes: tuple[int, ...], limit: int | None = None) -> TensorDataset:
+    """Images of ``classes`` (first ``limit`` in file order), labels remapped to 0..len-1."""
+    images, labels = load_dataset("fashion-mnist", split, size=28).tensors
+    keep = torch.isin(labels, torch.tensor(classes))
+    images, labels = images[keep][:limit], labels[keep][:limit] - min(classes)
+    return TensorDataset(images, labels)
+
+
+def train_loop(model, params, data: TensorDataset, epochs: int, batch: int, lr: float, seed: int,
+               scope_for_step) -> list[float]:
+    """Adam + cosine schedule over full batches; returns the loss of every step."""
+    images, labels = data.tensors
+    steps_per_epoch = len(labels) // batch
+    optimizer = torch.optim.Adam(params, lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * steps_per_epoch)
+    order_rng = torch.Generator().manual_seed(seed)
+    losses, step = [], 0
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(labels), generator=order_rng)
+        for i in range(steps_per_epoch):
+            idx = order[i * batch:(i + 1) * batch]
+            with scope_for_step(step):
+                loss = F.cross_entropy(model(images[idx]), labels[idx])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+            losses.append(loss.item())
+            step += 1
+    return losses
+
+
+def source_model(arch: str, scale: Scale) -> tuple[nn.Module, dict]:
+    """The source-pretrained model, trained once and cached as safetensors + JSON record."""
+    recipe = {"arch": arch, "classes": SOURCE_CLASSES, "limit": scale.source_limit,
+              "epochs": scale.source_epochs, "lr": scale.source_lr, "batch": 128, "seed": 0,
+              "torch": torch.__version__.split("+")[0]}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    weights, record = CACHE / f"{arch}-fmnist0to4-{key}.safetensors", CACHE / f"{arch}-fmnist0to4-{key}.json"
+    model = build(arch)
+    if record.exists():
+        return load_weights(model, weights), json.loads(record.read_text())
+    torch.manual_seed(0)
+    model = build(arch)
+    start = time.perf_counter()
+    train_loop(model, model.parameters(), class_subset("train", SOURCE_CLASSES, scale.source_limit),
+               scale.source_epochs, 128, scale.source_lr, 0, lambda step: contextlib.nullcontext())
+    seconds = time.perf_counter() - start
+    meta = {"recipe": recipe, "train_seconds": seconds,
+            "source_test_accuracy": evaluate_accuracy(model, class_subset("test", SOURCE_CLASSES)),
+            "sha256": save_weights(model, weights)}
+    record.write_text(json.dumps(meta, indent=2))
+    return model, meta
+
+
+# --- methods ----------------------------------------------------------------------------------
+
+def prune_forward_input(module: nn.Module, args: tuple, sparsity: float) -> tuple:
+    """Forward pre-hook: keep each sample's top-k input magnitudes in the forward itself."""
+    x = args[0]
+    kept = pack_topk(x.detach(), sparsity).unpack() != 0  # same per-sample top-k as Back Razor
+    return (x * kept, *args[1:])
+
+
+def prepare(arch: str, method: Method, seed: int, scale: Scale) -> tuple[nn.Module, list[nn.Parameter]]:
+    """Source weights, a new seeded target head, the method's trainable set and hooks."""
+    model, _ = source_model(arch, scale)
+    torch.manual_seed(seed)
+    old = head_of(model)
+    set_head(model, nn.Linear(old.in_features, len(TARGET_CLASSES)))
+    norms = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            p.requires_grad_(method.trains == "full"
+                             or (method.trains == "norm_last" and isinstance(module, norms)))
+    for p in head_of(model).parameters():
+        p.requires_grad_(True)
+    if method.freeze_bn:  # after the loop: freezing also turns requires_grad off
+        et.freeze_batchnorm(model)
+    if method.forward_prune:
+        layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))][1:]  # not the stem
+        for layer in layers:
+            layer.register_forward_pre_hook(lambda m, a, s=method.sparsity: prune_forward_input(m, a, s))
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
+def fine_tune(arch: str, method: Method, seed: int, scale: Scale, train: TensorDataset,
+              test: TensorDataset) -> dict:
+    """Fine-tune one method with one seed; ledger of the first step; accuracy on ``test``."""
+    model, params = prepare(arch, method, seed, scale)
+    ledger = et.SavedTensorLedger()
+
+    def scope_for_step(step: int):
+        if step == 0:  # plain methods go through the engine once, with Dense, for the ledger only
+            return et.compress_activations(model, method.policy(), ledger=ledger)
+        if method.sparsity is None:
+            return contextlib.nullcontext()
+        return et.compress_activations(model, method.policy())
+
+    lr = scale.lr_full if method.trains == "full" else scale.lr_head
+    start = time.perf_counter()
+    losses = train_loop(model, params, train, scale.epochs, scale.batch, lr, seed, scope_for_step)
+    seconds = time.perf_counter() - start
+    total = ledger.total()
+    return {
+        "arch": arch, "method": asdict(method), "seed": seed,
+        "accuracy": evaluate_accuracy(model, test), "losses": losses, "train_seconds": seconds,
+        "trained_parameters": sum(p.numel() for p in params),
+        "activation_bytes": total.stored_bytes, "dense_activation_bytes": total.dense_bytes,
+        "peak_live_activation_bytes": ledger.peak_live_bytes,
+    }
+
+
+def measure_step(request: dict) -> dict:
+    """Worker body: peak RSS of one training step (after a warm-up step) of a prepared method."""
+    scale, method = Scale(**request["scale"]), Method(**request["method"])
+    model, params = prepare(request["arch"], method, 0, scale)
+    images, labels = class_subset("train", TARGET_CLASSES, scale.batch).tensors
+    optimizer = torch.optim.Adam(params, lr=scale.lr_full)
+
+    def step() -> None:
+        with et.compress_activations(model, method.policy()) if method.sparsity is not None else contextlib.nullcontext():
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model.train()
+    step()
+    before = rss_bytes()
+    reset_peak_rss()
+    step()
+    peak = peak_rss_bytes()
+    return {"peak_rss_bytes": peak, "rss_before_step_bytes": before, "step_peak_increase_bytes": peak - before}
+
+
+def measure_in_fresh_process(arch: str, method: Method, scale: Scale) -> dict:
+    """Run :func:`measure_step` in a new interpreter (this script with ``--worker``), with glibc
+    pinned as ``edgetorch.measure.run_fresh`` does, so RSS follows live memory."""
+    payload = {"arch": arch, "method": asdict(method), "scale": asdict(scale)}
+    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(payload),
+                          capture_output=True, text=True, env={**os.environ, **HONEST_MALLOC_ENV})
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory worker for {arch}/{method.name} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def gradient_fidelity(arch: str, method: Method, scale: Scale) -> dict:
+    """How close one step's weight gradients under ``method`` are to plain PyTorch's.
+
+    Same source weights, head, batch norm treatment and batch (the first ``scale.batch`` target
+    training images); the reference is ``method`` without Back Razor. Returns the cosine
+    similarity of the concatenated weight gradients and their relative error norm.
+    """
+    images, labels = class_subset("train", TARGET_CLASSES, scale.batch).tensors
+    grads = []
+    for variant in (replace(method, sparsity=None), method):
+        model, params = prepare(arch, variant, 0, scale)
+        model.train()
+        with et.compress_activations(model, variant.policy()):
+            F.cross_entropy(model(images), labels).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+    plain, pruned = grads
+    return {"arch": arch, "method": method.name,
+            "cosine": F.cosine_similarity(plain, pruned, dim=0).item(),
+            "relative_error": ((pruned - plain).norm() / plain.norm()).item()}
+
+
+# --- runs, resumable --------------------------------------------------------------------------
+
+def run_all(plan: list[tuple[str, Method, int]], scale: Scale, runs_file: Path) -> list[dict]:
+    """Every (arch, method, seed) of ``plan``; finished runs are read back from ``runs_file``."""
+    done = {}
+    if runs_file.exists():
+        for line in runs_file.read_text().splitlines():
+            run = json.loads(line)
+            done[run_key(run["arch"], Method(**run["method"]), run["seed"])] = run
+    train = class_subset("train", TARGET_CLASSES, scale.train_limit)
+    test = class_subset("test", TARGET_CLASSES)
+    runs = []
+    for arch, method, seed in plan:
+        key = run_key(arch, method, seed)
+        if key not in done:
+            done[key] = fine_tune(arch, method, seed, scale, train, test)
+            with runs_file.open("a") as f:
+                f.write(json.dumps(done[key]) + "\n")
+            print(f"{arch} {method.name} seed {seed}: {100 * done[key]['accuracy']:.2f}% "
+                  f"in {done[key]['train_seconds']:.0f} s", flush=True)
+        runs.append(done[key])
+    return runs
+
+
+def run_key(arch: str, method: Method, seed: int) -> str:
+    return json.dumps([arch, asdict(method), seed], sort_keys=True)
+
+
+# --- summaries --------------------------------------------------------------------------------
+
+def summarize(runs: list[dict], arch: str, method: Method) -> dict:
+    """Accuracy mean/std over seeds and the (seed-independent) ledger bytes of one method."""
+    mine = [r for r in runs if r["arch"] == arch and r["method"] == asdict(method)]
+    accs = [r["accuracy"] for r in mine]
+    return {
+        "arch": arch, "method": asdict(method), "seeds": [r["seed"] for r in mine],
+        "accuracy_mean": statistics.mean(accs), "accuracy_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+        "accuracies": accs, "trained_parameters": mine[0]["trained_parameters"],
+        "activation_bytes": statistics.mean(r["activation_bytes"] for r in mine),
+        "dense_activation_bytes": mine[0]["dense_activation_bytes"],
+        "train_seconds_mean": statistics.mean(r["train_seconds"] for r in mine),
+    }
+
+
+def accuracy_cell(row: dict) -> str:
+    return f"{100 * row['accuracy_mean']:.2f} ± {100 * row['accuracy_std']:.2f} (n={len(row['seeds'])})"
+
+
+def method_table(rows: list[dict]) -> str:
+    full = next(r for r in rows if r["method"]["name"] == "FT-Full")
+    return table(
+        ["method", "trained params", "target accuracy % (mean ± std)", "saved activations MiB (ledger)",
+         "vs FT-Full", "peak RSS MiB (measured)", "step peak increase MiB", "train s"],
+        [(r["method"]["name"], f"{r['trained_parameters']:,}", accuracy_cell(r), mib(r["activation_bytes"]),
+          f"{r['activation_bytes'] / full['activation_bytes']:.3f}x", mib(r["memory"]["peak_rss_bytes"]),
+          mib(r["memory"]["step_peak_increase_bytes"]), f"{r['train_seconds_mean']:.0f}")
+         for r in rows],
+    )
+
+
+def target_check(rows: list[dict], arch: str, baseline: str = "FT-Full") -> dict:
+    """The issue's target: Back Razor@90% within 1 point of ``baseline`` at <= 1/3 of its activations."""
+    full = next(r for r in rows if r["method"]["name"] == baseline)
+    razor = next(r for r in rows if r["method"]["name"] == "Back Razor@90%")
+    gap = 100 * (full["accuracy_mean"] - razor["accuracy_mean"])
+    ratio = razor["activation_bytes"] / full["activation_bytes"]
+    return {"arch": arch, "baseline": baseline, "accuracy_gap_points": gap, "activation_ratio": ratio,
+            "holds": gap <= 1.0 and ratio <= 1 / 3}
+
+
+# --- plots ------------------------------------------------------------------------------------
+
+def moving_average(values: list[float], width: int = 10) -> list[float]:
+    return [statistics.mean(values[max(0, i - width + 1):i + 1]) for i in range(len(values))]
+
+
+def plot_convergence(runs: list[dict], path: Path) -> None:
+    """Fig. 4: training loss per step, FT-Full vs Back Razor@90%, mean over seeds, per model."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(ARCHS), figsize=(11, 4))
+    for ax, arch in zip(axes, ARCHS):
+        for name, color in (("FT-Full", "tab:blue"), ("Back Razor@90%", "tab:red")):
+            curves = [r["losses"] for r in runs if r["arch"] == arch and r["method"]["name"] == name]
+            mean = [statistics.mean(step) for step in zip(*curves)]
+            ax.plot(mean, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(moving_average(mean), color=color, label=f"{name} (mean of {len(curves)} seeds, 10-step avg)")
+        ax.set(title=f"{arch.upper()}: Fashion-MNIST 0-4 -> 5-9", xlabel="training step", ylabel="training loss",
+               yscale="log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_fig3(points: list[dict], path: Path) -> None:
+    """Fig. 3: accuracy vs pruning ratio, symmetric vs backward-only, ledger bytes on the right axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ratios = [100 * p["sparsity"] for p in points]
+    ax.plot(ratios, [p["backward_only_accuracy"] * 100 for p in points], "o-", color="tab:red", label="Back Razor (backward only)")
+    ax.plot(ratios, [p["symmetric_accuracy"] * 100 for p in points], "s-", color="tab:blue", label="forward + backward (symmetric)")
+    ax.set(xlabel="pruning ratio %", ylabel="target test accuracy %", title="CNN, Fashion-MNIST 0-4 -> 5-9 (1 seed)")
+    right = ax.twinx()
+    right.plot(ratios, [p["activation_bytes"] / 2**20 for p in points], "--", color="tab:orange", label="saved activations (both)")
+    right.set_ylabel("saved activations MiB (ledger)")
+    ax.legend(loc="lower left", fontsize=8)
+    right.legend(loc="center left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- main -------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--train-limit", type=int, default=Scale.train_limit)
+    parser.add_argument("--epochs", type=int, default=Scale.epochs)
+    parser.add_argument("--worker", action="store_true", help="internal: measure one step (JSON on stdin)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the CPU is shared; one thread per process keeps timings comparable
+    if args.worker:
+        print(json.dumps(measure_step(json.loads(sys.stdin.read()))))
+        return
+    scale = Scale(train_limit=args.train_limit, epochs=args.epochs)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    sources = {arch: source_model(arch, scale)[1] for arch in ARCHS}
+    runs_key = hashlib.sha256(json.dumps([asdict(scale), [s["sha256"] for s in sources.values()]]).encode()).hexdigest()[:12]
+    runs_file = CACHE / f"runs-{runs_key}.jsonl"
+
+    # Seed-major, Fig. 3 after the first seed: an interrupted run still has every row once.
+    first, *more = args.seeds
+    plan = [(arch, m, first) for arch in ARCHS for m in table_methods(arch)]
+    plan += [("cnn", m, first) for m in fig3_methods()]
+    plan += [(arch, m, seed) for seed in more for arch in ARCHS for m in table_methods(arch)]
+    runs = run_all(plan, scale, runs_file)
+
+    summaries, checks = {}, []
+    for arch in ARCHS:
+        rows = [summarize(runs, arch, m) for m in table_methods(arch)]
+        for row, method in zip(rows, table_methods(arch)):
+            row["memory"] = measure_in_fresh_process(arch, method, scale)
+        summaries[arch] = rows
+        checks.append(target_check(rows, arch))
+    checks.append(target_check(summaries["cnn"], "cnn", "FT-Full (BN frozen)"))  # same BN treatment as Back Razor
+    fidelity = [gradient_fidelity(arch, m, scale) for arch in ARCHS for m in table_methods(arch) if m.sparsity is not None]
+    fig3 = []
+    for sparsity in (0.5, 0.7, 0.9, 0.95, 0.99):
+        by_name = {r["method"]["name"]: r for r in runs if r["arch"] == "cnn" and r["seed"] == args.seeds[0]
+                   and r["method"]["sparsity"] == sparsity and r["method"]["freeze_bn"]}
+        backward = by_name[f"Back Razor@{round(100 * sparsity)}%"]
+        symmetric = by_name[f"Symmetric@{round(100 * sparsity)}%"]
+        fig3.append({"sparsity": sparsity, "backward_only_accuracy": backward["accuracy"],
+                     "symmetric_accuracy": symmetric["accuracy"], "activation_bytes": backward["activation_bytes"],
+                     "symmetric_activation_bytes": symmetric["activation_bytes"]})
+
+    plot_convergence(runs, RESULTS_DIR / "backrazor_convergence.png")
+    plot_fig3(fig3, RESULTS_DIR / "backrazor_transfer_fig3.png")
+    write_results("backrazor_transfer", "Back Razor transfer learning: Fashion-MNIST classes 0-4 -> 5-9",
+                  report(summaries, checks, fidelity, fig3, sources, scale, args.seeds),
+                  {"scale": asdict(scale), "seeds": args.seeds, "sources": sources, "summaries": summaries,
+                   "target_checks": checks, "gradient_fidelity": fidelity, "fig3": fig3,
+                   "runs": [{k: v for k, v in r.items() if k != "losses"} for r in runs],
+                   "losses": {f"{r['arch']}/{r['method']['name']}/seed{r['seed']}": r["losses"] for r in runs
+                              if r["method"]["name"] in ("FT-Full", "Back Razor@90%")}})
+
+
+def report(summaries: dict, checks: list[dict], fidelity: list[dict], fig3: list[dict], sources: dict, scale: Scale,
+           seeds: list[int]) -> str:
+    """The markdown body: setup, one table per model, the target check, gradient fidelity, Fig. 3 and 4."""
+    parts = [
+        f"Setup: source = Fashion-MNIST classes 0-4 ({scale.source_limit} training images, "
+        f"{scale.source_epochs} epochs, Adam lr {scale.source_lr}, cosine); target = classes 5-9 with a new "
+        f"5-way head, first {scale.train_limit} target training images, {scale.epochs} epochs at batch "
+        f"{scale.batch}, Adam + cosine (lr {scale.lr_full} when the backbone trains, {scale.lr_head} for "
+        f"FT-Last / FT-Norm+Last), evaluated on all 5000 target test images; seeds {seeds} (head init and "
+        "batch order). Source test accuracy (classes 0-4): "
+        + ", ".join(f"{a.upper()} {100 * s['source_test_accuracy']:.2f}%" for a, s in sources.items()) + ".",
+        "Memory columns are per training step at the batch size above: saved activations from the ledger "
+        "(exact bytes autograd keeps for backward, the paper's 'theoretical' memory), and the measured peak "
+        "RSS of one step in a fresh process after a warm-up step (the whole process: Python, torch, weights, "
+        "optimizer state, transient forward tensors), with its increase over the RSS before the step.",
+    ]
+    for arch, rows in summaries.items():
+        if arch == "cnn":
+            note = ("CNN = zoo `SmallResNet` (with batch norm). FT-Full trains batch norm (batch statistics "
+                    "and affine), the standard full fine-tune; FT-Full (BN frozen) and every Back Razor row "
+                    "freeze it (`edgetorch.freeze_batchnorm`, the paper's choice); FT-Last freezes it too (a "
+                    "linear probe); FT-Norm+Last trains it.")
+        else:
+            note = ("ViT = torchvision `VisionTransformer` (28x28, 7x7 patches, 4 layers, 4 heads, width 64, "
+                    "MLP 128, 1-channel patch embedding). FT-Norm+Last trains the LayerNorm affines + head. "
+                    "Default `scope=weights` prunes only Linear/conv inputs and keeps GELU, LayerNorm and "
+                    "attention (torchvision runs the fused CPU flash-attention kernel here) exact, so its "
+                    "saving is bounded by those; `scope=all` also prunes them, including the q/k/v/output "
+                    "the fused kernel saves. The Linear layers save their inputs as [batch x tokens, "
+                    "features] matrices, which the engine thresholds row by row: top-k per token.")
+        parts += [f"## {arch.upper()}", note, method_table(rows)]
+    parts.append("## Target: Back Razor@90% within 1 point of FT-Full at <= 1/3 of its saved activations")
+    parts.append(table(["model", "baseline", "baseline minus Back Razor@90% (points)", "activation ratio", "holds"],
+                       [(c["arch"].upper(), c["baseline"], f"{c['accuracy_gap_points']:+.2f}",
+                         f"{c['activation_ratio']:.3f}", "yes" if c["holds"] else "no") for c in checks]))
+    parts += [
+        "## Gradient fidelity (one step)",
+        "Cosine similarity and relative error of all weight gradients vs the same model and batch without "
+        "Back Razor (same source weights, head and batch-norm treatment; first target batch).",
+        table(["model", "method", "cosine", "relative error"],
+              [(f["arch"].upper(), f["method"], f"{f['cosine']:.4f}", f"{f['relative_error']:.3f}") for f in fidelity]),
+    ]
+    parts += [
+        "## Fig. 3: pruning the forward too (symmetric) vs backward only",
+        "CNN, one seed. Symmetric: the same per-sample top-k mask is applied to the forward input of every "
+        "Conv/Linear except the stem (forward pre-hooks, also active at evaluation: it is part of the "
+        "trained model's forward); its saved copies are the pruned tensors, so both schemes store the same "
+        "bytes. ![fig3](backrazor_transfer_fig3.png)",
+        table(["pruning ratio", "Back Razor (backward only) %", "symmetric %", "saved activations MiB"],
+              [(f"{100 * p['sparsity']:.0f}%", f"{100 * p['backward_only_accuracy']:.2f}",
+                f"{100 * p['symmetric_accuracy']:.2f}", mib(p["activation_bytes"])) for p in fig3]),
+        "## Fig. 4: convergence",
+        "Training loss per step (mean over seeds; faint: raw, solid: 10-step moving average), FT-Full vs "
+        "Back Razor@90%. ![convergence](backrazor_convergence.png)",
+    ]
+    return "\n\n".join(parts)
+
+
+if __name__ == "__main__":
+    main()
