@@ -182,10 +182,12 @@ def test_kernel_matches_reference_across_chunks(n: int, pattern: str) -> None:
     check_kernel_matches_reference(bits, 0)
 
 
+@pytest.mark.parametrize("min_per_thread", [1, _cpu_kernels._MIN_CHUNKS_PER_THREAD])
 @pytest.mark.parametrize("n_chunks", [0, 1, 7, 8, 37, 1000])
-def test_chunk_ranges_cover_every_chunk_once(n_chunks: int) -> None:
+def test_chunk_ranges_cover_every_chunk_once(n_chunks: int, min_per_thread: int) -> None:
     ranges: list[tuple[int, int]] = []
-    _cpu_kernels._over_chunks(lambda out, lo, hi: out.append((lo, hi)), n_chunks, ranges)
+    _cpu_kernels.over_chunks(lambda out, lo, hi: out.append((lo, hi)), n_chunks, ranges,
+                             min_per_thread=min_per_thread)
     covered = [c for lo, hi in sorted(ranges) for c in range(lo, hi)]
     assert covered == list(range(n_chunks))
 
