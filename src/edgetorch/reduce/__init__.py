@@ -8,6 +8,7 @@ the paper's way; ``save_reduced`` / ``load_reduced`` store a reduced network wit
 from .allocate import SOLVERS, Allocation, allocate, solve_allocation
 from .api import ALLOCATIONS, REDUCTIONS, LayerFactor, Reduction, reduce, reduce_model
 from .checkpoint import architecture, load_reduced, save_reduced
+from .latency import LatencyComparison, compare_latency
 from .macs import count_macs
 from .mlp import KeepFeatures
 from .problem import METHODS
@@ -19,10 +20,12 @@ __all__ = [
     "SOLVERS",
     "Allocation",
     "KeepFeatures",
+    "LatencyComparison",
     "LayerFactor",
     "Reduction",
     "allocate",
     "architecture",
+    "compare_latency",
     "count_macs",
     "load_reduced",
     "reduce",

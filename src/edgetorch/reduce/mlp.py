@@ -205,7 +205,9 @@ def factorised(model: nn.Module, ranks: list[int]) -> nn.Module:
         layer = model[i]
         if k >= min(layer.in_features, layer.out_features):
             continue
-        u, s, vt = torch.linalg.svd(layer.weight.detach().double(), full_matrices=False)
+        # numpy's LAPACK, as for the curves (torch's first SVD call costs seconds of set-up).
+        u, s, vt = (torch.from_numpy(a) for a in
+                    np.linalg.svd(layer.weight.detach().double().numpy(), full_matrices=False))
         first = nn.Linear(layer.in_features, k, bias=False, dtype=layer.weight.dtype)
         second = nn.Linear(k, layer.out_features, bias=layer.bias is not None, dtype=layer.weight.dtype)
         with torch.no_grad():

@@ -42,8 +42,10 @@ def uniform_lowrank(problem: Problem) -> list[int]:
         ranks = []
         for m_in, m_out, top in zip(problem.widths[:-1], problem.widths[1:], problem.upper):
             allowed = share * m_in * m_out
-            fitting = [k for k in range(top, 0, -1) if layer_lowrank_cost(m_in, m_out, k) <= allowed]
-            ranks.append(fitting[0] if fitting else 1)
+            if layer_lowrank_cost(m_in, m_out, top) <= allowed:
+                ranks.append(top)  # the dense layer fits its share
+            else:  # the largest factored rank within the share, at least 1
+                ranks.append(max(1, min(top - 1, int(allowed // (m_in + m_out)))))
         if problem.cost(ranks) <= problem.budget:
             return ranks
         share *= 0.99  # only reached when rank-1 floors pushed the total over the budget

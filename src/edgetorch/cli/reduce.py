@@ -1,0 +1,102 @@
+"""``edgetorch reduce``: shrink a trained MLP to a multiplication budget (Mauch & Yang)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from ._app import app, console
+
+
+def _load_model(model: str, weights: Path | None, dataset: str, size: int):
+    from ..data import dataset_info
+    from ..zoo import build_model, pretrained
+
+    if weights is None:
+        name = model.removeprefix("zoo:")
+        if not model.startswith("zoo:"):
+            raise typer.BadParameter("--weights is required unless --model is a zoo model (zoo:NAME)")
+        return pretrained(name, dataset=dataset)
+    return build_model(model, num_classes=dataset_info(dataset).num_classes, weights=weights,
+                       **({"image_size": size} if model == "zoo:mlp" else {}))
+
+
+@app.command()
+def reduce(
+    model: str = typer.Option("zoo:mlp", help="zoo:NAME (pretrained on --dataset unless --weights), or any spec with --weights"),
+    weights: Path = typer.Option(None, help="safetensors/state-dict weights of --model"),
+    alpha: float = typer.Option(..., help="total reduction factor in [0, 1): share of multiplications removed"),
+    method: str = typer.Option("prune", help="prune (the paper's), prune-ls (correlation-aware), lowrank"),
+    allocation: str = typer.Option("optimal", help="optimal (exact), pso (the paper's), uniform"),
+    dataset: str = typer.Option("digits", help="calibration samples from its train split, accuracy on its test split"),
+    size: int = typer.Option(28, min=1, help="image size the model takes"),
+    calibration: int = typer.Option(1000, min=2, help="unlabeled calibration samples (pruning)"),
+    accuracy: bool = typer.Option(True, help="evaluate full and reduced accuracy on the test labels"),
+    latency_batch: int = typer.Option(64, min=1, help="batch size of the CPU latency comparison"),
+    seed: int = typer.Option(0, help="PSO seed"),
+    output: Path = typer.Option(None, help="write the reduced network here (.safetensors + .json)"),
+) -> None:
+    """Reduce a trained MLP: per-layer factors, MACs, accuracy and measured CPU latency ratio."""
+    import torch
+
+    from ..data import load_dataset
+    from ..reduce import (ALLOCATIONS, REDUCTIONS, compare_latency, count_macs, reduce_model,
+                          save_reduced)
+    from ..zoo import CheckpointError, evaluate_accuracy
+
+    if method not in REDUCTIONS:
+        raise typer.BadParameter(f"--method {method!r}; accepted: {', '.join(REDUCTIONS)}")
+    if allocation not in ALLOCATIONS:
+        raise typer.BadParameter(f"--allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
+    if output is not None and output.suffix != ".safetensors":
+        raise typer.BadParameter("--output must end in .safetensors")
+    try:
+        full = _load_model(model, weights, dataset, size).eval()
+        train = load_dataset(dataset, "train", size=size)
+        test = load_dataset(dataset, "test", size=size)
+        calib = train.tensors[0][: min(calibration, len(train))]
+        result = reduce_model(full, alpha, method, allocation, calibration=calib, seed=seed)
+    except (ValueError, TypeError, CheckpointError) as err:
+        raise typer.BadParameter(str(err)) from None
+
+    one = test.tensors[0][:1]
+    full_macs, reduced_macs = count_macs(full, one), count_macs(result.model, one)
+    table = Table(title=f"{model} on {dataset}: {method}, {allocation} allocation, alpha >= {alpha}")
+    for col in ("layer", "M_in x M_out", "kept inputs" if method != "lowrank" else "rank",
+                "MACs", "alpha_l", "J_l"):
+        table.add_column(col, justify="right")
+    for f in result.layers:
+        value = f.kept_inputs if f.kept_inputs is not None else f.rank
+        table.add_row(str(f.layer), f"{f.in_features} x {f.out_features}", str(value),
+                      f"{f.macs:,}", f"{f.alpha:.3f}", f"{f.error:.4g}")
+    console.print(table)
+    a = result.allocation
+    summary = {"model": model, "dataset": dataset, "method": method, "allocation": allocation,
+               "alpha": alpha, "achieved_alpha": a.alpha, "objective_J": a.objective,
+               "solver_seconds": a.seconds, "proven_gap": a.proven_gap, "macs_full": full_macs,
+               "macs_reduced": reduced_macs,
+               "layers": [vars(f) for f in result.layers]}
+    console.print(f"MACs per sample: {full_macs:,} -> {reduced_macs:,} "
+                  f"(alpha achieved {a.alpha:.4f}); J = {a.objective:.4g}, solver {a.seconds:.2f} s"
+                  + (f", proven gap {a.proven_gap:.3g}" if a.proven_gap is not None else ""))
+    if accuracy:
+        summary["accuracy_full"] = evaluate_accuracy(full, test)
+        summary["accuracy_reduced"] = evaluate_accuracy(result.model, test)
+        console.print(f"test accuracy ({len(test)} samples): {summary['accuracy_full']:.4f} -> "
+                      f"{summary['accuracy_reduced']:.4f}")
+    torch.manual_seed(0)
+    batch = test.tensors[0][:latency_batch]
+    timing = compare_latency(full, result.model, batch)
+    summary |= {"latency_batch": len(batch), "latency_full_s": timing.full_seconds,
+                "latency_reduced_s": timing.reduced_seconds, "latency_ratio": timing.ratio}
+    console.print(f"CPU latency, batch {len(batch)} (median of {timing.rounds} interleaved rounds): "
+                  f"{timing.full_seconds * 1e3:.3f} ms -> {timing.reduced_seconds * 1e3:.3f} ms "
+                  f"(ratio {timing.ratio:.2f}, measured)")
+    if output is not None:
+        json_path = save_reduced(result.model, output, {"reduction": summary})
+        console.print(f"wrote {output} and {json_path}")
+    else:
+        console.print_json(json.dumps({k: v for k, v in summary.items() if k != "layers"}))

@@ -1,0 +1,79 @@
+"""`edgetorch reduce` end to end, and the measured latency comparison it reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from edgetorch.cli import app
+from edgetorch.data import load_dataset
+from edgetorch.reduce import compare_latency, count_macs, load_reduced
+from edgetorch.zoo import MLP, save_weights
+
+
+def test_compare_latency_times_both_models_and_reports_the_ratio():
+    calls = {"full": 0, "reduced": 0}
+
+    class Counted(nn.Linear):
+        def __init__(self, name, width):
+            super().__init__(16, width)
+            self.name = name
+
+        def forward(self, x):
+            calls[self.name] += 1
+            return super().forward(x)
+
+    result = compare_latency(Counted("full", 64), Counted("reduced", 4), torch.randn(8, 16), rounds=5, warmup=2)
+    assert calls == {"full": 7, "reduced": 7}
+    assert result.rounds == 5 and result.full_seconds > 0 and result.reduced_seconds > 0
+    assert result.ratio == pytest.approx(result.reduced_seconds / result.full_seconds)
+
+
+def test_compare_latency_rejects_no_rounds():
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        compare_latency(nn.Identity(), nn.Identity(), torch.zeros(1), rounds=0)
+
+
+@pytest.fixture()
+def mlp_weights(tmp_path):
+    torch.manual_seed(0)
+    model = MLP(num_classes=10, image_size=8)
+    path = tmp_path / "mlp.safetensors"
+    save_weights(model, path)
+    return model.eval(), path
+
+
+def test_reduce_command_writes_a_model_within_budget(mlp_weights, tmp_path):
+    full, weights = mlp_weights
+    out = tmp_path / "reduced.safetensors"
+    result = CliRunner().invoke(app, [
+        "reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8", "--alpha", "0.6",
+        "--method", "lowrank", "--allocation", "optimal", "--dataset", "digits", "--calibration", "50",
+        "--latency-batch", "4", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "ratio" in result.output and "measured" in result.output
+    reduced, record = load_reduced(out)
+    x = load_dataset("digits", "test", size=8).tensors[0][:3]
+    assert reduced(x).shape == full(x).shape
+    assert 1 - count_macs(reduced, x[:1]) / count_macs(full, x[:1]) >= 0.6
+    summary = record["reduction"]
+    assert summary["macs_reduced"] == count_macs(reduced, x[:1])
+    assert summary["latency_ratio"] > 0 and 0 <= summary["accuracy_reduced"] <= 1
+    assert json.loads(json.dumps(summary)) == summary  # JSON-able as written
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--method", "magic"], "accepted: prune, prune-ls, lowrank"),
+    (["--allocation", "best"], "accepted: optimal, uniform, pso"),
+    (["--alpha", "1.5"], "alpha"),
+])
+def test_reduce_command_refuses_bad_arguments(mlp_weights, args, match):
+    _, weights = mlp_weights
+    base = ["reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8", "--alpha", "0.5"]
+    result = CliRunner().invoke(app, base + args)
+    assert result.exit_code != 0
+    assert match in " ".join(result.output.split())
