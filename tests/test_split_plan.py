@@ -10,7 +10,14 @@ import pytest
 
 from edgetorch.split.links import LoRaLink, RateLink, TraceLink, parse_link
 from edgetorch.split.payload import payload_size
-from edgetorch.split.plan import Accuracy, HostTimes, image_file_bytes, load_accuracy, plan, plan_record
+from edgetorch.split.plan import (
+    Accuracy,
+    HostTimes,
+    compare_deployments,
+    image_file_bytes,
+    load_accuracy,
+    plan_record,
+)
 from edgetorch.split.power import PROFILES, DeviceProfile, load_profile, profile_json
 
 
@@ -97,7 +104,7 @@ FILES = {"png": 20_000.0, "jpeg": 8_000.0}
 def test_plan_follows_the_delay_and_energy_model():
     link = RateLink("test", 1e6, 0.01)
     accuracy = Accuracy(0.9, 0.88, {3: 0.85}, "test.json")
-    rows = {r.option: r for r in plan(TIMES, FILES, link, DEVICE, accuracy, server_speedup=2.0)}
+    rows = {r.option: r for r in compare_deployments(TIMES, FILES, link, DEVICE, accuracy, server_speedup=2.0)}
     assert list(rows) == ["local", "offload png", "offload jpeg", "split C=3", "split C=12"]
     local = rows["local"]
     assert (local.head_s, local.network_s, local.tail_s, local.sent_bytes) == (0.4, 0.0, 0.0, 0)
@@ -119,10 +126,10 @@ def test_plan_follows_the_delay_and_energy_model():
 
 
 def test_slow_links_favour_split_over_offload_and_trace_gives_a_tail():
-    rows = {r.option: r for r in plan(TIMES, FILES, LoRaLink(bandwidth_hz=500e3), DEVICE)}
+    rows = {r.option: r for r in compare_deployments(TIMES, FILES, LoRaLink(bandwidth_hz=500e3), DEVICE)}
     assert rows["split C=3"].e2e_s < rows["offload jpeg"].e2e_s < rows["offload png"].e2e_s
     trace = TraceLink("t", (1e5, 1e6, 1e7), 0.0)
-    row = plan(TIMES, FILES, trace, DEVICE)[1]
+    row = compare_deployments(TIMES, FILES, trace, DEVICE)[1]
     assert row.network_p95_s > row.network_s
     assert row.network_s == pytest.approx(float(np.mean(trace.delays(20_000))))
 
@@ -173,3 +180,24 @@ def test_accuracy_file_without_accuracies_is_refused(tmp_path):
     path.write_text(json.dumps({"benchmark": "split_training", "runs": []}))
     with pytest.raises(ValueError, match="neither a 'teacher' nor a 'split'"):
         load_accuracy(path)
+
+
+def test_time_modules_takes_the_fastest_interleaved_round():
+    import torch
+
+    from edgetorch.split.plan import time_modules
+
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def forward(self, x):
+            seen.append(self.name)
+            return x
+
+    seconds = time_modules({"a": (Recorder("a"), torch.zeros(1)), "b": (Recorder("b"), torch.zeros(1))}, rounds=3)
+    assert seen == ["a", "b"] * 4  # one warm-up each, then round-robin
+    assert set(seconds) == {"a", "b"} and all(0 <= s < 1 for s in seconds.values())

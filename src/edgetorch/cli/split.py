@@ -133,9 +133,7 @@ def plan(
 ) -> None:
     """Local vs full offload (PNG/JPEG) vs split at each C: delay, device energy, accuracy."""
     from ..split.links import parse_link
-    from ..split.plan import image_file_bytes, load_accuracy, measure_host_times
-    from ..split.plan import plan as make_plan
-    from ..split.plan import plan_record
+    from ..split.plan import compare_deployments, image_file_bytes, load_accuracy, measure_host_times, plan_record
     from ..split.power import load_profile
 
     try:
@@ -152,7 +150,7 @@ def plan(
     console.print(f"accuracy: {known.source if known else 'none given (pass --accuracy FILE)'}")
     records = []
     for one in links:
-        rows = make_plan(times, files, one, profile, known, server_speedup=server_speedup)
+        rows = compare_deployments(times, files, one, profile, known, server_speedup=server_speedup)
         record = plan_record(rows, one, profile, times, known, server_speedup)
         records.append(record)
         table = Table(title=f"{model} {resolution}px on {profile.name} over {one.name}")

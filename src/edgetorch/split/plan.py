@@ -2,8 +2,8 @@
 
 BottleFit's model (Sec. III-D): D_e2e = D_H + D_N + D_T and P_md = P_H + P_N. Here:
 
-* D_H (device): the head (or, for local computing, the whole model) timed on this host, batch 1,
-  scaled by the device profile's speed ratio (:mod:`edgetorch.split.power`);
+* D_H (device): the head (or, for local computing, the whole model) timed on this host, batch 1
+  (fastest of interleaved rounds: :func:`time_modules`), scaled by the device profile's speed ratio (:mod:`edgetorch.split.power`);
 * D_N: the link model (:mod:`edgetorch.split.links`) for the true payload bytes: the 8-bit
   bottleneck payload (:func:`edgetorch.split.payload.payload_size`) for split computing, the
   mean PNG or JPEG file size of real test images at the model's resolution for full offload;
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from .power import DeviceProfile
 
 @dataclass(frozen=True)
 class HostTimes:
-    """Median seconds per batch-1 inference on this host.
+    """Seconds per batch-1 inference on this host (fastest of interleaved rounds).
 
     Attributes:
         arch: model spec.
@@ -54,21 +53,34 @@ class HostTimes:
     reference_s: float
 
 
-def time_module(module: nn.Module, x: torch.Tensor, repeats: int = 5) -> float:
-    """Median wall-clock seconds of ``module(x)`` under inference mode after one warm-up call."""
-    module.eval()
-    times = []
+def time_modules(calls: dict[str, tuple[nn.Module, torch.Tensor]], rounds: int = 5) -> dict[str, float]:
+    """Fastest of ``rounds`` wall-clock timings of each ``module(x)``, interleaved round-robin.
+
+    On a shared machine other jobs only ever add time, so the minimum estimates the module's own
+    cost; interleaving puts every module under the same drifting load instead of timing one module
+    in a quiet minute and the next in a busy one. One untimed warm-up call each comes first.
+
+    Args:
+        calls: name -> (module, input); modules are put in eval mode.
+        rounds: timed calls per module.
+
+    Returns:
+        name -> seconds.
+    """
+    best = {name: float("inf") for name in calls}
     with torch.inference_mode():
-        module(x)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            module(x)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for module, x in calls.values():
+            module.eval()(x)
+        for _ in range(rounds):
+            for name, (module, x) in calls.items():
+                start = time.perf_counter()
+                module(x)
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def measure_host_times(arch: str, channels: list[int], resolution: int, reference: DeviceProfile,
-                       split_point: str = "sp2", num_classes: int = 10, repeats: int = 5) -> HostTimes:
+                       split_point: str = "sp2", num_classes: int = 10, rounds: int = 5) -> HostTimes:
     """Time the full model, each C's head and tail, and the profile's reference model on this host.
 
     Weights do not change the time of a dense CNN, so randomly initialised models are timed.
@@ -80,7 +92,7 @@ def measure_host_times(arch: str, channels: list[int], resolution: int, referenc
         reference: the device profile whose reference model sets the speed ratio.
         split_point: ``"sp1"`` or ``"sp2"``.
         num_classes: classifier outputs.
-        repeats: timed calls per module (median).
+        rounds: timed calls per module (the fastest counts, see :func:`time_modules`).
 
     Returns:
         :class:`HostTimes`.
@@ -91,17 +103,19 @@ def measure_host_times(arch: str, channels: list[int], resolution: int, referenc
     torch.manual_seed(0)
     teacher = build_model(arch, num_classes=num_classes)
     x = torch.rand(1, 3, resolution, resolution)
-    heads, tails, shapes = {}, {}, {}
+    calls: dict[str, tuple[nn.Module, torch.Tensor]] = {"full": (teacher, x)}
+    shapes = {}
     for c in channels:
         student = inject_bottleneck(teacher, c, split_point).eval()
         with torch.inference_mode():
             z = student.head(x)
-        heads[c] = time_module(student.head, x, repeats)
-        tails[c] = time_module(student.tail, z, repeats)
+        calls[f"head{c}"], calls[f"tail{c}"] = (student.head, x), (student.tail, z)
         shapes[c] = tuple(z.shape[1:])
-    ref_x = torch.rand(1, 3, reference.reference_resolution, reference.reference_resolution)
-    ref_s = time_module(build_model(reference.reference_model, num_classes=1000), ref_x, max(2, repeats // 2))
-    return HostTimes(arch, resolution, time_module(teacher, x, repeats), heads, tails, shapes, ref_s)
+    side = reference.reference_resolution
+    calls["reference"] = (build_model(reference.reference_model, num_classes=1000), torch.rand(1, 3, side, side))
+    seconds = time_modules(calls, rounds)
+    return HostTimes(arch, resolution, seconds["full"], {c: seconds[f"head{c}"] for c in channels},
+                     {c: seconds[f"tail{c}"] for c in channels}, shapes, seconds["reference"])
 
 
 def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
@@ -228,7 +242,7 @@ def _row(option: str, nbytes: int, head_s: float, tail_s: float, link: Link | No
                    energy, energy / e2e, accuracy)
 
 
-def plan(times: HostTimes, file_bytes: dict[str, float], link: Link, device: DeviceProfile,
+def compare_deployments(times: HostTimes, file_bytes: dict[str, float], link: Link, device: DeviceProfile,
          accuracy: Accuracy | None = None, per_sample: bool = True,
          server_speedup: float = 1.0) -> list[PlanRow]:
     """Every option's delay, energy and accuracy for one link and device.
