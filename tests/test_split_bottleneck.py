@@ -150,3 +150,18 @@ def test_state_dict_round_trip_is_strict(resnet18: nn.Module, tmp_path) -> None:
     with pytest.raises(CheckpointError, match="shape mismatch"):
         load_weights(inject_bottleneck(resnet18, 12), path)
     assert isinstance(fresh, BottleneckModel)
+
+
+def test_public_surface_round_trip_through_an_8bit_payload():
+    import edgetorch.split as es
+
+    assert all(hasattr(es, name) for name in es.__all__)
+    torch.manual_seed(0)
+    student = es.inject_bottleneck(build_model("torchvision:resnet18", num_classes=10), channels=3).eval()
+    head, tail = es.split(student)
+    x = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        z = head(x)
+        payload = es.encode(z)
+        assert len(payload) == es.payload_size(z.shape)
+        assert torch.allclose(tail(es.decode(payload)), student(x), atol=0.05)

@@ -1,1 +1,48 @@
-"""BottleFit split computing: bottleneck injection, two-stage training, 8-bit payloads, runtime."""
+"""BottleFit split computing: bottleneck injection, two-stage training, 8-bit payloads, runtime.
+
+The few verbs a user needs are re-exported here; the HTTP server (``edgetorch.split.server``) and
+the device client (``edgetorch.split.client``) are imported from their modules.
+
+Example:
+    >>> import torchvision, edgetorch.split as es
+    >>> student = es.inject_bottleneck(torchvision.models.resnet18(num_classes=10), channels=12)
+    >>> head, tail = es.split(student)
+"""
+
+from .bottleneck import ACCEPTED_ARCHS, SPLIT_POINTS, BottleneckModel, inject_autoencoder, inject_bottleneck, split
+from .export import SplitArtifactError, export_model, export_split, load
+from .links import parse_link
+from .losses import ghnd_loss, kd_loss
+from .payload import PayloadError, decode, encode, payload_size
+from .plan import compare_deployments
+from .power import DeviceProfile, load_profile
+from .teacher import TeacherConfig, load_rgb, train_teacher
+from .train import StageConfig, train_stage
+
+__all__ = [
+    "ACCEPTED_ARCHS",
+    "SPLIT_POINTS",
+    "BottleneckModel",
+    "DeviceProfile",
+    "PayloadError",
+    "SplitArtifactError",
+    "StageConfig",
+    "TeacherConfig",
+    "compare_deployments",
+    "decode",
+    "encode",
+    "export_model",
+    "export_split",
+    "ghnd_loss",
+    "inject_autoencoder",
+    "inject_bottleneck",
+    "kd_loss",
+    "load",
+    "load_profile",
+    "load_rgb",
+    "parse_link",
+    "payload_size",
+    "split",
+    "train_stage",
+    "train_teacher",
+]

@@ -1,0 +1,247 @@
+"""BottleFit training (Sec. III-C): one resumable training stage, configured by a plain dataclass.
+
+A run of the paper is two calls of :func:`train_stage` on the same student:
+
+* stage 1, GHND (eq. 4): ``StageConfig(loss="ghnd", trainable="bottleneck", optimizer="adam")`` --
+  encoder and decoder learn to reproduce the teacher's front output *and*, through the frozen
+  later blocks, the teacher's block outputs; no labels are used;
+* stage 2: ``loss="ce"`` (FT) or ``loss="kd"`` (eq. 6-7) with ``trainable="tail"`` (frozen encoder,
+  "FE" in Table II) or ``trainable="all"``, ``optimizer="sgd"``.
+
+The baselines are single stages: conventional training (``ce``/``all``), KD (``kd``/``all``), HND
+(``hnd``/``bottleneck``: the front output only) and the autoencoder (``hnd``/``bottleneck`` on an
+:func:`~edgetorch.split.bottleneck.inject_autoencoder` student: a reconstruction loss on the
+front's output with the AE layers alone trainable).
+
+Frozen modules are kept in eval mode for the whole stage, so their batch-norm running statistics do
+not move (the published reference code puts the whole student in train mode, which updates the
+statistics of "frozen" blocks). The teacher is always in eval mode and never receives gradients.
+
+Checkpoints (``checkpoint_dir``), written after every epoch: ``model.safetensors`` (the student's
+``state_dict``), ``state.pt`` (epoch, optimizer and scheduler state, loss history and the
+weights' SHA-256; read back with ``torch.load(weights_only=True)``) and ``config.json``. Calling
+:func:`train_stage` again with the same directory resumes after the last finished epoch and gives
+the same weights as an uninterrupted run (batch order is a function of seed and epoch). A
+directory written with another config, or weights that do not match the model or the recorded
+hash, raise :class:`~edgetorch.zoo.CheckpointError` instead of training from a silent mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ..zoo import CheckpointError, load_weights, save_weights
+from ..zoo.weights import file_sha256
+from .bottleneck import BottleneckModel, decompose
+from .losses import ghnd_loss, kd_loss
+
+LOSSES = ("ce", "kd", "hnd", "ghnd")
+TRAINABLE = ("all", "bottleneck", "tail")
+OPTIMIZERS = ("adam", "sgd")
+_NEEDS_TEACHER = ("kd", "hnd", "ghnd")
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One training stage.
+
+    Attributes:
+        loss: ``"ce"`` (cross entropy, eq. 5), ``"kd"`` (eq. 6-7), ``"hnd"`` (MSE at the decoder
+            output only) or ``"ghnd"`` (eq. 4: decoder output and every later block's output).
+        trainable: ``"all"``, ``"bottleneck"`` (encoder + decoder; for the autoencoder baseline the
+            AE layers) or ``"tail"`` (everything after the bottleneck: stage 2 with a frozen
+            encoder).
+        epochs: passes over the training data.
+        optimizer: ``"adam"`` (the paper's stage 1) or ``"sgd"`` with ``momentum`` (stage 2).
+        lr: initial learning rate (paper: 1e-3 in both stages).
+        momentum: SGD momentum (paper: 0.9).
+        lr_step: multiply the learning rate by 0.1 every ``lr_step`` epochs (paper: 5 of 10);
+            ``None`` keeps it constant.
+        batch_size: samples per step; the last partial batch of an epoch is dropped.
+        alpha: KD weight of the hard-label loss (paper: 0.5).
+        tau: KD temperature (paper: 1).
+        seed: fixes the batch order (with the epoch number).
+    """
+
+    loss: str = "ghnd"
+    trainable: str = "bottleneck"
+    epochs: int = 1
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    lr_step: int | None = None
+    batch_size: int = 64
+    alpha: float = 0.5
+    tau: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, accepted in (("loss", LOSSES), ("trainable", TRAINABLE), ("optimizer", OPTIMIZERS)):
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"{name}={getattr(self, name)!r}; accepted: {', '.join(accepted)}")
+        for name in ("epochs", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.lr_step is not None and (not isinstance(self.lr_step, int) or self.lr_step < 1):
+            raise ValueError(f"lr_step must be None or a positive int, got {self.lr_step!r}")
+        if not (self.lr > 0 and 0 <= self.momentum < 1 and 0 <= self.alpha <= 1 and self.tau > 0):
+            raise ValueError(
+                f"need lr > 0, 0 <= momentum < 1, 0 <= alpha <= 1, tau > 0; got lr={self.lr}, "
+                f"momentum={self.momentum}, alpha={self.alpha}, tau={self.tau}"
+            )
+
+
+def _trainable_parts(model: nn.Module, trainable: str) -> list[nn.Module]:
+    if trainable == "all":
+        return [model]
+    if not isinstance(model, BottleneckModel):
+        raise ValueError(f"trainable={trainable!r} needs a BottleneckModel, got {type(model).__name__}")
+    return model.bottleneck_parts() if trainable == "bottleneck" else [model.tail]
+
+
+def _set_modes(model: nn.Module, parts: list[nn.Module]) -> list[nn.Parameter]:
+    """Train mode and gradients for ``parts``; eval mode (flag set module by module) elsewhere."""
+    inside = {id(m) for part in parts for m in part.modules()}
+    for module in model.modules():
+        # Set each module's own flag: Module.eval() would recurse into trainable children.
+        module.training = id(module) in inside
+    params = [p for part in parts for p in part.parameters()]
+    chosen = {id(p) for p in params}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in chosen)
+    return params
+
+
+def _loss(model: nn.Module, teacher: nn.Module | None, x: torch.Tensor, y: torch.Tensor,
+          config: StageConfig) -> torch.Tensor:  # fmt: skip
+    if config.loss == "ce":
+        return F.cross_entropy(model(x), y)
+    assert teacher is not None  # checked before training
+    if config.loss == "kd":
+        with torch.no_grad():
+            target_logits = teacher(x)
+        return kd_loss(model(x), target_logits, y, config.alpha, config.tau)
+    with torch.no_grad():
+        stages = decompose(teacher)  # a view sharing the teacher's modules: cheap to build
+        targets = [stages.front(x)] if config.loss == "hnd" else stages.taps(x)[:-1]
+    if config.loss == "hnd":  # only the decoder output: no need to run the later blocks
+        return ghnd_loss([model.tail.decoder(model.head(x))], targets)
+    return ghnd_loss(model.taps(x)[:-1], targets)
+
+
+def _save(directory: Path, model: nn.Module, state: dict[str, Any]) -> None:
+    state = {**state, "sha256": save_weights(model, directory / "model.safetensors")}
+    tmp = directory / f".state.pt.{os.getpid()}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, directory / "state.pt")  # the state file commits the epoch
+
+
+def _resume(directory: Path, model: nn.Module, config: StageConfig) -> dict[str, Any] | None:
+    state_path, config_path = directory / "state.pt", directory / "config.json"
+    if not state_path.is_file():
+        return None
+    recorded = json.loads(config_path.read_text()) if config_path.is_file() else None
+    if recorded != dataclasses.asdict(config):
+        raise CheckpointError(f"{directory} holds a checkpoint of config {recorded}, not {config}")
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types on a damaged file
+        raise CheckpointError(f"{state_path}: unreadable training state ({exc})") from exc
+    weights = directory / "model.safetensors"
+    if not weights.is_file() or file_sha256(weights) != state["sha256"]:
+        raise CheckpointError(f"{weights} is missing or differs from the one recorded in {state_path}")
+    load_weights(model, weights)  # strict: raises on any key or shape mismatch
+    return state
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(),
+                    disable=not enabled, transient=True)  # fmt: skip
+
+
+def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teacher: nn.Module | None = None,
+                checkpoint_dir: str | Path | None = None, progress: bool = True) -> list[float]:  # fmt: skip
+    """Train ``model`` for one stage (see the module docstring for the paper's configurations).
+
+    Args:
+        model: the student (a :class:`BottleneckModel` unless ``loss="ce"``/``"kd"`` with
+            ``trainable="all"``, which also trains a plain classifier such as the teacher itself).
+        data: ``TensorDataset`` of images ``[N, 3, H, W]`` and int labels.
+        config: the stage.
+        teacher: the original model; required by ``kd``, ``hnd`` and ``ghnd``. Kept in eval mode.
+        checkpoint_dir: write a checkpoint there after every epoch and resume from it if present.
+        progress: show a rich progress bar.
+
+    Returns:
+        The mean training loss of each epoch (of all epochs, including resumed ones). The model is
+        left in eval mode with every parameter's ``requires_grad`` as it was before.
+
+    Raises:
+        ValueError: a missing teacher, a stage that needs a BottleneckModel, or data smaller than
+            a batch.
+        CheckpointError: ``checkpoint_dir`` holds a checkpoint of another config or model.
+    """
+    if config.loss in _NEEDS_TEACHER and teacher is None:
+        raise ValueError(f"loss={config.loss!r} needs the teacher model")
+    if config.loss in ("hnd", "ghnd") and not isinstance(model, BottleneckModel):
+        raise ValueError(f"loss={config.loss!r} needs a BottleneckModel, got {type(model).__name__}")
+    images, labels = data.tensors
+    steps = len(labels) // config.batch_size
+    if steps == 0:
+        raise ValueError(f"{len(labels)} samples is less than one batch of {config.batch_size}")
+    was_required = [p.requires_grad for p in model.parameters()]
+    params = _set_modes(model, _trainable_parts(model, config.trainable))
+    if config.optimizer == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=config.lr)
+    else:
+        opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=config.lr_step or config.epochs + 1, gamma=0.1)
+    history: list[float] = []
+    directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        state = _resume(directory, model, config)
+        if state is not None:
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            history = list(state["history"])
+        (directory / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+    if teacher is not None:
+        teacher.eval()
+    with _progress(progress) as bar:
+        for epoch in range(len(history), config.epochs):
+            task = bar.add_task(f"{config.loss}/{config.trainable} epoch {epoch + 1}/{config.epochs}",
+                                total=steps, loss=float("nan"))  # fmt: skip
+            # A function of (seed, epoch) only, so a resumed run sees the same batches.
+            order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(config.seed * 100_003 + epoch))
+            total = 0.0
+            for step in range(steps):
+                idx = order[step * config.batch_size : (step + 1) * config.batch_size]
+                loss = _loss(model, teacher, images[idx], labels[idx], config)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += loss.item()
+                bar.update(task, advance=1, loss=total / (step + 1))
+            sched.step()
+            history.append(total / steps)
+            if directory is not None:
+                _save(directory, model, {"epoch": epoch + 1, "optimizer": opt.state_dict(),
+                                         "scheduler": sched.state_dict(), "history": history})  # fmt: skip
+    model.eval()
+    for p, required in zip(model.parameters(), was_required):
+        p.requires_grad_(required)
+    return history

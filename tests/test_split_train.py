@@ -1,0 +1,194 @@
+"""BottleFit training: losses against hand computations, frozen parts, GHND progress, exact resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from edgetorch.split.bottleneck import decompose, inject_autoencoder, inject_bottleneck
+from edgetorch.split.losses import ghnd_loss, kd_loss
+from edgetorch.split.teacher import TeacherConfig, load_rgb, teacher_paths, train_teacher
+import edgetorch.split.train as train_module
+from edgetorch.split.train import StageConfig, train_stage
+from edgetorch.zoo import CheckpointError, build_model
+
+SIZE = 16  # tiny inputs keep the tests fast; 16 is a multiple of every input_multiple used here
+
+
+@pytest.fixture(scope="module")
+def teacher() -> nn.Module:
+    torch.manual_seed(0)
+    model = build_model("torchvision:resnet18", num_classes=4)
+    # Non-trivial running statistics, so a BN update would show.
+    with torch.no_grad():
+        model.train()
+        model(torch.rand(16, 3, SIZE, SIZE))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.rand(16, 3, SIZE, SIZE, generator=gen), torch.randint(0, 4, (16,), generator=gen))
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _changed(before: dict[str, torch.Tensor], module: nn.Module) -> set[str]:
+    return {k for k, v in module.state_dict().items() if not torch.equal(v, before[k])}
+
+
+def test_kd_loss_matches_hand_computation() -> None:
+    s = torch.tensor([[2.0, 0.0, -1.0]])
+    t = torch.tensor([[1.0, 1.0, 0.0]])
+    y = torch.tensor([0])
+    tau, alpha = 2.0, 0.3
+    ce = -math.log(math.exp(2) / (math.exp(2) + 1 + math.exp(-1)))
+    zs = [math.exp(v / tau) for v in (2.0, 0.0, -1.0)]
+    zt = [math.exp(v / tau) for v in (1.0, 1.0, 0.0)]
+    q = [v / sum(zs) for v in zs]
+    p = [v / sum(zt) for v in zt]
+    kl = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+    expected = alpha * ce + (1 - alpha) * tau**2 * kl
+    assert kd_loss(s, t, y, alpha, tau).item() == pytest.approx(expected, rel=1e-6)
+    # The paper's setting (alpha 0.5, tau 1) against plain PyTorch.
+    ref = 0.5 * F.cross_entropy(s, y) + 0.5 * F.kl_div(F.log_softmax(s, 1), F.softmax(t, 1), reduction="batchmean")
+    assert torch.allclose(kd_loss(s, t, y), ref)
+
+
+def test_losses_reject_bad_arguments() -> None:
+    z = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="alpha"):
+        kd_loss(z, z, torch.tensor([0]), alpha=1.5)
+    with pytest.raises(ValueError, match="does not match"):
+        ghnd_loss([torch.zeros(2)], [torch.zeros(3)])
+    with pytest.raises(ValueError, match="equally many"):
+        ghnd_loss([z], [])
+
+
+def test_ghnd_sums_mse_over_taps() -> None:
+    a, b = torch.randn(2, 3, 4, 4), torch.randn(2, 5)
+    ta, tb = torch.randn(2, 3, 4, 4), torch.randn(2, 5)
+    assert torch.allclose(ghnd_loss([a, b], [ta, tb]), ((a - ta) ** 2).mean() + ((b - tb) ** 2).mean())
+
+
+def test_stage_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="accepted: ce, kd, hnd, ghnd"):
+        StageConfig(loss="mse")
+    with pytest.raises(ValueError, match="epochs"):
+        StageConfig(epochs=0)
+    with pytest.raises(ValueError, match="lr_step"):
+        StageConfig(lr_step=0)
+
+
+def test_ghnd_trains_only_the_bottleneck_and_loss_decreases(teacher: nn.Module, data: TensorDataset) -> None:
+    torch.manual_seed(0)
+    student = inject_bottleneck(teacher, 2, "sp2")
+    before, teacher_before = _state(student), _state(teacher)
+    config = StageConfig(loss="ghnd", trainable="bottleneck", epochs=4, batch_size=8, lr=3e-3)
+    history = train_stage(student, data, config, teacher=teacher, progress=False)
+    assert history[-1] < history[0]
+    changed = _changed(before, student)
+    # Frozen blocks and classifier: parameters and BN running statistics unchanged.
+    assert changed and all(k.startswith(("head.encoder", "tail.decoder")) for k in changed)
+    assert any(k.endswith("running_mean") and k.startswith("head.") for k in changed)
+    assert not _changed(teacher_before, teacher)
+    assert all(p.requires_grad for p in student.parameters()) and not student.training
+
+
+def test_frozen_encoder_stage(teacher: nn.Module, data: TensorDataset) -> None:
+    student = inject_bottleneck(teacher, 3, "sp2", downsample=True)
+    before = _state(student)
+    config = StageConfig(loss="kd", trainable="tail", epochs=1, batch_size=8, optimizer="sgd", lr=1e-2)
+    train_stage(student, data, config, teacher=teacher, progress=False)
+    changed = _changed(before, student)
+    assert changed and all(k.startswith("tail.") for k in changed)
+
+
+def test_autoencoder_trains_only_ae_layers(teacher: nn.Module, data: TensorDataset) -> None:
+    student = inject_autoencoder(teacher, 3)
+    before = _state(student)
+    train_stage(student, data, StageConfig(loss="hnd", batch_size=8), teacher=teacher, progress=False)
+    changed = _changed(before, student)
+    assert changed and all(k.startswith(("head.encoder.1", "tail.decoder")) for k in changed)
+
+
+def test_requirements_are_checked(teacher: nn.Module, data: TensorDataset) -> None:
+    with pytest.raises(ValueError, match="needs the teacher"):
+        train_stage(inject_bottleneck(teacher, 3), data, StageConfig(loss="ghnd"), progress=False)
+    with pytest.raises(ValueError, match="needs a BottleneckModel"):
+        train_stage(teacher, data, StageConfig(loss="hnd"), teacher=teacher, progress=False)
+    with pytest.raises(ValueError, match="less than one batch"):
+        train_stage(teacher, data, StageConfig(loss="ce", trainable="all", batch_size=64), progress=False)
+
+
+def test_resume_continues_exactly(teacher: nn.Module, data: TensorDataset, tmp_path, monkeypatch) -> None:
+    def fresh() -> nn.Module:
+        torch.manual_seed(1)
+        return inject_bottleneck(teacher, 2, "sp1")
+
+    config = StageConfig(loss="ce", trainable="tail", epochs=2, batch_size=8, optimizer="sgd", lr=1e-2, lr_step=1)
+    straight = fresh()
+    history = train_stage(straight, data, config, progress=False)
+
+    # Crash right after the first epoch's checkpoint, then resume with a freshly built model.
+    real_save = train_module._save
+
+    def save_then_crash(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_save", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        train_stage(fresh(), data, config, checkpoint_dir=tmp_path, progress=False)
+    monkeypatch.setattr(train_module, "_save", real_save)
+    resumed = fresh()
+    assert train_stage(resumed, data, config, checkpoint_dir=tmp_path, progress=False) == history
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), straight.state_dict().values()))
+    # A finished stage resumed again trains nothing and changes nothing.
+    again = fresh()
+    assert train_stage(again, data, config, checkpoint_dir=tmp_path, progress=False) == history
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), straight.state_dict().values()))
+
+
+def test_checkpoint_mismatches_fail_loudly(teacher: nn.Module, data: TensorDataset, tmp_path) -> None:
+    config = StageConfig(loss="ce", trainable="tail", epochs=1, batch_size=8, optimizer="sgd")
+    train_stage(inject_bottleneck(teacher, 2), data, config, checkpoint_dir=tmp_path, progress=False)
+    with pytest.raises(CheckpointError, match="shape mismatch"):
+        train_stage(inject_bottleneck(teacher, 3), data, config, checkpoint_dir=tmp_path, progress=False)
+    with pytest.raises(CheckpointError, match="config"):
+        train_stage(inject_bottleneck(teacher, 2), data, dataclasses.replace(config, lr=0.5),
+                    checkpoint_dir=tmp_path, progress=False)  # fmt: skip
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="differs"):
+        train_stage(inject_bottleneck(teacher, 2), data, config, checkpoint_dir=tmp_path, progress=False)
+
+
+def test_teacher_is_trained_once_then_cached(tmp_path) -> None:
+    config = TeacherConfig(arch="resnet18", dataset="digits", image_size=16, train_limit=64,
+                           stage=StageConfig(loss="ce", trainable="all", epochs=1, batch_size=32))  # fmt: skip
+    model, meta = train_teacher(config, cache=tmp_path, progress=False)
+    assert 0.0 <= meta["test_accuracy"] <= 1.0 and meta["train_samples"] == 64
+    weights, _ = teacher_paths(config, tmp_path)
+    assert weights.is_file()
+    cached, meta2 = train_teacher(config, cache=tmp_path, progress=False)
+    assert meta2 == meta
+    assert all(torch.equal(a, b) for a, b in zip(cached.state_dict().values(), model.state_dict().values()))
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        train_teacher(config, cache=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="accepted"):
+        TeacherConfig(arch="vgg11")
+
+
+def test_load_rgb_repeats_channels() -> None:
+    images, labels = load_rgb("digits", "test", 16, limit=5).tensors
+    assert images.shape == (5, 3, 16, 16) and torch.equal(images[:, 0], images[:, 2])
