@@ -1,4 +1,4 @@
-"""Training-step time of bitmap activation storage against plain PyTorch (ResNet-18, 224 px, CPU).
+"""Training-step time of BitTrain and Back Razor storage against plain PyTorch (ResNet-18, 224 px, CPU).
 
 The machine may be shared with other work. Contention only ever adds time, and with two
 OpenMP threads on two cores one descheduled thread stalls the other at every barrier, so a
@@ -29,7 +29,8 @@ from torch import nn
 import edgetorch
 
 MODEL, RESOLUTION, BATCH = "resnet18", 224, 16
-TARGET_RATIO = 1.10  # the issue's bound for lossless bitmap
+# The issues' bounds: lossless bitmap (BitTrain) and Back Razor at 90% sparsity.
+TARGETS = {"bitmap (lossless)": 1.10, "backrazor sparsity=0.9": 1.15}
 # None: plain PyTorch, no hooks at all (the baseline every ratio divides by).
 CONFIGS: dict[str, edgetorch.Policy | None] = {
     "dense (plain PyTorch)": None,
@@ -37,6 +38,9 @@ CONFIGS: dict[str, edgetorch.Policy | None] = {
     "bitmap (lossless)": edgetorch.Bitmap(),
     "bitmap value_dtype=float16": edgetorch.Bitmap(value_dtype=torch.float16),
     "bitmap threshold=0.05": edgetorch.Bitmap(threshold=0.05),
+    # Batch norm stays trained here, as in every other row, so all rows compute the same step.
+    "backrazor sparsity=0.9": edgetorch.BackRazor(0.9),
+    "backrazor sparsity=0.9 value_dtype=float16": edgetorch.BackRazor(0.9, value_dtype=torch.float16),
 }
 BASELINE = "dense (plain PyTorch)"
 
@@ -167,9 +171,12 @@ def main() -> None:
         ["for reference: hooks + Dense policy (minimum - minimum)", f"{hooks_s:.3f}", f"{hooks_s / base_min:.1%}"],
     ]  # fmt: skip
 
-    lossless = results["bitmap (lossless)"]
-    worst = max(lossless["ratio_of_minima"], lossless["median_paired_ratio"])
-    verdict = "met" if worst <= TARGET_RATIO else "NOT met"
+    verdicts = []
+    for name, bound in TARGETS.items():
+        r = results[name]
+        worst = max(r["ratio_of_minima"], r["median_paired_ratio"])
+        verdicts.append(f"{name}: target <= {bound:.2f}x; measured {r['ratio_of_minima']:.3f}x (minima), "
+                        f"{r['median_paired_ratio']:.3f}x (median paired): {'met' if worst <= bound else 'NOT met'}.")
     body = "\n\n".join([
         f"torchvision {MODEL}, random init, {RESOLUTION} px, batch {BATCH}, CPU, one process. "
         "A step is forward + backward + SGD step (no ledger, so no bookkeeping beyond the "
@@ -178,9 +185,7 @@ def main() -> None:
         "is shared: contention only adds time, so the minimum is the least-disturbed estimate; "
         "paired ratio = this configuration's step / the plain step of the same round.",
         table(["configuration", "median s", "min s", "max s", "ratio of minima", "median paired ratio"], rows),
-        f"Target for lossless bitmap: <= {TARGET_RATIO:.2f}x. Measured: "
-        f"{lossless['ratio_of_minima']:.3f}x (minima), {lossless['median_paired_ratio']:.3f}x "
-        f"(median paired): target {verdict}.",
+        "\n".join(f"- {v}" for v in verdicts),
         f"## Where the lossless-bitmap overhead goes ({args.breakdown_steps} separate steps with timed codec calls)",
         "Codec seconds are minima over those steps, like the overhead, which comes from the "
         "main table's minima; the rest is an estimate that absorbs timing noise.",
@@ -188,10 +193,10 @@ def main() -> None:
     ])  # fmt: skip
     write_results(
         "step_overhead",
-        f"Step-time overhead of bitmap activation storage ({MODEL}, {RESOLUTION} px, batch {BATCH}, CPU)",
+        f"Step-time overhead of BitTrain and Back Razor storage ({MODEL}, {RESOLUTION} px, batch {BATCH}, CPU)",
         body,
         {"model": MODEL, "resolution": RESOLUTION, "batch": BATCH, "rounds": args.rounds,
-         "warmup": args.warmup, "target_ratio": TARGET_RATIO, "results": results,
+         "warmup": args.warmup, "targets": TARGETS, "results": results,
          "codec_breakdown": codec},  # fmt: skip
     )
 

@@ -113,17 +113,27 @@ def test_keep_argument_protects_tensors_used_outside_the_model_call():
     assert {r.shape: r.storage for r in ledger.records}[(8, 4)] in ("external", "dense")
 
 
-def test_integer_and_tiny_tensors_stay_dense():
+@pytest.mark.parametrize("policy, narrowed", [(et.Bitmap(), True), (et.BackRazor(0.9), True), (et.Dense(), False)])
+def test_tiny_tensors_stay_dense_and_wide_integers_are_narrowed(policy, narrowed):
     model = nn.Linear(4, 4)
     ledger = et.SavedTensorLedger()
-    with et.compress_activations(model, et.Bitmap(), ledger=ledger):
+    with et.compress_activations(model, policy, ledger=ledger):
         h = torch.relu(model(torch.randn(2, 4)))  # tiny
         emb = nn.functional.embedding(torch.randint(0, 10, (64, 64)), torch.randn(10, 3, requires_grad=True))
         loss = h.sum() + emb.sum()
     loss.backward()
-    kinds = {r.dtype: r.storage for r in ledger.records if r.storage != "external"}
-    assert kinds.get("int64") == "dense"
-    assert all(r.storage != "stored" for r in ledger.records)
+    (index,) = [r for r in ledger.records if r.dtype == "int64" and r.dense_bytes]
+    assert index.dense_bytes == 64 * 64 * 8
+    assert (index.storage, index.stored_bytes) == (("stored", 64 * 64) if narrowed else ("dense", 64 * 64 * 8))
+    assert all(r.storage != "stored" for r in ledger.records if r.dtype == "float32")
+
+
+def test_max_pool_indices_are_narrowed_and_gradients_stay_identical():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 16 * 16, 4))
+    ledger = assert_same_step(model, torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]), et.Bitmap())
+    (pool,) = [r for r in ledger.records if r.op == "max_pool2d_with_indices" and r.dtype == "int64"]
+    assert pool.storage == "stored" and pool.stored_bytes * 4 == pool.dense_bytes  # int64 -> int16
 
 
 def test_retain_graph_and_repeated_unpack():

@@ -115,9 +115,17 @@ def test_frozen_batch_norm_stores_nothing_and_keeps_input_gradients_exact():
 def test_trained_batch_norm_keeps_its_input_exactly():
     ledger = et.SavedTensorLedger()
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten())
-    compare(model, torch.randn(2, 3, 16, 16), torch.tensor([0, 1]), et.BackRazor(0.9), ledger)
+    (o0, dx0, _), (o1, dx1, _) = compare(model, torch.randn(2, 3, 16, 16), torch.tensor([0, 1]), et.BackRazor(0.9), ledger)
     bn = [r for r in ledger.records if r.op == "native_batch_norm" and r.dense_bytes]
     assert bn and all(r.form == "exact" for r in bn)
+    # Its input is exact, so input gradients stay exact through a trained batch norm as well.
+    assert torch.equal(o0, o1) and torch.equal(dx0, dx1)
+
+
+def test_resnet18_with_trained_batch_norm_keeps_forward_and_input_gradient_exact():
+    model = torchvision.models.resnet18(num_classes=4).train()
+    (o0, dx0, _), (o1, dx1, _) = compare(model, torch.randn(2, 3, 32, 32), torch.tensor([0, 3]), et.BackRazor(0.9))
+    assert torch.equal(o0, o1) and torch.equal(dx0, dx1)
 
 
 def tiny_vit():
@@ -246,3 +254,17 @@ def test_top_k_golden_bytes():
     p = pack_topk(torch.tensor([[0.1, -3.0, 0.0, 2.0], [5.0, 5.0, 5.0, -1.0]]), 0.5)
     assert p.bitmap.tolist() == [0b00111010]
     assert p.values.tolist() == [-3.0, 2.0, 5.0, 5.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model", [SmallCNN, tiny_vit])
+def test_cuda_forward_and_input_gradient_are_exact(model, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)  # same kernels in both runs
+    torch.manual_seed(0)
+    net = model().cuda()
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    y = torch.tensor([0, 1, 2, 3], device="cuda")
+    ledger = et.SavedTensorLedger()
+    (o0, dx0, _), (o1, dx1, _) = compare(net, x, y, et.BackRazor(0.9, value_dtype=torch.float16), ledger)
+    assert torch.equal(o0, o1) and torch.equal(dx0, dx1)
+    assert any(r.form == "prune" for r in ledger.records)

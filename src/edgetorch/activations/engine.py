@@ -9,6 +9,8 @@ What the hooks alone would get wrong, and how this module handles it:
   earlier entry's memory becomes a view of it, so it is stored once.
 * Parameters, buffers and the model's inputs are held by the caller anyway: encoding them
   would add a copy and free nothing, so they are passed through.
+* Integer tensors are saved too, and max pooling's int64 indices take twice the bytes of its
+  float32 output: policies that allow it hold them in the narrowest integer dtype (lossless).
 * With hooks active PyTorch skips its in-place check; tensors kept as they are carry their
   version and are checked on unpack.
 * Hooks are thread-local and only the innermost pair applies: a module that runs under
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..codecs.narrow import WIDE_INTS, pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
 from .policies import Policy
 from .roles import EXACT, Need, OpWatch, saved_by_custom_function
@@ -336,7 +339,8 @@ class compress_activations(contextlib.ContextDecorator):
             self._record(t, module, "external", 0, 0, 0, need)
             return _Kept(d, t._version)
         nbytes = t.numel() * t.element_size()
-        if t.dtype not in _FLOATS or nbytes < self.min_bytes:
+        narrowable = t.dtype in WIDE_INTS and self.policy.narrows_integers
+        if (t.dtype not in _FLOATS and not narrowable) or nbytes < self.min_bytes:
             self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
             return _Kept(d, t._version)
         return self._save(t, d, need, module)
@@ -346,7 +350,7 @@ class compress_activations(contextlib.ContextDecorator):
             self._watch.flush()
 
     def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str]):
-        form = self.policy.form(need)
+        form = self.policy.form(need) if t.dtype in _FLOATS else "exact"  # integers: never pruned
         lo, hi = _span(t)
         key = (t.untyped_storage().data_ptr(), t.dtype)
         for ref in self._table.get(key, ()):
@@ -373,7 +377,8 @@ class compress_activations(contextlib.ContextDecorator):
         if form == "shape":
             rep = _SHAPE
         else:
-            rep = self.policy.encode(region.view(rows, -1), need)
+            floating = region.dtype in _FLOATS
+            rep = self.policy.encode(region.view(rows, -1), need) if floating else pack_narrow(region)
             region_bytes = region.numel() * region.element_size()
             if rep is None or rep.nbytes >= region_bytes:
                 # Never worse than plain PyTorch: what does not compress is held as it is.

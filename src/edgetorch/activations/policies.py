@@ -17,8 +17,8 @@ class Policy:
     """Base class: decide the stored form of one saved floating-point tensor.
 
     The engine (:func:`edgetorch.compress_activations`) has already left parameters, buffers,
-    model inputs, integer/bool and tiny tensors alone, and removed duplicates; a policy only
-    sees tensors worth encoding, as ``[rows, n]`` (one row per sample for batch-first
+    model inputs, integer/bool and tiny tensors alone (integers are narrowed losslessly when
+    ``narrows_integers`` is set), and removed duplicates; a policy only sees float tensors worth encoding, as ``[rows, n]`` (one row per sample for batch-first
     tensors). ``encode`` returns an object with ``.nbytes``, ``.nnz`` and ``.unpack()``, or
     None to keep the tensor as it is.
 
@@ -30,6 +30,9 @@ class Policy:
 
     name = "policy"
     needs_roles = False
+    # Whether the engine may hold int16/int32/int64 saved tensors (max-pool indices) in the
+    # narrowest integer dtype that holds their values (lossless; see edgetorch.codecs.narrow).
+    narrows_integers = False
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
@@ -75,6 +78,7 @@ class Bitmap(Policy):
     """
 
     name = "bitmap"
+    narrows_integers = True
     threshold: float = 0.0
     value_dtype: torch.dtype | None = None
 
@@ -140,6 +144,7 @@ class BackRazor(Policy):
 
     name = "backrazor"
     needs_roles = True
+    narrows_integers = True
     sparsity: float = 0.9
     value_dtype: torch.dtype | None = None
     scope: str = "weights"

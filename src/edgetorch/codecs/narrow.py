@@ -1,0 +1,79 @@
+"""Integer narrowing: a wide integer tensor held in the smallest integer dtype that holds its range.
+
+Autograd saves integer tensors too, and in CNNs they are large: max pooling keeps the position of
+every maximum as ``int64`` (8 bytes per output element, twice a float32 activation). The values
+are positions inside one feature plane, so they almost always fit ``int16`` or ``int32``. Storing
+them narrowed is lossless; the only cost is one min/max pass and a dtype conversion each way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+WIDE_INTS = (torch.int16, torch.int32, torch.int64)
+_NARROWER = (torch.int8, torch.int16, torch.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class NarrowIntTensor:
+    """An integer tensor held in a narrower integer dtype.
+
+    Attributes:
+        values: the elements (same shape as the original) in the narrow dtype.
+        dtype: the original dtype, which :meth:`unpack` returns.
+    """
+
+    values: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes held: ``numel * narrow itemsize``."""
+        return self.values.numel() * self.values.element_size()
+
+    @property
+    def nnz(self) -> int:
+        """Every element is stored."""
+        return self.values.numel()
+
+    def unpack(self) -> torch.Tensor:
+        """The original tensor (a new, contiguous tensor of the original dtype)."""
+        return self.values.to(self.dtype)
+
+
+def pack_narrow(t: torch.Tensor) -> NarrowIntTensor | None:
+    """Hold ``t`` in the smallest of int8 / int16 / int32 that contains all its values.
+
+    Args:
+        t: an ``int16``, ``int32`` or ``int64`` tensor, any shape and device.
+
+    Returns:
+        The narrowed tensor, or None when no dtype narrower than ``t.dtype`` holds its range (or
+        ``t`` is empty): keep ``t`` as it is then.
+
+    Raises:
+        TypeError: ``t`` is not one of the accepted integer dtypes.
+
+    Example:
+        >>> _, idx = torch.nn.functional.max_pool2d(torch.randn(1, 8, 64, 64), 2, return_indices=True)
+        >>> pack_narrow(idx).values.dtype   # positions in a 64x64 plane fit int16
+        torch.int16
+    """
+    if not isinstance(t, torch.Tensor) or t.dtype not in WIDE_INTS:
+        raise TypeError(f"pack_narrow stores int16, int32 or int64 tensors; got {getattr(t, 'dtype', type(t))}")
+    if t.numel() == 0:
+        return None
+    low, high = (int(v) for v in torch.aminmax(t))
+    for dtype in _NARROWER:
+        if dtype.itemsize >= t.dtype.itemsize:
+            return None
+        info = torch.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return NarrowIntTensor(t.to(dtype), t.dtype)
+    return None
