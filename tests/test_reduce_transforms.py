@@ -107,6 +107,22 @@ def test_least_squares_refit_recovers_a_redundant_neuron_exactly():
     assert (plain(x) - model(x)).abs().max() > 1e-2
 
 
+def test_refit_is_the_minimum_norm_least_squares_solution_on_a_singular_covariance():
+    from edgetorch.reduce.mlp import _refit
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 6))
+    x = np.concatenate([x, x[:, :2] @ rng.standard_normal((2, 3))], axis=1)  # 9 inputs, rank 6
+    x[:, 8] = 0.0  # and a dead neuron
+    mean, cov = x.mean(0), np.cov(x.T, bias=True)
+    weight, bias = rng.standard_normal((4, 9)), rng.standard_normal(4)
+    keep = np.array([0, 1, 3, 6, 7, 8])  # 6 and 7 depend on 0 and 1: C[S, S] is singular
+    reference = np.linalg.lstsq(cov[np.ix_(keep, keep)], cov[keep, :], rcond=1e-10)[0].T
+    got_weight, got_bias = _refit(weight, bias, cov, mean, keep)
+    np.testing.assert_allclose(got_weight, weight @ reference, atol=1e-10)
+    np.testing.assert_allclose(got_bias, bias + weight @ (mean - reference @ mean[keep]), atol=1e-10)
+
+
 def test_naive_pruning_moves_a_constant_neuron_into_the_bias():
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
     with torch.no_grad():

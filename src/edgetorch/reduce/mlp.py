@@ -135,7 +135,14 @@ def _refit(weight: np.ndarray, bias: np.ndarray, cov: np.ndarray, mean: np.ndarr
     # Least squares on the calibration data, in closed form: the best linear estimate of the
     # whole input from the kept part is x ~ mu + C[:, S] C[S, S]^+ (x_S - mu_S), so the layer
     # W x + b becomes W R x_S + b + W (mu - R mu_S) with R = C[:, S] C[S, S]^+.
-    mapping = np.linalg.lstsq(cov[np.ix_(keep, keep)], cov[keep, :], rcond=1e-10)[0].T
+    # C[S, S] is symmetric PSD, so its pseudo-inverse comes from an eigendecomposition: the same
+    # minimum-norm solution and cutoff (|eigenvalue| = singular value <= 1e-10 x the largest is
+    # dropped) as SVD-based np.linalg.lstsq, which took about 2 minutes per reduction of a
+    # 2,500-wide network on 2 cores (eigh: about 7x less).
+    values, vectors = np.linalg.eigh(cov[np.ix_(keep, keep)])
+    kept = np.abs(values) > 1e-10 * np.abs(values).max(initial=0.0)
+    vectors = vectors[:, kept]
+    mapping = ((vectors / values[kept]) @ (vectors.T @ cov[keep, :])).T
     return weight @ mapping, bias + weight @ (mean - mapping @ mean[keep])
 
 
