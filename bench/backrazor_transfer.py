@@ -318,9 +318,12 @@ def run_all(plan: list[tuple[str, Method, int]], scale: Scale, runs_file: Path) 
             done[run_key(run["arch"], Method(**run["method"]), run["seed"])] = run
     train = class_subset("train", TARGET_CLASSES, scale.train_limit)
     test = class_subset("test", TARGET_CLASSES)
-    runs = []
+    runs, planned = [], set()
     for arch, method, seed in plan:
         key = run_key(arch, method, seed)
+        if key in planned:  # Fig. 3 repeats some Table 1 rows: run and count each once
+            continue
+        planned.add(key)
         if key not in done:
             done[key] = fine_tune(arch, method, seed, scale, train, test)
             with runs_file.open("a") as f:
