@@ -511,8 +511,9 @@ def report(summaries: dict, checks: list[dict], fidelity: list[dict], fig3: list
                     "MLP 128, 1-channel patch embedding). FT-Norm+Last trains the LayerNorm affines + head. "
                     "Default `scope=weights` prunes only Linear/conv inputs and keeps GELU, LayerNorm and "
                     "attention (torchvision runs the fused CPU flash-attention kernel here) exact, so its "
-                    "saving is bounded by those; `scope=all` also prunes them, including the q/k/v/output "
-                    "the fused kernel saves. The Linear layers save their inputs as [batch x tokens, "
+                    "saving is bounded by those; `scope=all` also prunes them, and v and the output the "
+                    "fused kernel saves (q, k and its logsumexp stay exact: its backward recomputes the "
+                    "probabilities from them). The Linear layers save their inputs as [batch x tokens, "
                     "features] matrices, which the engine thresholds row by row: top-k per token.")
         parts += [f"## {arch.upper()}", note, method_table(rows)]
     parts.append("## Target: Back Razor@90% within 1 point of FT-Full at <= 1/3 of its saved activations")
