@@ -11,7 +11,7 @@ import sys
 
 from rich.console import Console
 
-SECTIONS = ("bittrain",)
+SECTIONS = ("bittrain", "backrazor", "reduce", "split")
 
 
 def main(argv: list[str] | None = None) -> None:
