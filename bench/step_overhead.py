@@ -91,7 +91,7 @@ class TimedBitmap(edgetorch.Bitmap):
 
     clock: CodecClock = field(default_factory=CodecClock)
 
-    def encode(self, t: torch.Tensor) -> _TimedStored | None:
+    def encode(self, t: torch.Tensor, need=None) -> _TimedStored | None:
         start = time.perf_counter()
         packed = super().encode(t)
         self.clock.pack_s += time.perf_counter() - start
