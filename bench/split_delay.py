@@ -1,9 +1,10 @@
 """End-to-end delay over simulated links (BottleFit Figs. 9, 11, 12 style), with measured compute.
 
 Head, tail and full-model times are MEASURED on this CPU (batch 1, fastest of 5 interleaved rounds after a warm-up) for
-torchvision resnet18 split at SP2 at 96 px (the Fashion-MNIST scale of the training benchmark),
+torchvision resnet18 split at SP2 at the image size of the training benchmark
+(``split_training.json``, whose accuracies the tables show; 96 px when it is absent),
 C in {1, 2, 3, 6, 9, 12}; payload bytes are the true 8-bit payload sizes; offload bytes are the
-mean PNG/JPEG (quality 90) sizes of 64 real Fashion-MNIST test images at 96 px. Links are models
+mean PNG/JPEG (quality 90) sizes of 64 real Fashion-MNIST test images at that size. Links are models
 (see edgetorch.split.links): WiFi and LTE goodputs are assumptions spanning good to poor
 channels, LoRa is SF 6 / CR 4/5 as in the paper at its three bandwidths.
 
@@ -16,6 +17,7 @@ Run: ``.venv/bin/python bench/split_delay.py``
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,7 +38,7 @@ from edgetorch.split.plan import (  # noqa: E402
 )
 from edgetorch.split.power import PROFILES, DeviceProfile  # noqa: E402
 
-ARCH, RESOLUTION, CHANNELS = "torchvision:resnet18", 96, [1, 2, 3, 6, 9, 12]
+ARCH, DEFAULT_RESOLUTION, CHANNELS = "torchvision:resnet18", 96, [1, 2, 3, 6, 9, 12]
 LINKS = ["wifi:50", "wifi:20", "wifi:5", "wifi:1", "lte:20", "lte:5", "lte:1",
          "lora:sf=6,bw=500", "lora:sf=6,bw=250", "lora:sf=6,bw=125"]
 ACCURACY = RESULTS_DIR / "split_training.json"  # the training benchmark's results, when they hold accuracies
@@ -51,12 +53,14 @@ def as_measured(profile: DeviceProfile, times: HostTimes) -> DeviceProfile:
 
 def main() -> None:
     jetson, pi = PROFILES["jetson-nano"], PROFILES["raspberry-pi-4-lora"]
-    times = measure_host_times(ARCH, CHANNELS, RESOLUTION, jetson)
-    files = image_file_bytes(RESOLUTION)
     try:
         accuracy = load_accuracy(ACCURACY)
-    except ValueError:  # absent, or without {teacher, split} accuracies
-        accuracy = None
+        # Time the model the accuracies belong to: the training benchmark's image size.
+        resolution = int(json.loads(ACCURACY.read_text())["scale"]["size"])
+    except (ValueError, KeyError):  # absent, or without {teacher, split} accuracies
+        accuracy, resolution = None, DEFAULT_RESOLUTION
+    times = measure_host_times(ARCH, CHANNELS, resolution, jetson)
+    files = image_file_bytes(resolution)
     links = [parse_link(s) for s in LINKS]
 
     measured = {link.name: compare_deployments(times, files, link, as_measured(jetson, times), accuracy) for link in links}
@@ -95,7 +99,7 @@ def main() -> None:
     ax.set_xticks(range(len(links)), [link.name.replace(" Mbit/s", "") for link in links], rotation=30, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("end-to-end delay, s (log)")
-    ax.set_title(f"{ARCH} {RESOLUTION}px, compute measured on this CPU (device = server)")
+    ax.set_title(f"{ARCH} {resolution}px, compute measured on this CPU (device = server)")
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(plot_path, dpi=120)
@@ -106,13 +110,13 @@ def main() -> None:
         f"Compute measured here: full model {times.full_s * 1e3:.1f} ms; per C head/tail in the table; "
         f"the profiles' reference model (resnet152, 224 px) {times.reference_s * 1e3:.0f} ms. Offload sends "
         f"PNG {files['png']:,.0f} B or JPEG {files['jpeg']:,.0f} B (mean of 64 real Fashion-MNIST test images "
-        f"at {RESOLUTION} px, gray). {acc_note}\n\n"
+        f"at {resolution} px, gray). {acc_note}\n\n"
         "## End-to-end delay D_e2e = D_H + D_N + D_T in ms, device = server = this CPU\n\n"
         + table1 + "\n\n![delay per link](split_delay.png)\n\n"
         "## With device profiles (assumptions) and device energy\n\n" + "\n\n".join(device_tables)
     )
     write_results("split_delay", "Split computing: end-to-end delay over simulated links", body,
-                  {"arch": ARCH, "resolution": RESOLUTION, "channels": CHANNELS,
+                  {"arch": ARCH, "resolution": resolution, "channels": CHANNELS,
                    "host_times": asdict(times),
                    "file_bytes": files, "accuracy_source": accuracy.source if accuracy else None,
                    "measured": {name: [asdict(r) for r in rows_] for name, rows_ in measured.items()},
