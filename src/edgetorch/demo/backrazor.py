@@ -51,11 +51,14 @@ def trainable(model: nn.Module, method: str) -> list[nn.Parameter]:
 
 def fine_tune(base: nn.Module, data, method: str) -> tuple[nn.Module, SavedTensorLedger, list[float]]:
     model = copy.deepcopy(base).train()
+    params = trainable(model, method)
     policy = Dense()
     if method.startswith("Back Razor"):
+        # After trainable(), which would turn the affine's requires_grad back on: a batch norm
+        # that trains its weight needs its input exactly, and Back Razor would save little.
         freeze_batchnorm(model)
         policy = BackRazor(0.9)
-    optimizer = torch.optim.Adam(trainable(model, method), lr=LR)
+    optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=LR)
     generator = torch.Generator().manual_seed(0)
     losses, ledger = [], None
     for _ in range(STEPS):
