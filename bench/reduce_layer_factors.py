@@ -31,7 +31,6 @@ calibration statistics, the SVDs and the prune-ls refits take most of it).
 
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 import time
 from dataclasses import asdict
@@ -40,7 +39,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _common import RESULTS_DIR, table, write_results  # noqa: E402
 from reduce_paper_models import HIDDEN, paper_mlp  # noqa: E402
@@ -55,15 +53,17 @@ from edgetorch.reduce import (  # noqa: E402
     reduce_model,
     solve_allocation,
 )
+from edgetorch.reduce.api import layer_factors  # noqa: E402
 from edgetorch.reduce.mlp import (  # noqa: E402
+    factorised,
     input_statistics,
-    linear_indices,
+    layer_svds,
     lowrank_curves,
     prune_orders,
     pruned,
     widths_of,
 )
-from edgetorch.reduce.problem import layer_lowrank_cost, make_problem  # noqa: E402
+from edgetorch.reduce.problem import make_problem  # noqa: E402
 from edgetorch.reduce.pso import PSOConfig  # noqa: E402
 from edgetorch.zoo import evaluate_accuracy  # noqa: E402
 
@@ -106,11 +106,10 @@ class Reducer:
 
     ``reduce_model`` recomputes the calibration statistics on every call (a forward pass of
     5,000 images plus float64 covariances up to 2,500 x 2,500, and a pivoted Cholesky per layer
-    for prune-ls: about a minute here) and ``factorised`` recomputes a float64 SVD of every layer
-    (most of a minute here). This bench builds 28 pruned and 21 low-rank networks per dataset,
-    so it computes both once: pruned networks come from the library's own ``pruned``, low-rank
-    ones from the cached SVD exactly as ``factorised`` builds them. :func:`cross_check` shows
-    that the public ``reduce_model`` gives the same allocation and the same accuracy.
+    for prune-ls: about a minute here) and the SVD of every layer (most of a minute here). This
+    bench builds 28 pruned and 21 low-rank networks per dataset, so it computes both once and
+    builds every network with the library's own ``pruned`` and ``factorised``.
+    :func:`cross_check` shows that the public ``reduce_model`` gives the same allocation and the same accuracy.
     """
 
     def __init__(self, model: nn.Module, calibration: torch.Tensor) -> None:
@@ -120,9 +119,8 @@ class Reducer:
         self.orders = {"prune": prune_orders(self.stats, correlated=False),
                        "prune-ls": prune_orders(self.stats, correlated=True)}
         self.curves = {m: [c for _, c in o] for m, o in self.orders.items()}
-        self.curves["lowrank"] = lowrank_curves(model)
-        self.svds = [np.linalg.svd(model[i].weight.detach().double().numpy(), full_matrices=False)
-                     for i in linear_indices(model)]
+        self.svds = layer_svds(model)
+        self.curves["lowrank"] = lowrank_curves(self.svds)
         self.seconds = time.perf_counter() - start
 
     def allocate(self, method: str, alpha: float, allocation: str):
@@ -132,36 +130,8 @@ class Reducer:
 
     def build(self, method: str, theta: list[int]) -> nn.Module:
         if method == "lowrank":
-            return self._factorised(theta).eval()
+            return factorised(self.model, theta, self.svds).eval()
         return pruned(self.model, theta, self.orders[method], self.stats, refit=method == "prune-ls").eval()
-
-
-    def _factorised(self, ranks: list[int]) -> nn.Module:
-        # edgetorch.reduce.mlp.factorised with the SVD taken from the cache: same weights.
-        out = copy.deepcopy(self.model)
-        for i, k, (u, s, vt) in zip(linear_indices(self.model), ranks, self.svds):
-            layer = self.model[i]
-            if k >= min(layer.in_features, layer.out_features):
-                continue  # full rank stays dense
-            first = nn.Linear(layer.in_features, k, bias=False, dtype=layer.weight.dtype)
-            second = nn.Linear(k, layer.out_features, bias=layer.bias is not None, dtype=layer.weight.dtype)
-            with torch.no_grad():
-                first.weight.copy_(torch.from_numpy(vt[:k]))
-                second.weight.copy_(torch.from_numpy(u[:, :k] * s[:k]))
-                if layer.bias is not None:
-                    second.bias.copy_(layer.bias)
-            out[i] = nn.Sequential(first, second)
-        return out
-
-
-def layer_alphas(widths: list[int], method: str, theta: list[int]) -> list[float]:
-    """alpha_l per weight layer (eq. 5, 6 for pruning; eq. 10 with dense full-rank layers)."""
-    out = []
-    kept = list(theta) + [widths[-1]]
-    for l, (m_in, m_out) in enumerate(zip(widths[:-1], widths[1:])):
-        macs = layer_lowrank_cost(m_in, m_out, theta[l]) if method == "lowrank" else kept[l] * kept[l + 1]
-        out.append(1 - macs / (m_in * m_out))
-    return out
 
 
 # --- measuring --------------------------------------------------------------------------------
@@ -199,7 +169,7 @@ def run_point(reducer: Reducer, test, method: str, alpha: float, allocation: str
     if macs != chosen.cost:  # the built network must cost what the allocator budgeted
         raise AssertionError(f"{method}/{allocation} at {alpha}: network has {macs} MACs, allocation {chosen.cost}")
     record = {"method": method, "allocation": allocation, "alpha": alpha, "alpha_achieved": chosen.alpha,
-              "theta": chosen.theta, "layer_alphas": layer_alphas(reducer.widths, method, chosen.theta),
+              "theta": chosen.theta, "layer_alphas": [f.alpha for f in layer_factors(reducer.widths, chosen, reducer.curves[method])],
               "objective": chosen.objective, "solver_seconds": chosen.seconds, "proven_gap": chosen.proven_gap,
               "macs": macs, "accuracy": evaluate_accuracy(model, test)}
     return record, model

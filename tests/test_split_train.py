@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from edgetorch.split.bottleneck import decompose, inject_autoencoder, inject_bottleneck
+from edgetorch.split.bottleneck import inject_autoencoder, inject_bottleneck
 from edgetorch.split.losses import ghnd_loss, kd_loss
 from edgetorch.split.teacher import TeacherConfig, load_rgb, teacher_paths, train_teacher
 import edgetorch.split.train as train_module

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .allocate import Allocation, solve_allocation
-from .mlp import factorised, input_statistics, lowrank_curves, prune_orders, pruned, widths_of
+from .mlp import factorised, input_statistics, layer_svds, lowrank_curves, prune_orders, pruned, widths_of
 from .problem import layer_lowrank_cost
 
 REDUCTIONS = ("prune", "prune-ls", "lowrank")
@@ -49,7 +49,14 @@ class Reduction:
     layers: list[LayerFactor]
 
 
-def _layer_factors(widths: list[int], allocation: Allocation, curves) -> list[LayerFactor]:
+def layer_factors(widths: list[int], allocation: Allocation, curves) -> list[LayerFactor]:
+    """Each weight layer's kept inputs or rank, MACs, ``alpha_l`` and ``J_l`` under ``allocation``.
+
+    Args:
+        widths: ``[M_0, ..., M_L]``.
+        allocation: the solver's result (its ``theta`` and ``method``).
+        curves: the ``J_l`` curves the allocation was solved on.
+    """
     theta, rows = allocation.theta, []
     kept = theta + [widths[-1]]
     for l in range(len(widths) - 1):
@@ -81,7 +88,8 @@ def reduce_model(
         raise ValueError(f"unknown allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
     widths = widths_of(model)
     if method == "lowrank":
-        curves = lowrank_curves(model)
+        svds = layer_svds(model)
+        curves = lowrank_curves(svds)
     else:
         if calibration is None:
             raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
@@ -91,10 +99,10 @@ def reduce_model(
     cost_model = "lowrank" if method == "lowrank" else "prune"
     chosen = solve_allocation(curves, widths, alpha, cost_model, ALLOCATIONS[allocation], seed=seed)
     if method == "lowrank":
-        reduced = factorised(model, chosen.theta)
+        reduced = factorised(model, chosen.theta, svds)
     else:
         reduced = pruned(model, chosen.theta, orders, stats, refit=method == "prune-ls")
-    return Reduction(reduced.eval(), method, chosen, _layer_factors(widths, chosen, curves))
+    return Reduction(reduced.eval(), method, chosen, layer_factors(widths, chosen, curves))
 
 
 def reduce(

@@ -27,10 +27,9 @@ def tail_over_head(energies: np.ndarray) -> np.ndarray:
     return np.concatenate([[np.inf], ratio])
 
 
-def singular_value_curve(weight: np.ndarray) -> np.ndarray:
-    """Eq. 13: error of keeping the top-k singular values of ``weight``, k = 0..min(shape)."""
-    sigma = np.linalg.svd(np.asarray(weight, dtype=np.float64), compute_uv=False)
-    return tail_over_head(sigma**2)
+def singular_value_curve(sigma: np.ndarray) -> np.ndarray:
+    """Eq. 13: error of keeping the top-k of a weight's singular values ``sigma`` (decreasing), k = 0..len."""
+    return tail_over_head(np.asarray(sigma, dtype=np.float64) ** 2)
 
 
 def power_order(cov: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -195,26 +195,36 @@ def pruned(model: nn.Module, kept: list[int], orders: list[tuple[np.ndarray, np.
     return out
 
 
-def lowrank_curves(model: nn.Module) -> list[np.ndarray]:
-    """Eq. 13's curve for every weight layer (no data needed)."""
-    return [singular_value_curve(model[i].weight.detach().numpy()) for i in linear_indices(model)]
+Svd = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def factorised(model: nn.Module, ranks: list[int]) -> nn.Module:
+def layer_svds(model: nn.Module) -> list[Svd]:
+    """``(U, S, V^T)`` in float64 of every weight layer: eq. 13's curves and the factorised layers
+    both read it, so it is computed once per reduction (numpy's LAPACK: torch's first SVD call
+    costs seconds of set-up)."""
+    return [np.linalg.svd(model[i].weight.detach().double().numpy(), full_matrices=False)
+            for i in linear_indices(model)]
+
+
+def lowrank_curves(svds: list[Svd]) -> list[np.ndarray]:
+    """Eq. 13's curve for every weight layer, from :func:`layer_svds` (no data needed)."""
+    return [singular_value_curve(s) for _, s, _ in svds]
+
+
+def factorised(model: nn.Module, ranks: list[int], svds: list[Svd]) -> nn.Module:
     """A copy of ``model`` with each Linear at rank ``k_l`` (SVD, Sec. 2.3).
 
     A layer at full rank ``K_l`` is kept dense; otherwise it becomes
     ``Sequential(Linear(M_{l-1}, k, bias=False), Linear(k, M_l))`` with weights ``V_k^T`` and
-    ``U_k S_k``, i.e. the best rank-k approximation in Frobenius norm.
+    ``U_k S_k``, i.e. the best rank-k approximation in Frobenius norm. ``svds`` is
+    :func:`layer_svds` of ``model``.
     """
     out = copy.deepcopy(model)
-    for i, k in zip(linear_indices(model), ranks):
+    for i, k, svd in zip(linear_indices(model), ranks, svds):
         layer = model[i]
         if k >= min(layer.in_features, layer.out_features):
             continue
-        # numpy's LAPACK, as for the curves (torch's first SVD call costs seconds of set-up).
-        u, s, vt = (torch.from_numpy(a) for a in
-                    np.linalg.svd(layer.weight.detach().double().numpy(), full_matrices=False))
+        u, s, vt = (torch.from_numpy(a) for a in svd)
         first = nn.Linear(layer.in_features, k, bias=False, dtype=layer.weight.dtype)
         second = nn.Linear(k, layer.out_features, bias=layer.bias is not None, dtype=layer.weight.dtype)
         with torch.no_grad():
