@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -40,8 +41,9 @@ def source_state() -> dict:
         done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
 
+    # A copy of the tree without .git (a lent GPU machine) names its commit in BENCH_COMMIT.
     return {
-        "commit": git("rev-parse", "HEAD") or None,
+        "commit": git("rev-parse", "HEAD") or os.environ.get("BENCH_COMMIT") or None,
         "uncommitted_library_files": git("status", "--porcelain", "--", "src").splitlines(),
     }
 
@@ -49,8 +51,9 @@ def source_state() -> dict:
 def machine_line(info: dict) -> str:
     """One human-readable line describing ``info`` (a :func:`machine` record)."""
     gib = info["memory_bytes"] / 2**30
+    gpu = f"GPU {info['cuda_device']}; " if info.get("cuda_device") else ""
     return (
-        f"{info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads), "
+        f"{gpu}{info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads), "
         f"{gib:.1f} GiB RAM; torch {info['torch']}, torchvision {info['torchvision']}, numba {info['numba']}, "
         f"Python {info['python']}"
     )

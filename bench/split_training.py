@@ -173,8 +173,11 @@ def build_student(teacher: nn.Module, channels: int, method: Method, seed: int =
     # Seeded so a rerun builds the same initial weights (a finished checkpoint overwrites them anyway).
     torch.manual_seed(seed * 1000 + channels)
     if method.autoencoder:
-        return inject_autoencoder(teacher, channels)
-    return inject_bottleneck(teacher, channels, SPLIT_POINT)
+        student = inject_autoencoder(teacher, channels)
+    else:
+        student = inject_bottleneck(teacher, channels, SPLIT_POINT)
+    # The new layers are made on the CPU; the teacher's reused ones live where the teacher does.
+    return student.to(next(teacher.parameters()).device)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -189,15 +192,16 @@ def evaluate_split(model: BottleneckModel, test: TensorDataset) -> dict:
     batch gives every image the same values as encoding it alone.
     """
     head, tail = split(model.eval())
+    device = next(model.parameters()).device
     images, labels = test.tensors
     correct_float = correct_q = 0
     shape = None
     for x, y in zip(images.split(EVAL_BATCH), labels.split(EVAL_BATCH)):
-        z = head(x)
-        blob = encode(z)
+        z = head(x.to(device))
+        blob = encode(z)  # bytes are made on the CPU whatever the device, as on the wire
         assert len(blob) == payload_size(z.shape)  # the size reported below is the size sent
-        correct_float += int((tail(z).argmax(1) == y).sum())
-        correct_q += int((tail(decode(blob)).argmax(1) == y).sum())
+        correct_float += int((tail(z).argmax(1).cpu() == y).sum())
+        correct_q += int((tail(decode(blob).to(device)).argmax(1).cpu() == y).sum())
         shape = tuple(z.shape[1:])
     assert shape is not None
     return {"float_accuracy": correct_float / len(labels), "quantized_accuracy": correct_q / len(labels),
@@ -306,16 +310,19 @@ def slug(name: str) -> str:
 # ----------------------------------------------------------------------------- dry run
 
 
-def dry_run(scale: Scale, extra: tuple[int, ...], steps: int = 5) -> None:
+def dry_run(scale: Scale, extra: tuple[int, ...], device: torch.device, steps: int) -> None:
     """Time ``steps`` batches of every configuration (untrained teacher) and extrapolate the full run."""
     torch.manual_seed(0)
-    teacher = build_model(f"torchvision:{ARCH}", num_classes=10).eval()
-    data = load_rgb(DATASET, "train", scale.size, steps * scale.batch)
+    teacher = build_model(f"torchvision:{ARCH}", num_classes=10).to(device).eval()
+    data = load_rgb(DATASET, "train", scale.size, steps * scale.batch, device)
     per_sample: dict[str, float] = {}
 
     def timed(label: str, fn: Callable[[], object]) -> None:
+        fn() if device.type == "cuda" else None  # warm-up: cuDNN picks its kernels on the first batches
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)
         per_sample[label] = (time.perf_counter() - start) / (steps * scale.batch)
         log(f"{label}: {1e3 * per_sample[label]:.2f} ms per training sample")
 
@@ -343,6 +350,11 @@ def dry_run(scale: Scale, extra: tuple[int, ...], steps: int = 5) -> None:
     total += (1 + len(JPEG_QUALITIES)) * scale.test * eval_per_sample * 0.8  # teacher on decoded files
     log(f"evaluation: {1e3 * eval_per_sample:.2f} ms per test sample (float + 8-bit)")
     log(f"extrapolated full run at {scale}: {total / 60:.1f} min (+ teacher test on 10,000 images)")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- report
@@ -404,37 +416,53 @@ def main() -> None:
     parser.add_argument("--test", type=int, default=Scale.test)
     parser.add_argument("--epochs", type=int, default=Scale.stage_epochs, help="per BottleFit stage")
     parser.add_argument("--teacher-epochs", type=int, default=Scale.teacher_epochs)
+    parser.add_argument("--batch", type=int, default=Scale.batch)
     parser.add_argument("--extra-channels", type=int, nargs="*", default=[1, 6],
                         help="more C for Fig. 5, GHND -> FT (FE) only")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the machine's 2 cores are shared with other jobs, see docstring)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where students and teacher train (default: cuda when available)")
     parser.add_argument("--dry-run", action="store_true", help="time a few batches per configuration; write nothing")
+    parser.add_argument("--dry-run-steps", type=int, default=5, help="batches timed per configuration")
+    parser.add_argument("--train-only", type=int, nargs="*", metavar="C",
+                        help="train (into the cache) the teacher and the rows of these C, then stop without "
+                             "writing results: run several at once to share a GPU, then once without it")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    # Fixed image sizes: let cuDNN time its algorithms once and keep the fastest.
+    torch.backends.cudnn.benchmark = device.type == "cuda"
     scale = Scale(size=args.size, train=args.train, test=args.test, teacher_epochs=args.teacher_epochs,
-                  stage_epochs=args.epochs)
+                  stage_epochs=args.epochs, batch=args.batch)
     extra = tuple(c for c in args.extra_channels if c not in CHANNELS)
-    log(f"scale {scale}; torch threads {torch.get_num_threads()}")
+    log(f"scale {scale}; device {device}; torch threads {torch.get_num_threads()}")
     if args.dry_run:
-        dry_run(scale, extra)
+        dry_run(scale, extra, device, args.dry_run_steps)
         return
 
     tconfig = teacher_config(scale)
     log(f"teacher: {teacher_paths(tconfig)[0].name} (trained now unless cached)")
-    teacher, tmeta = train_teacher(tconfig, progress=False)
+    teacher, tmeta = train_teacher(tconfig, progress=False, device=device)
     log(f"teacher ready: {100 * tmeta['test_accuracy']:.2f}% on all {tmeta['test_samples']:,} test images")
-    train = load_rgb(DATASET, "train", scale.size, scale.train)
+    train = load_rgb(DATASET, "train", scale.size, scale.train, device)
     test = load_rgb(DATASET, "test", scale.size, scale.test)
-    teacher_float = evaluate_accuracy(teacher, test, batch_size=EVAL_BATCH)
-    files = offload(teacher, test, JPEG_QUALITIES)
 
     # The stem names the teacher's cache entry: another teacher never resumes these checkpoints.
     root = cache_dir() / "split" / f"bench-split_training-{scale.key()}-{teacher_paths(tconfig)[0].stem}"
     rows: list[dict] = []
+    only = set(args.train_only) if args.train_only is not None else None
     for c in CHANNELS:
-        rows += run_channels(teacher, train, test, scale, c, (*BASELINES, *STAGE2), root)
+        if only is None or c in only:
+            rows += run_channels(teacher, train, test, scale, c, (*BASELINES, *STAGE2), root)
     for c in extra:
-        rows += run_channels(teacher, train, test, scale, c, (STAGE2[0],), root)
+        if only is None or c in only:
+            rows += run_channels(teacher, train, test, scale, c, (STAGE2[0],), root)
+    if only is not None:
+        log(f"trained C in {sorted(only)} into {root}; rerun without --train-only to write the results")
+        return
+    teacher_float = evaluate_accuracy(teacher, test, batch_size=EVAL_BATCH)
+    files = offload(teacher, test, JPEG_QUALITIES)
     for r in rows:
         r["size"] = scale.size
 
@@ -515,6 +543,11 @@ def main() -> None:
     offload_rows += [[f"JPEG q{q}", f"{files[f'jpeg{q}']['mean_bytes']:,.0f}", pct(files[f"jpeg{q}"]["accuracy"])]
                      for q in JPEG_QUALITIES]
     verdict = "MET" if target["met"] else "NOT MET"
+    if device.type == "cuda":
+        where = f"trained on {torch.cuda.get_device_name(device)}, TF32 convolutions (PyTorch's default)"
+        shared = ", with other rows training on the same GPU at the same time (--train-only runs)"
+    else:
+        where, shared = f"{torch.get_num_threads()} torch thread(s) on the CPU", ", on a machine shared with other jobs"
     training_total = sum(r["train_seconds"] for r in rows) + sum(
         r["stage1_train_seconds"] for r in rows if r["method"] == DEPLOYED)  # each stage 1 once
     body = f"""
@@ -529,8 +562,8 @@ Scale (the paper: ImageNet, 10 + 10 epochs): students train on the same {scale.t
 baseline and every {lr_step(scale.stage_epochs)} of a BottleFit stage (StepLR steps at the end of an epoch, so a
 1-epoch stage keeps 1e-3 throughout); Adam for
 GHND / HND / autoencoder, SGD momentum 0.9 for CE / KD / stage 2, KD alpha 0.5, tau 1, batch
-{scale.batch}; one torch thread. Training took {training_total / 60:.1f} min in all (per row below,
-wall time of the run that trained it, on a machine shared with other jobs); this invocation ran
+{scale.batch}; {where}. Training took {training_total / 60:.1f} min in all (per row below,
+wall time of the run that trained it{shared}); this invocation ran
 {(time.perf_counter() - _START) / 60:.1f} min (stages found in the checkpoint cache are loaded, not
 retrained). Accuracies are on the first
 {scale.test:,} test images (one seed: differences under about 1 point are within noise; the

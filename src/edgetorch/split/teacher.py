@@ -29,7 +29,8 @@ from .bottleneck import ACCEPTED_ARCHS
 from .train import StageConfig, train_stage
 
 
-def load_rgb(dataset: str, split: str, size: int, limit: int | None = None) -> TensorDataset:
+def load_rgb(dataset: str, split: str, size: int, limit: int | None = None,
+             device: str | torch.device = "cpu") -> TensorDataset:  # fmt: skip
     """A grayscale dataset resized to ``size`` and repeated to 3 channels (what a torchvision model takes).
 
     Args:
@@ -37,13 +38,16 @@ def load_rgb(dataset: str, split: str, size: int, limit: int | None = None) -> T
         split: ``"train"`` or ``"test"``.
         size: output height and width.
         limit: keep the first ``limit`` samples.
+        device: where the tensors live (a GPU run keeps its training set there: gathering a batch
+            on the CPU and copying it over would bound the step time).
 
     Returns:
         ``TensorDataset`` of ``[N, 3, size, size]`` images in [0, 1] (an expanded view: the
         three channels share memory) and labels.
     """
     images, labels = load_dataset(dataset, split, size=size, limit=limit).tensors
-    return TensorDataset(images.expand(-1, 3, -1, -1), labels)
+    # Moved before expanding: the device copy holds one channel, not three.
+    return TensorDataset(images.to(device).expand(-1, 3, -1, -1), labels.to(device))
 
 
 @dataclass(frozen=True)
@@ -99,16 +103,17 @@ def _build(config: TeacherConfig) -> nn.Module:
 
 
 def train_teacher(config: TeacherConfig = TeacherConfig(), cache: str | Path | None = None,
-                  progress: bool = True) -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
+                  progress: bool = True, device: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:  # fmt: skip
     """The teacher for ``config``: loaded from the cache, or trained, evaluated and cached.
 
     Args:
         config: the teacher config.
         cache: cache root; ``None`` means :func:`edgetorch.data.cache_dir`.
         progress: show progress bars while training.
+        device: where the teacher is trained and returned (the cache key does not depend on it).
 
     Returns:
-        ``(model, metadata)``: the teacher in eval mode and its JSON record (with
+        ``(model, metadata)``: the teacher on ``device`` in eval mode and its JSON record (with
         ``test_accuracy`` on the whole test split).
 
     Raises:
@@ -119,13 +124,13 @@ def train_teacher(config: TeacherConfig = TeacherConfig(), cache: str | Path | N
         >>> meta["test_accuracy"]  # doctest: +SKIP
     """
     weights, meta_path = teacher_paths(config, cache)
-    model = _build(config)
+    model = _build(config).to(device)
     if weights.is_file() and meta_path.is_file():
         metadata = json.loads(meta_path.read_text())
         if file_sha256(weights) != metadata.get("sha256"):
             raise CheckpointError(f"{weights}: SHA-256 differs from {meta_path.name}; delete both to retrain")
         return load_weights(model, weights).eval(), metadata
-    train = load_rgb(config.dataset, "train", config.image_size, config.train_limit)
+    train = load_rgb(config.dataset, "train", config.image_size, config.train_limit, device)
     history = train_stage(model, train, config.stage, checkpoint_dir=weights.with_suffix(".ckpt"),
                           progress=progress)  # fmt: skip
     test = load_rgb(config.dataset, "test", config.image_size)

@@ -179,9 +179,11 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
     Args:
         model: the student (a :class:`BottleneckModel` unless ``loss="ce"``/``"kd"`` with
             ``trainable="all"``, which also trains a plain classifier such as the teacher itself).
-        data: ``TensorDataset`` of images ``[N, 3, H, W]`` and int labels.
+        data: ``TensorDataset`` of images ``[N, 3, H, W]`` and int labels, on any device (each
+            batch is moved to the model's device).
         config: the stage.
-        teacher: the original model; required by ``kd``, ``hnd`` and ``ghnd``. Kept in eval mode.
+        teacher: the original model, on the student's device; required by ``kd``, ``hnd`` and
+            ``ghnd``. Kept in eval mode.
         checkpoint_dir: write a checkpoint there after every epoch and resume from it if present.
         progress: show a rich progress bar.
 
@@ -202,6 +204,7 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
     steps = len(labels) // config.batch_size
     if steps == 0:
         raise ValueError(f"{len(labels)} samples is less than one batch of {config.batch_size}")
+    device = next(model.parameters()).device
     was_required = [p.requires_grad for p in model.parameters()]
     params = _set_modes(model, _trainable_parts(model, config.trainable))
     if config.optimizer == "adam":
@@ -229,8 +232,9 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
             order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(config.seed * 100_003 + epoch))
             total = 0.0
             for step in range(steps):
-                idx = order[step * config.batch_size : (step + 1) * config.batch_size]
-                loss = _loss(model, teacher, images[idx], labels[idx], config)
+                idx = order[step * config.batch_size : (step + 1) * config.batch_size].to(images.device)
+                x, y = images[idx].to(device, non_blocking=True), labels[idx].to(device, non_blocking=True)
+                loss = _loss(model, teacher, x, y, config)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

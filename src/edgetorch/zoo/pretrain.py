@@ -138,7 +138,8 @@ def evaluate_accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 5
 
     Args:
         model: a classifier returning logits.
-        data: ``TensorDataset`` of images and int labels.
+        data: ``TensorDataset`` of images and int labels, on any device (batches are moved to
+            the model's).
         batch_size: inference batch size.
 
     Returns:
@@ -147,8 +148,9 @@ def evaluate_accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 5
     was_training = model.training
     model.eval()
     images, labels = data.tensors
+    device = next(model.parameters()).device
     correct = sum(
-        int((model(x).argmax(1) == y).sum())
+        int((model(x.to(device)).argmax(1) == y.to(device)).sum())
         for x, y in zip(images.split(batch_size), labels.split(batch_size))
     )
     model.train(was_training)
