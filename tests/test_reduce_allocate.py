@@ -13,8 +13,8 @@ from edgetorch.reduce import allocate, solve_allocation
 from edgetorch.reduce.problem import full_cost, lowrank_cost, make_problem, prune_cost
 
 
-def brute_force(errors, widths, alpha, method):
-    problem = make_problem(errors, widths, alpha, method)
+def brute_force(errors, widths, alpha, method, **layout):
+    problem = make_problem(errors, widths, alpha, method, **layout)
     best = min(
         (problem.objective(t), t)
         for t in itertools.product(*(range(1, u + 1) for u in problem.upper))
@@ -37,6 +37,29 @@ def instances(draw, method):
     return errors, widths, min(alpha, 0.999)
 
 
+@st.composite
+def layered_instances(draw, method):
+    """Convolution-style instances: per-layer cost scales, and (low-rank) shapes that need not chain."""
+    layers = draw(st.integers(1, 3))
+    scales = draw(st.lists(st.integers(1, 9), min_size=layers, max_size=layers))
+    value = st.floats(0, 10, allow_nan=False) | st.sampled_from([0.0, 1.0])
+    if method == "prune":
+        widths = draw(st.lists(st.integers(1, 5), min_size=layers + 1, max_size=layers + 1))
+        layout = {"scales": scales}
+        uppers, args = widths[:-1], widths
+    else:
+        shapes = draw(st.lists(st.tuples(st.integers(1, 12), st.integers(1, 5)), min_size=layers, max_size=layers))
+        layout = {"scales": scales, "shapes": shapes}
+        uppers, args = [min(a, b) for a, b in shapes], None
+    errors = [[0.0] + draw(st.lists(value, min_size=u, max_size=u)) for u in uppers]
+    alpha = draw(st.floats(0, 0.999, allow_nan=False))
+    try:
+        make_problem(errors, args, alpha, method, **layout)
+    except ValueError:  # infeasible alpha: the smallest feasible one is 0
+        alpha = 0.0
+    return errors, args, alpha, layout
+
+
 @pytest.mark.parametrize("method", ["prune", "lowrank"])
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
@@ -52,6 +75,36 @@ def test_exact_matches_brute_force_and_heuristics_are_feasible(method, data):
         other = solve_allocation(errors, widths, alpha, method, solver)
         assert problem.feasible(other.theta)
         assert exact.objective <= other.objective + 1e-9 * max(1.0, other.objective)
+
+
+@pytest.mark.parametrize("method", ["prune", "lowrank"])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_exact_matches_brute_force_with_scales_and_shapes(method, data):
+    errors, widths, alpha, layout = data.draw(layered_instances(method))
+    best, problem = brute_force(errors, widths, alpha, method, **layout)
+    exact = solve_allocation(errors, widths, alpha, method, "exact", **layout)
+    assert exact.proven_gap == 0.0 and problem.feasible(exact.theta)
+    assert exact.objective <= best + 1e-9 * max(1.0, best)
+    assert exact.total == problem.total == sum(s * a * b for s, (a, b) in zip(problem.scales, problem.shapes))
+    for solver in ("uniform", "pso"):
+        other = solve_allocation(errors, widths, alpha, method, solver, **layout)
+        assert problem.feasible(other.theta)
+        assert exact.objective <= other.objective + 1e-9 * max(1.0, other.objective)
+
+
+def test_scaled_costs_follow_the_formulas():
+    # Pruning: s_l M~_{l-1} M~_l summed along the chain; low-rank: s_l (m_in + m_out) k or dense.
+    prune = make_problem([[0, 1, 0, 0], [0, 1, 0]], [3, 2, 4], 0.0, "prune", scales=[5, 7])
+    assert prune.total == 5 * 3 * 2 + 7 * 2 * 4 and prune.cost([2, 1]) == 5 * 2 * 1 + 7 * 1 * 4
+    lowrank = make_problem([[0, 1, 0, 0], [0, 1, 0]], None, 0.0, "lowrank", shapes=[(27, 3), (3, 2)], scales=[16, 1])
+    assert lowrank.cost([1, 2]) == 16 * (27 + 3) * 1 + 3 * 2
+    with pytest.raises(ValueError, match="exactly one of widths"):
+        make_problem([[0, 1]], [1, 1], 0.0, "lowrank", shapes=[(1, 1)])
+    with pytest.raises(ValueError, match="shapes are for low-rank"):
+        make_problem([[0, 1]], None, 0.0, "prune", shapes=[(1, 1)])
+    with pytest.raises(ValueError, match="scales must be"):
+        make_problem([[0, 1, 0, 0], [0, 1, 0]], [3, 2, 4], 0.0, "prune", scales=[5, 0])
 
 
 def eq14_curve(powers):

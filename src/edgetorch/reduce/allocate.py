@@ -47,18 +47,20 @@ class Allocation:
 
 def solve_allocation(
     errors: Sequence[Sequence[float]],
-    widths: Sequence[int],
+    widths: Sequence[int] | None,
     alpha: float,
     method: str,
     solver: str = "exact",
     *,
     seed: int = 0,
     time_limit: float = 60.0,
+    scales: Sequence[int] | None = None,
+    shapes: Sequence[tuple[int, int]] | None = None,
 ) -> Allocation:
     """Like :func:`allocate`, returning the full :class:`Allocation` record (J, cost, time, gap).
 
     Args:
-        errors, widths, alpha, method, solver: see :func:`allocate`.
+        errors, widths, alpha, method, solver, scales, shapes: see :func:`allocate`.
         seed: PSO seed.
         time_limit: exact solver's time limit in seconds.
 
@@ -67,7 +69,7 @@ def solve_allocation(
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; accepted: {', '.join(SOLVERS)}")
-    problem = make_problem(errors, widths, alpha, method)
+    problem = make_problem(errors, widths, alpha, method, scales=scales, shapes=shapes)
     start = time.perf_counter()
     gap = None
     if solver == "uniform":
@@ -86,12 +88,14 @@ def solve_allocation(
 
 def allocate(
     errors: Sequence[Sequence[float]],
-    widths: Sequence[int],
+    widths: Sequence[int] | None,
     alpha: float,
     method: str,
     solver: str = "exact",
     *,
     seed: int = 0,
+    scales: Sequence[int] | None = None,
+    shapes: Sequence[tuple[int, int]] | None = None,
 ) -> list[int]:
     """Per-layer kept neurons (pruning) or ranks (low-rank) minimising ``sum_l J_l`` (eq. 15).
 
@@ -105,16 +109,20 @@ def allocate(
         solver: ``"uniform"`` (same factor everywhere), ``"pso"`` (the paper's particle swarm on
             the relaxation, projected to a feasible integer point) or ``"exact"`` (the optimum).
         seed: PSO seed.
+        scales: per weight layer, multiplications per unit pair ``s_l`` (a convolution's kernel
+            area x output positions when its units are channels); default all 1 (the paper's MLP).
+        shapes: low-rank only, in place of ``widths``: per weight layer ``(m_in, m_out)`` of its
+            weight matrix (a convolution's is ``(C_in k_h k_w, C_out)``), which need not chain.
 
     Returns:
         ``[M~_0, ..., M~_{L-1}]`` or ``[k_1, ..., k_L]``, meeting ``1 - cost/total >= alpha``.
 
     Raises:
-        ValueError: unknown method or solver, wrong curve lengths, NaN/negative errors, or an
-            alpha that even the smallest network misses.
+        ValueError: unknown method or solver, wrong curve lengths, NaN/negative errors, bad
+            widths/shapes/scales, or an alpha that even the smallest network misses.
 
     Example:
         >>> allocate([[0, 3, 1, 0], [0, 5, 0]], [3, 2, 2], alpha=0.3, method="prune")
         [1, 2]
     """
-    return solve_allocation(errors, widths, alpha, method, solver, seed=seed).theta
+    return solve_allocation(errors, widths, alpha, method, solver, seed=seed, scales=scales, shapes=shapes).theta

@@ -58,13 +58,13 @@ class _Chain:
         self.coupled = problem.method == "prune"
         self.values = [np.arange(1, t + 1, dtype=np.float64) for t in self._tops()]
         self.J = [problem.errors[l][1 : len(v) + 1] for l, v in enumerate(self.values)]
-        if self.coupled:  # pairwise products are handled by the DP; only M~_{L-1} M_L is unary
+        self.scales = [float(s) for s in problem.scales]
+        if self.coupled:  # pairwise products are handled by the DP; only s_L M~_{L-1} M_L is unary
             self.unary_cost = [np.zeros(len(v)) for v in self.values]
-            self.unary_cost[-1] = self.values[-1] * problem.widths[-1]
+            self.unary_cost[-1] = self.values[-1] * problem.widths[-1] * self.scales[-1]
         else:
-            pairs = zip(problem.widths[:-1], problem.widths[1:], self.values)
-            self.unary_cost = [np.array([layer_lowrank_cost(a, b, int(k)) for k in v], dtype=np.float64)
-                               for a, b, v in pairs]
+            self.unary_cost = [np.array([s * layer_lowrank_cost(a, b, int(k)) for k in v], dtype=np.float64)
+                               for (a, b), s, v in zip(problem.shapes, self.scales, self.values)]
 
     def _tops(self) -> list[int]:
         # Pruning cost grows with every width, so values above what fits with every other layer
@@ -84,12 +84,12 @@ class _Chain:
         return tops
 
     def tables(self, lam: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Unary terms ``U_l`` and prefix DP ``F_l(v) = U_l(v) + min_u F_{l-1}(u) + lam u v``."""
+        """Unary terms ``U_l`` and prefix DP ``F_l(v) = U_l(v) + min_u F_{l-1}(u) + lam s_{l-1} u v``."""
         unary = [j + lam * c for j, c in zip(self.J, self.unary_cost)]
         prefix = [unary[0]]
         for l in range(1, len(unary)):
             if self.coupled:
-                best = _min_over_lines(prefix[-1], self.values[l - 1], lam * self.values[l])
+                best = _min_over_lines(prefix[-1], self.values[l - 1], lam * self.scales[l - 1] * self.values[l])
             else:
                 best = np.full(len(unary[l]), prefix[-1].min())
             prefix.append(unary[l] + best)
@@ -100,7 +100,7 @@ class _Chain:
         unary, prefix = self.tables(lam)
         theta = [_last_argmin(prefix[-1]) + 1]
         for l in range(len(prefix) - 2, -1, -1):
-            pair = lam * self.values[l] * theta[0] if self.coupled else 0.0
+            pair = lam * self.scales[l] * self.values[l] * theta[0] if self.coupled else 0.0
             theta.insert(0, _last_argmin(prefix[l] + pair) + 1)
         return theta
 
@@ -214,7 +214,7 @@ def solve_exact(problem: Problem, time_limit: float = 60.0) -> ExactResult:
         if time.perf_counter() > deadline:
             state["stopped"] = True
             return
-        pair = lam * chain.values[layer] * tail[0] if (chain.coupled and tail) else 0.0
+        pair = lam * chain.scales[layer] * chain.values[layer] * tail[0] if (chain.coupled and tail) else 0.0
         bounds = prefix[layer] + pair + suffix
         candidates = np.flatnonzero(improves(bounds))
         for i in candidates[np.argsort(bounds[candidates], kind="stable")]:

@@ -12,10 +12,18 @@ there are ``L`` weight layers. A *choice* ``theta`` has one integer per weight l
 ``errors[l-1][v]`` is ``J_l(v)`` for ``v = 0..upper_l``; index 0 is never a valid choice and is
 ignored. A choice is feasible when ``cost <= budget``, ``budget = floor((1 - alpha) * total)``,
 which is the paper's ``alpha_tot(theta) >= alpha`` in exact integer arithmetic.
+
+Beyond the paper (convolutional networks): each weight layer may carry an integer ``scale``
+``s_l`` multiplying its cost, so a layer costs ``s_l M_{l-1} M_l`` dense. For a convolution whose
+units are channels, ``s_l`` = kernel area x output positions; for a Linear after a Flatten of
+``C x H x W``, the units are the ``C`` channels and ``s_l = H W``. Low-rank layers need not chain
+(a convolution's matrix is ``C_out x C_in k_h k_w``), so they are given as per-layer ``shapes``
+``(m_in, m_out)``; pruning derives its shapes from the chain of widths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,14 +39,16 @@ class Problem:
 
     Attributes:
         method: ``"prune"`` or ``"lowrank"``.
-        widths: ``[M_0, ..., M_L]``.
+        shapes: per weight layer ``(m_in, m_out)`` (pruning: ``(M_{l-1}, M_l)``, a chain).
+        scales: per weight layer, the multiplications per unit pair ``s_l`` (1 for an MLP).
         errors: one float array per weight layer, ``errors[l][v] = J_{l+1}(v)``; entry 0 is inf.
         alpha: requested minimum total reduction factor.
         budget: the most multiplications a feasible choice may cost.
     """
 
     method: str
-    widths: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...]
+    scales: tuple[int, ...]
     errors: tuple[np.ndarray, ...]
     alpha: float
     budget: int
@@ -46,12 +56,17 @@ class Problem:
     @property
     def layers(self) -> int:
         """Number of weight layers ``L``."""
-        return len(self.widths) - 1
+        return len(self.shapes)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """``[M_0, ..., M_L]`` (a chain only for pruning)."""
+        return (self.shapes[0][0], *(m_out for _, m_out in self.shapes))
 
     @property
     def total(self) -> int:
-        """Multiplications of the full network, ``sum_l M_{l-1} M_l``."""
-        return full_cost(self.widths)
+        """Multiplications of the full network, ``sum_l s_l M_{l-1} M_l``."""
+        return sum(s * a * b for (a, b), s in zip(self.shapes, self.scales))
 
     @property
     def upper(self) -> tuple[int, ...]:
@@ -61,8 +76,8 @@ class Problem:
     def cost(self, theta: Sequence[int]) -> int:
         """Multiplications of the reduced network for an integer choice (eq. 7 or 11)."""
         if self.method == "prune":
-            return prune_cost(self.widths, theta)
-        return lowrank_cost(self.widths, theta)
+            return prune_cost(self.widths, theta, self.scales)
+        return sum(s * layer_lowrank_cost(a, b, int(k)) for (a, b), s, k in zip(self.shapes, self.scales, theta))
 
     def objective(self, theta: Sequence[int]) -> float:
         """``J(theta) = sum_l J_l(theta_l)`` (eq. 12)."""
@@ -79,10 +94,11 @@ def full_cost(widths: Sequence[int]) -> int:
     return sum(a * b for a, b in zip(widths[:-1], widths[1:]))
 
 
-def prune_cost(widths: Sequence[int], kept: Sequence[int]) -> int:
-    """Eq. 7's numerator: ``sum_{l=1}^{L-1} M~_{l-1} M~_l + M~_{L-1} M_L``."""
+def prune_cost(widths: Sequence[int], kept: Sequence[int], scales: Sequence[int] | None = None) -> int:
+    """Eq. 7's numerator: ``sum_{l=1}^{L-1} s_l M~_{l-1} M~_l + s_L M~_{L-1} M_L`` (``s_l = 1`` by default)."""
     kept = [int(v) for v in kept] + [int(widths[-1])]
-    return sum(a * b for a, b in zip(kept[:-1], kept[1:]))
+    scales = scales if scales is not None else [1] * (len(kept) - 1)
+    return sum(s * a * b for s, a, b in zip(scales, kept[:-1], kept[1:]))
 
 
 def layer_lowrank_cost(m_in: int, m_out: int, rank: int) -> int:
@@ -104,40 +120,68 @@ def budget_for(alpha: float, total: int) -> int:
     return math.floor((1.0 - alpha) * total * (1 + 1e-12))
 
 
+def _positive_ints(name: str, values: Sequence[int], minimum: int, form: str) -> tuple[int, ...]:
+    values = tuple(values)
+    if len(values) < minimum or any(
+        isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in values
+    ):
+        raise ValueError(f"{name} must be >= {minimum} positive ints {form}, got {values!r}")
+    return tuple(int(v) for v in values)
+
+
 def make_problem(
-    errors: Sequence[Sequence[float]], widths: Sequence[int], alpha: float, method: str
+    errors: Sequence[Sequence[float]],
+    widths: Sequence[int] | None,
+    alpha: float,
+    method: str,
+    *,
+    scales: Sequence[int] | None = None,
+    shapes: Sequence[tuple[int, int]] | None = None,
 ) -> Problem:
     """Validate the inputs of :func:`edgetorch.reduce.allocate` and build the problem.
 
     Args:
         errors: per weight layer, ``J_l(v)`` for ``v = 0..upper_l`` (see the module docstring).
-        widths: ``[M_0, ..., M_L]``, at least two positive ints.
+        widths: ``[M_0, ..., M_L]``, at least two positive ints; ``None`` when ``shapes`` is given.
         alpha: minimum total reduction factor in [0, 1).
         method: ``"prune"`` or ``"lowrank"``.
+        scales: per weight layer, positive int multiplications per unit pair (default all 1).
+        shapes: low-rank only, instead of ``widths``: per weight layer ``(m_in, m_out)``.
 
     Returns:
         The validated :class:`Problem`.
 
     Raises:
-        ValueError: unknown method, bad widths, alpha outside [0, 1), wrong number or length of
-            error curves, NaN/inf/negative errors at valid indices, or an alpha no choice reaches.
+        ValueError: unknown method, bad widths/shapes/scales, alpha outside [0, 1), wrong number
+            or length of error curves, NaN/inf/negative errors at valid indices, or an alpha no
+            choice reaches.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
-    widths = tuple(widths)
-    if len(widths) < 2 or any(
-        isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1 for w in widths
-    ):
-        raise ValueError(f"widths must be >= 2 positive ints [M_0, ..., M_L], got {widths!r}")
-    widths = tuple(int(w) for w in widths)
+    if (widths is None) == (shapes is None):
+        raise ValueError("give exactly one of widths (a chain [M_0, ..., M_L]) and shapes (low-rank only)")
+    if shapes is not None:
+        if method != "lowrank":
+            raise ValueError("per-layer shapes are for low-rank; pruning couples neighbours, give widths")
+        pairs = [_positive_ints("each shape", pair, 2, "(m_in, m_out)") for pair in shapes]
+        if not pairs or any(len(pair) != 2 for pair in pairs):
+            raise ValueError(f"shapes must be a non-empty list of (m_in, m_out) pairs, got {shapes!r}")
+        shape_list = tuple((a, b) for a, b in pairs)
+    else:
+        chain = _positive_ints("widths", widths, 2, "[M_0, ..., M_L]")
+        shape_list = tuple(zip(chain[:-1], chain[1:]))
+    layers = len(shape_list)
+    scale_list = _positive_ints("scales", scales, layers, "(one per weight layer)") if scales is not None else (1,) * layers
+    if len(scale_list) != layers:
+        raise ValueError(f"expected {layers} scales (one per weight layer), got {len(scale_list)}")
     if not (isinstance(alpha, (int, float)) and 0.0 <= alpha < 1.0):
         raise ValueError(f"alpha must be a number in [0, 1), got {alpha!r}")
-    layers = len(widths) - 1
     if len(errors) != layers:
         raise ValueError(f"expected {layers} error curves (one per weight layer), got {len(errors)}")
     curves = []
     for l, curve in enumerate(errors, start=1):
-        upper = widths[l - 1] if method == "prune" else min(widths[l - 1], widths[l])
+        m_in, m_out = shape_list[l - 1]
+        upper = m_in if method == "prune" else min(m_in, m_out)
         values = np.asarray(curve, dtype=np.float64)
         if values.shape != (upper + 1,):
             what = "M_{l-1}" if method == "prune" else "K_l = min(M_{l-1}, M_l)"
@@ -154,15 +198,16 @@ def make_problem(
         values = values.copy()
         values[0] = np.inf  # choosing nothing is never allowed
         curves.append(values)
-    total = full_cost(widths)
+    problem = Problem(method, shape_list, scale_list, tuple(curves), float(alpha), 0)
+    total = problem.total
     budget = budget_for(float(alpha), total)
-    smallest = [1] * layers
-    cheapest = prune_cost(widths, smallest) if method == "prune" else lowrank_cost(widths, smallest)
+    cheapest = problem.cost([1] * layers)
     if cheapest > budget:
         best = 1 - cheapest / total
+        where = f"widths {list(problem.widths)}" if shapes is None else f"shapes {list(shape_list)}"
         raise ValueError(
-            f"alpha={alpha} is infeasible for {method} on widths {list(widths)}: even one "
+            f"alpha={alpha} is infeasible for {method} on {where}: even one "
             f"neuron/rank per layer keeps {cheapest} of {total} multiplications "
             f"(largest reachable alpha {best:.6f})"
         )
-    return Problem(method, widths, tuple(curves), float(alpha), budget)
+    return dataclasses.replace(problem, budget=budget)

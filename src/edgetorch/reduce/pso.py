@@ -50,15 +50,14 @@ def _relaxed_cost(problem: Problem, points: np.ndarray) -> np.ndarray:
     # integer cost curve (factored, then dense at full rank) interpolated like J.
     if problem.method == "prune":
         kept = np.concatenate([points, np.full((len(points), 1), float(problem.widths[-1]))], axis=1)
-        return np.sum(kept[:, :-1] * kept[:, 1:], axis=1)
+        return np.sum(np.asarray(problem.scales, dtype=np.float64) * kept[:, :-1] * kept[:, 1:], axis=1)
     return _interp(_lowrank_cost_curves(problem), points)
 
 
 def _lowrank_cost_curves(problem: Problem) -> tuple[np.ndarray, ...]:
-    pairs = zip(problem.widths[:-1], problem.widths[1:], problem.upper)
     return tuple(
-        np.array([np.inf] + [layer_lowrank_cost(a, b, k) for k in range(1, u + 1)], dtype=np.float64)
-        for a, b, u in pairs
+        np.array([np.inf] + [s * layer_lowrank_cost(a, b, k) for k in range(1, u + 1)], dtype=np.float64)
+        for (a, b), s, u in zip(problem.shapes, problem.scales, problem.upper)
     )
 
 

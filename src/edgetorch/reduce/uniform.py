@@ -40,7 +40,7 @@ def uniform_lowrank(problem: Problem) -> list[int]:
     share = 1.0 - problem.alpha
     while True:
         ranks = []
-        for m_in, m_out, top in zip(problem.widths[:-1], problem.widths[1:], problem.upper):
+        for (m_in, m_out), top in zip(problem.shapes, problem.upper):  # s_l cancels within a layer
             allowed = share * m_in * m_out
             if layer_lowrank_cost(m_in, m_out, top) <= allowed:
                 ranks.append(top)  # the dense layer fits its share
