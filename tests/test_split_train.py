@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -192,3 +193,18 @@ def test_teacher_is_trained_once_then_cached(tmp_path) -> None:
 def test_load_rgb_repeats_channels() -> None:
     images, labels = load_rgb("digits", "test", 16, limit=5).tensors
     assert images.shape == (5, 3, 16, 16) and torch.equal(images[:, 0], images[:, 2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_stage_trains_on_cuda_from_cpu_data_and_checkpoints_load_on_the_cpu(teacher, data, tmp_path):
+    student = inject_bottleneck(teacher, 3, "sp2").cuda()
+    config = StageConfig(loss="ghnd", trainable="bottleneck", batch_size=8)
+    history = train_stage(student, data, config, teacher=copy.deepcopy(teacher).cuda(), checkpoint_dir=tmp_path,
+                          progress=False)  # fmt: skip
+    assert len(history) == 1 and math.isfinite(history[0])
+    assert all(p.device.type == "cuda" for p in student.parameters())
+    # The checkpoint holds CPU tensors: a CPU student resumes from it as finished.
+    cpu_student = inject_bottleneck(teacher, 3, "sp2")
+    assert train_stage(cpu_student, data, config, teacher=teacher, checkpoint_dir=tmp_path, progress=False) == history
+    x = data.tensors[0][:4]
+    torch.testing.assert_close(cpu_student.eval()(x), student.eval()(x.cuda()).cpu(), rtol=1e-3, atol=1e-3)
