@@ -54,13 +54,14 @@ from edgetorch.reduce import (  # noqa: E402
     solve_allocation,
 )
 from edgetorch.reduce.api import layer_factors  # noqa: E402
-from edgetorch.reduce.mlp import (  # noqa: E402
+from edgetorch.reduce.sequential import (  # noqa: E402
     factorised,
     input_statistics,
     layer_svds,
     lowrank_curves,
     prune_orders,
     pruned,
+    weight_layers,
     widths_of,
 )
 from edgetorch.reduce.problem import make_problem  # noqa: E402
@@ -113,7 +114,7 @@ class Reducer:
     """
 
     def __init__(self, model: nn.Module, calibration: torch.Tensor) -> None:
-        self.model, self.widths = model, widths_of(model)
+        self.model, self.widths, self.layers = model, widths_of(model), weight_layers(model)
         start = time.perf_counter()
         self.stats = input_statistics(model, calibration)
         self.orders = {"prune": prune_orders(self.stats, correlated=False),
@@ -169,7 +170,7 @@ def run_point(reducer: Reducer, test, method: str, alpha: float, allocation: str
     if macs != chosen.cost:  # the built network must cost what the allocator budgeted
         raise AssertionError(f"{method}/{allocation} at {alpha}: network has {macs} MACs, allocation {chosen.cost}")
     record = {"method": method, "allocation": allocation, "alpha": alpha, "alpha_achieved": chosen.alpha,
-              "theta": chosen.theta, "layer_alphas": [f.alpha for f in layer_factors(reducer.widths, chosen, reducer.curves[method])],
+              "theta": chosen.theta, "layer_alphas": [f.alpha for f in layer_factors(reducer.layers, chosen, reducer.curves[method])],
               "objective": chosen.objective, "solver_seconds": chosen.seconds, "proven_gap": chosen.proven_gap,
               "macs": macs, "accuracy": evaluate_accuracy(model, test)}
     return record, model

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from edgetorch.cli import app
 from edgetorch.data import load_dataset
 from edgetorch.reduce import compare_latency, count_macs, load_reduced
-from edgetorch.zoo import MLP, save_weights
+from edgetorch.zoo import MLP, PlainCNN, save_weights
 
 
 def test_compare_latency_times_both_models_and_reports_the_ratio():
@@ -77,3 +77,20 @@ def test_reduce_command_refuses_bad_arguments(mlp_weights, args, match):
     result = CliRunner().invoke(app, base + args)
     assert result.exit_code != 0
     assert match in " ".join(result.output.split())
+
+
+def test_reduce_command_prunes_the_zoo_plain_cnn(tmp_path):
+    torch.manual_seed(0)
+    full = PlainCNN(num_classes=10, image_size=16).eval()  # the CLI builds zoo:plaincnn with its defaults
+    weights, out = tmp_path / "cnn.safetensors", tmp_path / "small.safetensors"
+    save_weights(full, weights)
+    result = CliRunner().invoke(app, [
+        "reduce", "--model", "zoo:plaincnn", "--weights", str(weights), "--size", "16", "--alpha", "0.5",
+        "--method", "prune-ls", "--dataset", "digits", "--calibration", "100", "--latency-batch", "4",
+        "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    reduced, record = load_reduced(out)
+    x = load_dataset("digits", "test", size=16).tensors[0][:3]
+    assert reduced(x).shape == (3, 10)
+    assert 1 - count_macs(reduced, x[:1]) / count_macs(full, x[:1]) >= 0.5
+    assert any(entry["type"] == "BatchNorm2d" for entry in record["modules"])

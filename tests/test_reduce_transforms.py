@@ -18,7 +18,7 @@ from edgetorch.reduce import (
     save_reduced,
 )
 from edgetorch.reduce.curves import correlated_order, power_order
-from edgetorch.reduce.mlp import input_statistics, pruned
+from edgetorch.reduce.sequential import input_statistics, pruned
 from edgetorch.zoo import MLP, CheckpointError
 
 
@@ -108,7 +108,7 @@ def test_least_squares_refit_recovers_a_redundant_neuron_exactly():
 
 
 def test_refit_is_the_minimum_norm_least_squares_solution_on_a_singular_covariance():
-    from edgetorch.reduce.mlp import _refit
+    from edgetorch.reduce.sequential import _refit
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((40, 6))
@@ -118,8 +118,9 @@ def test_refit_is_the_minimum_norm_least_squares_solution_on_a_singular_covarian
     weight, bias = rng.standard_normal((4, 9)), rng.standard_normal(4)
     keep = np.array([0, 1, 3, 6, 7, 8])  # 6 and 7 depend on 0 and 1: C[S, S] is singular
     reference = np.linalg.lstsq(cov[np.ix_(keep, keep)], cov[keep, :], rcond=1e-10)[0].T
-    got_weight, got_bias = _refit(weight, bias, cov, mean, keep)
-    np.testing.assert_allclose(got_weight, weight @ reference, atol=1e-10)
+    # _refit takes weights as [outputs, units, taps] and means as [units, positions]
+    got_weight, got_bias = _refit(weight[:, :, None], bias, cov, mean[:, None], keep)
+    np.testing.assert_allclose(got_weight[:, :, 0], weight @ reference, atol=1e-10)
     np.testing.assert_allclose(got_bias, bias + weight @ (mean - reference @ mean[keep]), atol=1e-10)
 
 
@@ -163,7 +164,7 @@ def test_bad_inputs_are_rejected(mlp_and_data):
     with pytest.raises(TypeError, match="nn.Sequential"):
         reduce(nn.Module(), 0.5, "lowrank")
     conv = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
-    with pytest.raises(TypeError, match="not elementwise"):
+    with pytest.raises(TypeError, match="does not act on each unit separately"):
         reduce(conv, 0.5, "lowrank")
     with pytest.raises(ValueError, match="infeasible"):
         reduce(model, 0.999, "lowrank")

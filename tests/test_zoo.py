@@ -11,7 +11,9 @@ from torch import nn
 
 from edgetorch.zoo import (
     MLP,
+    BasicBlock,
     CheckpointError,
+    PlainCNN,
     PretrainConfig,
     ZOO_MODELS,
     SmallResNet,
@@ -58,9 +60,19 @@ def test_mlp_shapes():
     assert MLP(num_classes=4, image_size=8)(torch.rand(2, 1, 8, 8)).shape == (2, 4)
 
 
+def test_plain_cnn_is_a_sequential_chain():
+    model = PlainCNN()
+    assert isinstance(model, nn.Sequential) and not any(isinstance(m, BasicBlock) for m in model.modules())
+    assert model(X28).shape == (3, 10)
+    assert model[-3].in_features == 64 * 3 * 3  # 28 -> 14 -> 7 -> 3 after three poolings
+    assert PlainCNN(num_classes=4, image_size=16)(torch.rand(2, 1, 16, 16)).shape == (2, 4)
+
+
 @pytest.mark.parametrize(
     ("factory", "fragment"),
     [
+        (lambda: PlainCNN(pool_after=(5,)), "pool_after must index"),
+        (lambda: PlainCNN(image_size=4), "too small"),
         (lambda: SmallResNet(widths=()), "widths must be a non-empty"),
         (lambda: SmallResNet(widths=(8, 16), blocks_per_stage=(1,)), "blocks_per_stage has 1"),
         (lambda: SmallResNet(num_classes=0), "num_classes"),
@@ -120,7 +132,7 @@ def test_build_from_python_path(tmp_path, monkeypatch):
     [
         ("cnn", {}, "malformed model spec 'cnn'; accepted forms"),
         ("zoo:", {}, "malformed model spec"),
-        ("zoo:resnet", {}, "unknown zoo model 'resnet'; accepted: cnn, mlp"),
+        ("zoo:resnet", {}, "unknown zoo model 'resnet'; accepted: cnn, plaincnn, mlp"),
         ("zoo:cnn", {"depth": 3}, "zoo:cnn got bad arguments.*accepted: num_classes, in_channels"),
         ("torchvision:resnet19", {}, "classification model 'resnet19'; accepted: .*resnet18"),
         ("no_such_module_xyz:build", {}, "cannot import module 'no_such_module_xyz'"),

@@ -1,4 +1,4 @@
-"""``edgetorch reduce``: shrink a trained MLP to a multiplication budget (Mauch & Yang)."""
+"""``edgetorch reduce``: shrink a trained MLP or plain CNN to a multiplication budget (Mauch & Yang)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _load_model(model: str, weights: Path | None, dataset: str, size: int):
             raise typer.BadParameter("--weights is required unless --model is a zoo model (zoo:NAME)")
         return pretrained(name, dataset=dataset)
     return build_model(model, num_classes=dataset_info(dataset).num_classes, weights=weights,
-                       **({"image_size": size} if model == "zoo:mlp" else {}))
+                       **({"image_size": size} if model in ("zoo:mlp", "zoo:plaincnn") else {}))
 
 
 @app.command()
@@ -39,7 +39,7 @@ def reduce(
     seed: int = typer.Option(0, help="PSO seed"),
     output: Path = typer.Option(None, help="write the reduced network here (.safetensors + .json)"),
 ) -> None:
-    """Reduce a trained MLP: per-layer factors, MACs, accuracy and measured CPU latency ratio."""
+    """Reduce a trained MLP or plain CNN: per-layer factors, MACs, accuracy and measured CPU latency ratio."""
     import torch
 
     from ..data import load_dataset

@@ -10,7 +10,7 @@ from .api import ALLOCATIONS, REDUCTIONS, LayerFactor, Reduction, reduce, reduce
 from .checkpoint import architecture, load_reduced, save_reduced
 from .latency import LatencyComparison, compare_latency
 from .macs import count_macs
-from .mlp import KeepFeatures
+from .sequential import KeepFeatures
 from .problem import METHODS
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""``reduce``: a trained MLP in, a physically smaller one out, at a total multiplication budget."""
+"""``reduce``: a trained network in, a physically smaller one out, at a total multiplication budget."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from .allocate import Allocation, solve_allocation
-from .mlp import factorised, input_statistics, layer_svds, lowrank_curves, prune_orders, pruned, widths_of
 from .problem import layer_lowrank_cost
+from .sequential import (WeightLayer, factorised, input_statistics, layer_svds, lowrank_curves, prune_orders,
+                         pruned, weight_layers)
 
 REDUCTIONS = ("prune", "prune-ls", "lowrank")
 ALLOCATIONS = {"optimal": "exact", "uniform": "uniform", "pso": "pso"}
@@ -21,11 +22,12 @@ class LayerFactor:
 
     Attributes:
         layer: weight layer number l (1-based, as in the paper).
-        in_features, out_features: ``M_{l-1}``, ``M_l`` of the full layer.
+        in_features, out_features: ``M_{l-1}``, ``M_l`` of the full layer, in units (features,
+            or channels of a convolution and of a Linear after a convolution's Flatten).
         kept_inputs: ``M~_{l-1}`` (pruning) -- ``None`` for low-rank.
         rank: ``k_l`` (low-rank; ``K_l`` means kept dense) -- ``None`` for pruning.
-        macs: multiplications of the reduced layer.
-        alpha: the layer's reduction factor ``1 - macs / (M_{l-1} M_l)`` (eq. 5, 6, 10).
+        macs: multiplications of the reduced layer per sample.
+        alpha: the layer's reduction factor ``1 - macs / full macs`` (eq. 5, 6, 10).
         error: ``J_l`` at the chosen value.
     """
 
@@ -49,26 +51,25 @@ class Reduction:
     layers: list[LayerFactor]
 
 
-def layer_factors(widths: list[int], allocation: Allocation, curves) -> list[LayerFactor]:
+def layer_factors(layers: list[WeightLayer], allocation: Allocation, curves) -> list[LayerFactor]:
     """Each weight layer's kept inputs or rank, MACs, ``alpha_l`` and ``J_l`` under ``allocation``.
 
     Args:
-        widths: ``[M_0, ..., M_L]``.
+        layers: the network's :func:`~edgetorch.reduce.sequential.weight_layers`.
         allocation: the solver's result (its ``theta`` and ``method``).
         curves: the ``J_l`` curves the allocation was solved on.
     """
     theta, rows = allocation.theta, []
-    kept = theta + [widths[-1]]
-    for l in range(len(widths) - 1):
-        m_in, m_out = widths[l], widths[l + 1]
+    kept = theta + [layers[-1].units_out]
+    for l, layer in enumerate(layers):
         if allocation.method == "prune":
-            macs, value = kept[l] * kept[l + 1], kept[l]
+            macs, value = layer.scale * kept[l] * kept[l + 1], kept[l]
         else:
-            macs, value = layer_lowrank_cost(m_in, m_out, theta[l]), theta[l]
+            macs, value = layer.positions * layer_lowrank_cost(*layer.matrix, theta[l]), theta[l]
         rows.append(LayerFactor(
-            l + 1, m_in, m_out, value if allocation.method == "prune" else None,
-            value if allocation.method == "lowrank" else None, macs, 1 - macs / (m_in * m_out),
-            float(curves[l][value]),
+            l + 1, layer.units_in, layer.units_out, value if allocation.method == "prune" else None,
+            value if allocation.method == "lowrank" else None, macs,
+            1 - macs / (layer.scale * layer.units_in * layer.units_out), float(curves[l][value]),
         ))
     return rows
 
@@ -86,23 +87,28 @@ def reduce_model(
         raise ValueError(f"unknown reduction method {method!r}; accepted: {', '.join(REDUCTIONS)}")
     if allocation not in ALLOCATIONS:
         raise ValueError(f"unknown allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
-    widths = widths_of(model)
+    if method != "lowrank" and calibration is None:
+        raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
+    try:
+        layers = weight_layers(model, calibration)
+    except ValueError as exc:  # a convolutional network needs an input size even for low-rank
+        raise ValueError(f"{exc}: pass calibration= (for low-rank only its shape is used)") from None
     if method == "lowrank":
         svds = layer_svds(model)
         curves = lowrank_curves(svds)
+        chosen = solve_allocation(curves, None, alpha, "lowrank", ALLOCATIONS[allocation], seed=seed,
+                                  shapes=[layer.matrix for layer in layers],
+                                  scales=[layer.positions for layer in layers])
+        reduced = factorised(model, chosen.theta, svds)
     else:
-        if calibration is None:
-            raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
         stats = input_statistics(model, calibration)
         orders = prune_orders(stats, correlated=method == "prune-ls")
         curves = [curve for _, curve in orders]
-    cost_model = "lowrank" if method == "lowrank" else "prune"
-    chosen = solve_allocation(curves, widths, alpha, cost_model, ALLOCATIONS[allocation], seed=seed)
-    if method == "lowrank":
-        reduced = factorised(model, chosen.theta, svds)
-    else:
-        reduced = pruned(model, chosen.theta, orders, stats, refit=method == "prune-ls")
-    return Reduction(reduced.eval(), method, chosen, layer_factors(widths, chosen, curves))
+        widths = [layers[0].units_in] + [layer.units_out for layer in layers]
+        chosen = solve_allocation(curves, widths, alpha, "prune", ALLOCATIONS[allocation], seed=seed,
+                                  scales=[layer.scale for layer in layers])
+        reduced = pruned(model, chosen.theta, orders, stats, refit=method == "prune-ls", example=calibration)
+    return Reduction(reduced.eval(), method, chosen, layer_factors(layers, chosen, curves))
 
 
 def reduce(
@@ -113,18 +119,22 @@ def reduce(
     calibration: torch.Tensor | None = None,
     seed: int = 0,
 ) -> nn.Module:
-    """Reduce a trained MLP so that at least ``alpha`` of its multiplications are saved.
+    """Reduce a trained network so that at least ``alpha`` of its multiplications are saved.
 
     Args:
         model: an ``nn.Sequential`` of Linear layers and elementwise activations (a Flatten may
-            come first), e.g. :class:`edgetorch.zoo.MLP`.
+            come first), e.g. :class:`edgetorch.zoo.MLP`; or a plain CNN: ``Conv2d`` layers with
+            batch norm, activations and pooling between them, one ``Flatten``, then Linear layers
+            (see :mod:`edgetorch.reduce.sequential`). Convolutions lose output channels (pruning)
+            or become a thin convolution + 1x1 convolution (low-rank).
         alpha: total reduction factor in [0, 1) (eq. 7 / 11).
         method: ``"prune"`` (the paper's naive pruning: keep the highest-power neurons),
             ``"prune-ls"`` (correlation-aware: pivoted-Cholesky selection and least-squares refit
             of the next layer) or ``"lowrank"`` (SVD, no data needed).
         allocation: ``"optimal"`` (exact solution of eq. 15), ``"pso"`` (the paper's solver) or
             ``"uniform"`` (the same factor in every layer).
-        calibration: unlabeled input samples ``[N, ...]`` (pruning only).
+        calibration: unlabeled input samples ``[N, ...]`` (pruning; low-rank on a convolutional
+            network reads only their shape, to count output positions).
         seed: PSO seed.
 
     Returns:

@@ -1,8 +1,8 @@
 """Reduced networks on disk without pickle: safetensors weights + a JSON layer list.
 
 ``save_reduced(model, "small.safetensors")`` writes the weights and ``small.json``, which lists
-every module of the ``nn.Sequential`` with its sizes (widths, ranks, kept input features) and the
-few constructor arguments of activations. ``load_reduced`` rebuilds the modules from the JSON and
+every module of the ``nn.Sequential`` with its sizes (widths, channels, kernels, ranks, kept input
+units) and the few constructor arguments of activations and pooling. ``load_reduced`` rebuilds the modules from the JSON and
 loads the weights with a strict key/shape check: nothing in either file is ever executed.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..zoo import CheckpointError, load_weights, save_weights
-from .mlp import ELEMENTWISE, KeepFeatures
+from .sequential import ELEMENTWISE, PER_CHANNEL, KeepFeatures
 
 _FORMAT = "edgetorch.reduced/1"
 # Constructor arguments worth keeping, per parameter-free module type.
@@ -24,21 +24,43 @@ _ARGUMENTS: dict[type[nn.Module], tuple[str, ...]] = {
     nn.LeakyReLU: ("negative_slope",), nn.ELU: ("alpha",), nn.GELU: ("approximate",),
     nn.Hardtanh: ("min_val", "max_val"), nn.Softplus: ("beta", "threshold"), nn.Dropout: ("p",),
     nn.Softmax: ("dim",), nn.LogSoftmax: ("dim",), nn.Flatten: ("start_dim", "end_dim"),
+    nn.MaxPool2d: ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+    nn.AvgPool2d: ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+    nn.AdaptiveAvgPool2d: ("output_size",), nn.AdaptiveMaxPool2d: ("output_size",), nn.Dropout2d: ("p",),
 }
-_SIMPLE = {cls.__name__: cls for cls in (*ELEMENTWISE, nn.Softmax, nn.LogSoftmax, nn.Flatten)}
+_NORMS = {cls.__name__: cls for cls in (nn.BatchNorm1d, nn.BatchNorm2d)}
+_SIMPLE = {cls.__name__: cls for cls in (*ELEMENTWISE, *PER_CHANNEL, nn.Softmax, nn.LogSoftmax, nn.Flatten)
+           if cls.__name__ not in _NORMS}
+
+
+def _plain(value: Any) -> Any:
+    # JSON has no tuples: kernel sizes and strides come back as lists.
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _describe(module: nn.Module) -> dict[str, Any]:
     if isinstance(module, nn.Linear):
         return {"type": "Linear", "in": module.in_features, "out": module.out_features,
                 "bias": module.bias is not None}
+    if isinstance(module, nn.Conv2d) and module.groups == 1:
+        return {"type": "Conv2d", "in": module.in_channels, "out": module.out_channels,
+                "kernel_size": list(module.kernel_size), "stride": list(module.stride),
+                "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
+                "dilation": list(module.dilation), "padding_mode": module.padding_mode,
+                "bias": module.bias is not None}
+    if type(module).__name__ in _NORMS and type(module) is _NORMS[type(module).__name__]:
+        return {"type": type(module).__name__, "features": module.num_features, "eps": module.eps,
+                "momentum": module.momentum, "affine": module.affine,
+                "track_running_stats": module.track_running_stats}
     if isinstance(module, KeepFeatures):
-        return {"type": "KeepFeatures", "size": int(module.index.numel())}
+        return {"type": "KeepFeatures", "size": int(module.index.numel()), "dim": module.dim}
     if (isinstance(module, nn.Sequential) and len(module) == 2
             and all(isinstance(m, nn.Linear) for m in module) and module[0].bias is None):
         first, second = module
         return {"type": "LowRank", "in": first.in_features, "rank": first.out_features,
                 "out": second.out_features, "bias": second.bias is not None}
+    if type(module) is nn.Sequential:  # e.g. a factored convolution
+        return {"type": "Sequential", "modules": [_describe(m) for m in module]}
     if type(module).__name__ in _SIMPLE and type(module) is _SIMPLE[type(module).__name__]:
         keys = _ARGUMENTS.get(type(module), ())
         return {"type": type(module).__name__, "args": {k: getattr(module, k) for k in keys}}
@@ -66,6 +88,29 @@ def _positive(entry: dict[str, Any], *keys: str) -> list[int]:
     return values
 
 
+def _conv(entry: dict[str, Any]) -> nn.Conv2d:
+    m_in, m_out = _positive(entry, "in", "out")
+    sizes = {k: entry.get(k) for k in ("kernel_size", "stride", "dilation")}
+    padding = entry.get("padding")
+    ok = all(isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 1 for x in v) for v in sizes.values())
+    ok = ok and (padding in ("same", "valid") or (isinstance(padding, list) and len(padding) == 2
+                                                  and all(type(x) is int and x >= 0 for x in padding)))
+    if not ok or entry.get("padding_mode") not in ("zeros", "reflect", "replicate", "circular"):
+        raise CheckpointError(f"Conv2d entry {entry} needs kernel_size/stride/dilation as two positive ints, "
+                              "padding as two ints >= 0 or 'same'/'valid', and a torch padding_mode")
+    return nn.Conv2d(m_in, m_out, tuple(sizes["kernel_size"]), tuple(sizes["stride"]), _plain(padding),
+                     tuple(sizes["dilation"]), bias=bool(entry.get("bias", True)), padding_mode=entry["padding_mode"])
+
+
+def _norm(kind: str, entry: dict[str, Any]) -> nn.Module:
+    (features,) = _positive(entry, "features")
+    eps, momentum = entry.get("eps"), entry.get("momentum")
+    if not isinstance(eps, float) or not (momentum is None or isinstance(momentum, float)):
+        raise CheckpointError(f"{kind} entry {entry} needs a float eps and a float or null momentum")
+    return _NORMS[kind](features, eps=eps, momentum=momentum, affine=bool(entry.get("affine", True)),
+                        track_running_stats=bool(entry.get("track_running_stats", True)))
+
+
 def build(description: dict[str, Any]) -> nn.Sequential:
     """Rebuild the (untrained) modules listed by :func:`architecture`.
 
@@ -74,8 +119,12 @@ def build(description: dict[str, Any]) -> nn.Sequential:
     """
     if not isinstance(description, dict) or description.get("format") != _FORMAT:
         raise CheckpointError(f"not a reduced-network description (expected format {_FORMAT!r})")
+    return _modules(description.get("modules", []))
+
+
+def _modules(entries: list[Any]) -> nn.Sequential:
     modules: list[nn.Module] = []
-    for entry in description.get("modules", []):
+    for entry in entries:
         kind = entry.get("type") if isinstance(entry, dict) else None
         if kind == "Linear":
             m_in, m_out = _positive(entry, "in", "out")
@@ -84,17 +133,29 @@ def build(description: dict[str, Any]) -> nn.Sequential:
             m_in, rank, m_out = _positive(entry, "in", "rank", "out")
             modules.append(nn.Sequential(nn.Linear(m_in, rank, bias=False),
                                          nn.Linear(rank, m_out, bias=bool(entry.get("bias", True)))))
+        elif kind == "Conv2d":
+            modules.append(_conv(entry))
+        elif kind in _NORMS:
+            modules.append(_norm(kind, entry))
+        elif kind == "Sequential" and isinstance(entry.get("modules"), list):
+            modules.append(_modules(entry["modules"]))
         elif kind == "KeepFeatures":
             (size,) = _positive(entry, "size")
-            modules.append(KeepFeatures(torch.zeros(size, dtype=torch.long)))
+            dim = entry.get("dim", -1)
+            if type(dim) is not int:
+                raise CheckpointError(f"KeepFeatures entry {entry} needs an int dim")
+            modules.append(KeepFeatures(torch.zeros(size, dtype=torch.long), dim))
         elif kind in _SIMPLE:
             args = entry.get("args", {})
             allowed = _ARGUMENTS.get(_SIMPLE[kind], ())
             if not isinstance(args, dict) or set(args) - set(allowed):
                 raise CheckpointError(f"{kind} accepts arguments {list(allowed)}, got {args!r}")
-            modules.append(_SIMPLE[kind](**args))
+            try:
+                modules.append(_SIMPLE[kind](**{k: _plain(v) for k, v in args.items()}))
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(f"{kind} rejected arguments {args!r} ({exc})") from exc
         else:
-            accepted = ", ".join(["Linear", "LowRank", "KeepFeatures", *_SIMPLE])
+            accepted = ", ".join(["Linear", "LowRank", "Conv2d", "Sequential", "KeepFeatures", *_NORMS, *_SIMPLE])
             raise CheckpointError(f"unknown module type {kind!r}; accepted: {accepted}")
     return nn.Sequential(*modules)
 

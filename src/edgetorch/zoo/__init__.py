@@ -1,6 +1,6 @@
 """Small reference models, their pretraining recipes, and model-spec resolution."""
 
-from .models import MLP, BasicBlock, SmallResNet
+from .models import MLP, BasicBlock, PlainCNN, SmallResNet
 from .pretrain import (
     RECIPES,
     PretrainConfig,
@@ -21,6 +21,7 @@ __all__ = [
     "ZOO_MODELS",
     "BasicBlock",
     "CheckpointError",
+    "PlainCNN",
     "PretrainConfig",
     "SmallResNet",
     "build_model",

@@ -43,7 +43,7 @@ class PretrainConfig:
     """Everything that determines a pretrained zoo model.
 
     Attributes:
-        model: zoo model name (``"cnn"`` or ``"mlp"``).
+        model: zoo model name (``"cnn"``, ``"plaincnn"`` or ``"mlp"``).
         dataset: dataset name accepted by :func:`edgetorch.data.load_dataset`.
         epochs: passes over the training subset.
         lr: peak learning rate of the one-cycle schedule.
@@ -91,8 +91,10 @@ class PretrainConfig:
 # Tuned so each Fashion-MNIST run takes a few minutes on 2 CPU cores; digits takes seconds.
 RECIPES: dict[tuple[str, str], PretrainConfig] = {
     ("cnn", "fashion-mnist"): PretrainConfig("cnn", "fashion-mnist", epochs=1),
+    ("plaincnn", "fashion-mnist"): PretrainConfig("plaincnn", "fashion-mnist", epochs=3),
     ("mlp", "fashion-mnist"): PretrainConfig("mlp", "fashion-mnist", epochs=10),
     ("cnn", "digits"): PretrainConfig("cnn", "digits", epochs=6, batch_size=64),
+    ("plaincnn", "digits"): PretrainConfig("plaincnn", "digits", epochs=10, batch_size=64),
     ("mlp", "digits"): PretrainConfig("mlp", "digits", epochs=20, batch_size=64),
 }
 
@@ -127,8 +129,8 @@ def build_zoo_model(config: PretrainConfig) -> nn.Module:
         The untrained model (init from the current global RNG).
     """
     num_classes = dataset_info(config.dataset).num_classes
-    if config.model == "mlp":
-        return ZOO_MODELS["mlp"](num_classes=num_classes, image_size=config.image_size)
+    if config.model in ("mlp", "plaincnn"):  # their Linear layers are sized for the image
+        return ZOO_MODELS[config.model](num_classes=num_classes, image_size=config.image_size)
     return ZOO_MODELS[config.model](num_classes=num_classes)
 
 
@@ -315,7 +317,7 @@ def pretrained(
     """A pretrained zoo model, from the cache or trained now (then cached).
 
     Args:
-        name: zoo model name (``"cnn"`` or ``"mlp"``).
+        name: zoo model name (``"cnn"``, ``"plaincnn"`` or ``"mlp"``).
         dataset: ``"fashion-mnist"`` or ``"digits"``.
         config: a custom recipe for the same model and dataset; ``None`` uses
             :func:`default_config`.

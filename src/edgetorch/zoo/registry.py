@@ -2,7 +2,7 @@
 
 Accepted specs:
 
-* ``zoo:NAME`` -- an edgetorch zoo model (``zoo:cnn``, ``zoo:mlp``);
+* ``zoo:NAME`` -- an edgetorch zoo model (``zoo:cnn``, ``zoo:plaincnn``, ``zoo:mlp``);
 * ``torchvision:NAME`` -- any torchvision classification model builder, randomly initialised
   (``weights=None``: no download is ever attempted; pass ``weights=PATH`` for a local file);
 * ``package.module:factory`` -- import ``package.module`` and call ``factory`` (a dotted
@@ -20,10 +20,10 @@ from typing import Any
 
 from torch import nn
 
-from .models import MLP, SmallResNet
+from .models import MLP, PlainCNN, SmallResNet
 from .weights import load_weights
 
-ZOO_MODELS: dict[str, type[nn.Module]] = {"cnn": SmallResNet, "mlp": MLP}
+ZOO_MODELS: dict[str, type[nn.Module]] = {"cnn": SmallResNet, "plaincnn": PlainCNN, "mlp": MLP}
 _FORMS = "'zoo:NAME', 'torchvision:NAME' or 'package.module:factory'"
 
 

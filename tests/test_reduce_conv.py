@@ -1,0 +1,157 @@
+"""reduce on convolutional networks: channel pruning through conv/BN/ReLU/pool, low-rank convolutions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from edgetorch.reduce import count_macs, load_reduced, reduce, reduce_model, save_reduced
+from edgetorch.reduce.curves import correlated_order, power_order
+from edgetorch.reduce.sequential import input_statistics, pruned, weight_layers
+
+
+def small_cnn(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 12, 3, padding=1, bias=False), nn.BatchNorm2d(12), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(12, 10, 1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(10 * 2 * 2, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 5),
+    )
+    with torch.no_grad():  # trained-looking batch norms: non-trivial statistics and affine
+        for m in model:
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def cnn_and_data():
+    return small_cnn(), torch.rand(64, 3, 8, 8)
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_weight_layers_read_channels_groups_and_positions(cnn_and_data):
+    model, x = cnn_and_data
+    layers = weight_layers(model, x)
+    assert [(w.units_in, w.units_out) for w in layers] == [(3, 8), (8, 12), (12, 10), (10, 16), (16, 5)]
+    assert [w.scale for w in layers] == [9 * 64, 9 * 16, 1 * 4, 4, 1]  # kernel x positions; H x W after Flatten
+    assert [w.between for w in layers] == [(1,), (5,), (), (), ()]
+    # The dense cost model is what count_macs measures.
+    assert sum(w.scale * w.units_in * w.units_out for w in layers) == count_macs(model, x[:1])
+
+
+@pytest.mark.parametrize("method", ["prune", "prune-ls", "lowrank"])
+@pytest.mark.parametrize("allocation", ["optimal", "uniform"])
+def test_alpha_zero_gives_identical_outputs(cnn_and_data, method, allocation):
+    model, x = cnn_and_data
+    small = reduce(model, 0.0, method, allocation, calibration=x)
+    assert torch.equal(small(x), model(x))
+
+
+@pytest.mark.parametrize("method", ["prune", "prune-ls", "lowrank"])
+@pytest.mark.parametrize("allocation", ["optimal", "uniform", "pso"])
+@pytest.mark.parametrize("alpha", [0.3, 0.7])
+def test_macs_meet_the_budget_and_the_model_shrinks(cnn_and_data, method, allocation, alpha):
+    model, x = cnn_and_data
+    result = reduce_model(model, alpha, method, allocation, calibration=x)
+    full, macs = count_macs(model, x[:1]), count_macs(result.model, x[:1])
+    assert macs == result.allocation.cost == sum(layer.macs for layer in result.layers)
+    assert 1 - macs / full >= alpha
+    assert n_params(result.model) < n_params(model)
+    assert result.model(x).shape == (len(x), 5)
+    if method != "lowrank":  # batch norms shrank with the channels they follow
+        for conv, norm in zip(result.model, list(result.model)[1:]):
+            if isinstance(norm, nn.BatchNorm2d):
+                assert norm.num_features == conv.out_channels == norm.running_mean.numel()
+
+
+def test_lowrank_convolution_is_the_truncated_svd_of_its_matrix(cnn_and_data):
+    model, x = cnn_and_data
+    result = reduce_model(model, 0.5, "lowrank", calibration=x)
+    conv, factored = model[4], result.model[4]
+    k = result.layers[1].rank
+    assert isinstance(factored, nn.Sequential) and factored[0].out_channels == k < 12
+    assert factored[1].kernel_size == (1, 1)
+    u, s, vt = torch.linalg.svd(conv.weight.double().reshape(12, -1), full_matrices=False)
+    weight = ((u[:, :k] * s[:k]) @ vt[:k]).reshape(conv.weight.shape).float()
+    h = torch.randn(4, 8, 6, 6)
+    torch.testing.assert_close(factored(h), nn.functional.conv2d(h, weight, None, padding=1), rtol=1e-4, atol=1e-5)
+
+
+def test_correlation_aware_pruning_removes_a_duplicated_channel_exactly():
+    model = small_cnn(1)
+    with torch.no_grad():  # channel 7 of the first block repeats channel 3 through conv, BN and ReLU
+        model[0].weight[7], model[0].bias[7] = model[0].weight[3], model[0].bias[3]
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            getattr(model[1], name)[7] = getattr(model[1], name)[3]
+    x = torch.rand(128, 3, 8, 8)
+    stats = input_statistics(model, x)
+    orders = [correlated_order(c) for c in stats.covariances]
+    assert orders[1][1][7] == 0.0  # 7 of 8 channels explain everything
+    kept = [3, 7, 12, 10, 16]
+    refit = pruned(model, kept, orders, stats, refit=True, example=x)
+    assert refit[4].in_channels == 7 and refit[1].num_features == 7
+    torch.testing.assert_close(refit(x), model(x), rtol=1e-4, atol=1e-5)
+    assert set(orders[1][0][7:]) <= {3, 7}  # the one dropped is one of the pair
+    # The same channels without the refit: the dropped one's variance is lost.
+    deleted = pruned(model, kept, orders, stats, refit=False, example=x)
+    assert (deleted(x) - model(x)).abs().max() > 1e-3
+
+
+def test_naive_pruning_moves_a_constant_channel_into_the_next_layer_bias():
+    model = small_cnn(2)
+    with torch.no_grad():  # channel 3 of the last conv is constant after its ReLU: a zero-variance unit
+        model[8].weight[3] = 0.0
+        model[8].bias[3] = 0.7
+    x = torch.rand(64, 3, 8, 8)
+    stats = input_statistics(model, x)
+    orders = [power_order(c) for c in stats.covariances]
+    assert stats.covariances[3][3, 3] < 1e-12 and stats.means[3][3].min() > 0.6  # per-position means
+    # Other channels may be dead (zero variance) too: put channel 3 last so it is the one dropped.
+    order, curve = orders[3]
+    assert curve[9] == 0.0
+    orders[3] = (np.array([c for c in order if c != 3] + [3]), curve)
+    # Into a Linear after the Flatten the per-position mean moves exactly (no padding involved).
+    small = pruned(model, [3, 8, 12, 9, 16], orders, stats, example=x)
+    assert small[8].out_channels == 9 and small[11].in_features == 9 * 4
+    torch.testing.assert_close(small(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pruned_input_channels_are_selected_on_dim_1_and_checkpoints_round_trip(tmp_path, cnn_and_data):
+    model, x = cnn_and_data
+    for method in ("prune", "lowrank"):
+        small = reduce(model, 0.8, method, calibration=x)
+        path = tmp_path / f"{method}.safetensors"
+        save_reduced(small, path, {"alpha": 0.8})
+        loaded, record = load_reduced(path)
+        assert torch.equal(loaded(x), small(x))
+        assert any(entry["type"] == ("BatchNorm2d" if method == "prune" else "Sequential")
+                   for entry in record["modules"])
+    # Pruning the image's channels needs an input selector on the channel axis.
+    tiny = reduce_model(model, 0.95, "prune", calibration=x)
+    if tiny.layers[0].kept_inputs < 3:
+        assert tiny.model[0].dim == 1
+
+
+def test_unsupported_convolutional_networks_are_rejected_clearly(cnn_and_data):
+    model, x = cnn_and_data
+    with pytest.raises(ValueError, match="pass calibration="):
+        reduce(model, 0.5, "lowrank")
+    grouped = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.ReLU(), nn.Conv2d(4, 2, 1))
+    with pytest.raises(TypeError, match="grouped"):
+        reduce(grouped, 0.5, "lowrank", calibration=torch.rand(2, 4, 5, 5))
+    per_feature = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.BatchNorm1d(4 * 36), nn.Linear(4 * 36, 2))
+    with pytest.raises(TypeError, match="BatchNorm1d"):
+        reduce(per_feature, 0.5, "prune", calibration=torch.rand(4, 3, 8, 8))
+    residual = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LayerNorm(6), nn.Conv2d(4, 2, 1))
+    with pytest.raises(TypeError, match="does not act on each unit separately"):
+        reduce(residual, 0.5, "prune", calibration=torch.rand(4, 3, 8, 8))
