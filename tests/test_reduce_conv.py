@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetorch.reduce import count_macs, load_reduced, reduce, reduce_model, save_reduced
+from edgetorch.reduce import KeepFeatures, count_macs, load_reduced, reduce, reduce_model, save_reduced
 from edgetorch.reduce.curves import correlated_order, power_order
 from edgetorch.reduce.sequential import input_statistics, pruned, weight_layers
 
@@ -137,9 +137,14 @@ def test_pruned_input_channels_are_selected_on_dim_1_and_checkpoints_round_trip(
         assert any(entry["type"] == ("BatchNorm2d" if method == "prune" else "Sequential")
                    for entry in record["modules"])
     # Pruning the image's channels needs an input selector on the channel axis.
-    tiny = reduce_model(model, 0.95, "prune", calibration=x)
-    if tiny.layers[0].kept_inputs < 3:
-        assert tiny.model[0].dim == 1
+    stats = input_statistics(model, x)
+    orders = [power_order(c) for c in stats.covariances]
+    fewer = pruned(model, [2, 8, 12, 10, 16], orders, stats, example=x)
+    assert isinstance(fewer[0], KeepFeatures) and fewer[0].dim == 1 and fewer[1].in_channels == 2
+    kept = sorted(orders[0][0][:2].tolist())
+    torch.testing.assert_close(fewer(x), fewer[1:](x[:, kept]))
+    save_reduced(fewer, tmp_path / "fewer.safetensors")
+    assert torch.equal(load_reduced(tmp_path / "fewer.safetensors")[0](x), fewer(x))
 
 
 def test_unsupported_convolutional_networks_are_rejected_clearly(cnn_and_data):
