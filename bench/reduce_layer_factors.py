@@ -402,8 +402,9 @@ def markdown(results: dict, seconds: float) -> str:
         f"cost, and on {CROSS_CHECK_DATASET} the public `reduce_model` is run at alpha {CROSS_CHECK_ALPHA} for "
         "each method and must return the same allocation and accuracy as the bench's cached-statistics path. "
         f"Whole run {seconds / 60:.1f} min.\n\n"
-        "Caveats: the Fashion-MNIST network is trained briefly by its cached recipe (2 epochs on 10,000 "
-        "images), so its full accuracy is low and every number here is relative to it. Digits has only "
+        "Caveats: the networks are trained by the paper's optimiser at a lower learning rate and for "
+        "few epochs (recipes in the records below), and nothing is retrained after a reduction, so "
+        "accuracies read relative to each full network. Digits has only "
         "1,438 training images, fewer than the 2,500- and 2,000-wide hidden layers, so those layers' "
         "covariances are rank-deficient: prune-ls then refits on directions the calibration set cannot "
         "pin down, and its J reaches 0 at a few neurons short of the full width.",
