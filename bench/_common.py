@@ -41,9 +41,13 @@ def source_state() -> dict:
         done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    # A copy of the tree without .git (a lent GPU machine) names its commit in BENCH_COMMIT.
+    # A copy of the tree sent to a lent GPU machine carries a stale .git (the session's first
+    # commit): there BENCH_COMMIT names the commit the tree really is, and git is not asked.
+    named = os.environ.get("BENCH_COMMIT")
+    if named:
+        return {"commit": named, "commit_from": "BENCH_COMMIT", "uncommitted_library_files": []}
     return {
-        "commit": git("rev-parse", "HEAD") or os.environ.get("BENCH_COMMIT") or None,
+        "commit": git("rev-parse", "HEAD") or None,
         "uncommitted_library_files": git("status", "--porcelain", "--", "src").splitlines(),
     }
 
