@@ -1,7 +1,8 @@
 """Layer reduction (Mauch & Yang): per-layer pruning / low-rank factors for a multiplication budget.
 
 ``allocate`` solves the allocation problem (eq. 15) on its own; ``reduce`` applies it to a
-trained MLP and returns a physically smaller network; ``count_macs`` counts multiplications
+trained MLP or plain CNN (an ``nn.Sequential`` chain, see ``edgetorch.reduce.sequential``) and
+returns a physically smaller network; ``count_macs`` counts multiplications
 the paper's way; ``save_reduced`` / ``load_reduced`` store a reduced network without pickle.
 """
 
