@@ -114,7 +114,8 @@ class Reducer:
     """
 
     def __init__(self, model: nn.Module, calibration: torch.Tensor) -> None:
-        self.model, self.widths, self.layers = model, widths_of(model), weight_layers(model)
+        self.model, self.layers = model, weight_layers(model)
+        self.widths = widths_of(self.layers)
         start = time.perf_counter()
         self.stats = input_statistics(model, calibration)
         self.orders = {"prune": prune_orders(self.stats, correlated=False),

@@ -98,12 +98,12 @@ def test_correlation_aware_pruning_removes_a_duplicated_channel_exactly():
     orders = [correlated_order(c) for c in stats.covariances]
     assert orders[1][1][7] == 0.0  # 7 of 8 channels explain everything
     kept = [3, 7, 12, 10, 16]
-    refit = pruned(model, kept, orders, stats, refit=True, example=x)
+    refit = pruned(model, kept, orders, stats, refit=True)
     assert refit[4].in_channels == 7 and refit[1].num_features == 7
     torch.testing.assert_close(refit(x), model(x), rtol=1e-4, atol=1e-5)
     assert set(orders[1][0][7:]) <= {3, 7}  # the one dropped is one of the pair
     # The same channels without the refit: the dropped one's variance is lost.
-    deleted = pruned(model, kept, orders, stats, refit=False, example=x)
+    deleted = pruned(model, kept, orders, stats, refit=False)
     assert (deleted(x) - model(x)).abs().max() > 1e-3
 
 
@@ -121,7 +121,7 @@ def test_naive_pruning_moves_a_constant_channel_into_the_next_layer_bias():
     assert curve[9] == 0.0
     orders[3] = (np.array([c for c in order if c != 3] + [3]), curve)
     # Into a Linear after the Flatten the per-position mean moves exactly (no padding involved).
-    small = pruned(model, [3, 8, 12, 9, 16], orders, stats, example=x)
+    small = pruned(model, [3, 8, 12, 9, 16], orders, stats)
     assert small[8].out_channels == 9 and small[11].in_features == 9 * 4
     torch.testing.assert_close(small(x), model(x), rtol=1e-5, atol=1e-5)
 
@@ -139,7 +139,7 @@ def test_pruned_input_channels_are_selected_on_dim_1_and_checkpoints_round_trip(
     # Pruning the image's channels needs an input selector on the channel axis.
     stats = input_statistics(model, x)
     orders = [power_order(c) for c in stats.covariances]
-    fewer = pruned(model, [2, 8, 12, 10, 16], orders, stats, example=x)
+    fewer = pruned(model, [2, 8, 12, 10, 16], orders, stats)
     assert isinstance(fewer[0], KeepFeatures) and fewer[0].dim == 1 and fewer[1].in_channels == 2
     kept = sorted(orders[0][0][:2].tolist())
     torch.testing.assert_close(fewer(x), fewer[1:](x[:, kept]))

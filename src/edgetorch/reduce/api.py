@@ -10,7 +10,7 @@ from torch import nn
 from .allocate import Allocation, solve_allocation
 from .problem import layer_lowrank_cost
 from .sequential import (WeightLayer, factorised, input_statistics, layer_svds, lowrank_curves, prune_orders,
-                         pruned, weight_layers)
+                         pruned, weight_layers, widths_of)
 
 REDUCTIONS = ("prune", "prune-ls", "lowrank")
 ALLOCATIONS = {"optimal": "exact", "uniform": "uniform", "pso": "pso"}
@@ -89,11 +89,11 @@ def reduce_model(
         raise ValueError(f"unknown allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
     if method != "lowrank" and calibration is None:
         raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
-    try:
-        layers = weight_layers(model, calibration)
-    except ValueError as exc:  # a convolutional network needs an input size even for low-rank
-        raise ValueError(f"{exc}: pass calibration= (for low-rank only its shape is used)") from None
     if method == "lowrank":
+        try:
+            layers = weight_layers(model, calibration)
+        except ValueError as exc:  # a convolutional network needs an input size even for low-rank
+            raise ValueError(f"{exc}: pass calibration= (for low-rank only its shape is used)") from None
         svds = layer_svds(model)
         curves = lowrank_curves(svds)
         chosen = solve_allocation(curves, None, alpha, "lowrank", ALLOCATIONS[allocation], seed=seed,
@@ -102,12 +102,12 @@ def reduce_model(
         reduced = factorised(model, chosen.theta, svds)
     else:
         stats = input_statistics(model, calibration)
+        layers = stats.layers
         orders = prune_orders(stats, correlated=method == "prune-ls")
         curves = [curve for _, curve in orders]
-        widths = [layers[0].units_in] + [layer.units_out for layer in layers]
-        chosen = solve_allocation(curves, widths, alpha, "prune", ALLOCATIONS[allocation], seed=seed,
+        chosen = solve_allocation(curves, widths_of(layers), alpha, "prune", ALLOCATIONS[allocation], seed=seed,
                                   scales=[layer.scale for layer in layers])
-        reduced = pruned(model, chosen.theta, orders, stats, refit=method == "prune-ls", example=calibration)
+        reduced = pruned(model, chosen.theta, orders, stats, refit=method == "prune-ls")
     return Reduction(reduced.eval(), method, chosen, layer_factors(layers, chosen, curves))
 
 

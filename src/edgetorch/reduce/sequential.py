@@ -180,9 +180,8 @@ def weight_layers(model: nn.Module, example: torch.Tensor | None = None) -> list
     return layers
 
 
-def widths_of(model: nn.Module, example: torch.Tensor | None = None) -> list[int]:
-    """``[M_0, ..., M_L]`` of a supported network, in units."""
-    layers = weight_layers(model, example)
+def widths_of(layers: list[WeightLayer]) -> list[int]:
+    """``[M_0, ..., M_L]`` of a network's :func:`weight_layers`, in units (the pruning chain)."""
     return [layers[0].units_in] + [layer.units_out for layer in layers]
 
 
@@ -198,12 +197,14 @@ class InputStatistics:
     """Unit means and covariance of each weight layer's input over the calibration samples (eq. 8-9).
 
     Attributes:
+        layers: the :func:`weight_layers` the statistics belong to.
         means: per layer ``[M_{l-1}, group]``: each input's mean (per position of a flattened
             group; a convolution's are channel means, ``group = 1``).
         covariances: per layer ``C_{l-1}``, ``[M_{l-1}, M_{l-1}]``, centred on ``means``.
         samples: calibration samples N.
     """
 
+    layers: list[WeightLayer]
     means: list[np.ndarray]
     covariances: list[np.ndarray]
     samples: int
@@ -259,7 +260,7 @@ def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: in
         cov = o.numpy() / (n * positions) - centre
         means.append(mean)
         covs.append((cov + cov.T) / 2)
-    return InputStatistics(means, covs, len(calibration))
+    return InputStatistics(layers, means, covs, len(calibration))
 
 
 def prune_orders(stats: InputStatistics, correlated: bool) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -341,7 +342,7 @@ def _shrink_norm(norm: nn.Module, keep: np.ndarray) -> nn.Module:
 
 
 def pruned(model: nn.Module, kept: list[int], orders: list[tuple[np.ndarray, np.ndarray]],
-           stats: InputStatistics, refit: bool = False, example: torch.Tensor | None = None) -> nn.Module:
+           stats: InputStatistics, refit: bool = False) -> nn.Module:
     """A copy of ``model`` keeping ``kept[l]`` input units of each weight layer.
 
     Args:
@@ -351,13 +352,12 @@ def pruned(model: nn.Module, kept: list[int], orders: list[tuple[np.ndarray, np.
         stats: the calibration statistics the orders came from.
         refit: refit each layer by least squares on its kept inputs (correlation-aware pruning);
             otherwise delete the inputs as the paper does, moving their means into the bias.
-        example: example inputs (a convolutional network; the calibration batch will do).
 
     Returns:
         The smaller network (weight layers and batch norms shrunk; a :class:`KeepFeatures`
         selects the kept inputs when input units were pruned).
     """
-    layers = weight_layers(model, example)
+    layers = stats.layers
     out = copy.deepcopy(model)
     keeps = [np.sort(order[:k]) for (order, _), k in zip(orders, kept)]
     for l, layer in enumerate(layers):
