@@ -13,15 +13,17 @@ from ._app import app, console
 
 def _load_model(model: str, weights: Path | None, dataset: str, size: int):
     from ..data import dataset_info
-    from ..zoo import build_model, pretrained
+    from ..zoo import ZOO_MODELS, build_model, pretrained
+    from ..zoo.registry import takes_image_size
 
+    zoo, name = model.startswith("zoo:"), model.removeprefix("zoo:")
     if weights is None:
-        name = model.removeprefix("zoo:")
-        if not model.startswith("zoo:"):
+        if not zoo:
             raise typer.BadParameter("--weights is required unless --model is a zoo model (zoo:NAME)")
         return pretrained(name, dataset=dataset)
+    sized = zoo and name in ZOO_MODELS and takes_image_size(name)
     return build_model(model, num_classes=dataset_info(dataset).num_classes, weights=weights,
-                       **({"image_size": size} if model in ("zoo:mlp", "zoo:plaincnn") else {}))
+                       **({"image_size": size} if sized else {}))
 
 
 @app.command()

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ..data import cache_dir, dataset_info, load_dataset
-from .registry import ZOO_MODELS
+from .registry import ZOO_MODELS, takes_image_size
 from .weights import CheckpointError, file_sha256, load_weights, save_weights
 
 log = logging.getLogger(__name__)
@@ -129,9 +129,8 @@ def build_zoo_model(config: PretrainConfig) -> nn.Module:
         The untrained model (init from the current global RNG).
     """
     num_classes = dataset_info(config.dataset).num_classes
-    if config.model in ("mlp", "plaincnn"):  # their Linear layers are sized for the image
-        return ZOO_MODELS[config.model](num_classes=num_classes, image_size=config.image_size)
-    return ZOO_MODELS[config.model](num_classes=num_classes)
+    sized = {"image_size": config.image_size} if takes_image_size(config.model) else {}
+    return ZOO_MODELS[config.model](num_classes=num_classes, **sized)
 
 
 @torch.no_grad()

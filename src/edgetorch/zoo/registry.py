@@ -27,6 +27,15 @@ ZOO_MODELS: dict[str, type[nn.Module]] = {"cnn": SmallResNet, "plaincnn": PlainC
 _FORMS = "'zoo:NAME', 'torchvision:NAME' or 'package.module:factory'"
 
 
+def takes_image_size(name: str) -> bool:
+    """Whether zoo model ``name`` is built for one input size (its Linear layers follow the image).
+
+    Args:
+        name: a key of :data:`ZOO_MODELS`.
+    """
+    return "image_size" in inspect.signature(ZOO_MODELS[name]).parameters
+
+
 def torchvision_classification_models() -> list[str]:
     """Names accepted after ``torchvision:``.
 
