@@ -22,14 +22,6 @@ from edgetorch.reduce.sequential import input_statistics, pruned
 from edgetorch.zoo import MLP, CheckpointError
 
 
-@pytest.fixture(scope="module")
-def mlp_and_data():
-    torch.manual_seed(0)
-    model = MLP(image_size=8, hidden=(40, 30, 20)).eval()
-    x = torch.rand(200, 1, 8, 8)
-    return model, x
-
-
 def n_params(model):
     return sum(p.numel() for p in model.parameters())
 
@@ -43,27 +35,37 @@ def test_count_macs_matches_the_formulas():
     assert count_macs(conv, torch.zeros(2, 4, 6, 6)) == 8 * 36 * 18 + 6 * 9 * 8
 
 
+NETWORKS = ["mlp_and_data", "cnn_and_data"]  # conftest.py
+
+
+@pytest.mark.parametrize("network", NETWORKS)
 @pytest.mark.parametrize("method", ["prune", "prune-ls", "lowrank"])
 @pytest.mark.parametrize("allocation", ["optimal", "uniform"])
-def test_alpha_zero_gives_identical_outputs(mlp_and_data, method, allocation):
-    model, x = mlp_and_data
+def test_alpha_zero_gives_identical_outputs(request, network, method, allocation):
+    model, x = request.getfixturevalue(network)
     small = reduce(model, 0.0, method, allocation, calibration=x)
     assert torch.equal(small(x), model(x))
 
 
+@pytest.mark.parametrize("network", NETWORKS)
 @pytest.mark.parametrize("method", ["prune", "prune-ls", "lowrank"])
 @pytest.mark.parametrize("allocation", ["optimal", "uniform", "pso"])
-@pytest.mark.parametrize("alpha", [0.3, 0.8])
-def test_macs_meet_the_budget_and_the_model_shrinks(mlp_and_data, method, allocation, alpha):
-    model, x = mlp_and_data
+@pytest.mark.parametrize("alpha", [0.3, 0.7, 0.8])
+def test_macs_meet_the_budget_and_the_model_shrinks(request, network, method, allocation, alpha):
+    model, x = request.getfixturevalue(network)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     result = reduce_model(model, alpha, method, allocation, calibration=x)
     full = count_macs(model, x[:1])
     macs = count_macs(result.model, x[:1])
     assert macs == result.allocation.cost == sum(layer.macs for layer in result.layers)
     assert 1 - macs / full >= alpha
     assert n_params(result.model) < n_params(model)
-    assert result.model(x).shape == (len(x), 10)
-    assert [m.weight.shape[1] for m in model if isinstance(m, nn.Linear)] == [64, 40, 30, 20]  # untouched
+    assert result.model(x).shape == model(x).shape
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the input is untouched
+    if method != "lowrank":  # batch norms shrank with the channels they follow
+        for conv, norm in zip(result.model, list(result.model)[1:]):
+            if isinstance(norm, nn.BatchNorm2d):
+                assert norm.num_features == conv.out_channels == norm.running_mean.numel()
 
 
 def test_lowrank_layer_is_the_truncated_svd(mlp_and_data):
