@@ -124,17 +124,16 @@ def _set_modes(model: nn.Module, parts: list[nn.Module]) -> list[nn.Parameter]:
     return params
 
 
-def _loss(model: nn.Module, teacher: nn.Module | None, x: torch.Tensor, y: torch.Tensor,
-          config: StageConfig) -> torch.Tensor:  # fmt: skip
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, config: StageConfig,
+          target_logits: torch.Tensor | None, stages) -> torch.Tensor:  # fmt: skip
+    # target_logits (kd) and stages (hnd, ghnd: the teacher's decomposition) come from train_stage,
+    # built once per stage.
     if config.loss == "ce":
         return F.cross_entropy(model(x), y)
-    assert teacher is not None  # checked before training
     if config.loss == "kd":
-        with torch.no_grad():
-            target_logits = teacher(x)
+        assert target_logits is not None  # computed once per stage by train_stage
         return kd_loss(model(x), target_logits, y, config.alpha, config.tau)
     with torch.no_grad():
-        stages = decompose(teacher)  # a view sharing the teacher's modules: cheap to build
         targets = [stages.front(x)] if config.loss == "hnd" else stages.taps(x)[:-1]
     if config.loss == "hnd":  # only the decoder output: no need to run the later blocks
         return ghnd_loss([model.tail.decoder(model.head(x))], targets)
@@ -222,8 +221,15 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
             sched.load_state_dict(state["scheduler"])
             history = list(state["history"])
         (directory / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+    logits = stages = None
     if teacher is not None:
         teacher.eval()
+        stages = decompose(teacher) if config.loss in ("hnd", "ghnd") else None
+        if config.loss == "kd":
+            # The teacher is frozen in eval mode and the data is not augmented, so its logits are the
+            # same every epoch: compute them once, not once per step.
+            with torch.no_grad():
+                logits = torch.cat([teacher(batch.to(device)) for batch in images.split(256)])
     with _progress(progress) as bar:
         for epoch in range(len(history), config.epochs):
             task = bar.add_task(f"{config.loss}/{config.trainable} epoch {epoch + 1}/{config.epochs}",
@@ -234,7 +240,7 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
             for step in range(steps):
                 idx = order[step * config.batch_size : (step + 1) * config.batch_size].to(images.device)
                 x, y = images[idx].to(device, non_blocking=True), labels[idx].to(device, non_blocking=True)
-                loss = _loss(model, teacher, x, y, config)
+                loss = _loss(model, x, y, config, None if logits is None else logits[idx.to(device)], stages)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
