@@ -45,7 +45,7 @@ def source_state() -> dict:
     # commit): there BENCH_COMMIT names the commit the tree really is, and git is not asked.
     named = os.environ.get("BENCH_COMMIT")
     if named:
-        return {"commit": named, "commit_from": "BENCH_COMMIT", "uncommitted_library_files": []}
+        return {"commit": named, "commit_from": "BENCH_COMMIT", "uncommitted_library_files": None}  # not checked
     return {
         "commit": git("rev-parse", "HEAD") or None,
         "uncommitted_library_files": git("status", "--porcelain", "--", "src").splitlines(),
@@ -103,11 +103,13 @@ def write_results(name: str, title: str, body: str, data: dict) -> tuple[Path, P
     source = source_state()
     record = {"benchmark": name, "date": date, "machine": info, "source": source, **data}
     json_path.write_text(json.dumps(record, indent=2) + "\n")
+    changes = source["uncommitted_library_files"]
+    state = (" (commit named by BENCH_COMMIT; uncommitted changes not checked)" if changes is None
+             else " (with uncommitted library changes, listed in the JSON)" if changes else "")
     markdown = (
         f"# {title}\n\n"
         f"Machine: {machine_line(info)}. Date: {date}. "
-        f"Produced by `bench/{name}.py` at commit {str(source['commit'])[:10]}"
-        f"{' (with uncommitted library changes, listed in the JSON)' if source['uncommitted_library_files'] else ''}"
+        f"Produced by `bench/{name}.py` at commit {str(source['commit'])[:10]}{state}"
         f"; raw numbers in `{name}.json`.\n\n{body.strip()}\n"
     )
     md_path.write_text(markdown)

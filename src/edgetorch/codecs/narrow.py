@@ -69,7 +69,7 @@ def pack_narrow(t: torch.Tensor) -> NarrowIntTensor | None:
         raise TypeError(f"pack_narrow stores int16, int32 or int64 tensors; got {getattr(t, 'dtype', type(t))}")
     if t.numel() == 0:
         return None
-    low, high = (int(v) for v in torch.aminmax(t))
+    low, high = torch.stack(torch.aminmax(t)).tolist()  # one device sync, not two
     for dtype in _NARROWER:
         if dtype.itemsize >= t.dtype.itemsize:
             return None

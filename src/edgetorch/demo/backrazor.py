@@ -60,11 +60,11 @@ def fine_tune(base: nn.Module, data, method: str) -> tuple[nn.Module, SavedTenso
         policy = BackRazor(0.9)
     optimizer = torch.optim.Adam([p for p in params if p.requires_grad], lr=LR)
     generator = torch.Generator().manual_seed(0)
-    losses, ledger = [], None
-    for _ in range(STEPS):
+    losses, ledger = [], SavedTensorLedger()
+    for step in range(STEPS):
         idx = torch.randint(0, len(data), (BATCH,), generator=generator)
-        ledger = SavedTensorLedger()
-        with compress_activations(model, policy, ledger=ledger):
+        # Only the last step's ledger is reported: record that one alone.
+        with compress_activations(model, policy, ledger=ledger if step == STEPS - 1 else None):
             loss = F.cross_entropy(model(data.tensors[0][idx]), data.tensors[1][idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
