@@ -284,3 +284,15 @@ def test_a_graph_dropped_without_backward_frees_what_it_saved(policy):
     del h, out
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_profile_on_cuda_measures_the_allocator_not_host_memory():
+    from edgetorch.activations.profile import ProfileRequest, profile_one
+
+    for policy in ("dense", "bitmap"):
+        r = profile_one(ProfileRequest("torchvision:resnet18", batch=8, resolution=64, policy=policy, device="cuda"))
+        assert r["peak_memory_kind"] == "cuda_max_allocated"
+        assert r["step_peak_increase_bytes"] >= r["forward_increase_bytes"] > 0
+        # The allocator holds what the ledger says the forward saved, plus logits and rounding.
+        assert 0.98 * r["activation_bytes"] <= r["forward_increase_bytes"] <= 1.05 * r["activation_bytes"] + 2**20

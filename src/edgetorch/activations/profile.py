@@ -6,7 +6,9 @@ Run as ``python -m edgetorch.activations.profile`` with a JSON request on stdin 
 Measured numbers: a warm-up step first (so gradients, optimizer state, kernel compilation and
 allocator pools exist, as in a real training loop), then the peak-RSS counter is reset and one
 more step is measured. ``peak_memory_bytes`` is that step's process peak RSS (CPU) or the CUDA
-allocator's peak; ``step_peak_increase_bytes`` subtracts the resident memory before the step.
+allocator's peak. ``step_peak_increase_bytes`` and ``forward_increase_bytes`` subtract what was
+held before the step, in the same unit as the peak: resident memory on the CPU, the CUDA
+allocator's allocated bytes on a GPU (host RSS says nothing about GPU memory).
 """
 
 from __future__ import annotations
@@ -111,10 +113,16 @@ def profile_one(request: ProfileRequest) -> dict:
     y = torch.randint(0, request.num_classes, (request.batch,), device=device)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
 
+    def held() -> int:
+        # What the peak is measured in: the CUDA allocator on a GPU, resident memory on the CPU.
+        _sync(device)
+        return torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
+
     def train_step(ledger: SavedTensorLedger | None) -> dict:
         with compress_activations(model, policy, ledger=ledger):
             loss = F.cross_entropy(model(x), y)
-        measured = {"rss_after_forward_bytes": rss_bytes(), "uss_after_forward_bytes": uss_bytes()}
+        measured = {"held_after_forward_bytes": held(), "rss_after_forward_bytes": rss_bytes(),
+                    "uss_after_forward_bytes": uss_bytes()}
         loss.backward()
         optimizer.step()
         measured.update(model_memory(model, optimizer))
@@ -127,7 +135,7 @@ def profile_one(request: ProfileRequest) -> dict:
     train_step(None)
     _sync(device)
     ledger = SavedTensorLedger()
-    before = rss_bytes()
+    rss_before, before = rss_bytes(), held()
     reset_peak_rss()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -145,11 +153,11 @@ def profile_one(request: ProfileRequest) -> dict:
         "sparsity": total.sparsity,
         "peak_memory_bytes": peak,
         "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
-        "rss_before_step_bytes": before,
-        "step_peak_increase_bytes": peak - before if device.type == "cpu" else None,
-        # Resident memory added by the forward and still held when it ends: the measured
-        # counterpart of the ledger's saved bytes (plus the logits and allocator slack).
-        "forward_increase_bytes": measured["rss_after_forward_bytes"] - before,
+        "rss_before_step_bytes": rss_before,
+        "step_peak_increase_bytes": peak - before,
+        # Memory added by the forward and still held when it ends: the measured counterpart of
+        # the ledger's saved bytes (plus the logits and allocator slack).
+        "forward_increase_bytes": measured["held_after_forward_bytes"] - before,
         **measured,
         "step_seconds": seconds,
         "by_op": {k: v.to_dict() for k, v in ledger.by_op().items()},
