@@ -221,10 +221,10 @@ def cross_check(model: nn.Module, calibration: torch.Tensor, test, points: list[
 def latency_rows(full: nn.Module, models: dict, example: torch.Tensor, full_macs: int) -> list[dict]:
     """Measured latency ratio vs MAC ratio for each optimal (method, alpha) network in ``models``.
 
-    Timed at 1 and at 2 torch threads. On this shared, oversubscribed 2-core machine a 2-thread
-    forward most likely waits at every layer's barrier for whichever thread the OS descheduled, a
-    cost per layer rather than per multiplication, so the 2-thread ratio of a small network is
-    inflated; the 1-thread ratio is the one other load cannot distort that way.
+    Timed at 1 and at 2 torch threads. When other jobs load the 2 cores, a 2-thread forward waits
+    at every layer for whichever thread the OS descheduled, a cost per layer rather than per
+    multiplication that inflates the ratio of a small network; the 1-thread ratio is the one such
+    load cannot distort that way.
     """
     rows = []
     threads_before = torch.get_num_threads()
@@ -435,10 +435,10 @@ def markdown(results: dict, seconds: float) -> str:
         f"Median of {LATENCY_ROUNDS} interleaved forward passes each after {LATENCY_WARMUP} warm-up passes, on "
         "a CPU shared with other jobs (the interleaving makes load hit both models alike, but single ratios are "
         "noisy). The MAC ratio is what the allocation promises; the time is what it delivers. Timed at 1 and 2 "
-        "torch threads: with 2 threads on this oversubscribed machine every layer most likely waits at a "
-        "barrier for whichever thread the OS descheduled, a cost per layer and not per multiplication, which "
-        "inflates the ratio of small networks; the 1-thread ratio is the one such load cannot distort that way. "
-        "Low-rank networks "
+        "torch threads: when other jobs load the cores, a 2-thread forward waits at every layer for whichever "
+        "thread the OS descheduled, a cost per layer and not per multiplication that inflates the ratio of a "
+        "small network (the load average is in the JSON); the 1-thread ratio is the one such load cannot "
+        "distort that way. Low-rank networks "
         f"also run two thin matrix products per factored layer.\n\n{latency_table(results)}"
     )
     parts.append(f"![accuracy and optimal layer factors]({NAME}.png)")
