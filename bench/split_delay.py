@@ -2,7 +2,7 @@
 
 Head, tail and full-model times are MEASURED on this CPU (batch 1, fastest of 5 interleaved rounds after a warm-up) for
 torchvision resnet18 split at SP2 at the image size of the training benchmark
-(``split_training.json``, whose accuracies the tables show; 96 px when it is absent),
+(``split_training.json``, whose accuracies the device tables show; 96 px when it is absent),
 C in {1, 2, 3, 6, 9, 12}; payload bytes are the true 8-bit payload sizes; offload bytes are the
 mean PNG/JPEG (quality 90) sizes of 64 real Fashion-MNIST test images at that size. Links are models
 (see edgetorch.split.links): WiFi and LTE goodputs are assumptions spanning good to poor
@@ -73,24 +73,25 @@ def main() -> None:
     table1 = table(["option", "bytes sent", "D_H ms", "D_T ms"] + [link.name for link in links], rows)
 
     device_tables, records = [], {}
-    for profile, specs in ((jetson, LINKS[:7]), (pi, LINKS[7:])):
-        for spec in specs:
-            link = parse_link(spec)
-            result = compare_deployments(times, files, link, profile, accuracy)
-            records[f"{profile.name} | {link.name}"] = plan_record(result, link, profile, times, accuracy)
+    for profile, profile_links in ((jetson, links[:7]), (pi, links[7:])):
         lines = []
-        for spec in specs:
-            record = records[f"{profile.name} | {parse_link(spec).name}"]
+        for link in profile_links:
+            result = compare_deployments(times, files, link, profile, accuracy)
+            record = records[f"{profile.name} | {link.name}"] = plan_record(result, link, profile, times, accuracy)
+            # The usual options, and whichever option wins on delay or energy (often a small C).
+            shown = {"local", "offload jpeg", "split C=3", "split C=12", record["best_delay"], record["best_energy"]}
             for r in record["rows"]:
-                if r["option"] in ("local", "offload jpeg", "split C=3", "split C=12"):
-                    lines.append([parse_link(spec).name, r["option"], f"{r['e2e_s'] * 1e3:,.0f}",
+                if r["option"] in shown:
+                    lines.append([link.name, r["option"], f"{r['e2e_s'] * 1e3:,.0f}",
                                   f"{r['energy_j'] * 1e3:,.0f}", f"{r['power_w']:.2f}",
+                                  "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}",
                                   "yes" if record["best_delay"] == r["option"] else "",
                                   "yes" if record["best_energy"] == r["option"] else ""])
         device_tables.append(
             f"### {profile.name} (speed ratio {profile.reference_seconds / times.reference_s:.3g} x this CPU; "
             f"{profile.source})\n\n"
-            + table(["link", "option", "D_e2e ms", "energy mJ", "mean power W", "best delay", "best energy"], lines))
+            + table(["link", "option", "D_e2e ms", "energy mJ", "mean power W", "accuracy %", "best delay",
+                     "best energy"], lines))
 
     plot_path = RESULTS_DIR / "split_delay.png"
     fig, ax = plt.subplots(figsize=(10, 4.5))
