@@ -186,9 +186,6 @@ def test_warns_when_it_cannot_act():
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             with et.compress_activations(model, et.Bitmap()):
                 model(x)
-    with pytest.warns(UserWarning, match="torch.compile"):
-        with et.compress_activations(torch.compile(model), et.Bitmap()):
-            pass
 
 
 def test_no_warning_in_normal_use_and_decorator_form():

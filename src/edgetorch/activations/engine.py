@@ -20,6 +20,8 @@ What the hooks alone would get wrong, and how this module handles it:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import warnings
 import weakref
 
@@ -44,8 +46,8 @@ class _Entry:
     """
 
     __slots__ = (
-        "source", "version", "lo", "hi", "gathered", "reps", "_dense", "_held", "_pending",
-        "__weakref__",
+        "source", "version", "lo", "hi", "gathered", "reps", "records", "_dense", "_held",
+        "_pending", "__weakref__",
     )
 
     def __init__(self, t: torch.Tensor, lo: int, hi: int, gathered: bool):
@@ -55,6 +57,7 @@ class _Entry:
         # gathered: holds only t's own elements, row-major (t was a sparse view of its storage)
         self.gathered = _geometry(t) if gathered else None
         self.reps: dict[str, object] = {}
+        self.records: dict[str, int] = {}  # form -> index of its ledger row (for supersession)
         self._dense: dict[str, weakref.ref] = {}
         self._held: dict[str, torch.Tensor] = {}
         self._pending = 0  # views handed to autograd that have not been unpacked yet
@@ -69,15 +72,18 @@ class _Entry:
     def serves(self, form: str) -> bool:
         return form == "shape" or "exact" in self.reps or form in self.reps
 
-    def add(self, form: str, rep) -> None:
-        if form == "exact":
-            self.reps.clear()  # the exact copy answers every form
+    def add(self, form: str, rep) -> list[str]:
+        """Hold ``rep`` for ``form``; returns the forms it supersedes (an exact form serves all)."""
+        dropped = [f for f in self.reps if f != form] if form == "exact" else []
+        for f in dropped:
+            del self.reps[f]
         self.reps[form] = rep
+        return dropped
 
     def view_of(self, t: torch.Tensor, form: str) -> _View:
         self._pending += 1
-        if self.gathered is not None:
-            return _View(self, t.shape, _contiguous_strides(t.shape), 0, form, t.dtype, t.device)
+        if self.gathered is not None:  # flat() returns t's own geometry
+            return _View(self, t.shape, t.stride(), None, form, t.dtype, t.device)
         return _View(self, t.shape, t.stride(), t.storage_offset() - self.lo, form, t.dtype, t.device)
 
     def flat(self, form: str) -> torch.Tensor:
@@ -85,23 +91,41 @@ class _Entry:
 
         A ReLU output is unpacked by the next convolution's backward and then, right after,
         by the ReLU's own: the decoded tensor is held until every view handed out has been
-        unpacked (plain PyTorch holds it that long too), then only weakly, so that repeated
-        unpacking under retain_graph still works without keeping anything alive.
+        unpacked (plain PyTorch holds it that long too). A gathered entry decodes to the saved
+        tensor's own strides: backward kernels choose their path by layout, and a contiguous
+        stand-in for a channel slice of a channels-last tensor changed depthwise convolution
+        gradients in the last bits.
         """
         source = "exact" if "exact" in self.reps else form
-        ref = self._dense.get(source)
         dense = self._held.get(source)
-        if dense is None and ref is not None:
-            dense = ref()
         if dense is None:
-            dense = self.reps[source].unpack()
+            ref = self._dense.get(source)
+            dense = ref() if ref is not None else None
+        if dense is None:
+            rep = self.reps[source]
+            dense = rep.unpack()
+            if self.gathered is not None and not isinstance(rep, _Region):
+                dense = _restrided(dense, self.gathered)
             self._dense[source] = weakref.ref(dense)
-        self._pending -= 1
-        if self._pending > 0:
-            self._held[source] = dense
-        else:
-            self._held.clear()
+        self._held[source] = dense
+        self.unpacked()
         return dense
+
+    def unpacked(self) -> None:
+        """One view was unpacked. After the last one, backward asks for the values again only
+        under ``retain_graph``: the packed forms are released now, before the op's backward
+        allocates its gradients, and the decoded tensors take their place. Plain PyTorch holds
+        those same dense tensors until the op's backward ends, so the step's peak never has a
+        packed copy on top of the dense one; a retained graph keeps the dense values, exactly
+        as plain PyTorch does."""
+        self._pending -= 1
+        if self._pending == 0:
+            self.reps = {
+                form: rep if isinstance(rep, _Region) else _Decoded(self._held[form])
+                for form, rep in self.reps.items()
+                if form in self._held
+            }
+            self._held = {}
 
     def live(self) -> torch.Tensor | None:
         """A tensor sharing the saved tensor's version counter, if one is still alive."""
@@ -124,6 +148,19 @@ class _Region:
         return self.tensor
 
 
+class _Decoded:
+    """A form already decoded by backward, held in place of its packed copy (see ``_Entry.unpacked``)."""
+
+    __slots__ = ("tensor",)
+    nbytes = nnz = 0  # held by autograd's own use of it, not by the policy
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+
 class _View:
     """What autograd holds for a stored tensor: an entry, a form and the tensor's geometry in it."""
 
@@ -137,10 +174,12 @@ class _View:
         # The stored copy is the value at save time, but a later in-place change is still a
         # bug in the caller's code that plain PyTorch would report: report it too.
         _check_version(self.entry.live(), self.entry.version)
-        if self.form == "shape":  # backward reads only the shape: zero bytes, zero copies
-            self.entry._pending -= 1
-            return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.size)
+        if self.form == "shape":  # backward reads only the shape (and the layout): zero bytes
+            self.entry.unpacked()
+            return _stand_in(self.size, self.stride, self.dtype, self.device)
         base = self.entry.flat(self.form)  # a decoded copy, or the kept region in place
+        if self.offset is None:  # a gathered entry decodes to this view's own geometry
+            return base
         return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
 
 
@@ -269,16 +308,34 @@ class compress_activations(contextlib.ContextDecorator):
                 "saved_tensors_hooks context, so nothing was compressed.",
                 stacklevel=2,
             )
+        elif exc[0] is None and self.saved_count and _is_compiled(self.model):
+            self._warn_compiled()
         return False
 
+    def _warn_compiled(self) -> None:
+        """Say what happened to a torch.compile'd model, which depends on the dispatch mode.
+
+        Measured on torch 2.14 (tests/test_engine_corners.py checks it on the installed torch):
+        with the dispatch mode that tells op roles (BackRazor, or any policy with a ledger),
+        dynamo runs the model eagerly, so compression works and compile is lost. Without it,
+        the compiled graph runs and the tensors it saves reach the hooks as one opaque
+        autograd Function's: they are stored losslessly, without per-op roles.
+        """
+        if self._watch is not None:
+            what = ("its activations were compressed, but the model ran eagerly: torch.compile "
+                    "falls back to eager under the dispatch mode edgetorch uses to tell each op's "
+                    "role (BackRazor, or any policy with a ledger), so compile's speed is lost")
+        else:
+            what = ("the compiled graph ran and the tensors it saves for backward were compressed "
+                    "losslessly as one opaque function's, without per-op roles or deduplication")
+        warnings.warn(
+            f"compress_activations got a torch.compile'd model ({self.saved_count} saved tensors "
+            f"seen, torch {torch.__version__}): {what}. Pass the uncompiled module for the "
+            "documented behaviour.",
+            stacklevel=3,
+        )
+
     def _check_can_act(self) -> None:
-        if type(self.model).__name__ == "OptimizedModule":
-            warnings.warn(
-                "compress_activations got a torch.compile'd model: saved-tensor hooks are "
-                "disabled while compiled code runs, so activations will not be compressed. "
-                "Pass the uncompiled module.",
-                stacklevel=3,
-            )
         if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
             warnings.warn(
                 "compress_activations entered inside another saved_tensors_hooks context "
@@ -338,6 +395,12 @@ class compress_activations(contextlib.ContextDecorator):
         if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
             self._record(t, module, "external", 0, 0, 0, need)
             return _Kept(d, t._version)
+        if self._watch is not None and self._watch.is_param(t):
+            # autocast's low-precision copy of a weight: autograd holds it in plain PyTorch too
+            # (so it is counted), but it has no activation sparsity to find
+            nbytes = t.numel() * t.element_size()
+            self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
+            return _Kept(d, t._version)
         nbytes = t.numel() * t.element_size()
         narrowable = t.dtype in WIDE_INTS and self.policy.narrows_integers
         if (t.dtype not in _FLOATS and not narrowable) or nbytes < self.min_bytes:
@@ -381,16 +444,37 @@ class compress_activations(contextlib.ContextDecorator):
             rep = self.policy.encode(region.view(rows, -1), need) if floating else pack_narrow(region)
             region_bytes = region.numel() * region.element_size()
             if rep is None or rep.nbytes >= region_bytes:
-                # Never worse than plain PyTorch: what does not compress is held as it is.
-                form, rep = "exact", _Region(region, d)
-        entry.add(form, rep)
+                # Never worse than plain PyTorch: what does not compress is held as it is (a
+                # gathered view as itself, so that backward sees its own strides).
+                form, rep = "exact", _Region(d if entry.gathered is not None else region, d)
+        superseded = entry.add(form, rep)
         storage = "dense" if isinstance(rep, _Region) else "stored"
         # A form added to an entry already counted adds bytes, not elements.
         numel, nnz = (region.numel(), rep.nnz) if dense_bytes else (0, 0)
         self._record(t, module, storage, dense_bytes, rep.nbytes, numel, need, form, nnz)
+        if self.ledger is not None:
+            self._supersede(entry, superseded, rep.nnz)
+            entry.records[form] = len(self.ledger.records) - 1
         if self.ledger is not None and rep.nbytes:
             self.ledger.hold(rep.nbytes)
             weakref.finalize(rep, self.ledger.release, rep.nbytes)
+
+    def _supersede(self, entry: _Entry, forms: list[str], nnz: int) -> None:
+        """Zero the stored bytes of ledger rows whose forms an exact form replaced.
+
+        A log-softmax output stored pruned (for its own backward, under ``scope="all"``) and
+        then saved exactly by the loss holds only the exact copy; counting both made GPT-2's
+        ledger exceed dense (1.075x). The first row keeps the tensor's elements and takes the
+        exact form's kept count.
+        """
+        for form in forms:
+            index = entry.records.pop(form, None)
+            if index is None:
+                continue
+            row = self.ledger.records[index]
+            self.ledger.records[index] = dataclasses.replace(
+                row, stored_bytes=0, storage="superseded", nnz=nnz if row.numel else 0
+            )
 
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
@@ -426,6 +510,10 @@ class _Shape:
 _SHAPE = _Shape()
 
 
+def _is_compiled(model: nn.Module) -> bool:
+    return type(model).__name__ == "OptimizedModule"
+
+
 def _rows(t: torch.Tensor, entry: _Entry) -> int:
     """Rows for per-row codecs: the extent of ``t``'s outermost dimension in memory.
 
@@ -457,3 +545,25 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def _restrided(dense: torch.Tensor, geometry: tuple) -> torch.Tensor:
+    """``dense`` (row-major values) copied into a tensor with the saved tensor's own strides."""
+    shape, stride, _ = geometry
+    if 0 in stride:  # an expanded view: its strides cannot be written through; keep row-major
+        return dense.view(shape)
+    out = torch.empty_strided(shape, stride, dtype=dense.dtype, device=dense.device)
+    return out.copy_(dense.view(shape))
+
+
+def _stand_in(size, stride, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``size`` for a backward that reads no values, laid out like the saved one.
+
+    Row-major: a zero expanded to the size, which allocates nothing. Any other layout: an
+    uninitialised tensor with those strides, because kernels pick their path by layout (a frozen
+    batch norm's backward on a channels-last input computed different bits from a row-major
+    stand-in). Its pages are never written, so on the CPU they never become resident.
+    """
+    if tuple(stride) == _contiguous_strides(size) or math.prod(size) <= 1:
+        return torch.zeros((), dtype=dtype, device=device).expand(size)
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -208,9 +209,19 @@ class OpWatch(TorchDispatchMode):
 
     def __init__(self, resolve: Callable, is_param: Callable):
         super().__init__()
-        self.resolve, self.is_param = resolve, is_param
+        self.resolve, self._is_model_param = resolve, is_param
         self.pending: list = []
         self._last: tuple | None = None  # (op, args, kwargs, saved outputs) of the op just run
+        # Under autocast a convolution or Linear reads a cast copy of its weight, made inside the
+        # autocast dispatch: storage -> the copy, for copies of parameters (see is_param).
+        self._casts: dict[int, weakref.ref] = {}
+
+    def is_param(self, t: torch.Tensor) -> bool:
+        """A parameter or buffer of the model, a view of one, or autocast's cast copy of one."""
+        if self._is_model_param(t):
+            return True
+        ref = self._casts.get(t.untyped_storage().data_ptr())
+        return ref is not None and ref() is not None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -222,6 +233,10 @@ class OpWatch(TorchDispatchMode):
         if self.pending:
             self.flush(op, args, kwargs)
         out = func(*args, **kwargs)
+        if op == "_to_copy" and args and self.is_param(args[0]):
+            # Casts made by autocast; a cast the model makes itself is tracked alike, since a
+            # parameter's copy is still parameter-valued (its other operand feeds weight grads).
+            self._casts[out.untyped_storage().data_ptr()] = weakref.ref(out)
         if op in _SAVED_OUTPUTS:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             saved = [(i, outs[i]) for i in _SAVED_OUTPUTS[op] if i < len(outs) and isinstance(outs[i], torch.Tensor)]

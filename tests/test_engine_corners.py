@@ -1,0 +1,237 @@
+"""Engine corners found on models outside the suite: layouts backward must see, packed copies
+released before an op's backward allocates, autocast, torch.compile and the ledger's totals."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import edgetorch as et
+
+
+def grads(model, x, y, policy=None, autocast=False):
+    """Loss, input gradient and parameter gradients of one step (plain PyTorch when no policy)."""
+    model = copy.deepcopy(model)
+    x = x.clone().requires_grad_(True)
+    ledger = et.SavedTensorLedger()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if policy is None:
+            out = model(x)
+        else:
+            with et.compress_activations(model, policy, ledger=ledger):
+                out = model(x)
+        loss = F.cross_entropy(out.float(), y)
+    loss.backward()
+    return loss.detach(), x.grad, [p.grad for p in model.parameters() if p.grad is not None], ledger
+
+
+def assert_identical(a, b):
+    (la, xa, ga, _), (lb, xb, gb, _) = a, b
+    assert torch.equal(la, lb)
+    assert torch.equal(xa, xb)
+    assert len(ga) == len(gb) and all(torch.equal(p, q) for p, q in zip(ga, gb))
+
+
+class SliceOfChannelsLast(nn.Module):
+    """A depthwise convolution on a channel slice of a channels-last tensor (timm edgenext's
+    split): the slice's strides (C*H*W, 1, W*C, C) span far more memory than it holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 88, 3, padding=1)
+        self.dw = nn.Conv2d(16, 16, 7, padding=3, groups=16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.stem(x).to(memory_format=torch.channels_last)
+        part = h[:, :16]  # saved by the depthwise convolution as a sparse view of h
+        return self.head(self.dw(part).mean((2, 3)))
+
+
+@pytest.mark.parametrize("policy", [et.Dense(), et.Bitmap(), et.Bitmap(threshold=0.0)])
+def test_a_strided_view_comes_back_with_its_own_strides(policy):
+    torch.manual_seed(0)
+    model, x, y = SliceOfChannelsLast(), torch.randn(2, 3, 24, 24), torch.tensor([0, 3])
+    assert_identical(grads(model, x, y), grads(model, x, y, policy))
+
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(ctx.saved_tensors[0].stride())
+            return g
+
+    base = torch.relu(torch.randn(2, 88, 12, 12, requires_grad=True)).to(memory_format=torch.channels_last)
+    part = base[:, :16]
+    with et.compress_activations(nn.Identity(), policy):
+        out = Probe.apply(part)
+    out.sum().backward()
+    assert seen == [part.stride()]
+
+
+class FrozenNormOnPermuted(nn.Module):
+    """xcit's pattern: a permuted (channels-last-strided) tensor through a depthwise conv, GELU and
+    a frozen batch norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.bn = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        h = self.proj(x).permute(0, 2, 1).reshape(b, 16, 7, 7)
+        h = self.bn(F.gelu(self.dw(h.contiguous(memory_format=torch.channels_last))))
+        return self.head(h.mean((2, 3)))
+
+
+def test_frozen_batch_norm_on_a_channels_last_input_keeps_input_gradients_exact():
+    torch.manual_seed(0)
+    model = et.freeze_batchnorm(FrozenNormOnPermuted())
+    with torch.no_grad():  # non-trivial statistics, so a wrong path shows in the bits
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+        model.bn.weight.uniform_(0.5, 2)
+    x, y = torch.randn(4, 49, 8), torch.tensor([0, 1, 2, 0])
+    ledger_run = grads(model, x, y, et.BackRazor(0.9))
+    plain = grads(model, x, y)
+    assert torch.equal(plain[0], ledger_run[0]) and torch.equal(plain[1], ledger_run[1])
+    assert any(r.op.endswith("batch_norm") and r.form == "shape" for r in ledger_run[3].records)
+
+
+def test_a_packed_copy_is_released_before_the_last_backward_that_reads_it():
+    live_in_backward = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (t,) = ctx.saved_tensors  # the last (only) view of its entry
+            live_in_backward.append(ledger.live_bytes)
+            return g * 2 + 0 * t
+
+    ledger = et.SavedTensorLedger()
+    w = torch.randn(256, 256, requires_grad=True)
+    with et.compress_activations(nn.Identity(), et.Bitmap(), ledger=ledger):
+        h = torch.relu(w * 1.0) * 1.0  # relu saves its own output; h is another tensor
+        out = Spy.apply(h).sum()
+    (spy_row,) = [r for r in ledger.records if r.op == "?" and r.storage == "stored"]
+    before = ledger.live_bytes
+    out.backward()
+    assert live_in_backward == [before - spy_row.stored_bytes]
+    assert torch.equal(w.grad, 2 * (w > 0).float())
+
+
+def test_retain_graph_after_release_and_double_backward_stay_exact():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 1))
+    x = torch.randn(32, 64)
+    for policy in (et.Bitmap(), et.BackRazor(0.9)):
+        with et.compress_activations(model, policy):
+            out = model(x).sum()
+        g1 = torch.autograd.grad(out, list(model.parameters()), retain_graph=True)
+        g2 = torch.autograd.grad(out, list(model.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    xg = x.clone().requires_grad_()
+    plain = torch.autograd.grad(model(xg).sum(), xg, create_graph=True)[0].square().sum()
+    (plain_gg,) = torch.autograd.grad(plain, xg)
+    xg2 = x.clone().requires_grad_()
+    with et.compress_activations(model, et.Bitmap(), keep=(xg2,)):
+        out = model(xg2).sum()
+    second = torch.autograd.grad(out, xg2, create_graph=True)[0].square().sum()
+    (gg,) = torch.autograd.grad(second, xg2)
+    assert torch.equal(gg, plain_gg)
+
+
+def test_autocast_back_razor_prunes_what_feeds_weight_gradients():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x, y = torch.randn(2, 3, 64, 64), torch.tensor([1, 7])
+    fp32 = grads(model, x, y, et.BackRazor(0.9))[3]
+    bf16 = grads(model, x, y, et.BackRazor(0.9), autocast=True)[3]
+    pruned = lambda ledger: {r.module for r in ledger.records if r.op == "convolution" and r.form == "prune"}  # noqa: E731
+    # every convolution prunes its saved input; under autocast the first one too, because it
+    # saves a bf16 copy of the model's input rather than the input itself
+    assert pruned(bf16) == pruned(fp32) | {"conv1"} and len(pruned(fp32)) == 19
+    # autocast's bf16 weight copies are held as they are and counted (plain autocast holds them)
+    casts = [r for r in bf16.records if r.op == "convolution" and r.form == "exact" and r.dense_bytes]
+    assert casts and all(r.storage == "dense" and r.stored_bytes == r.dense_bytes for r in casts)
+    activations = lambda ledger: sum(r.stored_bytes for r in ledger.records if r not in casts)  # noqa: E731
+    assert activations(bf16) < 0.6 * activations(fp32)
+
+
+def test_autocast_bitmap_is_bit_identical_and_still_saves():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x, y = torch.randn(2, 3, 64, 64), torch.tensor([1, 7])
+    run = grads(model, x, y, et.Bitmap(), autocast=True)
+    assert_identical(grads(model, x, y, autocast=True), run)
+    relu = [r for r in run[3].records if r.op == "relu_" and r.dense_bytes]
+    assert relu and sum(r.stored_bytes for r in relu) < 0.8 * sum(r.dense_bytes for r in relu)
+
+
+def test_ledger_counts_one_copy_when_an_exact_form_supersedes_a_pruned_one():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512))
+    x = torch.randn(16, 64)
+    ledger = et.SavedTensorLedger()
+    with et.compress_activations(model, et.BackRazor(0.9, scope="all"), ledger=ledger):
+        logp = F.log_softmax(model(x), dim=1)  # saved pruned for its own backward (scope=all)
+        out = logp.pow(3).sum()  # pow saves the same tensor exactly
+    out.backward()
+    rows = [r for r in ledger.records if r.shape == (16, 512) and r.op in ("_log_softmax", "pow")]
+    assert sorted(r.storage for r in rows) == ["dense", "superseded"]
+    total = ledger.total()
+    assert total.stored_bytes <= total.dense_bytes
+
+
+@pytest.mark.parametrize("policy,ledger", [(et.Bitmap(), False), (et.Bitmap(), True), (et.BackRazor(0.9), False)])
+def test_torch_compile_warning_says_what_really_happened(policy, ledger):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    ran = []
+
+    def counting_compiler(gm, inputs):  # the AOT path inductor takes, with a run counter
+        forward = make_boxed_func(gm.forward)
+
+        def run(args):
+            ran.append(1)
+            return forward(args)
+
+        run._boxed_call = True
+        return run
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    x = torch.randn(32, 64)
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=counting_compiler))
+    compiled(x).sum().backward()
+    ran.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with et.compress_activations(compiled, policy, ledger=et.SavedTensorLedger() if ledger else None) as ctx:
+            loss = compiled(x).sum()
+    loss.backward()
+    (message,) = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
+    assert ctx.saved_count > 0, "this torch hides the saved tensors of compiled code: update the warning"
+    if policy.needs_roles or ledger:
+        assert not ran and "ran eagerly" in message
+    else:
+        assert ran and "compiled graph ran" in message
