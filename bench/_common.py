@@ -58,7 +58,7 @@ def machine_line(info: dict) -> str:
     gpu = f"GPU {info['cuda_device']}; " if info.get("cuda_device") else ""
     return (
         f"{gpu}{info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads), "
-        f"{gib:.1f} GiB RAM; torch {info['torch']}, torchvision {info['torchvision']}, numba {info['numba']}, "
+        f"{gib:.1f} GiB RAM; torch {info['torch']}, torchvision {info['torchvision']}, codecs: {info['codec_kernels']}, "
         f"Python {info['python']}"
     )
 

@@ -66,12 +66,11 @@ def _time(fn: Callable[[], object]) -> float:
 
 def _without_hugepages(fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
-        saved = _cpu_kernels._HUGEPAGE_MIN_BYTES
-        _cpu_kernels._HUGEPAGE_MIN_BYTES = math.inf
+        saved = _cpu_kernels._native.set_hugepage_min(-1)
         try:
             return fn()
         finally:
-            _cpu_kernels._HUGEPAGE_MIN_BYTES = saved
+            _cpu_kernels._native.set_hugepage_min(saved)
     return run
 
 

@@ -1,7 +1,10 @@
-"""Bitmap codec: lossless roundtrip, native kernel == torch reference, thresholds, byte counts."""
+"""Bitmap codec: lossless roundtrip, native kernel == torch reference, thresholds, byte counts.
+
+The other codecs' native kernels, instruction sets, threads and the fallback: test_codec_native.py."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 from decimal import ROUND_HALF_UP, Decimal
@@ -19,8 +22,18 @@ from edgetorch.codecs.bitmap import pack_torch, unpack_torch
 INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
             torch.bfloat16: torch.int16}
 SPECIALS = [0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-40, -1e-40, 3.0, -7.5]
-CHUNK = 8 * _cpu_kernels._CHUNK_BYTES  # elements per parallel chunk of the native kernel
+CHUNK = _cpu_kernels.CHUNK_ELEMS  # elements per parallel chunk of the native kernel
 HYPO = settings(max_examples=60, deadline=None)
+
+
+@contextlib.contextmanager
+def torch_ops():
+    """Every codec on torch ops (the fallback without the C extension), for references."""
+    saved, _cpu_kernels.NATIVE = _cpu_kernels.NATIVE, False
+    try:
+        yield
+    finally:
+        _cpu_kernels.NATIVE = saved
 
 
 def bit_pattern(x: torch.Tensor) -> torch.Tensor:
@@ -132,12 +145,14 @@ def test_large_tensor_roundtrip() -> None:
 
 def check_kernel_matches_reference(bits: torch.Tensor, limit: int) -> None:
     bitmap, values = _cpu_kernels.pack(bits, limit)
-    ref_bitmap, ref_values = pack_torch(bits, limit)
+    with torch_ops():
+        ref_bitmap, ref_values = pack_torch(bits, limit)
+        ref_dense = unpack_torch(ref_bitmap, ref_values, bits.numel())
     assert bitmap.dtype == torch.uint8 and values.dtype == bits.dtype
     assert torch.equal(bitmap, ref_bitmap)
     assert torch.equal(values, ref_values)
-    dense = _cpu_kernels.unpack(bitmap, values, bits.numel())
-    assert torch.equal(dense, unpack_torch(ref_bitmap, ref_values, bits.numel()))
+    dense = _cpu_kernels.unpack(bitmap, values, (bits.numel(),))
+    assert torch.equal(dense, ref_dense)
 
 
 @HYPO
@@ -180,16 +195,6 @@ def test_kernel_matches_reference_across_chunks(n: int, pattern: str) -> None:
         bits.zero_()
         bits[CHUNK - 1 if n > CHUNK else n - 1] = 42
     check_kernel_matches_reference(bits, 0)
-
-
-@pytest.mark.parametrize("min_per_thread", [1, _cpu_kernels._MIN_CHUNKS_PER_THREAD])
-@pytest.mark.parametrize("n_chunks", [0, 1, 7, 8, 37, 1000])
-def test_chunk_ranges_cover_every_chunk_once(n_chunks: int, min_per_thread: int) -> None:
-    ranges: list[tuple[int, int]] = []
-    _cpu_kernels.over_chunks(lambda out, lo, hi: out.append((lo, hi)), n_chunks, ranges,
-                             min_per_thread=min_per_thread)
-    covered = [c for lo, hi in sorted(ranges) for c in range(lo, hi)]
-    assert covered == list(range(n_chunks))
 
 
 def _pack_in_child(queue: "multiprocessing.Queue[bool]") -> None:

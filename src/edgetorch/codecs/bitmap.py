@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from . import _cpu_kernels
 
 # Floats are compared as integers of the same width: |v| as bits is monotone in |v| for every
 # IEEE-style float (NaN sorts above Inf), so "keep iff abs_bits > limit" is one integer test.
@@ -71,6 +72,8 @@ class BitmapTensor:
             A tensor of ``shape`` and ``dtype`` on ``device``: stored values in place, zeros elsewhere.
         """
         values = self.values if self.values.dtype == self.dtype else self.values.to(self.dtype)
+        if values.is_cpu and _cpu_kernels.NATIVE:
+            return _cpu_kernels.unpack(self.bitmap, values, self.shape)
         flat = _unpack(self.bitmap, values.view(_INT_VIEW[self.dtype]), self.numel)
         return flat.view(self.dtype).view(self.shape)
 
@@ -110,9 +113,12 @@ def pack_bitmap(
     limit = zero_limit_bits(t.dtype, threshold)
     if value_dtype is not None and value_dtype not in _INT_VIEW:
         raise TypeError(f"value_dtype must be one of {_names(FLOAT_DTYPES)} or None; got {value_dtype}")
-    flat = t.detach().reshape(-1)
-    bitmap, values = _pack(flat.view(_INT_VIEW[t.dtype]), limit)
-    values = values.view(t.dtype)
+    if t.is_cpu and _cpu_kernels.NATIVE:  # straight from t's memory: no reshape or view to pay for
+        bitmap, values = _cpu_kernels.pack(t, limit)
+    else:
+        flat = t.detach().reshape(-1)
+        bitmap, values = _pack(flat.view(_INT_VIEW[t.dtype]), limit)
+        values = values.view(t.dtype)
     if value_dtype is not None and value_dtype != t.dtype:
         values = values.to(value_dtype)
     return BitmapTensor(bitmap=bitmap, values=values, shape=t.shape, dtype=t.dtype)
@@ -140,18 +146,18 @@ def zero_limit_bits(dtype: torch.dtype, threshold: float) -> int:
 
 
 def _pack(bits: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if bits.device.type == "cpu":
-        from . import _cpu_kernels
-
-        return _cpu_kernels.pack(bits, limit)
+    if bits.is_cpu:
+        if _cpu_kernels.NATIVE:
+            return _cpu_kernels.pack(bits, limit)
+        _cpu_kernels.warn_fallback()
     return pack_torch(bits, limit)
 
 
 def _unpack(bitmap: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
-    if values.device.type == "cpu":
-        from . import _cpu_kernels
-
-        return _cpu_kernels.unpack(bitmap, values, numel)
+    if values.is_cpu:
+        if _cpu_kernels.NATIVE:
+            return _cpu_kernels.unpack(bitmap, values, (numel,))
+        _cpu_kernels.warn_fallback()
     return unpack_torch(bitmap, values, numel)
 
 
@@ -167,9 +173,9 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     Returns:
         ``uint8`` tensor of ``ceil(mask.numel() / 8)`` bytes; the unused high bits are 0.
     """
+    if mask.is_cpu and _cpu_kernels.NATIVE:
+        return _cpu_kernels.bits_pack(mask)
     flat = mask.reshape(-1)
-    if flat.device.type == "cpu":
-        return torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
@@ -179,9 +185,8 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` bits of ``bitmap`` as a 1-D bool tensor (inverse of :func:`pack_bits`)."""
-    if bitmap.device.type == "cpu":
-        bits = np.unpackbits(bitmap.numpy(), count=numel, bitorder="little")
-        return torch.from_numpy(bits).view(torch.bool)
+    if bitmap.is_cpu and _cpu_kernels.NATIVE:
+        return _cpu_kernels.bits_unpack(bitmap, numel)
     weights = _BIT_WEIGHTS.to(bitmap.device)
     return (bitmap.unsqueeze(1) & weights).ne(0).view(-1)[:numel]
 

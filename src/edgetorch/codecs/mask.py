@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _cpu_kernels
 from .bitmap import FLOAT_DTYPES, pack_bits, unpack_bits
 
 
@@ -51,6 +52,10 @@ class MaskTensor:
 
     def unpack(self) -> torch.Tensor:
         """A new tensor of ``shape`` and ``dtype``: ``inside`` where the bit is set, else ``outside``."""
+        if self.bitmap.is_cpu and _cpu_kernels.NATIVE and self.dtype in FLOAT_DTYPES:
+            # like the torch path below, which takes (1.0, -0.0) for the ReLU mask and writes +0.0
+            outside = 0.0 if (self.inside, self.outside) == (1.0, 0.0) else self.outside
+            return _cpu_kernels.mask_unpack(self.bitmap, self.shape, self.dtype, self.inside, outside)
         inside = unpack_bits(self.bitmap, self.numel).view(self.shape)
         if (self.inside, self.outside) == (1.0, 0.0):
             return inside.to(self.dtype)  # the ReLU mask: one pass
@@ -87,6 +92,11 @@ def pack_mask(
         raise ValueError(
             f"inside={inside} must lie in ({low}, {high}) and outside={outside} must not"
         )
-    d = t.detach()
-    keep = d > low if math.isinf(high) else (d > low) & (d < high)
-    return MaskTensor(pack_bits(keep), t.shape, t.dtype, float(inside), float(outside))
+    if t.is_cpu and _cpu_kernels.NATIVE:  # the predicate straight into bits, in one pass
+        bitmap = _cpu_kernels.mask_pack(t, low, high)
+    else:
+        if t.is_cpu:
+            _cpu_kernels.warn_fallback()
+        d = t.detach()
+        bitmap = pack_bits(d > low if math.isinf(high) else (d > low) & (d < high))
+    return MaskTensor(bitmap, t.shape, t.dtype, float(inside), float(outside))

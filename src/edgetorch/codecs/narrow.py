@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _cpu_kernels
+
 WIDE_INTS = (torch.int16, torch.int32, torch.int64)
 _NARROWER = (torch.int8, torch.int16, torch.int32)
 
@@ -44,6 +46,8 @@ class NarrowIntTensor:
 
     def unpack(self) -> torch.Tensor:
         """The original tensor (a new, contiguous tensor of the original dtype)."""
+        if self.values.is_cpu and _cpu_kernels.NATIVE and self.values.is_contiguous():
+            return _cpu_kernels.convert(self.values, self.dtype)
         return self.values.to(self.dtype)
 
 
@@ -69,11 +73,17 @@ def pack_narrow(t: torch.Tensor) -> NarrowIntTensor | None:
         raise TypeError(f"pack_narrow stores int16, int32 or int64 tensors; got {getattr(t, 'dtype', type(t))}")
     if t.numel() == 0:
         return None
-    low, high = torch.stack(torch.aminmax(t)).tolist()  # one device sync, not two
+    native = t.is_cpu and _cpu_kernels.NATIVE and t.is_contiguous()
+    if native:  # min and max in one pass
+        low, high = _cpu_kernels.minmax(t)
+    else:
+        if t.is_cpu:
+            _cpu_kernels.warn_fallback()
+        low, high = torch.stack(torch.aminmax(t)).tolist()  # one device sync, not two
     for dtype in _NARROWER:
         if dtype.itemsize >= t.dtype.itemsize:
             return None
         info = torch.iinfo(dtype)
         if info.min <= low and high <= info.max:
-            return NarrowIntTensor(t.to(dtype), t.dtype)
+            return NarrowIntTensor(_cpu_kernels.convert(t, dtype) if native else t.to(dtype), t.dtype)
     return None

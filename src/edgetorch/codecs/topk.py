@@ -10,15 +10,18 @@ published code are handled differently here:
 * Ties at the threshold are broken by position, so every row keeps exactly its quota of values
   (or all of its non-zeros, if fewer). NaN counts as the largest magnitude.
 
-The threshold is a selection (introselect), not a sort, so its cost is linear in the row length.
+The threshold is a selection, not a sort, so its cost is linear in the row length. On CPU the C
+extension does the whole pack: a radix select on the magnitude bits of each row (rows in
+parallel), then the bitmap and the values written directly, at their exact size. Without it,
+and on other devices, torch ops do the same with ``kthvalue``.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from .bitmap import FLOAT_DTYPES, BitmapTensor, pack_bits
+from . import _cpu_kernels
+from .bitmap import _ABS_MASK, FLOAT_DTYPES, BitmapTensor, pack_bits
 
 
 def kept_per_row(row_numel: int, sparsity: float) -> int:
@@ -61,12 +64,20 @@ def pack_topk(
     rows = (t.shape[0] if t.dim() else 1) if rows is None else rows
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or t.numel() % rows:
         raise ValueError(f"rows must be a positive int dividing numel={t.numel()}; got {rows!r}")
-    x = t.detach().reshape(rows, -1)
-    keep = _topk_mask(x, kept_per_row(x.shape[1], sparsity))
-    values = x[keep]
+    keep = kept_per_row(t.numel() // rows, sparsity)
+    if t.is_cpu and _cpu_kernels.NATIVE:
+        bitmap, values = _cpu_kernels.topk(t, rows, keep)
+    else:
+        x = t.detach().reshape(rows, -1)
+        if t.is_cpu:
+            _cpu_kernels.warn_fallback()
+            mask = _topk_mask_bits(x, keep)
+        else:
+            mask = _topk_mask(x, keep)
+        bitmap, values = pack_bits(mask), x[mask]
     if value_dtype is not None and value_dtype != t.dtype:
         values = values.to(value_dtype)
-    return BitmapTensor(bitmap=pack_bits(keep), values=values, shape=t.shape, dtype=t.dtype)
+    return BitmapTensor(bitmap=bitmap, values=values, shape=t.shape, dtype=t.dtype)
 
 
 def check_sparsity(sparsity: float) -> None:
@@ -79,7 +90,11 @@ def check_sparsity(sparsity: float) -> None:
 
 
 def _topk_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
-    """Bool mask of each row's ``keep`` largest non-zero magnitudes (ties broken by position)."""
+    """Bool mask of each row's ``keep`` largest non-zero magnitudes (ties broken by position).
+
+    Compares floats; in a row with more NaNs than ``keep`` the threshold is NaN and the row keeps
+    everything (:func:`_topk_mask_bits`, what the CPU kernel does, keeps the first NaNs only).
+    """
     n = x.shape[1]
     a = x.abs()
     if keep >= n or n == 0:
@@ -104,19 +119,32 @@ _INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16
 def _kth_smallest(a: torch.Tensor, k: int) -> torch.Tensor:
     """Per row of the magnitudes ``a`` [R, n], the k-th smallest (1-indexed), as [R, 1]. Exact.
 
-    On CPU, numpy's introselect over the integer view (the bits of a non-negative float order
-    like its value, NaN above Inf) takes 10 ms for 16 x 200k values where ``kthvalue`` takes
-    26 ms; other devices use ``kthvalue``.
+    On CPU ``kthvalue`` runs on the integer view (the bits of a non-negative float order like its
+    value, NaN above Inf), which also serves float16 and bfloat16.
     """
     if a.device.type != "cpu":
         return a.kthvalue(k, dim=1, keepdim=True).values
-    from ._cpu_kernels import over_chunks
+    bits = a.view(_INT_OF[a.dtype])
+    return bits.kthvalue(k, dim=1, keepdim=True).values.view(a.dtype)
 
-    bits = a.view(_INT_OF[a.dtype]).numpy()
-    out = np.empty((bits.shape[0], 1), dtype=bits.dtype)
 
-    def select(lo: int, hi: int) -> None:  # numpy releases the GIL: rows split over threads
-        out[lo:hi] = np.partition(bits[lo:hi], k - 1, axis=1)[:, k - 1 : k]
+def _topk_mask_bits(x: torch.Tensor, keep: int) -> torch.Tensor:
+    """What the CPU kernel keeps, in torch ops: :func:`_topk_mask` decided on magnitude bits.
 
-    over_chunks(select, bits.shape[0], min_per_thread=1)
-    return torch.from_numpy(out).view(a.dtype)
+    The fallback without the C extension and the reference it is tested against. The bits of
+    ``|v|`` order like ``|v|`` with NaN above Inf, so NaN is simply the largest magnitude and a
+    row keeps exactly ``min(keep, non-zeros)`` values even when it holds more NaNs than ``keep``.
+    """
+    n = x.shape[1]
+    a = x.view(_INT_OF[x.dtype]) & _ABS_MASK[_INT_OF[x.dtype]]
+    if keep >= n or n == 0:
+        return a != 0
+    if keep == 0:
+        return torch.zeros_like(a, dtype=torch.bool)
+    thr = a.kthvalue(n - keep, dim=1, keepdim=True).values
+    mask = a > thr
+    short = (keep - mask.sum(1)) * (thr.squeeze(1) > 0)
+    for r in short.nonzero().flatten().tolist():
+        tied = (a[r] == thr[r]).nonzero().flatten()[: int(short[r])]
+        mask[r, tied] = True
+    return mask

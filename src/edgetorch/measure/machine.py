@@ -12,15 +12,16 @@ import torch
 
 
 def machine_description() -> dict:
-    """CPU, cores, memory, load, library versions and date of this run.
+    """CPU, cores, memory, load, library versions, how the codec kernels were built, and date.
 
     Returns:
         A JSON-ready dict. The load average is recorded because the machines results come
         from may be shared; timings are only compared as ratios within one run.
     """
-    import numba
     import numpy
     import torchvision
+
+    from ..codecs._cpu_kernels import build_description
 
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
@@ -41,7 +42,7 @@ def machine_description() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "torchvision": torchvision.__version__,
-        "numba": numba.__version__,
+        "codec_kernels": build_description(),
         "numpy": numpy.__version__,
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -4,8 +4,8 @@ Run through :func:`edgetorch.measure.run_fresh` (which pins glibc's mmap thresho
 tensors leave the process): ``run_fresh("edgetorch.measure.tensor_worker", payload)`` with
 ``payload = {"shape": [16, 64, 56, 56], "nonzero_fraction": 0.25, "seed": 0}``.
 
-Everything a first call loads (numba kernels, thread pools) is warmed up on another tensor
-before the baseline is taken, so the deltas hold only the tensor and its packed form.
+Everything a first call loads (the codec extension, its worker threads) is warmed up on another
+tensor before the baseline is taken, so the deltas hold only the tensor and its packed form.
 """
 
 from __future__ import annotations

@@ -1,0 +1,641 @@
+/* Kernels of the edgetorch codecs for ONE element width and ONE instruction set.
+ *
+ * A template by inclusion: _native.c includes this file once per (WB, ISA) pair after defining
+ *   WB        16, 32 or 64: bits per element (the integer view of float16/bfloat16, float32, float64)
+ *   ISA         generic, avx2 or avx512: the suffix of every function defined here
+ *   ISA_AVX2    0 or 1: whether explicit SIMD loops are compiled in (x86-64 only, inside a region
+ *               compiled for AVX2; the dispatcher uses them only where the CPU has AVX2)
+ *   ISA_AVX512  0 or 1: the 32- and 64-bit loops use AVX-512F/BW instead (compress and expand
+ *               instructions; 16-bit elements keep the AVX2 loops); implies ISA_AVX2
+ * Every function name gets the suffix _<WB>_<ISA> (NAME(build_range) -> build_range_32_avx2).
+ *
+ * Conventions shared by all kernels:
+ * - elements are bit patterns (ELEM, unsigned), the sign is the top bit, |v| is bits & ABSMASK;
+ * - element i is bit i % 8 of bitmap byte i / 8; a byte range [b0, b1) covers elements
+ *   [8 b0, min(8 b1, n)); only the tensor's last byte can be partial, and its unused high bits
+ *   are written as 0 (and ignored when read);
+ * - the SIMD loops handle a prefix of whole bytes and return where they stopped; the portable
+ *   loops after them finish the job, so every instruction set gives identical bytes.
+ */
+
+#if WB == 16
+#define ELEM uint16_t
+#define SELEM int16_t
+#elif WB == 32
+#define ELEM uint32_t
+#define SELEM int32_t
+#elif WB == 64
+#define ELEM uint64_t
+#define SELEM int64_t
+#else
+#error "WB must be 16, 32 or 64"
+#endif
+
+#define ABSMASK ((ELEM)(((ELEM)~(ELEM)0) >> 1))
+#define NAME3_(f, w, i) f##_##w##_##i
+#define NAME2_(f, w, i) NAME3_(f, w, i)
+#define NAME(f) NAME2_(f, WB, ISA)
+
+/* Eight 0/1 flags, flag j in byte j of a word, as one bitmap byte: the multiply moves flag j to
+ * bit 56 + j and no two partial products meet, so nothing carries (a portable movemask). */
+#define FLAGS_TO_BYTE(w) ((uint8_t)(((w) * 0x0102040810204080ULL) >> 56))
+
+/* The order key of a float's bits for "low < v < high": +|v| or -|v| as a signed integer of the
+ * element's width (-0.0 and +0.0 both map to 0). NaN maps beyond +-Inf, so comparing with the
+ * keys of finite-or-infinite bounds excludes it, as a float comparison does. */
+static inline SELEM NAME(order_key)(ELEM v) {
+    ELEM sign = (ELEM)(v >> (WB - 1));
+    return (SELEM)(ELEM)(((v & ABSMASK) ^ (ELEM)(0 - sign)) + sign);
+}
+
+#if ISA_AVX512 && WB == 32
+static int64_t NAME(build_simd)(const ELEM *x, int64_t i, int64_t end, ELEM limit, uint8_t *bm) {
+    const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF), lim = _mm512_set1_epi32((int32_t)limit);
+    for (; i + 64 <= end; i += 64) {
+        uint64_t bits = 0;
+        for (int q = 0; q < 4; q++) {
+            __m512i v = _mm512_and_si512(_mm512_loadu_si512((const void *)(x + i + 16 * q)), mask);
+            bits |= (uint64_t)_mm512_cmpgt_epi32_mask(v, lim) << (16 * q);
+        }
+        memcpy(bm + (i >> 3), &bits, 8);
+    }
+    for (; i + 16 <= end; i += 16) {
+        __m512i v = _mm512_and_si512(_mm512_loadu_si512((const void *)(x + i)), mask);
+        uint16_t bits = (uint16_t)_mm512_cmpgt_epi32_mask(v, lim);
+        memcpy(bm + (i >> 3), &bits, 2);
+    }
+    return i;
+}
+
+static int64_t NAME(mask_simd)(const ELEM *x, int64_t b, int64_t bend, SELEM lo, SELEM hi, uint8_t *bm) {
+    const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const __m512i vlo = _mm512_set1_epi32(lo), vhi = _mm512_set1_epi32(hi);
+    for (; b + 2 <= bend; b += 2) {
+        __m512i v = _mm512_loadu_si512((const void *)(x + 8 * b));
+        __m512i s = _mm512_srai_epi32(v, 31);
+        __m512i key = _mm512_sub_epi32(_mm512_xor_si512(_mm512_and_si512(v, mask), s), s);
+        uint16_t bits = (uint16_t)(_mm512_cmpgt_epi32_mask(key, vlo) & _mm512_cmpgt_epi32_mask(vhi, key));
+        memcpy(bm + b, &bits, 2);
+    }
+    return b;
+}
+
+/* 16 elements (two bitmap bytes) per step: compress the kept lanes, store 16, advance by the count */
+static void NAME(compact_simd)(const ELEM *x, const uint8_t *bm, int64_t *pb, int64_t bend, ELEM *out,
+                               int64_t *po, int64_t count) {
+    int64_t b = *pb, o = *po;
+    for (; b + 2 <= bend && o + 16 <= count; b += 2) {
+        uint16_t k;
+        memcpy(&k, bm + b, 2);
+        __m512i v = _mm512_loadu_si512((const void *)(x + 8 * b));
+        _mm512_storeu_si512((void *)(out + o), _mm512_maskz_compress_epi32(k, v));
+        o += __builtin_popcount(k);
+    }
+    *pb = b;
+    *po = o;
+}
+
+static void NAME(scatter_simd)(const uint8_t *bm, int64_t *pb, int64_t bend, const ELEM *vals, int64_t *po,
+                               int64_t nvals, ELEM *out) {
+    int64_t b = *pb, o = *po;
+    for (; b + 2 <= bend && o + 16 <= nvals; b += 2) {
+        uint16_t k;
+        memcpy(&k, bm + b, 2);
+        __m512i v = _mm512_loadu_si512((const void *)(vals + o));
+        _mm512_storeu_si512((void *)(out + 8 * b), _mm512_maskz_expand_epi32(k, v));
+        o += __builtin_popcount(k);
+    }
+    *pb = b;
+    *po = o;
+}
+
+static int64_t NAME(select_simd)(const uint8_t *bm, int64_t b, int64_t bend, ELEM a, ELEM c, ELEM *out) {
+    const __m512i va = _mm512_set1_epi32((int32_t)a), vc = _mm512_set1_epi32((int32_t)c);
+    for (; b + 2 <= bend; b += 2) {
+        uint16_t k;
+        memcpy(&k, bm + b, 2);
+        _mm512_storeu_si512((void *)(out + 8 * b), _mm512_mask_blend_epi32(k, vc, va));
+    }
+    return b;
+}
+#elif ISA_AVX512 && WB == 64
+static int64_t NAME(build_simd)(const ELEM *x, int64_t i, int64_t end, ELEM limit, uint8_t *bm) {
+    const __m512i mask = _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFLL), lim = _mm512_set1_epi64((int64_t)limit);
+    for (; i + 8 <= end; i += 8) {
+        __m512i v = _mm512_and_si512(_mm512_loadu_si512((const void *)(x + i)), mask);
+        bm[i >> 3] = (uint8_t)_mm512_cmpgt_epi64_mask(v, lim);
+    }
+    return i;
+}
+
+static int64_t NAME(mask_simd)(const ELEM *x, int64_t b, int64_t bend, SELEM lo, SELEM hi, uint8_t *bm) {
+    const __m512i mask = _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFLL);
+    const __m512i vlo = _mm512_set1_epi64(lo), vhi = _mm512_set1_epi64(hi);
+    for (; b < bend; b++) {
+        __m512i v = _mm512_loadu_si512((const void *)(x + 8 * b));
+        __m512i s = _mm512_srai_epi64(v, 63);
+        __m512i key = _mm512_sub_epi64(_mm512_xor_si512(_mm512_and_si512(v, mask), s), s);
+        bm[b] = (uint8_t)(_mm512_cmpgt_epi64_mask(key, vlo) & _mm512_cmpgt_epi64_mask(vhi, key));
+    }
+    return b;
+}
+
+static void NAME(compact_simd)(const ELEM *x, const uint8_t *bm, int64_t *pb, int64_t bend, ELEM *out,
+                               int64_t *po, int64_t count) {
+    int64_t b = *pb, o = *po;
+    for (; b < bend && o + 8 <= count; b++) {
+        __mmask8 k = bm[b];
+        __m512i v = _mm512_loadu_si512((const void *)(x + 8 * b));
+        _mm512_storeu_si512((void *)(out + o), _mm512_maskz_compress_epi64(k, v));
+        o += POP8[k];
+    }
+    *pb = b;
+    *po = o;
+}
+
+static void NAME(scatter_simd)(const uint8_t *bm, int64_t *pb, int64_t bend, const ELEM *vals, int64_t *po,
+                               int64_t nvals, ELEM *out) {
+    int64_t b = *pb, o = *po;
+    for (; b < bend && o + 8 <= nvals; b++) {
+        __mmask8 k = bm[b];
+        __m512i v = _mm512_loadu_si512((const void *)(vals + o));
+        _mm512_storeu_si512((void *)(out + 8 * b), _mm512_maskz_expand_epi64(k, v));
+        o += POP8[k];
+    }
+    *pb = b;
+    *po = o;
+}
+
+static int64_t NAME(select_simd)(const uint8_t *bm, int64_t b, int64_t bend, ELEM a, ELEM c, ELEM *out) {
+    const __m512i va = _mm512_set1_epi64((int64_t)a), vc = _mm512_set1_epi64((int64_t)c);
+    for (; b < bend; b++) _mm512_storeu_si512((void *)(out + 8 * b), _mm512_mask_blend_epi64(bm[b], vc, va));
+    return b;
+}
+#elif ISA_AVX2
+#if WB == 32
+static int64_t NAME(build_simd)(const ELEM *x, int64_t i, int64_t end, ELEM limit, uint8_t *bm) {
+    const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF), lim = _mm256_set1_epi32((int32_t)limit);
+    for (; i + 32 <= end; i += 32) {
+        uint32_t bits = 0;
+        for (int q = 0; q < 4; q++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + i + 8 * q));
+            __m256i keep = _mm256_cmpgt_epi32(_mm256_and_si256(v, mask), lim);
+            bits |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(keep)) << (8 * q);
+        }
+        memcpy(bm + (i >> 3), &bits, 4);
+    }
+    return i;
+}
+
+static int64_t NAME(mask_simd)(const ELEM *x, int64_t b, int64_t bend, SELEM lo, SELEM hi, uint8_t *bm) {
+    const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i vlo = _mm256_set1_epi32(lo), vhi = _mm256_set1_epi32(hi);
+    for (; b + 4 <= bend; b += 4) {
+        uint32_t bits = 0;
+        for (int q = 0; q < 4; q++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 8 * b + 8 * q));
+            __m256i s = _mm256_srai_epi32(v, 31);
+            __m256i key = _mm256_sub_epi32(_mm256_xor_si256(_mm256_and_si256(v, mask), s), s);
+            __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(key, vlo), _mm256_cmpgt_epi32(vhi, key));
+            bits |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(in)) << (8 * q);
+        }
+        memcpy(bm + b, &bits, 4);
+    }
+    return b;
+}
+
+static void NAME(compact_simd)(const ELEM *x, const uint8_t *bm, int64_t *pb, int64_t bend, ELEM *out,
+                               int64_t *po, int64_t count) {
+    int64_t b = *pb, o = *po;
+    for (; b < bend && o + 8 <= count; b++) {
+        unsigned byte = bm[b];
+        __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)COMPRESS8[byte]));
+        __m256i v = _mm256_loadu_si256((const __m256i *)(x + 8 * b));
+        _mm256_storeu_si256((__m256i *)(out + o), _mm256_permutevar8x32_epi32(v, idx));
+        o += POP8[byte];
+    }
+    *pb = b;
+    *po = o;
+}
+
+static void NAME(scatter_simd)(const uint8_t *bm, int64_t *pb, int64_t bend, const ELEM *vals, int64_t *po,
+                               int64_t nvals, ELEM *out) {
+    const __m256i bitv = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    int64_t b = *pb, o = *po;
+    for (; b < bend && o + 8 <= nvals; b++) {
+        unsigned byte = bm[b];
+        __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)RANK8[byte]));
+        __m256i v = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(vals + o)), idx);
+        __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)byte), bitv), bitv);
+        _mm256_storeu_si256((__m256i *)(out + 8 * b), _mm256_and_si256(v, set));
+        o += POP8[byte];
+    }
+    *pb = b;
+    *po = o;
+}
+
+static int64_t NAME(select_simd)(const uint8_t *bm, int64_t b, int64_t bend, ELEM a, ELEM c, ELEM *out) {
+    const __m256i bitv = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i va = _mm256_set1_epi32((int32_t)a), vc = _mm256_set1_epi32((int32_t)c);
+    for (; b < bend; b++) {
+        __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bm[b]), bitv), bitv);
+        _mm256_storeu_si256((__m256i *)(out + 8 * b), _mm256_blendv_epi8(vc, va, set));
+    }
+    return b;
+}
+#elif WB == 16
+static int64_t NAME(build_simd)(const ELEM *x, int64_t i, int64_t end, ELEM limit, uint8_t *bm) {
+    const __m256i mask = _mm256_set1_epi16(0x7FFF), lim = _mm256_set1_epi16((int16_t)limit);
+    for (; i + 32 <= end; i += 32) {
+        __m256i a = _mm256_cmpgt_epi16(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), mask), lim);
+        __m256i c = _mm256_cmpgt_epi16(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + 16)), mask), lim);
+        /* packs interleaves 128-bit lanes: a0-7 c0-7 a8-15 c8-15; the permute restores order */
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi16(a, c), 0xD8);
+        uint32_t bits = (uint32_t)_mm256_movemask_epi8(p);
+        memcpy(bm + (i >> 3), &bits, 4);
+    }
+    return i;
+}
+
+static int64_t NAME(mask_simd)(const ELEM *x, int64_t b, int64_t bend, SELEM lo, SELEM hi, uint8_t *bm) {
+    const __m256i mask = _mm256_set1_epi16(0x7FFF), vlo = _mm256_set1_epi16(lo), vhi = _mm256_set1_epi16(hi);
+    for (; b + 4 <= bend; b += 4) {
+        __m256i in[2];
+        for (int q = 0; q < 2; q++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 8 * b + 16 * q));
+            __m256i s = _mm256_srai_epi16(v, 15);
+            __m256i key = _mm256_sub_epi16(_mm256_xor_si256(_mm256_and_si256(v, mask), s), s);
+            in[q] = _mm256_and_si256(_mm256_cmpgt_epi16(key, vlo), _mm256_cmpgt_epi16(vhi, key));
+        }
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi16(in[0], in[1]), 0xD8);
+        uint32_t bits = (uint32_t)_mm256_movemask_epi8(p);
+        memcpy(bm + b, &bits, 4);
+    }
+    return b;
+}
+
+static void NAME(compact_simd)(const ELEM *x, const uint8_t *bm, int64_t *pb, int64_t bend, ELEM *out,
+                               int64_t *po, int64_t count) {
+    int64_t b = *pb, o = *po;
+    for (; b < bend && o + 8 <= count; b++) {
+        unsigned byte = bm[b];
+        __m128i v = _mm_loadu_si128((const __m128i *)(x + 8 * b));
+        __m128i s = _mm_loadu_si128((const __m128i *)SHUF16C[byte]);
+        _mm_storeu_si128((__m128i *)(out + o), _mm_shuffle_epi8(v, s));
+        o += POP8[byte];
+    }
+    *pb = b;
+    *po = o;
+}
+
+static void NAME(scatter_simd)(const uint8_t *bm, int64_t *pb, int64_t bend, const ELEM *vals, int64_t *po,
+                               int64_t nvals, ELEM *out) {
+    int64_t b = *pb, o = *po;
+    for (; b < bend && o + 8 <= nvals; b++) {
+        unsigned byte = bm[b];
+        __m128i v = _mm_loadu_si128((const __m128i *)(vals + o));
+        __m128i s = _mm_loadu_si128((const __m128i *)SHUF16E[byte]); /* unset bits: 0x80 = zero */
+        _mm_storeu_si128((__m128i *)(out + 8 * b), _mm_shuffle_epi8(v, s));
+        o += POP8[byte];
+    }
+    *pb = b;
+    *po = o;
+}
+
+static int64_t NAME(select_simd)(const uint8_t *bm, int64_t b, int64_t bend, ELEM a, ELEM c, ELEM *out) {
+    const __m128i bitv = _mm_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m128i va = _mm_set1_epi16((int16_t)a), vc = _mm_set1_epi16((int16_t)c);
+    for (; b < bend; b++) {
+        __m128i set = _mm_cmpeq_epi16(_mm_and_si128(_mm_set1_epi16(bm[b]), bitv), bitv);
+        _mm_storeu_si128((__m128i *)(out + 8 * b), _mm_blendv_epi8(vc, va, set));
+    }
+    return b;
+}
+#else /* WB == 64 */
+static int64_t NAME(build_simd)(const ELEM *x, int64_t i, int64_t end, ELEM limit, uint8_t *bm) {
+    const __m256i mask = _mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFLL), lim = _mm256_set1_epi64x((int64_t)limit);
+    for (; i + 32 <= end; i += 32) {
+        uint32_t bits = 0;
+        for (int q = 0; q < 8; q++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + i + 4 * q));
+            __m256i keep = _mm256_cmpgt_epi64(_mm256_and_si256(v, mask), lim);
+            bits |= (uint32_t)_mm256_movemask_pd(_mm256_castsi256_pd(keep)) << (4 * q);
+        }
+        memcpy(bm + (i >> 3), &bits, 4);
+    }
+    return i;
+}
+
+static int64_t NAME(mask_simd)(const ELEM *x, int64_t b, int64_t bend, SELEM lo, SELEM hi, uint8_t *bm) {
+    const __m256i mask = _mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFLL), zero = _mm256_setzero_si256();
+    const __m256i vlo = _mm256_set1_epi64x(lo), vhi = _mm256_set1_epi64x(hi);
+    for (; b + 4 <= bend; b += 4) {
+        uint32_t bits = 0;
+        for (int q = 0; q < 8; q++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 8 * b + 4 * q));
+            __m256i s = _mm256_cmpgt_epi64(zero, v);
+            __m256i key = _mm256_sub_epi64(_mm256_xor_si256(_mm256_and_si256(v, mask), s), s);
+            __m256i in = _mm256_and_si256(_mm256_cmpgt_epi64(key, vlo), _mm256_cmpgt_epi64(vhi, key));
+            bits |= (uint32_t)_mm256_movemask_pd(_mm256_castsi256_pd(in)) << (4 * q);
+        }
+        memcpy(bm + b, &bits, 4);
+    }
+    return b;
+}
+
+static void NAME(compact_simd)(const ELEM *x, const uint8_t *bm, int64_t *pb, int64_t bend, ELEM *out,
+                               int64_t *po, int64_t count) {
+    int64_t b = *pb, o = *po;
+    for (; b < bend && o + 8 <= count; b++) {
+        unsigned byte = bm[b];
+        for (int h = 0; h < 2; h++) {
+            unsigned nib = (byte >> (4 * h)) & 15;
+            __m256i idx = _mm256_loadu_si256((const __m256i *)IDX64C[nib]);
+            __m256i v = _mm256_loadu_si256((const __m256i *)(x + 8 * b + 4 * h));
+            _mm256_storeu_si256((__m256i *)(out + o), _mm256_permutevar8x32_epi32(v, idx));
+            o += POP8[nib];
+        }
+    }
+    *pb = b;
+    *po = o;
+}
+
+static void NAME(scatter_simd)(const uint8_t *bm, int64_t *pb, int64_t bend, const ELEM *vals, int64_t *po,
+                               int64_t nvals, ELEM *out) {
+    const __m256i bitv = _mm256_setr_epi64x(1, 2, 4, 8);
+    int64_t b = *pb, o = *po;
+    for (; b < bend && o + 8 <= nvals; b++) {
+        unsigned byte = bm[b];
+        for (int h = 0; h < 2; h++) {
+            unsigned nib = (byte >> (4 * h)) & 15;
+            __m256i idx = _mm256_loadu_si256((const __m256i *)IDX64E[nib]);
+            __m256i v = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(vals + o)), idx);
+            __m256i set = _mm256_cmpeq_epi64(_mm256_and_si256(_mm256_set1_epi64x(nib), bitv), bitv);
+            _mm256_storeu_si256((__m256i *)(out + 8 * b + 4 * h), _mm256_and_si256(v, set));
+            o += POP8[nib];
+        }
+    }
+    *pb = b;
+    *po = o;
+}
+
+static int64_t NAME(select_simd)(const uint8_t *bm, int64_t b, int64_t bend, ELEM a, ELEM c, ELEM *out) {
+    const __m256i bitv = _mm256_setr_epi64x(1, 2, 4, 8);
+    const __m256i va = _mm256_set1_epi64x((int64_t)a), vc = _mm256_set1_epi64x((int64_t)c);
+    for (; b < bend; b++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i nib = _mm256_set1_epi64x((bm[b] >> (4 * h)) & 15);
+            __m256i set = _mm256_cmpeq_epi64(_mm256_and_si256(nib, bitv), bitv);
+            _mm256_storeu_si256((__m256i *)(out + 8 * b + 4 * h), _mm256_blendv_epi8(vc, va, set));
+        }
+    }
+    return b;
+}
+#endif
+#endif /* ISA_AVX2 */
+
+/* Bits of [s, e) for "keep iff (x & ABSMASK) > limit". Whole bytes inside the range are written;
+ * a byte the range covers only partly is OR-ed into, so the caller zeroes such bytes first. */
+static void NAME(build_range)(const void *xv, int64_t s, int64_t e, uint64_t limit64, uint8_t *bm) {
+    const ELEM *x = (const ELEM *)xv;
+    const ELEM limit = (ELEM)limit64;
+    int64_t i = s;
+    int64_t head = (s + 7) & ~(int64_t)7;
+    if (head > e) head = e;
+    for (; i < head; i++) bm[i >> 3] |= (uint8_t)(((x[i] & ABSMASK) > limit) << (i & 7));
+    int64_t body = e & ~(int64_t)7;
+#if ISA_AVX2
+    if (i < body) i = NAME(build_simd)(x, i, body, limit, bm);
+#endif
+    for (; i < body; i += 8) {
+        uint64_t w = 0;
+        for (int j = 0; j < 8; j++) w |= (uint64_t)((x[i + j] & ABSMASK) > limit) << (8 * j);
+        bm[i >> 3] = FLAGS_TO_BYTE(w);
+    }
+    for (; i < e; i++) bm[i >> 3] |= (uint8_t)(((x[i] & ABSMASK) > limit) << (i & 7));
+}
+
+/* The kept elements of bytes [b0, b1) written in order to out[0 .. count). Branch-free while
+ * eight more slots fit (a write past the last kept element lands on a slot a later element
+ * fills); near the end of the range only kept elements are written, so nothing lands beyond
+ * out[count - 1], where the next chunk's values begin. */
+static void NAME(compact)(const void *xv, const uint8_t *bm, int64_t b0, int64_t b1, int64_t n, void *outv,
+                          int64_t count) {
+    const ELEM *x = (const ELEM *)xv;
+    ELEM *out = (ELEM *)outv;
+    int64_t full = n >> 3, bend = b1 < full ? b1 : full, b = b0, o = 0;
+#if ISA_AVX2
+    NAME(compact_simd)(x, bm, &b, bend, out, &o, count);
+#endif
+    for (; b < bend; b++) {
+        unsigned byte = bm[b];
+        const ELEM *xs = x + 8 * b;
+        if (o + 8 <= count) {
+            for (int j = 0; j < 8; j++) {
+                out[o] = xs[j];
+                o += (byte >> j) & 1;
+            }
+        } else {
+            for (int j = 0; j < 8; j++)
+                if ((byte >> j) & 1) out[o++] = xs[j];
+        }
+    }
+    if (b < b1) { /* the tensor's partial last byte */
+        unsigned byte = bm[b];
+        for (int64_t i = 8 * b; i < n; i++)
+            if ((byte >> (i & 7)) & 1) out[o++] = x[i];
+    }
+}
+
+/* Dense elements of bytes [b0, b1): vals[o], vals[o + 1], ... where a bit is set, 0 elsewhere.
+ * Branch-free (each element reads the value at its rank inside the byte) while eight values
+ * remain to read, so no read passes vals[nvals - 1]. */
+static void NAME(scatter)(const uint8_t *bm, int64_t b0, int64_t b1, int64_t n, const void *vv, int64_t o,
+                          int64_t nvals, void *outv) {
+    const ELEM *vals = (const ELEM *)vv;
+    ELEM *out = (ELEM *)outv;
+    int64_t full = n >> 3, bend = b1 < full ? b1 : full, b = b0;
+#if ISA_AVX2
+    NAME(scatter_simd)(bm, &b, bend, vals, &o, nvals, out);
+#endif
+    for (; b < bend; b++) {
+        unsigned byte = bm[b];
+        ELEM *os = out + 8 * b;
+        if (o + 8 <= nvals) {
+            const ELEM *vs = vals + o;
+            const uint8_t *rank = RANK8[byte];
+            for (int j = 0; j < 8; j++) os[j] = vs[rank[j]] & (ELEM)(0 - (ELEM)((byte >> j) & 1));
+            o += POP8[byte];
+        } else {
+            for (int j = 0; j < 8; j++) os[j] = ((byte >> j) & 1) ? vals[o++] : 0;
+        }
+    }
+    if (b < b1) {
+        unsigned byte = bm[b];
+        for (int64_t i = 8 * b; i < n; i++) out[i] = ((byte >> (i & 7)) & 1) ? vals[o++] : 0;
+    }
+}
+
+/* Bits of bytes [b0, b1) for "lo < v < hi", compared as order keys (see order_key). */
+static void NAME(mask_pack)(const void *xv, int64_t b0, int64_t b1, int64_t n, int64_t lo64, int64_t hi64,
+                            uint8_t *bm) {
+    const ELEM *x = (const ELEM *)xv;
+    const SELEM lo = (SELEM)lo64, hi = (SELEM)hi64;
+    int64_t full = n >> 3, bend = b1 < full ? b1 : full, b = b0;
+#if ISA_AVX2
+    b = NAME(mask_simd)(x, b, bend, lo, hi, bm);
+#endif
+    for (; b < bend; b++) {
+        uint64_t w = 0;
+        for (int j = 0; j < 8; j++) {
+            SELEM k = NAME(order_key)(x[8 * b + j]);
+            w |= (uint64_t)((k > lo) & (k < hi)) << (8 * j);
+        }
+        bm[b] = FLAGS_TO_BYTE(w);
+    }
+    if (b < b1) {
+        unsigned byte = 0;
+        for (int64_t i = 8 * b; i < n; i++) {
+            SELEM k = NAME(order_key)(x[i]);
+            byte |= (unsigned)((k > lo) & (k < hi)) << (i & 7);
+        }
+        bm[b] = (uint8_t)byte;
+    }
+}
+
+/* Elements of bytes [b0, b1): a where the bit is set, c elsewhere. */
+static void NAME(mask_unpack)(const uint8_t *bm, int64_t b0, int64_t b1, int64_t n, uint64_t a64, uint64_t c64,
+                              void *outv) {
+    ELEM *out = (ELEM *)outv;
+    const ELEM a = (ELEM)a64, c = (ELEM)c64, d = (ELEM)(a ^ c);
+    int64_t full = n >> 3, bend = b1 < full ? b1 : full, b = b0;
+#if ISA_AVX2
+    b = NAME(select_simd)(bm, b, bend, a, c, out);
+#endif
+    for (; b < bend; b++) {
+        unsigned byte = bm[b];
+        for (int j = 0; j < 8; j++) out[8 * b + j] = (ELEM)(c ^ (d & (ELEM)(0 - (ELEM)((byte >> j) & 1))));
+    }
+    if (b < b1) {
+        unsigned byte = bm[b];
+        for (int64_t i = 8 * b; i < n; i++) out[i] = ((byte >> (i & 7)) & 1) ? a : c;
+    }
+}
+
+/* Smallest and largest of the signed elements [s, e), s < e. */
+static void NAME(minmax)(const void *xv, int64_t s, int64_t e, int64_t *lo, int64_t *hi) {
+    const SELEM *x = (const SELEM *)xv;
+    SELEM mn = x[s], mx = x[s];
+    for (int64_t i = s; i < e; i++) {
+        mn = x[i] < mn ? x[i] : mn;
+        mx = x[i] > mx ? x[i] : mx;
+    }
+    *lo = mn;
+    *hi = mx;
+}
+
+/* y[i] = x[i] for i in [s, e), into a signed integer of out_bits (narrowing only values that fit). */
+static void NAME(convert)(const void *xv, int64_t s, int64_t e, void *yv, int out_bits) {
+    const SELEM *x = (const SELEM *)xv;
+    switch (out_bits) {
+    case 8: { int8_t *y = (int8_t *)yv; for (int64_t i = s; i < e; i++) y[i] = (int8_t)x[i]; break; }
+    case 16: { int16_t *y = (int16_t *)yv; for (int64_t i = s; i < e; i++) y[i] = (int16_t)x[i]; break; }
+    case 32: { int32_t *y = (int32_t *)yv; for (int64_t i = s; i < e; i++) y[i] = (int32_t)x[i]; break; }
+    default: { int64_t *y = (int64_t *)yv; for (int64_t i = s; i < e; i++) y[i] = (int64_t)x[i]; break; }
+    }
+}
+
+/* Per-row top-k threshold of one row of n elements, keeping `keep` (0 < keep < n) magnitudes.
+ *
+ * Radix select on the magnitude bits (an unsigned integer that orders like |v|, NaN above Inf):
+ * a histogram of the top digit finds the bin holding the (n - keep)-th smallest key; the keys in
+ * that bin are collected and the next digit refines it, until every bit is fixed. Linear in n
+ * whatever the data; equal keys are counted, not sorted.
+ *
+ * Writes st[0..2] = (split, L1, L2): the row keeps position p iff key > (p < split ? L1 : L2).
+ * Ties at the threshold thr are taken by position: the first `keep - #(key > thr)` of them,
+ * i.e. L1 = thr - 1 up to the last tie taken and L2 = thr after it. A zero threshold keeps
+ * the non-zeros only (zeros are never stored). Returns -1 when out of memory. */
+static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st) {
+    const ELEM *x = (const ELEM *)xv;
+    uint32_t hist[1 << 11];
+    const int digit = n >= 16384 ? 11 : 8;
+    int64_t k = n - keep; /* the threshold is the k-th smallest key (1-indexed) */
+    int64_t above = 0;    /* keys known to be above the threshold's bin */
+    int rem = WB - 1;     /* key bits not yet fixed */
+    int width = rem < digit ? rem : digit;
+    int shift = rem - width;
+    ELEM prefix = 0;
+    int64_t bin_count = 0;
+
+    memset(hist, 0, sizeof(uint32_t) << width);
+    for (int64_t i = 0; i < n; i++) hist[(x[i] & ABSMASK) >> shift]++;
+    ELEM *cand = NULL;
+    int64_t m = n;
+    for (;;) {
+        int64_t before = 0;
+        ELEM b = 0;
+        while (before + hist[b] < k) before += hist[b++];
+        bin_count = hist[b];
+        k -= before;
+        above += m - before - bin_count;
+        prefix = (ELEM)((prefix << width) | b);
+        rem = shift;
+        if (rem == 0) break;
+        width = rem < digit ? rem : digit;
+        shift = rem - width;
+        const ELEM low_mask = (ELEM)(((ELEM)1 << width) - 1);
+        memset(hist, 0, sizeof(uint32_t) << width);
+        int64_t j = 0;
+        if (cand == NULL) { /* first refinement: collect the bin's keys from the row */
+            cand = (ELEM *)malloc((size_t)(bin_count > 0 ? bin_count : 1) * sizeof(ELEM));
+            if (cand == NULL) return -1;
+            for (int64_t i = 0; i < n; i++) {
+                ELEM key = x[i] & ABSMASK;
+                if ((key >> rem) == prefix) {
+                    cand[j++] = key;
+                    hist[(key >> shift) & low_mask]++;
+                }
+            }
+        } else { /* later ones: filter the candidates in place */
+            for (int64_t i = 0; i < m; i++) {
+                ELEM key = cand[i];
+                if ((key >> rem) == prefix) {
+                    cand[j++] = key;
+                    hist[(key >> shift) & low_mask]++;
+                }
+            }
+        }
+        m = j;
+    }
+    free(cand);
+    const ELEM thr = prefix;
+    if (thr == 0) { /* at least n - keep zeros: every non-zero survives */
+        st[0] = 0;
+        st[1] = 0;
+        st[2] = 0;
+        return 0;
+    }
+    int64_t ties = keep - above; /* 0 <= ties < bin_count (keys equal to thr) */
+    int64_t split = 0;
+    if (ties > 0) {
+        for (int64_t i = 0, seen = 0; i < n; i++) {
+            if ((x[i] & ABSMASK) == thr && ++seen == ties) {
+                split = i + 1;
+                break;
+            }
+        }
+    }
+    st[0] = split;
+    st[1] = (int64_t)(thr - 1);
+    st[2] = (int64_t)thr;
+    return 0;
+}
+
+#undef ELEM
+#undef SELEM
+#undef ABSMASK
+#undef NAME
+#undef NAME2_
+#undef NAME3_
+#undef FLAGS_TO_BYTE
