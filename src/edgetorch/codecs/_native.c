@@ -103,6 +103,21 @@ static void fill_tables(void) {
  * run time from what the CPU supports, so the extension runs on any x86-64 and needs no -march
  */
 
+#define FLAG_BLOCK 512 /* elements whose 0/1 flags the portable loops gather before packing bits */
+
+/* Eight 0/1 flags (bytes) as one bitmap byte, flag j -> bit j. As one little-endian word, the
+ * multiply moves flag j to bit 56 + j and no two partial products meet, so nothing carries (a
+ * portable movemask); elsewhere the bytes are assembled one by one. */
+static inline uint8_t flags_to_byte(const uint8_t *f) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t w;
+    memcpy(&w, f, 8);
+    return (uint8_t)((w * 0x0102040810204080ULL) >> 56);
+#else
+    return (uint8_t)(f[0] | f[1] << 1 | f[2] << 2 | f[3] << 3 | f[4] << 4 | f[5] << 5 | f[6] << 6 | f[7] << 7);
+#endif
+}
+
 /* Kernels that do not depend on the element width, compiled once per instruction set. */
 #define BYTE_KERNELS(ISA)                                                                          \
     static int64_t popcount_##ISA(const uint8_t *p, int64_t len) {                                 \
@@ -119,9 +134,9 @@ static void fill_tables(void) {
     static void bits_pack_##ISA(const uint8_t *src, int64_t b0, int64_t b1, int64_t n, uint8_t *bm) { \
         int64_t full = n >> 3, bend = b1 < full ? b1 : full, b = b0;                               \
         for (; b < bend; b++) {                                                                    \
-            uint64_t w = 0;                                                                        \
-            for (int j = 0; j < 8; j++) w |= (uint64_t)(src[8 * b + j] != 0) << (8 * j);           \
-            bm[b] = (uint8_t)((w * 0x0102040810204080ULL) >> 56);                                  \
+            uint8_t f[8];                                                                          \
+            for (int j = 0; j < 8; j++) f[j] = src[8 * b + j] != 0;                                \
+            bm[b] = flags_to_byte(f);                                                              \
         }                                                                                          \
         if (b < b1) {                                                                              \
             unsigned byte = 0;                                                                     \

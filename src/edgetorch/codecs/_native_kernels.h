@@ -36,9 +36,6 @@
 #define NAME2_(f, w, i) NAME3_(f, w, i)
 #define NAME(f) NAME2_(f, WB, ISA)
 
-/* Eight 0/1 flags, flag j in byte j of a word, as one bitmap byte: the multiply moves flag j to
- * bit 56 + j and no two partial products meet, so nothing carries (a portable movemask). */
-#define FLAGS_TO_BYTE(w) ((uint8_t)(((w) * 0x0102040810204080ULL) >> 56))
 
 /* The order key of a float's bits for "low < v < high": +|v| or -|v| as a signed integer of the
  * element's width (-0.0 and +0.0 both map to 0). NaN maps beyond +-Inf, so comparing with the
@@ -407,10 +404,17 @@ static void NAME(build_range)(const void *xv, int64_t s, int64_t e, uint64_t lim
 #if ISA_AVX2
     if (i < body) i = NAME(build_simd)(x, i, body, limit, bm);
 #endif
-    for (; i < body; i += 8) {
-        uint64_t w = 0;
-        for (int j = 0; j < 8; j++) w |= (uint64_t)((x[i + j] & ABSMASK) > limit) << (8 * j);
-        bm[i >> 3] = FLAGS_TO_BYTE(w);
+    /* One 0/1 byte per element first (a loop compilers vectorise), then eight flags at a time
+     * into a bitmap byte. */
+    uint8_t flags[FLAG_BLOCK];
+    while (i < body) {
+        int64_t len = body - i < FLAG_BLOCK ? body - i : FLAG_BLOCK;
+        const ELEM *xs = x + i;
+        /* both sides are below the sign bit: a signed compare, which every SIMD unit has */
+        for (int64_t k = 0; k < len; k++) flags[k] = (uint8_t)((SELEM)(xs[k] & ABSMASK) > (SELEM)limit);
+        uint8_t *out = bm + (i >> 3);
+        for (int64_t k = 0; k < len; k += 8) out[k >> 3] = flags_to_byte(flags + k);
+        i += len;
     }
     for (; i < e; i++) bm[i >> 3] |= (uint8_t)(((x[i] & ABSMASK) > limit) << (i & 7));
 }
@@ -485,13 +489,16 @@ static void NAME(mask_pack)(const void *xv, int64_t b0, int64_t b1, int64_t n, i
 #if ISA_AVX2
     b = NAME(mask_simd)(x, b, bend, lo, hi, bm);
 #endif
-    for (; b < bend; b++) {
-        uint64_t w = 0;
-        for (int j = 0; j < 8; j++) {
-            SELEM k = NAME(order_key)(x[8 * b + j]);
-            w |= (uint64_t)((k > lo) & (k < hi)) << (8 * j);
+    uint8_t flags[FLAG_BLOCK];
+    while (b < bend) {
+        int64_t nb = bend - b < FLAG_BLOCK / 8 ? bend - b : FLAG_BLOCK / 8;
+        const ELEM *xs = x + 8 * b;
+        for (int64_t k = 0; k < 8 * nb; k++) {
+            SELEM key = NAME(order_key)(xs[k]);
+            flags[k] = (uint8_t)((key > lo) & (key < hi));
         }
-        bm[b] = FLAGS_TO_BYTE(w);
+        for (int64_t k = 0; k < nb; k++) bm[b + k] = flags_to_byte(flags + 8 * k);
+        b += nb;
     }
     if (b < b1) {
         unsigned byte = 0;
@@ -568,8 +575,25 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
     ELEM prefix = 0;
     int64_t bin_count = 0;
 
-    memset(hist, 0, sizeof(uint32_t) << width);
-    for (int64_t i = 0; i < n; i++) hist[(x[i] & ABSMASK) >> shift]++;
+    if (digit == 11) {
+        /* Magnitudes pile up in few bins (a float's exponent varies little), and increments of
+         * one counter wait on each other; four interleaved copies keep four in flight. */
+        uint32_t sub[3][1 << 11];
+        memset(hist, 0, sizeof(uint32_t) << width);
+        memset(sub, 0, sizeof(sub));
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4) {
+            hist[(x[i] & ABSMASK) >> shift]++;
+            sub[0][(x[i + 1] & ABSMASK) >> shift]++;
+            sub[1][(x[i + 2] & ABSMASK) >> shift]++;
+            sub[2][(x[i + 3] & ABSMASK) >> shift]++;
+        }
+        for (; i < n; i++) hist[(x[i] & ABSMASK) >> shift]++;
+        for (int b = 0; b < (1 << width); b++) hist[b] += sub[0][b] + sub[1][b] + sub[2][b];
+    } else {
+        memset(hist, 0, sizeof(uint32_t) << width);
+        for (int64_t i = 0; i < n; i++) hist[(x[i] & ABSMASK) >> shift]++;
+    }
     ELEM *cand = NULL;
     int64_t m = n;
     for (;;) {
@@ -590,13 +614,20 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
         if (cand == NULL) { /* first refinement: collect the bin's keys from the row */
             cand = (ELEM *)malloc((size_t)(bin_count > 0 ? bin_count : 1) * sizeof(ELEM));
             if (cand == NULL) return -1;
-            for (int64_t i = 0; i < n; i++) {
-                ELEM key = x[i] & ABSMASK;
-                if ((key >> rem) == prefix) {
-                    cand[j++] = key;
-                    hist[(key >> shift) & low_mask]++;
+            /* branch-free: each key is written, the count advances on a match (a branch would
+             * mispredict on every few percent of the row that match) */
+            ELEM block[256];
+            for (int64_t i0 = 0; i0 < n; i0 += 256) {
+                int64_t len = n - i0 < 256 ? n - i0 : 256, t = 0;
+                for (int64_t i = 0; i < len; i++) {
+                    ELEM key = x[i0 + i] & ABSMASK;
+                    block[t] = key;
+                    t += (key >> rem) == prefix;
                 }
+                memcpy(cand + j, block, (size_t)t * sizeof(ELEM));
+                j += t;
             }
+            for (int64_t i = 0; i < j; i++) hist[(cand[i] >> shift) & low_mask]++;
         } else { /* later ones: filter the candidates in place */
             for (int64_t i = 0; i < m; i++) {
                 ELEM key = cand[i];
@@ -638,4 +669,3 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
 #undef NAME
 #undef NAME2_
 #undef NAME3_
-#undef FLAGS_TO_BYTE

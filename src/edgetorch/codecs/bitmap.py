@@ -110,7 +110,7 @@ def pack_bitmap(
             f"pack_bitmap stores floating-point tensors ({_names(FLOAT_DTYPES)}); got {t.dtype}. "
             "Integer and bool tensors have no activation sparsity to exploit: keep them dense."
         )
-    limit = zero_limit_bits(t.dtype, threshold)
+    limit = 0 if threshold.__class__ is float and threshold == 0.0 else zero_limit_bits(t.dtype, threshold)
     if value_dtype is not None and value_dtype not in _INT_VIEW:
         raise TypeError(f"value_dtype must be one of {_names(FLOAT_DTYPES)} or None; got {value_dtype}")
     if t.is_cpu and _cpu_kernels.NATIVE:  # straight from t's memory: no reshape or view to pay for
@@ -121,7 +121,7 @@ def pack_bitmap(
         values = values.view(t.dtype)
     if value_dtype is not None and value_dtype != t.dtype:
         values = values.to(value_dtype)
-    return BitmapTensor(bitmap=bitmap, values=values, shape=t.shape, dtype=t.dtype)
+    return BitmapTensor(bitmap, values, t.shape, t.dtype)  # positional: keywords cost 0.2 us a call
 
 
 def zero_limit_bits(dtype: torch.dtype, threshold: float) -> int:
