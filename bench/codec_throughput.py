@@ -1,46 +1,63 @@
-"""Bitmap codec throughput on CPU, as ratios to ``t.clone()`` of the same fp32 tensor.
+"""CPU codec speed: bitmap throughput against ``t.clone()``, fixed cost per call, what a fresh
+process pays for its first pack, per-row top-k, and the other codecs.
 
-For 1M, 10M and 100M fp32 elements at 0/25/50/75/100 % zeros, times (median of several
-repeats; clone and the codec interleaved in each repeat, so that load on the machine hits them
-alike, and the torch path in a round of its own after them):
+The CPU kernels are the C extension ``edgetorch.codecs._native`` (``_cpu_kernels.NATIVE``);
+``torch`` columns are the torch-ops fallback it replaces where it is missing (also the GPU path).
 
-- ``clone``: ``t.clone()``, the reference (a fresh buffer plus a copy at memory speed);
-- ``pack`` / ``unpack``: the native numba kernel (``pack_bitmap`` / ``BitmapTensor.unpack``);
-- ``pack_4k`` / ``unpack_4k``: the same kernel without its transparent-huge-page advice on
-  large output buffers, i.e. paying one page fault per 4 KiB like ``clone`` does;
-- ``torch_pack`` / ``torch_unpack``: the device-generic torch-ops path on CPU (up to 10M
-  elements: it is several times slower than clone, which at 100M would double the runtime).
+1. **First call** (fresh processes): RSS added by ``import edgetorch`` plus the first
+   ``pack_bitmap`` and ``unpack`` of 1,000 fp32 elements over ``import torch`` alone, and the
+   time of that first pack + unpack (and of the import).
+2. **Fixed cost**: time per call of ``pack_bitmap`` and ``BitmapTensor.unpack`` on 1k and 64k
+   fp32 elements (50% zeros), Python wrapper included, next to ``clone``.
+3. **Throughput**: for 1M, 10M and 100M fp32 elements at 0/25/50/75/100 % zeros, median times
+   of ``clone``, ``pack`` / ``unpack`` (the kernels, with their huge-page advice on outputs of
+   32 MiB and more), ``pack_4k`` / ``unpack_4k`` (without it: one page fault per 4 KiB, like
+   ``clone``) and ``torch_pack`` / ``torch_unpack`` (the fallback, up to 10M elements). Clone and
+   the kernels are interleaved in each repeat so load on the machine hits them alike; the torch
+   path runs in a round of its own after them. Two regimes, each in its own fresh process:
+   ``default`` (glibc as configured: below 32 MiB a freed block is often reused with its pages
+   mapped, so a small ``clone`` is a warm memcpy) and ``fresh-pages`` (``HONEST_MALLOC_ENV``, as
+   edgetorch's memory workers run: every large block is a new mapping whose pages fault in on
+   first write, for the codec and clone alike).
+4. **Instruction sets**: the same kernels compiled for each instruction set this CPU runs
+   (``generic`` is the portable C that ARM boards get), 1M and 10M elements at 50% zeros.
+5. **Top-k**: ``pack_topk`` at sparsity 0.9 (whole pack: threshold per row, bitmap, values)
+   against the numpy path it replaced (numpy's introselect on the magnitude bits over two threads,
+   then torch ops for the mask, the values and ``pack_bits``; kept below, verbatim in behaviour),
+   the torch fallback, and ``clone``.
+6. **Mask and narrowing**: ``pack_mask`` (ReLU's ``> 0``) + unpack, and ``pack_narrow`` of int64
+   max-pool indices + unpack, against the torch fallback, 10M elements.
 
-Ratio = clone time / codec time: above 1 the codec is faster than copying the tensor.
+Ratio = clone time / codec time (above 1 the codec is faster than copying the tensor), or
+baseline time / native time where the baseline is named.
 
-Every variant allocates its result, so the allocator's state is part of what is timed. Each of
-two regimes runs in its own fresh process: ``default`` (glibc as configured: below 32 MiB a
-freed block is often reused with its pages already mapped, so a small ``clone`` is a warm
-memcpy) and ``fresh-pages`` (``HONEST_MALLOC_ENV``, as edgetorch's memory workers run: every
-large block is a new mapping whose pages fault in on first write, for the codec and clone alike).
+Writes docs/results/codec_throughput.{json,md} and prints the tables.
 
-Writes docs/results/codec_throughput.{json,md} and prints the table.
-
-Usage: ``python bench/codec_throughput.py [--quick]`` (``--quick``: 1M and 10M only).
+Usage: ``python bench/codec_throughput.py [--quick]`` (``--quick``: 1M and 10M only, fewer repeats).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import math
 import os
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+import numpy as np
 import torch
 from _common import write_results
 
 from edgetorch.codecs import _cpu_kernels, pack_bitmap
-from edgetorch.codecs.bitmap import pack_torch, unpack_torch
+from edgetorch.codecs.bitmap import BitmapTensor, pack_bits, pack_torch, unpack_torch
+from edgetorch.codecs.mask import pack_mask
+from edgetorch.codecs.narrow import pack_narrow
+from edgetorch.codecs.topk import kept_per_row, pack_topk
 from edgetorch.measure.process import HONEST_MALLOC_ENV
 
 SIZES = {1_000_000: 21, 10_000_000: 11, 100_000_000: 5}  # elements -> repeats
@@ -49,6 +66,9 @@ TORCH_PATH_MAX_REPEATS = 5
 TORCH_PATH_MAX_ELEMENTS = 10_000_000
 REGIMES = {"default": {}, "fresh-pages": HONEST_MALLOC_ENV}
 RATIO_COLUMNS = ("pack", "unpack", "pack_4k", "unpack_4k", "torch_pack", "torch_unpack")
+FIXED_SIZES = (1_000, 65_536)
+FIRST_CALL_RUNS = 7
+TOPK_SHAPES = ((16, 200_000), (8, 802_816))  # the second: resnet18's first activation at batch 8
 
 
 def _sparse(n: int, zero_fraction: float, seed: int) -> torch.Tensor:
@@ -64,6 +84,22 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def _torch_ops():
+    saved, _cpu_kernels.NATIVE = _cpu_kernels.NATIVE, False
+    try:
+        yield
+    finally:
+        _cpu_kernels.NATIVE = saved
+
+
+def _on_torch_ops(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with _torch_ops():
+            return fn()
+    return run
+
+
 def _without_hugepages(fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
         saved = _cpu_kernels._native.set_hugepage_min(-1)
@@ -72,6 +108,75 @@ def _without_hugepages(fn: Callable[[], object]) -> Callable[[], object]:
         finally:
             _cpu_kernels._native.set_hugepage_min(saved)
     return run
+
+
+def _rounds(rounds: list[tuple[int, dict[str, Callable[[], object]]]]) -> dict[str, list[float]]:
+    """Seconds of every variant; within a round, variants interleaved in each repeat."""
+    times: dict[str, list[float]] = {}
+    for count, variants in rounds:
+        for _ in range(count):
+            for name, fn in variants.items():
+                times.setdefault(name, []).append(_time(fn))
+    return times
+
+
+# --- 1. first call in a fresh process -------------------------------------------------------------
+
+FIRST_CALL = """
+import json, time
+from pathlib import Path
+
+def rss():
+    return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmRSS:"))
+
+import torch
+x = torch.relu(torch.randn(1000))
+base = rss()
+start = time.perf_counter()
+import edgetorch
+imported = time.perf_counter()
+p = edgetorch.pack_bitmap(x)
+y = p.unpack()
+done = time.perf_counter()
+assert torch.equal(y, x)
+from edgetorch.codecs import _cpu_kernels
+print(json.dumps({"rss_delta_bytes": rss() - base, "import_seconds": imported - start,
+                  "first_call_seconds": done - imported, "native": _cpu_kernels.NATIVE}))
+"""
+
+
+def first_call(runs: int) -> list[dict]:
+    """RSS and time of import edgetorch + the first pack/unpack, each in a fresh process."""
+    out = []
+    for _ in range(runs):
+        done = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, check=True)
+        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
+
+
+# --- 2. fixed cost --------------------------------------------------------------------------------
+
+
+def fixed_cost(n: int) -> dict:
+    """Seconds per call (median over batches of calls) of pack, unpack and clone on n elements."""
+    t = _sparse(n, 0.5, seed=1)
+    packed = pack_bitmap(t)
+    calls = max(200, 2_000_000 // max(n, 1_000))
+    variants = {"pack": lambda: pack_bitmap(t), "unpack": packed.unpack, "clone": t.clone}
+    per_call: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(15):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call[name].append((time.perf_counter() - start) / calls)
+    return {"elements": n, "calls_per_batch": calls,
+            "seconds": {k: statistics.median(v) for k, v in per_call.items()},
+            "min_seconds": {k: min(v) for k, v in per_call.items()}}
+
+
+# --- 3. throughput --------------------------------------------------------------------------------
 
 
 def measure(n: int, zero_fraction: float, repeats: int, seed: int = 0) -> dict:
@@ -104,16 +209,14 @@ def measure(n: int, zero_fraction: float, repeats: int, seed: int = 0) -> dict:
         }),
     ]
     if n <= TORCH_PATH_MAX_ELEMENTS:
-        ref_bitmap, ref_values = pack_torch(bits, 0)
+        with _torch_ops():
+            ref_bitmap, ref_values = pack_torch(bits, 0)
+        assert torch.equal(ref_bitmap, packed.bitmap)
         rounds.append((min(repeats, TORCH_PATH_MAX_REPEATS), {
-            "torch_pack": lambda: pack_torch(bits, 0),
-            "torch_unpack": lambda: unpack_torch(ref_bitmap, ref_values, n),
+            "torch_pack": _on_torch_ops(lambda: pack_torch(bits, 0)),
+            "torch_unpack": _on_torch_ops(lambda: unpack_torch(ref_bitmap, ref_values, n)),
         }))
-    times: dict[str, list[float]] = {}
-    for count, variants in rounds:
-        for _ in range(count):
-            for name, fn in variants.items():
-                times.setdefault(name, []).append(_time(fn))
+    times = _rounds(rounds)
     median = {name: statistics.median(ts) for name, ts in times.items()}
     return {
         "elements": n,
@@ -125,49 +228,9 @@ def measure(n: int, zero_fraction: float, repeats: int, seed: int = 0) -> dict:
     }
 
 
-def markdown(results: dict[str, list[dict]], load_start: float, load_end: float) -> str:
-    """The results as markdown tables, one per allocator regime (the machine line is added by
-    ``write_results``)."""
-    lines = [
-        f"1-min load average {load_start} at start, {load_end} at end (shared machine).",
-        "",
-        "Ratio = `t.clone()` time / codec time, medians measured in the same process (higher is "
-        "faster; 1.00 = as fast as copying the tensor). `4k`: without the kernel's huge-page "
-        "advice on output buffers of 32 MiB and more. `torch`: the torch-ops path (GPU path) "
-        "on CPU. "
-        "*default*: glibc as configured, where blocks under 32 MiB are often reused with their "
-        "pages mapped (a warm memcpy for `clone`); *fresh-pages*: glibc's mmap threshold pinned "
-        f"at {int(HONEST_MALLOC_ENV['MALLOC_MMAP_THRESHOLD_']) // 1024} KiB, so every large result "
-        "faults its pages in, for `clone` and the codec alike.",
-    ]
-    for regime, rows in results.items():
-        lines += [
-            "",
-            f"## {regime}",
-            "",
-            "| elements | zeros | clone ms | pack ms | unpack ms | pack | unpack | pack 4k "
-            "| unpack 4k | torch pack | torch unpack |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for row in rows:
-            t, r = row["seconds"], row["ratio_to_clone"]
-            ms = [f"{1e3 * t[k]:.2f}" for k in ("clone", "pack", "unpack")]
-            ratios = [f"{r[k]:.2f}x" if k in r else "–" for k in RATIO_COLUMNS]
-            cells = [f"{row['elements']:,}", f"{100 * row['zero_fraction']:.0f}%", *ms, *ratios]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def run_regime(sizes: dict[int, int]) -> list[dict]:
-    """Measure every cell in this process (whose allocator settings define the regime).
-
-    Args:
-        sizes: elements -> repeats.
-
-    Returns:
-        One row per size and zero fraction, as :func:`measure` returns it.
-    """
-    pack_bitmap(torch.ones(16))  # load the compiled kernels before timing
+def run_throughput(sizes: dict[int, int]) -> list[dict]:
+    """Measure every cell in this process (whose allocator settings define the regime)."""
+    pack_bitmap(torch.ones(16)).unpack()  # load the extension before timing
     rows = []
     for n, repeats in sizes.items():
         for zf in ZERO_FRACTIONS:
@@ -178,31 +241,279 @@ def run_regime(sizes: dict[int, int]) -> list[dict]:
     return rows
 
 
+# --- 4. instruction sets --------------------------------------------------------------------------
+
+
+def by_isa(sizes: tuple[int, ...], repeats: int) -> list[dict]:
+    """pack / unpack against clone for each instruction set, 50% zeros."""
+    native = _cpu_kernels._native
+    best = native.isa()
+    rows = []
+    for n in sizes:
+        t = _sparse(n, 0.5, seed=2)
+        packed = pack_bitmap(t)
+        variants: dict[str, Callable[[], object]] = {"clone": t.clone}
+        for isa in native.isa_available():
+            def with_isa(fn, isa=isa):
+                def run():
+                    native.set_isa(isa)
+                    try:
+                        return fn()
+                    finally:
+                        native.set_isa(best)
+                return run
+            variants[f"pack_{isa}"] = with_isa(lambda: pack_bitmap(t))
+            variants[f"unpack_{isa}"] = with_isa(packed.unpack)
+        times = _rounds([(repeats, variants)])
+        median = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({"elements": n, "seconds": median,
+                     "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"}})
+    return rows
+
+
+# --- 5. top-k -------------------------------------------------------------------------------------
+
+_old_pool = ThreadPoolExecutor(max_workers=2)
+
+
+def _old_kth_smallest(a: torch.Tensor, k: int) -> torch.Tensor:
+    """The numpy introselect of the replaced CPU path, rows split over two threads."""
+    bits = a.view(torch.int32).numpy()
+    out = np.empty((bits.shape[0], 1), dtype=bits.dtype)
+
+    def select(lo: int, hi: int) -> None:
+        out[lo:hi] = np.partition(bits[lo:hi], k - 1, axis=1)[:, k - 1 : k]
+
+    half = bits.shape[0] // 2
+    other = _old_pool.submit(select, half, bits.shape[0])
+    select(0, half)
+    other.result()
+    return torch.from_numpy(out).view(a.dtype)
+
+
+def _old_pack_topk(t: torch.Tensor, sparsity: float) -> BitmapTensor:
+    """The replaced CPU pack_topk (fp32): numpy threshold, torch mask, values and pack_bits."""
+    x = t.reshape(t.shape[0], -1)
+    n, keep = x.shape[1], kept_per_row(x.shape[1], sparsity)
+    a = x.abs()
+    thr = _old_kth_smallest(a, n - keep)
+    mask = ~(a <= thr)
+    short = (keep - mask.sum(1)) * (thr.squeeze(1) > 0)
+    for r in short.nonzero().flatten().tolist():
+        tied = (a[r] == thr[r]).nonzero().flatten()[: int(short[r])]
+        mask[r, tied] = True
+    with _torch_ops():  # the old pack_bits was numpy's packbits; torch ops are at least as fast
+        bitmap = pack_bits(mask)
+    return BitmapTensor(bitmap, x[mask], t.shape, t.dtype)
+
+
+def topk(shape: tuple[int, int], repeats: int) -> dict:
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    native, old = pack_topk(t, 0.9), _old_pack_topk(t, 0.9)
+    assert torch.equal(native.bitmap, old.bitmap) and torch.equal(native.values, old.values)
+    times = _rounds([(repeats, {
+        "clone": t.clone,
+        "native": lambda: pack_topk(t, 0.9),
+        "old_numpy": lambda: _old_pack_topk(t, 0.9),
+        "torch_fallback": _on_torch_ops(lambda: pack_topk(t, 0.9)),
+        "native_unpack": native.unpack,
+    })])
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {"shape": list(shape), "sparsity": 0.9, "seconds": median,
+            "min_seconds": {k: min(v) for k, v in times.items()},
+            "native_speedup": {k: median[k] / median["native"] for k in ("old_numpy", "torch_fallback")},
+            "ratio_to_clone": {k: median["clone"] / median[k] for k in ("native", "old_numpy", "native_unpack")}}
+
+
+# --- 6. mask and narrowing ------------------------------------------------------------------------
+
+
+def other_codecs(n: int, repeats: int) -> list[dict]:
+    x = _sparse(n, 0.5, seed=4)
+    # max-pool indices of an n-element input (2x2 pooling: n / 4 int64 positions in 112x112 planes)
+    _, idx = torch.nn.functional.max_pool2d(torch.randn(1, n // (112 * 112), 112, 112), 2, return_indices=True)
+    rows = []
+    for name, pack in (("mask (x > 0)", lambda: pack_mask(x, 0.0)), ("narrow int64 indices", lambda: pack_narrow(idx))):
+        packed = pack()
+        times = _rounds([(repeats, {
+            "clone": (x if name.startswith("mask") else idx).clone,
+            "pack": pack, "unpack": packed.unpack,
+            "torch_pack": _on_torch_ops(pack), "torch_unpack": _on_torch_ops(packed.unpack),
+        })])
+        median = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({"codec": name, "elements": (x if name.startswith("mask") else idx).numel(), "seconds": median,
+                     "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"}})
+    return rows
+
+
+def run_extras(quick: bool) -> dict:
+    pack_bitmap(torch.ones(16)).unpack()
+    reps = 5 if quick else 11
+    out = {"fixed_cost": [fixed_cost(n) for n in FIXED_SIZES]}
+    print("fixed cost done", file=sys.stderr, flush=True)
+    out["by_isa"] = by_isa((1_000_000, 10_000_000), reps) if _cpu_kernels.NATIVE else []
+    out["topk"] = [topk(shape, reps) for shape in TOPK_SHAPES]
+    print("top-k done", file=sys.stderr, flush=True)
+    out["other_codecs"] = other_codecs(10_000_000, reps)
+    return out
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+
+def _ms(s: float) -> str:
+    return f"{1e3 * s:.2f}"
+
+
+def _us(s: float) -> str:
+    return f"{1e6 * s:.2f}"
+
+
+def markdown(results: dict[str, list[dict]], extras: dict, first: list[dict], load: tuple[float, float]) -> str:
+    """The results as markdown (the machine line is added by ``write_results``)."""
+    rss = sorted(r["rss_delta_bytes"] / 2**20 for r in first)
+    call = sorted(1e3 * r["first_call_seconds"] for r in first)
+    imp = sorted(1e3 * r["import_seconds"] for r in first)
+    lines = [
+        f"1-min load average {load[0]} at start, {load[1]} at end (shared machine). Codec kernels: "
+        f"`{_cpu_kernels.build_description()}`; {torch.get_num_threads()} torch threads.",
+        "",
+        "## First call in a fresh process",
+        "",
+        f"{len(first)} fresh processes: `import torch`, a 1,000-element fp32 tensor, then `import edgetorch`, "
+        "`pack_bitmap` and `unpack`. RSS is read from /proc before `import edgetorch` and after the unpack.",
+        "",
+        "| | median | max |",
+        "|---|---:|---:|",
+        f"| RSS added over `import torch` (MiB) | {statistics.median(rss):.2f} | {rss[-1]:.2f} |",
+        f"| first `pack_bitmap` + `unpack` (ms) | {statistics.median(call):.3f} | {call[-1]:.3f} |",
+        f"| `import edgetorch` (ms) | {statistics.median(imp):.1f} | {imp[-1]:.1f} |",
+        "",
+        "## Fixed cost per call",
+        "",
+        "fp32, 50% zeros; microseconds per call, median of 15 batches (min in brackets).",
+        "",
+        "| elements | pack_bitmap us | unpack us | pack + unpack us | clone us |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for row in extras["fixed_cost"]:
+        s, m = row["seconds"], row["min_seconds"]
+        lines.append(f"| {row['elements']:,} | {_us(s['pack'])} ({_us(m['pack'])}) | {_us(s['unpack'])} "
+                     f"({_us(m['unpack'])}) | {_us(s['pack'] + s['unpack'])} | {_us(s['clone'])} |")
+    lines += [
+        "",
+        "## Bitmap throughput (fp32)",
+        "",
+        "Ratio = `t.clone()` time / codec time, medians measured in the same process (higher is "
+        "faster; 1.00 = as fast as copying the tensor). `4k`: without the kernel's huge-page "
+        "advice on output buffers of 32 MiB and more. `torch`: the torch-ops fallback (and GPU "
+        "path) on CPU. *default*: glibc as configured, where blocks under 32 MiB are often reused "
+        "with their pages mapped (a warm memcpy for `clone`); *fresh-pages*: glibc's mmap "
+        f"threshold pinned at {int(HONEST_MALLOC_ENV['MALLOC_MMAP_THRESHOLD_']) // 1024} KiB, so every "
+        "large result faults its pages in, for `clone` and the codec alike.",
+    ]
+    for regime, rows in results.items():
+        lines += [
+            "",
+            f"### {regime}",
+            "",
+            "| elements | zeros | clone ms | pack ms | unpack ms | pack | unpack | pack 4k "
+            "| unpack 4k | torch pack | torch unpack |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in rows:
+            t, r = row["seconds"], row["ratio_to_clone"]
+            ms = [_ms(t[k]) for k in ("clone", "pack", "unpack")]
+            ratios = [f"{r[k]:.2f}x" if k in r else "–" for k in RATIO_COLUMNS]
+            cells = [f"{row['elements']:,}", f"{100 * row['zero_fraction']:.0f}%", *ms, *ratios]
+            lines.append("| " + " | ".join(cells) + " |")
+    if extras["by_isa"]:
+        isas = [k.removeprefix("pack_") for k in extras["by_isa"][0]["ratio_to_clone"] if k.startswith("pack_")]
+        lines += [
+            "",
+            "## By instruction set",
+            "",
+            "50% zeros, default regime: milliseconds (ratio to the clone measured alongside). "
+            "`generic` is the portable C that every other CPU runs (ARM boards included; there the "
+            "compiler vectorises it for NEON, not measured here).",
+            "",
+            "| elements | clone ms | " + " | ".join(f"pack {i} | unpack {i}" for i in isas) + " |",
+            "|---:|---:|" + "---:|" * (2 * len(isas)),
+        ]
+        for row in extras["by_isa"]:
+            r, s = row["ratio_to_clone"], row["seconds"]
+            cells = [f"{_ms(s[k + i])} ({r[k + i]:.2f}x)" for i in isas for k in ("pack_", "unpack_")]
+            lines.append(f"| {row['elements']:,} | {_ms(s['clone'])} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Per-row top-k (fp32, sparsity 0.9)",
+        "",
+        "`native`: `pack_topk` with the extension (selection, bitmap and values in C); `old numpy`: "
+        "the path it replaced (numpy introselect on two threads + torch ops); `torch`: the fallback "
+        "(`kthvalue` on the magnitude bits). Milliseconds, medians.",
+        "",
+        "| rows x row length | clone ms | native ms | old numpy ms | torch ms | native vs old numpy "
+        "| native vs torch | clone / native | unpack ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in extras["topk"]:
+        s, sp = row["seconds"], row["native_speedup"]
+        lines.append(
+            f"| {row['shape'][0]} x {row['shape'][1]:,} | {_ms(s['clone'])} | {_ms(s['native'])} | "
+            f"{_ms(s['old_numpy'])} | {_ms(s['torch_fallback'])} | {sp['old_numpy']:.2f}x faster | "
+            f"{sp['torch_fallback']:.2f}x faster | {row['ratio_to_clone']['native']:.2f}x | {_ms(s['native_unpack'])} |")
+    lines += [
+        "",
+        "## Mask and integer narrowing",
+        "",
+        "Ratio to clone of the input; `torch`: the fallback.",
+        "",
+        "| codec | elements | clone ms | pack | unpack | torch pack | torch unpack |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in extras["other_codecs"]:
+        r = row["ratio_to_clone"]
+        lines.append(f"| {row['codec']} | {row['elements']:,} | {_ms(row['seconds']['clone'])} | {r['pack']:.2f}x | "
+                     f"{r['unpack']:.2f}x | {r['torch_pack']:.2f}x | {r['torch_unpack']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _worker(kind: str, quick: bool, env: dict[str, str]) -> object:
+    cmd = [sys.executable, __file__, "--worker", kind] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def main() -> None:
-    """Run both regimes in fresh processes, write JSON and markdown under docs/results, print."""
+    """Run every section in fresh processes, write JSON and markdown under docs/results, print."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1M and 10M elements only")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="1M and 10M elements only, fewer repeats")
+    parser.add_argument("--worker", choices=("throughput", "extras"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sizes = {n: r for n, r in SIZES.items() if not (args.quick and n > 10_000_000)}
-    if args.worker:
-        print(json.dumps(run_regime(sizes)))
+    sizes = {n: (min(r, 7) if args.quick else r) for n, r in SIZES.items() if not (args.quick and n > 10_000_000)}
+    if args.worker == "throughput":
+        print(json.dumps(run_throughput(sizes)))
+        return
+    if args.worker == "extras":
+        print(json.dumps(run_extras(args.quick)))
         return
     load_start = round(os.getloadavg()[0], 2)
+    print("first call", file=sys.stderr, flush=True)
+    first = first_call(FIRST_CALL_RUNS)
+    print("extras", file=sys.stderr, flush=True)
+    extras = _worker("extras", args.quick, {})
     results = {}
     for regime, env in REGIMES.items():
         print(f"regime {regime}", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, "--worker"] + (["--quick"] if args.quick else [])
-        env = {**os.environ, **env}
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True)
-        results[regime] = json.loads(proc.stdout.splitlines()[-1])
+        results[regime] = _worker("throughput", args.quick, env)
     load_end = round(os.getloadavg()[0], 2)
     write_results(
         "codec_throughput",
-        "Bitmap codec throughput (CPU, fp32)",
-        markdown(results, load_start, load_end),
-        {"results": results},
+        "CPU codec speed (bitmap throughput, fixed cost, first call, top-k)",
+        markdown(results, extras, first, (load_start, load_end)),
+        {"quick": args.quick, "first_call": first, **extras, "results": results},
     )
+
 
 if __name__ == "__main__":
     main()

@@ -565,7 +565,7 @@ static void NAME(convert)(const void *xv, int64_t s, int64_t e, void *yv, int ou
  * the non-zeros only (zeros are never stored). Returns -1 when out of memory. */
 static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st) {
     const ELEM *x = (const ELEM *)xv;
-    uint32_t hist[1 << 11];
+    uint64_t hist[1 << 11]; /* 64-bit: a row may hold more than 2^32 elements */
     const int digit = n >= 16384 ? 11 : 8;
     int64_t k = n - keep; /* the threshold is the k-th smallest key (1-indexed) */
     int64_t above = 0;    /* keys known to be above the threshold's bin */
@@ -575,11 +575,12 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
     ELEM prefix = 0;
     int64_t bin_count = 0;
 
-    if (digit == 11) {
+    if (digit == 11 && n <= ((int64_t)1 << 32)) {
         /* Magnitudes pile up in few bins (a float's exponent varies little), and increments of
-         * one counter wait on each other; four interleaved copies keep four in flight. */
+         * one counter wait on each other; four interleaved copies keep four in flight (the
+         * three extra count at most n / 4 < 2^32 each). */
         uint32_t sub[3][1 << 11];
-        memset(hist, 0, sizeof(uint32_t) << width);
+        memset(hist, 0, sizeof(uint64_t) << width);
         memset(sub, 0, sizeof(sub));
         int64_t i = 0;
         for (; i + 4 <= n; i += 4) {
@@ -591,7 +592,7 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
         for (; i < n; i++) hist[(x[i] & ABSMASK) >> shift]++;
         for (int b = 0; b < (1 << width); b++) hist[b] += sub[0][b] + sub[1][b] + sub[2][b];
     } else {
-        memset(hist, 0, sizeof(uint32_t) << width);
+        memset(hist, 0, sizeof(uint64_t) << width);
         for (int64_t i = 0; i < n; i++) hist[(x[i] & ABSMASK) >> shift]++;
     }
     ELEM *cand = NULL;
@@ -599,8 +600,8 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
     for (;;) {
         int64_t before = 0;
         ELEM b = 0;
-        while (before + hist[b] < k) before += hist[b++];
-        bin_count = hist[b];
+        while (before + (int64_t)hist[b] < k) before += (int64_t)hist[b++];
+        bin_count = (int64_t)hist[b];
         k -= before;
         above += m - before - bin_count;
         prefix = (ELEM)((prefix << width) | b);
@@ -609,7 +610,7 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
         width = rem < digit ? rem : digit;
         shift = rem - width;
         const ELEM low_mask = (ELEM)(((ELEM)1 << width) - 1);
-        memset(hist, 0, sizeof(uint32_t) << width);
+        memset(hist, 0, sizeof(uint64_t) << width);
         int64_t j = 0;
         if (cand == NULL) { /* first refinement: collect the bin's keys from the row */
             cand = (ELEM *)malloc((size_t)(bin_count > 0 ? bin_count : 1) * sizeof(ELEM));
