@@ -287,3 +287,10 @@ def test_checkpoint_of_wrong_architecture_names_key(tmp_path):
 def test_bad_pretrain_arguments(make, fragment):
     with pytest.raises(ValueError, match=fragment):
         make()
+
+
+def test_torchvision_models_with_auxiliary_heads_return_plain_logits_in_train_mode():
+    model = build_model("torchvision:googlenet", num_classes=3).train()
+    assert isinstance(model(torch.randn(2, 3, 64, 64)), torch.Tensor)
+    kept = build_model("torchvision:googlenet", num_classes=3, aux_logits=True, init_weights=True).train()
+    assert not isinstance(kept(torch.randn(2, 3, 64, 64)), torch.Tensor)  # the user's choice wins

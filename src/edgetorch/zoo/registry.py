@@ -71,7 +71,14 @@ def _build_torchvision(name: str, num_classes: int | None, kw: dict[str, Any]) -
         )
     if num_classes is not None:
         kw = {**kw, "num_classes": num_classes}
+    # GoogLeNet and Inception v3 return auxiliary outputs in train mode, which no loss takes;
+    # every other builder returns plain logits, so these two do too unless asked otherwise.
+    kw = {**_PLAIN_LOGITS.get(name, {}), **kw}
     return torchvision.models.get_model(name, weights=None, **kw)
+
+
+_PLAIN_LOGITS = {"googlenet": {"aux_logits": False, "init_weights": True},
+                 "inception_v3": {"aux_logits": False, "init_weights": True}}
 
 
 def _resolve_factory(spec: str, module_name: str, attr_path: str) -> Callable[..., Any]:
