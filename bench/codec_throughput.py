@@ -165,15 +165,18 @@ def fixed_cost(n: int) -> dict:
     calls = max(200, 2_000_000 // max(n, 1_000))
     variants = {"pack": lambda: pack_bitmap(t), "unpack": packed.unpack, "clone": t.clone}
     per_call: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(15):
         for name, fn in variants.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             for _ in range(calls):
                 fn()
             per_call[name].append((time.perf_counter() - start) / calls)
+            cpu[name].append((time.thread_time() - start_cpu) / calls)
     return {"elements": n, "calls_per_batch": calls,
             "seconds": {k: statistics.median(v) for k, v in per_call.items()},
-            "min_seconds": {k: min(v) for k, v in per_call.items()}}
+            "min_seconds": {k: min(v) for k, v in per_call.items()},
+            "thread_cpu_seconds": {k: statistics.median(v) for k, v in cpu.items()}}
 
 
 # --- 3. throughput --------------------------------------------------------------------------------
@@ -391,15 +394,19 @@ def markdown(results: dict[str, list[dict]], extras: dict, first: list[dict], lo
         "",
         "## Fixed cost per call",
         "",
-        "fp32, 50% zeros; microseconds per call, median of 15 batches (min in brackets).",
+        "fp32, 50% zeros; microseconds per call, wall time, median of 15 batches (min in brackets), "
+        "and the calling thread's CPU time (median), which a process sharing the core does not "
+        "inflate. Below 2 x 32,768 elements the kernels run on the calling thread only; `clone` "
+        "may use torch's threads.",
         "",
-        "| elements | pack_bitmap us | unpack us | pack + unpack us | clone us |",
-        "|---:|---:|---:|---:|---:|",
+        "| elements | pack_bitmap us | unpack us | pack + unpack us | pack CPU us | unpack CPU us | clone us |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in extras["fixed_cost"]:
-        s, m = row["seconds"], row["min_seconds"]
+        s, m, c = row["seconds"], row["min_seconds"], row["thread_cpu_seconds"]
         lines.append(f"| {row['elements']:,} | {_us(s['pack'])} ({_us(m['pack'])}) | {_us(s['unpack'])} "
-                     f"({_us(m['unpack'])}) | {_us(s['pack'] + s['unpack'])} | {_us(s['clone'])} |")
+                     f"({_us(m['unpack'])}) | {_us(s['pack'] + s['unpack'])} | {_us(c['pack'])} | "
+                     f"{_us(c['unpack'])} | {_us(s['clone'])} |")
     lines += [
         "",
         "## Bitmap throughput (fp32)",
@@ -410,7 +417,10 @@ def markdown(results: dict[str, list[dict]], extras: dict, first: list[dict], lo
         "path) on CPU. *default*: glibc as configured, where blocks under 32 MiB are often reused "
         "with their pages mapped (a warm memcpy for `clone`); *fresh-pages*: glibc's mmap "
         f"threshold pinned at {int(HONEST_MALLOC_ENV['MALLOC_MMAP_THRESHOLD_']) // 1024} KiB, so every "
-        "large result faults its pages in, for `clone` and the codec alike.",
+        "large result faults its pages in, for `clone` and the codec alike. On this machine (a "
+        "virtual machine) a first-touch page fault costs several times more in some runs than in "
+        "others, so cells where fresh pages dominate (fresh-pages, and everything at 100M) move "
+        "by up to 3x between runs; compare within a row.",
     ]
     for regime, rows in results.items():
         lines += [

@@ -73,7 +73,7 @@ def build_description() -> str:
     if _native is None:
         return f"torch ops ({UNAVAILABLE_REASON})"
     info = _native.build_info()
-    return f"C extension (abi {info['abi']}, {info['compiler']}, {info['isa']} kernels)"
+    return f"C extension (abi {info['abi']}, {info['compiler'].strip()}, {info['isa']} kernels)"
 
 
 def pack(t: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
