@@ -470,6 +470,12 @@ static void NAME(scatter)(const uint8_t *bm, int64_t b0, int64_t b1, int64_t n, 
             const uint8_t *rank = RANK8[byte];
             for (int j = 0; j < 8; j++) os[j] = vs[rank[j]] & (ELEM)(0 - (ELEM)((byte >> j) & 1));
             o += POP8[byte];
+        } else if (o == nvals) {
+            /* every value is placed; the caller checked that the bitmap has exactly nvals bits
+             * set, so the rest of the range is zeros (an all-zero tensor is one memset) */
+            int64_t end = 8 * b1 < n ? 8 * b1 : n;
+            memset(os, 0, (size_t)(end - 8 * b) * sizeof(ELEM));
+            return;
         } else {
             for (int j = 0; j < 8; j++) os[j] = ((byte >> j) & 1) ? vals[o++] : 0;
         }
