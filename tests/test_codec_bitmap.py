@@ -155,6 +155,10 @@ def check_kernel_matches_reference(bits: torch.Tensor, limit: int) -> None:
     assert torch.equal(dense, ref_dense)
 
 
+needs_native = pytest.mark.skipif(not _cpu_kernels.NATIVE, reason="the C extension is not built")
+
+
+@needs_native
 @HYPO
 @given(
     int_dtype=st.sampled_from([torch.int16, torch.int32, torch.int64]),
@@ -175,6 +179,7 @@ def test_kernel_matches_reference(
     check_kernel_matches_reference(bits, limit)
 
 
+@needs_native
 @pytest.mark.parametrize("n", [CHUNK - 1, CHUNK, 3 * CHUNK + 5, 9 * CHUNK + 13])  # last: threaded
 @pytest.mark.parametrize(
     "pattern", ["random", "zero_tail", "zero_head", "all_zero", "all_kept", "one"]
@@ -204,6 +209,7 @@ def _pack_in_child(queue: "multiprocessing.Queue[bool]") -> None:
     queue.put(bool(np.array_equal(pack_bitmap(x).unpack().numpy(), x.numpy())))
 
 
+@needs_native  # torch ops (the fallback) hang in a forked child: their OpenMP pool is not fork-safe
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="the kernel runs single-threaded")
 def test_threaded_kernel_works_after_fork() -> None:
     x = torch.relu(torch.randn(9 * CHUNK))
