@@ -1,119 +1,200 @@
-"""BitTrain and Back Razor on a GPU: CUDA allocator peak and step time of one training step.
+"""BitTrain and Back Razor on a GPU: CUDA allocator peak, step time and host syncs of one step.
 
 What it measures, per torchvision model (random init, train mode, 224 px, batch 32, SGD step) and
-policy (``dense``, lossless ``bitmap``, ``bitmap:threshold=0.05``, ``backrazor:sparsity=0.9``):
+configuration:
 
-* the CUDA caching allocator's peak during one step (``torch.cuda.max_memory_allocated``) minus
-  what was allocated before it (model, optimizer state, the batch): the memory the step itself
-  needs, measured, not modelled;
-* the forward's increase (allocated at the end of the forward minus before it), which is what the
-  saved activations occupy, next to the ledger's stored bytes of the same step;
-* the median step time over STEPS timed steps after WARMUP, with ``torch.cuda.synchronize``
-  around each; policies interleave step by step so clock and thermal drift hit all alike.
+* ``plain``: plain PyTorch, no edgetorch at all (every ratio divides by it);
+* ``dense``: the engine with the ``Dense()`` policy, which packs nothing: the engine's own cost;
+* ``bitmap`` (lossless BitTrain) and ``backrazor:sparsity=0.9``;
+* ``checkpoint``: the peer a GPU user picks, ``torch.utils.checkpoint`` around every block
+  (non-reentrant, no edgetorch);
+* ``bf16 ...``: the same under ``torch.autocast("cuda", dtype=torch.bfloat16)``, against plain
+  bf16 autocast.
 
-Bitmap packing on CUDA uses torch ops (there is no custom kernel), so its step time is the price of
-that path today. Requires a CUDA device; prints and writes ``docs/results/activations_cuda.{json,md}``.
+For each: the CUDA caching allocator's peak during one step minus what was allocated before it,
+the forward's increase next to the ledger's stored bytes, the median step time over STEPS timed
+steps (configurations interleaved step by step, so drift hits all alike), and the host syncs one
+step makes (``torch.cuda.set_sync_debug_mode("warn")`` warns once per sync; they are counted).
 
-Run: ``python bench/activations_cuda.py`` on a machine with a GPU (about 2 minutes on an H100).
+Requires a CUDA device; writes ``docs/results/activations_cuda.{json,md}``. ``--smoke`` runs one
+tiny model for one step on whatever device there is and writes nothing (a check that the script
+works, for machines without a GPU).
+
+Run: ``python bench/activations_cuda.py`` on a machine with a GPU (a few minutes on an H100).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import copy
 import statistics
 import time
+import warnings
 
 import torch
 import torchvision
 from _common import mib, table, write_results
+from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 import edgetorch
 
 MODELS = ("resnet18", "resnet50", "vgg11_bn", "mobilenet_v2")
-POLICIES = ("dense", "bitmap", "bitmap:threshold=0.05", "backrazor:sparsity=0.9")
+POLICIES = ("dense", "bitmap", "backrazor:sparsity=0.9")
 BATCH, SIZE, WARMUP, STEPS = 32, 224, 3, 10
+TARGETS = {"dense": 1.05, "bitmap": 1.15, "backrazor:sparsity=0.9": 1.30}  # step time vs plain
 
 
-def step(model, opt, x, y, policy, ledger=None) -> tuple[int, int, float]:
-    """One training step: (peak over the start, forward increase, seconds)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    with edgetorch.compress_activations(model, edgetorch.parse_policy(policy), ledger=ledger):
-        loss = F.cross_entropy(model(x), y)
-    torch.cuda.synchronize()
-    forward = torch.cuda.memory_allocated() - before
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=False)  # gradients stay allocated: every step starts from the same state
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before, forward, time.perf_counter() - start
+class _Checkpointed(nn.Module):
+    """One block run under non-reentrant ``torch.utils.checkpoint`` (the peer configuration)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False) if torch.is_grad_enabled() else self.block(x)
+
+
+def per_block_checkpoint(model: nn.Module) -> nn.Module:
+    """Wrap every block of a torchvision CNN (ResNet stages' blocks, ``features`` children)."""
+    stages = [getattr(model, f"layer{i}") for i in range(1, 5) if hasattr(model, f"layer{i}")]
+    if hasattr(model, "features"):
+        stages.append(model.features)
+    for stage in stages:
+        for i, block in enumerate(stage):
+            stage[i] = _Checkpointed(block)
+    return model
+
+
+def configurations() -> dict[str, tuple[str | None, bool, bool]]:
+    """name -> (policy spec or None for no edgetorch, bf16 autocast, per-block checkpoint)."""
+    configs = {"plain": (None, False, False)}
+    configs.update({p: (p, False, False) for p in POLICIES})
+    configs["checkpoint (per block)"] = (None, False, True)
+    configs["bf16 plain"] = (None, True, False)
+    configs.update({f"bf16 {p}": (p, True, False) for p in POLICIES if p != "dense"})
+    return configs
+
+
+def step(model, ckpt_model, opt, x, y, config, ledger=None, count_syncs=False) -> dict:
+    """One training step: peak over the start, forward increase, seconds, host syncs."""
+    policy, bf16, ckpt = config
+    device = x.device
+    net = ckpt_model if ckpt else model
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    syncs = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if count_syncs and cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        start = time.perf_counter()
+        scope = (edgetorch.compress_activations(net, edgetorch.parse_policy(policy), ledger=ledger)
+                 if policy else contextlib.nullcontext())
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), scope:
+            loss = F.cross_entropy(net(x).float(), y)
+        forward_end = torch.cuda.memory_allocated() if cuda else 0
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # gradients stay allocated: every step starts alike
+        if count_syncs and cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - before if cuda else 0
+    return {"peak": peak, "forward": forward_end - before, "seconds": seconds, "syncs": syncs}
+
+
+def run_model(name: str, device: torch.device, batch: int, size: int, warmup: int, steps: int) -> list[dict]:
+    configs = configurations()
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
+    ckpt_model = per_block_checkpoint(copy.deepcopy(model))  # same weights, blocks wrapped
+    params = list(model.parameters()) + list(ckpt_model.parameters())
+    opt = torch.optim.SGD(params, lr=1e-4, momentum=0.9)
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    for _ in range(warmup):  # cuDNN autotuning, optimizer state, allocator pools, Triton compiles
+        for config in configs.values():
+            step(model, ckpt_model, opt, x, y, config)
+    measured = {}
+    for label, config in configs.items():  # memory, ledger and syncs from one untimed step
+        ledger = edgetorch.SavedTensorLedger() if config[0] else None
+        measured[label] = step(model, ckpt_model, opt, x, y, config, ledger, count_syncs=True)
+        measured[label]["ledger_stored_bytes"] = ledger.total().stored_bytes if ledger else None
+    times: dict[str, list[float]] = {label: [] for label in configs}
+    for _ in range(steps):
+        for label, config in configs.items():
+            times[label].append(step(model, ckpt_model, opt, x, y, config)["seconds"])
+    rows = []
+    for label, config in configs.items():
+        base = "bf16 plain" if config[1] else "plain"
+        m = measured[label]
+        rows.append({
+            "model": name, "config": label, "baseline": base,
+            "step_peak_bytes": m["peak"], "forward_increase_bytes": m["forward"],
+            "ledger_stored_bytes": m["ledger_stored_bytes"], "host_syncs_per_step": m["syncs"],
+            "median_step_seconds": statistics.median(times[label]),
+            "step_time_ratio": statistics.median(times[label]) / statistics.median(times[base]),
+            "step_peak_ratio": m["peak"] / measured[base]["peak"] if measured[base]["peak"] else None,
+        })
+    return rows
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="one tiny run on any device; writes nothing")
+    args = parser.parse_args()
+    if args.smoke:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        for row in run_model("resnet18", device, batch=2, size=32, warmup=1, steps=1):
+            print(row)
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("activations_cuda needs a CUDA device")
+        raise SystemExit("activations_cuda needs a CUDA device (use --smoke to check the script elsewhere)")
     torch.backends.cudnn.benchmark = True
     rows = []
     for name in MODELS:
-        torch.manual_seed(0)
-        model = torchvision.models.get_model(name, weights=None, num_classes=1000).cuda().train()
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-        x = torch.randn(BATCH, 3, SIZE, SIZE, device="cuda")
-        y = torch.randint(0, 1000, (BATCH,), device="cuda")
-        for _ in range(WARMUP):  # cuDNN autotuning, optimizer state, allocator pools
-            for policy in POLICIES:
-                step(model, opt, x, y, policy)
-        peaks: dict[str, int] = {}
-        forwards: dict[str, int] = {}
-        totals = {}
-        for policy in POLICIES:  # memory and ledger from one step; the ledger's bookkeeping is not timed
-            ledger = edgetorch.SavedTensorLedger()
-            peaks[policy], forwards[policy], _ = step(model, opt, x, y, policy, ledger)
-            totals[policy] = ledger.total()  # the ledger itself is dropped before the next step
-        times: dict[str, list[float]] = {p: [] for p in POLICIES}
-        for _ in range(STEPS):
-            for policy in POLICIES:
-                times[policy].append(step(model, opt, x, y, policy)[2])
-        dense_time = statistics.median(times["dense"])
-        for policy in POLICIES:
-            total = totals[policy]
-            rows.append({"model": name, "policy": policy, "step_peak_bytes": peaks[policy],
-                         "forward_increase_bytes": forwards[policy], "ledger_dense_bytes": total.dense_bytes,
-                         "ledger_stored_bytes": total.stored_bytes, "median_step_seconds": statistics.median(times[policy]),
-                         "step_time_ratio": statistics.median(times[policy]) / dense_time,
-                         "step_peak_ratio": peaks[policy] / peaks["dense"],
-                         "forward_ratio": forwards[policy] / forwards["dense"]})
-            r = rows[-1]
-            print(f"{name:13s} {policy:24s} peak {mib(r['step_peak_bytes'])} MiB ({r['step_peak_ratio']:.3f}x), "
-                  f"forward {mib(r['forward_increase_bytes'])} MiB, ledger {mib(r['ledger_stored_bytes'])} MiB, "
-                  f"step {1e3 * r['median_step_seconds']:.1f} ms ({r['step_time_ratio']:.2f}x)", flush=True)
-        del model, opt
+        rows += run_model(name, torch.device("cuda"), BATCH, SIZE, WARMUP, STEPS)
+        for r in rows[-len(configurations()):]:
+            print(r, flush=True)
         torch.cuda.empty_cache()
+    verdicts = []
+    for r in rows:
+        target = TARGETS.get(r["config"].removeprefix("bf16 "))
+        if target is not None:
+            ok = r["step_time_ratio"] <= target
+            verdicts.append(f"- {r['model']} {r['config']}: step {r['step_time_ratio']:.2f}x of "
+                            f"{r['baseline']} (target <= {target:.2f}x): {'met' if ok else 'NOT met'}")
     body = f"""
 Device: {torch.cuda.get_device_name()}. Per model: batch {BATCH}, {SIZE} px, random init, train mode,
-SGD; {WARMUP} warm-up steps per policy, then {STEPS} timed steps per policy, interleaved.
+SGD; {WARMUP} warm-up steps per configuration, then {STEPS} timed steps each, interleaved.
+Step peak: the CUDA allocator's peak during one step minus what was allocated before it. Forward:
+allocated at the end of the forward minus before it, next to the ledger's stored bytes. Host syncs:
+counted with `torch.cuda.set_sync_debug_mode("warn")` over one whole step. Ratios are to `plain`
+(or `bf16 plain` for the bf16 rows) in the same run.
 
-- **step peak**: the CUDA allocator's peak during one step minus what was allocated before it
-  (model, gradients, momentum, the batch), measured;
-- **forward**: allocated at the end of the forward minus before it: the saved activations as held;
-- **ledger stored**: the bytes the ledger counts for the same step's saved tensors (the codec's
-  exact sizes), for comparison with the measured forward;
-- times are medians; ratios are to dense in the same run.
+{table(["model", "config", "step peak MiB", "peak vs baseline", "forward MiB", "ledger stored MiB",
+        "step ms", "time vs baseline", "host syncs"],
+       [[r["model"], r["config"], mib(r["step_peak_bytes"]),
+         "n/a" if r["step_peak_ratio"] is None else f"{r['step_peak_ratio']:.3f}",
+         mib(r["forward_increase_bytes"]),
+         "" if r["ledger_stored_bytes"] is None else mib(r["ledger_stored_bytes"]),
+         f"{1e3 * r['median_step_seconds']:.1f}", f"{r['step_time_ratio']:.2f}", r["host_syncs_per_step"]]
+        for r in rows])}
 
-A measured forward more than 5% below the ledger means memory allocated before the step was freed
-during it (the measurement, not the policy, is then off); such rows: {", ".join(
-    f"{r['model']} {r['policy']}" for r in rows if r["forward_increase_bytes"] < 0.95 * r["ledger_stored_bytes"]) or "none"}.
-
-{table(["model", "policy", "step peak MiB", "peak vs dense", "forward MiB", "forward vs dense",
-        "ledger stored MiB", "step ms", "time vs dense"],
-       [[r["model"], r["policy"], mib(r["step_peak_bytes"]), f"{r['step_peak_ratio']:.3f}",
-         mib(r["forward_increase_bytes"]), f"{r['forward_ratio']:.3f}", mib(r["ledger_stored_bytes"]),
-         f"{1e3 * r['median_step_seconds']:.1f}", f"{r['step_time_ratio']:.2f}"] for r in rows])}
+{chr(10).join(verdicts)}
 """
-    write_results("activations_cuda", "BitTrain and Back Razor on a GPU: allocator peak and step time", body,
-                  {"batch": BATCH, "size": SIZE, "warmup": WARMUP, "steps": STEPS, "rows": rows})
+    write_results("activations_cuda", "BitTrain and Back Razor on a GPU: allocator peak, step time, host syncs",
+                  body, {"batch": BATCH, "size": SIZE, "warmup": WARMUP, "steps": STEPS, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -56,3 +56,26 @@ def test_non_contiguous_and_empty_and_out_of_range():
 def test_rejects_what_it_does_not_narrow(dtype):
     with pytest.raises(TypeError, match="int16, int32 or int64"):
         pack_narrow(torch.zeros(4, dtype=dtype))
+
+
+def test_a_known_bound_chooses_the_dtype_without_reading_the_values():
+    t = torch.tensor([0, 5, 300], dtype=torch.int64)
+    assert pack_narrow(t, bound=32767).values.dtype == torch.int16  # 300 fits either way
+    assert pack_narrow(t, bound=40000).values.dtype == torch.int32  # the bound decides, not the values
+    assert torch.equal(pack_narrow(t, bound=1000).unpack(), t)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="bound must be an int >= 0"):
+            pack_narrow(t, bound=bad)
+
+
+def test_max_pool_indices_get_their_plane_size_as_bound_under_back_razor():
+    import edgetorch as et
+    from torch import nn
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 32 * 32, 2))
+    ledger = et.SavedTensorLedger()
+    with et.compress_activations(model, et.BackRazor(0.9), ledger=ledger):
+        out = model(torch.randn(2, 3, 64, 64)).sum()
+    out.backward()
+    (idx,) = [r for r in ledger.records if r.dtype == "int64"]
+    assert idx.stored_bytes * 4 == idx.dense_bytes  # positions in a 64x64 plane: int16

@@ -425,3 +425,60 @@ def test_cuda_kernels_match_the_cpu_reference_without_syncs(dtype) -> None:
     ref_mask = pack_mask(x, 0.0, 6.0, inside=3.0)
     assert torch.equal(mask_c.cpu(), ref_mask.bitmap)
     assert torch.equal(ints(unmask_c.cpu()), ints(ref_mask.unpack().view(-1)))
+
+
+# --- the codecs' GPU path, wired to the kernels -------------------------------------------------
+
+
+@interpreted
+def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatch) -> None:
+    """Every codec routed through the kernels (as on CUDA) gives the CPU path's bytes, and a Back
+    Razor step through the engine gives the CPU path's gradients."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    import edgetorch as et
+    from edgetorch.codecs import _cpu_kernels, _cuda
+    from edgetorch.codecs.bitmap import pack_bitmap_if_smaller
+    from edgetorch.codecs.topk import TopkRowsTensor
+
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(6, 700))
+    x[2] = 0.0  # a row with fewer non-zeros than its quota
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
+    images, labels = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+
+    def step():
+        net = copy.deepcopy(model)
+        ledger = et.SavedTensorLedger()
+        with et.compress_activations(net, et.BackRazor(0.9), ledger=ledger):
+            loss = F.cross_entropy(net(images), labels)
+        loss.backward()
+        return [p.grad for p in net.parameters()], ledger
+
+    ref_top, ref_bits, ref_mask = pack_topk(x, 0.9), et.pack_bitmap(x), pack_mask(x, 0.0)
+    ref_grads, ref_ledger = step()
+
+    monkeypatch.setattr(_cuda, "kernels", lambda t: T)  # every tensor takes the GPU path
+    monkeypatch.setattr(_cpu_kernels, "NATIVE", False)
+    top = pack_topk(x, 0.9)
+    assert isinstance(top, TopkRowsTensor)
+    assert torch.equal(top.bitmap, ref_top.bitmap) and top.nnz == ref_top.nnz
+    assert torch.equal(top.unpack(), ref_top.unpack())
+    assert top.nbytes == top.bitmap.numel() + 4 * top.values.numel() + 8 * 6
+    bits = et.pack_bitmap(x)
+    assert torch.equal(bits.bitmap, ref_bits.bitmap) and torch.equal(bits.values, ref_bits.values)
+    assert torch.equal(bits.unpack(), x)
+    small = pack_bitmap_if_smaller(x, 0.0, None, x.numel() * 4)
+    assert torch.equal(small.bitmap, ref_bits.bitmap) and torch.equal(small.unpack(), x)
+    assert pack_bitmap_if_smaller(x, 0.0, None, ref_bits.nbytes) is None  # not smaller than the bound
+    mask = pack_mask(x, 0.0)
+    assert torch.equal(mask.bitmap, ref_mask.bitmap) and torch.equal(mask.unpack(), ref_mask.unpack())
+
+    grads, ledger = step()
+    assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
+    assert any(r.form == "prune" for r in ledger.records)
+    assert ledger.total().nnz == ref_ledger.total().nnz

@@ -447,7 +447,7 @@ class compress_activations(contextlib.ContextDecorator):
             rep = _SHAPE
         else:
             floating = region.dtype in _FLOATS
-            rep = self.policy.encode(region.view(rows, -1), need) if floating else pack_narrow(region)
+            rep = self.policy.encode(region.view(rows, -1), need) if floating else pack_narrow(region, need.bound)
             region_bytes = region.numel() * region.element_size()
             if rep is None or rep.nbytes >= region_bytes:
                 # Never worse than plain PyTorch: what does not compress is held as it is (a
@@ -456,12 +456,13 @@ class compress_activations(contextlib.ContextDecorator):
         superseded = entry.add(form, rep)
         storage = "dense" if isinstance(rep, _Region) else "stored"
         # A form added to an entry already counted adds bytes, not elements.
+        if self.ledger is None:  # nnz can take a host sync on a GPU: only a ledger reads it
+            return
         numel, nnz = (region.numel(), rep.nnz) if dense_bytes else (0, 0)
         self._record(t, module, storage, dense_bytes, rep.nbytes, numel, need, form, nnz)
-        if self.ledger is not None:
-            self._supersede(entry, superseded, rep.nnz)
-            entry.records[form] = len(self.ledger.records) - 1
-        if self.ledger is not None and rep.nbytes:
+        self._supersede(entry, superseded, rep.nnz)
+        entry.records[form] = len(self.ledger.records) - 1
+        if rep.nbytes:
             self.ledger.hold(rep.nbytes)
             weakref.finalize(rep, self.ledger.release, rep.nbytes)
 

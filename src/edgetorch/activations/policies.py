@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..codecs import FLOAT_DTYPES, pack_bitmap
-from ..codecs.bitmap import BitmapTensor, zero_limit_bits
+from ..codecs.bitmap import BitmapTensor, pack_bitmap_if_smaller, zero_limit_bits
 from ..codecs.mask import pack_mask
 from ..codecs.topk import check_sparsity, pack_topk
 from .roles import EXACT, Need
@@ -91,6 +91,11 @@ class Bitmap(Policy):
             )
 
     def encode(self, t: torch.Tensor, need: Need = EXACT) -> BitmapTensor | None:
+        if not t.is_cpu:
+            # On a GPU packing reads the kept count back once anyway (to size the values); the
+            # decision uses that exact count instead of a sample, which would be a second sync.
+            limit = int(_WORTHWHILE * t.numel() * t.element_size())
+            return pack_bitmap_if_smaller(t, self.threshold, self.value_dtype, limit)
         if not self._worth_packing(t):
             return None
         return pack_bitmap(t, self.threshold, self.value_dtype)
@@ -124,7 +129,8 @@ class BackRazor(Policy):
     :mod:`edgetorch.activations.roles`): inputs of Conv/Linear/matmul with a parameter are
     pruned; ReLU, ReLU6 and leaky ReLU keep an exact 1-bit mask; pooling keeps only the shape;
     everything else (GELU, softmax, LayerNorm, attention, training-mode batch norm) is stored
-    losslessly. Input gradients therefore equal plain PyTorch's wherever no batch norm trains.
+    losslessly (as a bitmap on CPU; as it is on a GPU, where probing it for zeros would cost a
+    host sync per tensor). Input gradients therefore equal plain PyTorch's wherever no batch norm trains.
 
     Args:
         sparsity: fraction of each sample's values dropped, in [0, 1). A sample that already
@@ -178,6 +184,11 @@ class BackRazor(Policy):
             return pack_topk(t, self.sparsity, value_dtype=self.value_dtype)
         if form.startswith("mask"):
             return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
+        if not t.is_cpu:
+            # Finding out whether a bitmap would be smaller takes a host sync per tensor, which
+            # stalls a GPU forward; what Back Razor keeps exact (batch-norm, GELU and softmax
+            # inputs) has no zeros to find, so on a GPU it is held as it is.
+            return None
         return _LOSSLESS.encode(t)
 
 

@@ -65,6 +65,8 @@ class Need:
         inside, outside: stand-in values a mask reads back (see :func:`edgetorch.codecs.mask.pack_mask`).
         prunable: an ``exact`` need that ``BackRazor(scope="all")`` prunes anyway.
         op: the ATen op that saved the tensor, for the ledger.
+        bound: for an integer tensor, a known bound on its values (max pooling's indices lie in
+            [0, plane size)), so it can be narrowed without reading its range back.
     """
 
     kind: str
@@ -74,6 +76,7 @@ class Need:
     outside: float = 0.0
     prunable: bool = False
     op: str = "?"
+    bound: int | None = None
 
 
 EXACT = Need("exact")
@@ -178,6 +181,9 @@ def input_need(op: str, t: torch.Tensor, args: tuple, kwargs: dict, is_param: Ca
 
 def output_need(op: str, index: int, args: tuple, kwargs: dict) -> Need:
     """What backward of ``op`` needs of its output number ``index``, which it saved."""
+    if op.startswith("max_pool") and index == 1 and args:  # flat positions in one input plane
+        dims = 3 if op.startswith("max_pool3d") else 2
+        return Need("exact", op=op, bound=math.prod(args[0].shape[-dims:]) - 1)
     if op in ("relu", "relu_"):
         return Need("mask", 0.0, math.inf, 1.0, 0.0, op=op)
     if op == "hardtanh_":

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _cpu_kernels
+from . import _cpu_kernels, _cuda
 
 # Floats are compared as integers of the same width: |v| as bits is monotone in |v| for every
 # IEEE-style float (NaN sorts above Inf), so "keep iff abs_bits > limit" is one integer test.
@@ -146,6 +146,8 @@ def zero_limit_bits(dtype: torch.dtype, threshold: float) -> int:
 
 
 def _pack(bits: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if (kernels := _cuda.kernels(bits)) is not None:
+        return kernels.pack_bitmap(bits, limit)  # one host sync: the kept count sizes the values
     if bits.is_cpu:
         if _cpu_kernels.NATIVE:
             return _cpu_kernels.pack(bits, limit)
@@ -154,11 +156,45 @@ def _pack(bits: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _unpack(bitmap: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    if (kernels := _cuda.kernels(values)) is not None:
+        return kernels.unpack_bitmap(bitmap, values.contiguous(), numel)
     if values.is_cpu:
         if _cpu_kernels.NATIVE:
             return _cpu_kernels.unpack(bitmap, values, (numel,))
         _cpu_kernels.warn_fallback()
     return unpack_torch(bitmap, values, numel)
+
+
+def pack_bitmap_if_smaller(
+    t: torch.Tensor, threshold: float, value_dtype: torch.dtype | None, max_bytes: int
+) -> BitmapTensor | None:
+    """:func:`pack_bitmap` of a float tensor, or None when the result would hold ``max_bytes`` or more.
+
+    The decision reads the exact kept count, with the one host sync that sizing the values
+    takes anyway (on CUDA; the CPU policy estimates from a sample instead, which costs less
+    than a counting pass there). Used by :class:`edgetorch.Bitmap` on GPUs, where a separate
+    estimate would be a second sync per tensor.
+    """
+    limit = zero_limit_bits(t.dtype, threshold)
+    bits = t.detach().reshape(-1).view(_INT_VIEW[t.dtype])
+    kernels = _cuda.kernels(bits)
+    if kernels is not None:
+        prefix = kernels.count(bits, limit)
+        nnz = int(prefix[-1])
+    else:
+        keep = (bits & _ABS_MASK[bits.dtype]) > limit
+        nnz = int(keep.sum())
+    value_bytes = (value_dtype or t.dtype).itemsize
+    if (bits.numel() + 7) // 8 + nnz * value_bytes >= max_bytes:
+        return None
+    if kernels is not None:
+        bitmap, values = kernels.compact(bits, limit, prefix, nnz)
+    else:
+        bitmap, values = pack_bits(keep), bits[keep]
+    values = values.view(t.dtype)
+    if value_dtype is not None and value_dtype != t.dtype:
+        values = values.to(value_dtype)
+    return BitmapTensor(bitmap, values, t.shape, t.dtype)
 
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)

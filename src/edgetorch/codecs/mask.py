@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _cpu_kernels
+from . import _cpu_kernels, _cuda
 from .bitmap import FLOAT_DTYPES, pack_bits, unpack_bits
 
 
@@ -56,6 +56,8 @@ class MaskTensor:
             # like the torch path below, which takes (1.0, -0.0) for the ReLU mask and writes +0.0
             outside = 0.0 if (self.inside, self.outside) == (1.0, 0.0) else self.outside
             return _cpu_kernels.mask_unpack(self.bitmap, self.shape, self.dtype, self.inside, outside)
+        if (kernels := _cuda.kernels(self.bitmap)) is not None:
+            return kernels.unpack_mask(self.bitmap, self.numel, self.inside, self.outside, self.dtype).view(self.shape)
         inside = unpack_bits(self.bitmap, self.numel).view(self.shape)
         if (self.inside, self.outside) == (1.0, 0.0):
             return inside.to(self.dtype)  # the ReLU mask: one pass
@@ -92,7 +94,9 @@ def pack_mask(
         raise ValueError(
             f"inside={inside} must lie in ({low}, {high}) and outside={outside} must not"
         )
-    if t.is_cpu and _cpu_kernels.NATIVE:  # the predicate straight into bits, in one pass
+    if (kernels := _cuda.kernels(t)) is not None:  # the predicate straight into bits on a GPU
+        bitmap = kernels.pack_mask(t.detach().contiguous(), low, high)
+    elif t.is_cpu and _cpu_kernels.NATIVE:  # the same on CPU, in one pass
         bitmap = _cpu_kernels.mask_pack(t, low, high)
     else:
         if t.is_cpu:

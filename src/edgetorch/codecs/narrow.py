@@ -51,11 +51,15 @@ class NarrowIntTensor:
         return self.values.to(self.dtype)
 
 
-def pack_narrow(t: torch.Tensor) -> NarrowIntTensor | None:
+def pack_narrow(t: torch.Tensor, bound: int | None = None) -> NarrowIntTensor | None:
     """Hold ``t`` in the smallest of int8 / int16 / int32 that contains all its values.
 
     Args:
         t: an ``int16``, ``int32`` or ``int64`` tensor, any shape and device.
+        bound: when every value is known to lie in ``[0, bound]`` (max pooling's indices lie
+            within one input plane), the dtype is chosen from it without reading the values'
+            range back: no host sync on a GPU. A wrong bound corrupts the values; leave it None
+            unless it holds by construction.
 
     Returns:
         The narrowed tensor, or None when no dtype narrower than ``t.dtype`` holds its range (or
@@ -74,7 +78,11 @@ def pack_narrow(t: torch.Tensor) -> NarrowIntTensor | None:
     if t.numel() == 0:
         return None
     native = t.is_cpu and _cpu_kernels.NATIVE and t.is_contiguous()
-    if native:  # min and max in one pass
+    if bound is not None:
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise ValueError(f"bound must be an int >= 0 (values lie in [0, bound]) or None; got {bound!r}")
+        low, high = 0, bound
+    elif native:  # min and max in one pass
         low, high = _cpu_kernels.minmax(t)
     else:
         if t.is_cpu:

@@ -18,9 +18,12 @@ and on other devices, torch ops do the same with ``kthvalue``.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-from . import _cpu_kernels
+from . import _cpu_kernels, _cuda
 from .bitmap import _ABS_MASK, FLOAT_DTYPES, BitmapTensor, pack_bits
 
 
@@ -48,7 +51,9 @@ def pack_topk(
 
     Returns:
         A :class:`BitmapTensor` of ``t``'s shape; each row holds exactly
-        ``min(kept_per_row(n, sparsity), non-zeros of the row)`` values.
+        ``min(kept_per_row(n, sparsity), non-zeros of the row)`` values. On CUDA with Triton, a
+        :class:`TopkRowsTensor` instead: the same bitmap, each row's values in a fixed-width
+        slot, so that packing never waits for the host.
 
     Example:
         >>> x = torch.randn(8, 64, 14, 14)
@@ -65,6 +70,11 @@ def pack_topk(
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or t.numel() % rows:
         raise ValueError(f"rows must be a positive int dividing numel={t.numel()}; got {rows!r}")
     keep = kept_per_row(t.numel() // rows, sparsity)
+    if (kernels := _cuda.kernels(t)) is not None:
+        bitmap, values, counts = kernels.pack_topk_rows(t.detach().reshape(rows, -1).contiguous(), keep)
+        if value_dtype is not None and value_dtype != t.dtype:
+            values = values.to(value_dtype)
+        return TopkRowsTensor(bitmap, values, counts, t.shape, t.dtype)
     if t.is_cpu and _cpu_kernels.NATIVE:
         bitmap, values = _cpu_kernels.topk(t, rows, keep)
     else:
@@ -78,6 +88,54 @@ def pack_topk(
     if value_dtype is not None and value_dtype != t.dtype:
         values = values.to(value_dtype)
     return BitmapTensor(bitmap=bitmap, values=values, shape=t.shape, dtype=t.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class TopkRowsTensor:
+    """Per-row top-k held without a host sync (the CUDA path of :func:`pack_topk`).
+
+    Every row keeps at most ``keep`` values, a number known before the kernel runs; so row r's
+    kept values sit at the start of ``values[r]`` (``counts[r]`` of them, zeros after) and no
+    size has to be read back to allocate them. The bitmap is byte-identical to the CPU codec's.
+
+    Attributes:
+        bitmap: ``uint8``, bit ``i % 8`` of byte ``i // 8`` set where element ``i`` is kept.
+        values: ``[rows, width]`` kept values in the value dtype, row-major within each row.
+        counts: ``int64 [rows]`` values used in each row.
+        shape, dtype: the original tensor's.
+    """
+
+    bitmap: torch.Tensor
+    values: torch.Tensor
+    counts: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        """Values kept (a host sync: read it for reports, not on the training path)."""
+        return int(self.counts.sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: bitmap, every value slot (padding included) and the row counts."""
+        return (self.bitmap.numel() + self.values.numel() * self.values.element_size()
+                + self.counts.numel() * self.counts.element_size())
+
+    def unpack(self) -> torch.Tensor:
+        """The dense tensor: kept values in place, zeros elsewhere (a new tensor). No host sync."""
+        values = self.values if self.values.dtype == self.dtype else self.values.to(self.dtype)
+        rows = self.values.shape[0]
+        dense = _cuda.kernels(values).unpack_topk_rows(self.bitmap, values, rows, self.numel // max(rows, 1))
+        return dense.view(self.shape)
 
 
 def check_sparsity(sparsity: float) -> None:
