@@ -9,7 +9,7 @@ FMNIST_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: demo test data bench clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml setup.py $(wildcard src/edgetorch/codecs/*.c src/edgetorch/codecs/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e '.[dev]'

@@ -87,6 +87,6 @@ def run(console: Console) -> None:
     console.print("Measured = resident memory: 'forward increase' is what the forward added and "
                   "still held at its end, 'step increase' the step's peak over what was resident "
                   "before it (backward adds gradients and decoded activations), and peak RSS "
-                  "includes the interpreter, torch and numba.")
+                  "includes the interpreter, torch and edgetorch.")
     if not identical:
         raise SystemExit("lossless bitmap diverged from dense: this is a bug")
