@@ -48,8 +48,7 @@ class _Entry:
     """
 
     __slots__ = (
-        "source", "version", "lo", "hi", "gathered", "reps", "records", "_dense", "_held",
-        "_pending", "__weakref__",
+        "source", "version", "lo", "hi", "gathered", "reps", "records", "__weakref__",
     )
 
     def __init__(self, t: torch.Tensor, lo: int, hi: int, gathered: bool):
@@ -60,9 +59,6 @@ class _Entry:
         self.gathered = _geometry(t) if gathered else None
         self.reps: dict[str, object] = {}
         self.records: dict[str, int] = {}  # form -> index of its ledger row (for supersession)
-        self._dense: dict[str, weakref.ref] = {}
-        self._held: dict[str, torch.Tensor] = {}
-        self._pending = 0  # views handed to autograd that have not been unpacked yet
 
     def covers(self, t: torch.Tensor, lo: int, hi: int) -> bool:
         if self.source() is None or self.version != t._version:
@@ -83,7 +79,6 @@ class _Entry:
         return dropped
 
     def view_of(self, t: torch.Tensor, form: str) -> _View:
-        self._pending += 1
         if self.gathered is not None:  # flat() returns t's own geometry
             return _View(self, t.shape, t.stride(), None, form, t.dtype, t.device)
         return _View(self, t.shape, t.stride(), t.storage_offset() - self.lo, form, t.dtype, t.device)
@@ -91,43 +86,25 @@ class _Entry:
     def flat(self, form: str) -> torch.Tensor:
         """The region in ``form`` as a dense tensor, decoded once for all the ops that saved it.
 
-        A ReLU output is unpacked by the next convolution's backward and then, right after,
-        by the ReLU's own: the decoded tensor is held until every view handed out has been
-        unpacked (plain PyTorch holds it that long too). A gathered entry decodes to the saved
-        tensor's own strides: backward kernels choose their path by layout, and a contiguous
-        stand-in for a channel slice of a channels-last tensor changed depthwise convolution
-        gradients in the last bits.
+        The first decode replaces the packed form: a ReLU output read by the next convolution's
+        backward and then by its own is decoded once, and from then on only the decoded tensor
+        is held, which is what plain PyTorch holds all along. Holding the packed copy until the
+        last reader would put both in memory at once (zoo CNN, batch 256: the step's peak rose
+        10 MiB above dense while its forward held 22 MiB less). A retained graph or a repeated
+        unpack reads the decoded tensor again; it is freed with the entry, when autograd drops
+        the last view. A gathered entry decodes to the saved tensor's own strides: backward
+        kernels choose their path by layout, and a row-major stand-in for a channel slice of a
+        channels-last tensor changed depthwise convolution gradients in the last bits.
         """
         source = "exact" if "exact" in self.reps else form
-        dense = self._held.get(source)
-        if dense is None:
-            ref = self._dense.get(source)
-            dense = ref() if ref is not None else None
-        if dense is None:
-            rep = self.reps[source]
-            dense = rep.unpack()
-            if self.gathered is not None and not isinstance(rep, _Region):
-                dense = _restrided(dense, self.gathered)
-            self._dense[source] = weakref.ref(dense)
-        self._held[source] = dense
-        self.unpacked()
+        rep = self.reps[source]
+        if isinstance(rep, (_Region, _Decoded)):
+            return rep.tensor
+        dense = rep.unpack()
+        if self.gathered is not None:
+            dense = _restrided(dense, self.gathered)
+        self.reps[source] = _Decoded(dense)  # the packed copy is freed here, before backward allocates
         return dense
-
-    def unpacked(self) -> None:
-        """One view was unpacked. After the last one, backward asks for the values again only
-        under ``retain_graph``: the packed forms are released now, before the op's backward
-        allocates its gradients, and the decoded tensors take their place. Plain PyTorch holds
-        those same dense tensors until the op's backward ends, so the step's peak never has a
-        packed copy on top of the dense one; a retained graph keeps the dense values, exactly
-        as plain PyTorch does."""
-        self._pending -= 1
-        if self._pending == 0:
-            self.reps = {
-                form: rep if isinstance(rep, _Region) else _Decoded(self._held[form])
-                for form, rep in self.reps.items()
-                if form in self._held
-            }
-            self._held = {}
 
     def live(self) -> torch.Tensor | None:
         """A tensor sharing the saved tensor's version counter, if one is still alive."""
@@ -151,7 +128,7 @@ class _Region:
 
 
 class _Decoded:
-    """A form already decoded by backward, held in place of its packed copy (see ``_Entry.unpacked``)."""
+    """A form already decoded by backward, held in place of its packed copy (see ``_Entry.flat``)."""
 
     __slots__ = ("tensor",)
     nbytes = nnz = 0  # held by autograd's own use of it, not by the policy
@@ -177,7 +154,6 @@ class _View:
         # bug in the caller's code that plain PyTorch would report: report it too.
         _check_version(self.entry.live(), self.entry.version)
         if self.form == "shape":  # backward reads only the shape (and the layout): zero bytes
-            self.entry.unpacked()
             return _stand_in(self.size, self.stride, self.dtype, self.device)
         base = self.entry.flat(self.form)  # a decoded copy, or the kept region in place
         if self.offset is None:  # a gathered entry decodes to this view's own geometry
