@@ -63,8 +63,10 @@ def test_a_known_bound_chooses_the_dtype_without_reading_the_values():
     assert pack_narrow(t, bound=32767).values.dtype == torch.int16  # 300 fits either way
     assert pack_narrow(t, bound=40000).values.dtype == torch.int32  # the bound decides, not the values
     assert torch.equal(pack_narrow(t, bound=1000).unpack(), t)
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="bound must be an int >= 0"):
+    with pytest.raises(ValueError, match="bound must be an int >= 0"):
+        pack_narrow(t, bound=-1)
+    for bad in (1.5, True, "7"):
+        with pytest.raises(TypeError, match="bound must be an int >= 0"):
             pack_narrow(t, bound=bad)
 
 

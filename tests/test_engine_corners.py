@@ -236,3 +236,18 @@ def test_torch_compile_warning_says_what_really_happened(policy, ledger):
         assert not ran and "ran eagerly" in message
     else:
         assert ran and "compiled graph ran" in message
+
+
+def test_autocast_weight_copies_cached_before_the_block_are_still_weights():
+    """Micro-batches inside one autocast region reuse the weight casts the first one made."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 12 * 12, 3))
+    forms = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for micro in range(2):
+            ledger = et.SavedTensorLedger()
+            with et.compress_activations(model, et.BackRazor(0.9), ledger=ledger):
+                loss = model(torch.randn(4, 3, 16, 16)).float().sum()
+            loss.backward()
+            forms.append(sorted(r.form for r in ledger.records if r.op in ("convolution", "addmm") and r.dense_bytes))
+    assert forms[0] == forms[1] and forms[0].count("prune") >= 2

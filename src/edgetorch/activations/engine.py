@@ -192,6 +192,12 @@ class _Pending:
             raise RuntimeError("edgetorch: a saved tensor was never resolved (engine bug)")
         return self.target.unpack()
 
+    def release(self) -> None:
+        """Hold the tensor as it is (a pack that could not be resolved, e.g. after an error)."""
+        if self.target is None and self.detached is not None:
+            self.target = _Kept(self.detached, self.detached._version)
+        self.tensor = self.detached = None
+
 
 def _check_version(t: torch.Tensor | None, version: int) -> None:
     """Raise as plain PyTorch would when a saved tensor was modified in place after saving."""
@@ -262,11 +268,7 @@ class compress_activations(contextlib.ContextDecorator):
         # fire for every module on every thread, so they keep to this model and this thread.
         self._names = {id(m): (name, type(m).__name__) for name, m in self.model.named_modules()}
         self._thread = threading.get_ident()
-        self._handles = [
-            self.model.register_forward_pre_hook(self._note_inputs, with_kwargs=True),
-            register_module_forward_pre_hook(self._enter_module),
-            register_module_forward_hook(self._leave_module, always_call=True),
-        ]
+        self._handles = []
         self._exits = contextlib.ExitStack()
         self._watch = None
         if self.ledger is not None or self.policy.needs_roles:
@@ -275,13 +277,21 @@ class compress_activations(contextlib.ContextDecorator):
             self._exits.callback(self._flush)
             self._watch = self._exits.enter_context(OpWatch(self._resolve, self._is_external))
         self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_fn, self._unpack))
+        # Registered last: nothing after them can fail and leave them behind.
+        self._handles = [
+            self.model.register_forward_pre_hook(self._note_inputs, with_kwargs=True),
+            register_module_forward_pre_hook(self._enter_module),
+            register_module_forward_hook(self._leave_module, always_call=True),
+        ]
         return self
 
     def __exit__(self, *exc) -> bool:
-        self._exits.close()
-        for h in self._handles:
-            h.remove()
-        self._table.clear()
+        try:
+            self._exits.close()
+        finally:  # process-wide hooks must never outlive the block, even if the flush raised
+            for h in self._handles:
+                h.remove()
+            self._table.clear()
         if exc[0] is None and self._forward_with_grad and self.saved_count == 0:
             warnings.warn(
                 "compress_activations saw no saved tensor although the model ran with gradients "
@@ -493,24 +503,14 @@ class _Shape:
 _SHAPE = _Shape()
 
 
-_STORAGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _model_storages(model: nn.Module) -> set[int]:
-    """Storage addresses of ``model``'s parameters and buffers, cached per model.
+    """Storage addresses of ``model``'s parameters and buffers, read afresh on every entry.
 
-    Reading ~180 addresses costs 0.2 ms, as much as a small GPU step's whole budget; they change
-    when a tensor is replaced (a new identity) or moved (``model.to``: same identity, new
-    address), so the cache is checked against the identities and the first and last addresses.
-    A stale entry could only cost memory (a weight encoded like an activation), never exactness.
+    Not cached: moving one submodule (``model.fc.half()``) keeps every identity, and a stale
+    address reused by an activation would make it pass for a weight, which under Back Razor
+    prunes its partner in an activation product and makes input gradients approximate.
     """
-    tensors = (*model.parameters(), *model.buffers())
-    key = (tuple(map(id, tensors)), *(t.data_ptr() for t in tensors[:1] + tensors[-1:]))
-    cached = _STORAGES.get(model)
-    if cached is None or cached[0] != key:
-        cached = (key, frozenset(t.untyped_storage().data_ptr() for t in tensors))
-        _STORAGES[model] = cached
-    return set(cached[1])
+    return {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
 
 
 def _is_compiled(model: nn.Module) -> bool:

@@ -206,6 +206,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same memory: one storage, same offset, shape and strides (a view of itself counts)."""
     if a is b:
         return True
+    if a.dtype != b.dtype:  # a same-size view as another dtype is other values
+        return False
     # One address read per tensor: equal first-element addresses of live tensors mean one
     # storage at one offset (an empty tensor has no memory to share).
     return a.data_ptr() == b.data_ptr() and a.numel() > 0 and a.shape == b.shape and a.stride() == b.stride()
@@ -244,7 +246,15 @@ class OpWatch(TorchDispatchMode):
         if self._is_model_param(t):
             return True
         ref = self._casts.get(t.untyped_storage().data_ptr())
-        return ref is not None and ref() is not None
+        if ref is not None and ref() is not None:
+            return True
+        # A copy autocast cached before this block began (one cache per outermost autocast
+        # region, so every micro-batch after the first reuses it): its node leads to the weight.
+        node = (t if t._base is None else t._base).grad_fn  # Linear saves weight.t(), a view
+        if node is not None and node.name() == "ToCopyBackward0" and node.next_functions:
+            source = getattr(node.next_functions[0][0], "variable", None)
+            return source is not None and self._is_model_param(source)
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -274,16 +284,24 @@ class OpWatch(TorchDispatchMode):
         kwargs = kwargs or {}
         outputs = list(self._last[3]) if self._last is not None else []
         inputs = _tensors((args, kwargs)) if op is not None else []
-        for p in pending:
-            t, need = p.tensor, EXACT
-            match = next((k for k, (_, o) in enumerate(outputs) if _same(o, t)), None)
-            if match is not None:
-                index = outputs.pop(match)[0]  # each output is saved once; a second pack is an input
-                if self._last[0] != "clone":
-                    need = output_need(self._last[0], index, self._last[1], self._last[2])
-                elif op is not None and op.endswith("_") and args:
-                    need = input_need(op, args[0], args, kwargs, self.is_param)
-            elif any(_same(a, t) for a in inputs):
-                need = input_need(op, t, args, kwargs, self.is_param)
-            self.resolve(p, need)
-        self._last = None
+        try:
+            for done, p in enumerate(pending):
+                t, need = p.tensor, EXACT
+                match = next((k for k, (_, o) in enumerate(outputs) if _same(o, t)), None)
+                if match is not None:
+                    index = outputs.pop(match)[0]  # each output is saved once; a second pack is an input
+                    if self._last[0] != "clone":
+                        need = output_need(self._last[0], index, self._last[1], self._last[2])
+                    elif op is not None and op.endswith("_") and args:
+                        need = input_need(op, args[0], args, kwargs, self.is_param)
+                elif any(_same(a, t) for a in inputs):
+                    need = input_need(op, t, args, kwargs, self.is_param)
+                self.resolve(p, need)
+        except BaseException:
+            # A failed encode (out of memory, say) must not leave packs holding their tensors:
+            # each would tie its graph into a cycle the garbage collector cannot break.
+            for p in pending[done:]:
+                p.release()
+            raise
+        finally:
+            self._last = None

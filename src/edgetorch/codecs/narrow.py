@@ -75,12 +75,14 @@ def pack_narrow(t: torch.Tensor, bound: int | None = None) -> NarrowIntTensor | 
     """
     if not isinstance(t, torch.Tensor) or t.dtype not in WIDE_INTS:
         raise TypeError(f"pack_narrow stores int16, int32 or int64 tensors; got {getattr(t, 'dtype', type(t))}")
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+        raise TypeError(f"bound must be an int >= 0 (values lie in [0, bound]) or None; got {bound!r}")
+    if bound is not None and bound < 0:
+        raise ValueError(f"bound must be an int >= 0 (values lie in [0, bound]) or None; got {bound!r}")
     if t.numel() == 0:
         return None
     native = t.is_cpu and _cpu_kernels.NATIVE and t.is_contiguous()
     if bound is not None:
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
-            raise ValueError(f"bound must be an int >= 0 (values lie in [0, bound]) or None; got {bound!r}")
         low, high = 0, bound
     elif native:  # min and max in one pass
         low, high = _cpu_kernels.minmax(t)
