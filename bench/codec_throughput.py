@@ -58,6 +58,7 @@ from edgetorch.codecs.bitmap import BitmapTensor, pack_bits, pack_torch, unpack_
 from edgetorch.codecs.mask import pack_mask
 from edgetorch.codecs.narrow import pack_narrow
 from edgetorch.codecs.topk import kept_per_row, pack_topk
+from edgetorch.measure.footprint import first_call_footprint
 from edgetorch.measure.process import HONEST_MALLOC_ENV
 
 SIZES = {1_000_000: 21, 10_000_000: 11, 100_000_000: 5}  # elements -> repeats
@@ -122,37 +123,9 @@ def _rounds(rounds: list[tuple[int, dict[str, Callable[[], object]]]]) -> dict[s
 
 # --- 1. first call in a fresh process -------------------------------------------------------------
 
-FIRST_CALL = """
-import json, time
-from pathlib import Path
-
-def rss():
-    return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
-                if line.startswith("VmRSS:"))
-
-import torch
-x = torch.relu(torch.randn(1000))
-base = rss()
-start = time.perf_counter()
-import edgetorch
-imported = time.perf_counter()
-p = edgetorch.pack_bitmap(x)
-y = p.unpack()
-done = time.perf_counter()
-assert torch.equal(y, x)
-from edgetorch.codecs import _cpu_kernels
-print(json.dumps({"rss_delta_bytes": rss() - base, "import_seconds": imported - start,
-                  "first_call_seconds": done - imported, "native": _cpu_kernels.NATIVE}))
-"""
-
-
 def first_call(runs: int) -> list[dict]:
     """RSS and time of import edgetorch + the first pack/unpack, each in a fresh process."""
-    out = []
-    for _ in range(runs):
-        done = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, check=True)
-        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return out
+    return [first_call_footprint() for _ in range(runs)]
 
 
 # --- 2. fixed cost --------------------------------------------------------------------------------

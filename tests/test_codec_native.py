@@ -27,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgetorch import pack_bitmap
+from edgetorch.measure.footprint import first_call_footprint
 from edgetorch.codecs import FLOAT_DTYPES, _cpu_kernels
 from edgetorch.codecs.bitmap import BitmapTensor, pack_bits, unpack_bits
 from edgetorch.codecs.mask import MaskTensor, pack_mask
@@ -450,31 +451,9 @@ def test_extension_is_built_where_a_compiler_exists() -> None:
     assert _cpu_kernels.NATIVE, f"{compiler} exists but the extension did not load: {_cpu_kernels.UNAVAILABLE_REASON}"
 
 
-FIRST_CALL = """
-import json, time
-from pathlib import Path
-
-def rss():
-    return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
-                if line.startswith("VmRSS:"))
-
-import torch
-x = torch.relu(torch.randn(1000))
-base = rss()
-start = time.perf_counter()
-import edgetorch
-imported = time.perf_counter()
-p = edgetorch.pack_bitmap(x)
-y = p.unpack()
-done = time.perf_counter()
-assert torch.equal(y, x)
-print(json.dumps({"rss_delta": rss() - base, "import_s": imported - start, "first_call_s": done - imported}))
-"""
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_import_and_first_pack_are_cheap() -> None:
     # numba added ~120 MiB and ~0.5-1 s here; the extension measures ~2 MiB and ~1 ms (bench)
-    out = _run(FIRST_CALL)
-    assert out["rss_delta"] <= 25 * 2**20, f"import edgetorch + first pack added {out['rss_delta'] / 2**20:.1f} MiB"
-    assert out["first_call_s"] <= 0.5, f"the first pack + unpack took {out['first_call_s']:.2f} s"
+    out = first_call_footprint()
+    assert out["rss_delta_bytes"] <= 25 * 2**20, f"import edgetorch + first pack added {out['rss_delta_bytes'] / 2**20:.1f} MiB"
+    assert out["first_call_seconds"] <= 0.5, f"the first pack + unpack took {out['first_call_seconds']:.2f} s"
