@@ -251,3 +251,36 @@ def test_autocast_weight_copies_cached_before_the_block_are_still_weights():
             loss.backward()
             forms.append(sorted(r.form for r in ledger.records if r.op in ("convolution", "addmm") and r.dense_bytes))
     assert forms[0] == forms[1] and forms[0].count("prune") >= 2
+
+
+def test_a_custom_function_keeps_what_it_saved_exact_even_when_a_linear_reads_it_next():
+    """torch 2.14 calls Function.apply from C: the pack must still be known as the Function's."""
+
+    class Square(torch.autograd.Function):  # backward reads the saved values themselves
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * t
+
+        @staticmethod
+        def backward(ctx, g):
+            (t,) = ctx.saved_tensors
+            return 2 * t * g
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 3)
+
+        def forward(self, x):
+            h = self.a(x)  # saved by nothing before Square
+            squared = Square.apply(h)
+            logits = self.b(h)  # the very next op saves h too, for b's weight gradient (prunable)
+            return squared.sum(1, keepdim=True) + logits
+
+    torch.manual_seed(0)
+    model, x, y = Net(), torch.randn(16, 32), torch.randint(0, 3, (16,))
+    plain, razor = grads(model, x, y), grads(model, x, y, et.BackRazor(0.9))
+    assert torch.equal(plain[1], razor[1])  # the input gradient passes through Square's backward
+    assert torch.equal(plain[2][0], razor[2][0])  # so does a's weight gradient
+    assert any(r.op == "?" and r.form == "exact" for r in razor[3].records)

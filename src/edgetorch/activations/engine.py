@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 from ..codecs.narrow import WIDE_INTS, pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
 from .policies import Policy
-from .roles import EXACT, Need, OpWatch, saved_by_custom_function
+from .roles import EXACT, Need, OpWatch
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -372,7 +372,7 @@ class compress_activations(contextlib.ContextDecorator):
         self.saved_count += 1
         if self._watch is None:
             return self._hold(t, t.detach(), EXACT, self._stack[-1])
-        forced = EXACT if saved_by_custom_function() else None
+        forced = EXACT if self._watch.after_grad_free_op else None
         pending = _Pending(t, self._stack[-1], forced)
         self._watch.pending.append(pending)
         return pending

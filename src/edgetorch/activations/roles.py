@@ -38,13 +38,13 @@ weight-gradient errors of 2000x were measured before this rule).
 Identifying the op: autograd packs an op's inputs right before the op reaches the dispatcher
 below it, and its outputs right after; :class:`OpWatch`, a dispatch mode, sees those edges and
 hands each pending pack its need. A tensor saved by a custom ``autograd.Function`` is packed at
-the end of ``apply``, outside any op, and is marked ``exact``.
+the end of ``apply``, outside any op, right after the gradient-free ops of its forward, and is
+marked ``exact`` (so is any pack that follows an op run under ``no_grad``: safe, if less compact).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -213,16 +213,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.numel() > 0 and a.shape == b.shape and a.stride() == b.stride()
 
 
-_CUSTOM_FUNCTION_FILE = "autograd" + ("\\" if sys.platform == "win32" else "/") + "function.py"
-
-
-def saved_by_custom_function() -> bool:
-    """True when the pack hook runs inside ``torch.autograd.Function.apply``."""
-    # Three frames up: this function, the engine's pack hook, then whatever called into C++.
-    frame = sys._getframe(2)
-    return frame is not None and frame.f_code.co_filename.endswith(_CUSTOM_FUNCTION_FILE)
-
-
 class OpWatch(TorchDispatchMode):
     """Assigns each pending pack the :class:`Need` of the op that saved it.
 
@@ -240,6 +230,7 @@ class OpWatch(TorchDispatchMode):
         # Under autocast a convolution or Linear reads a cast copy of its weight, made inside the
         # autocast dispatch: storage -> the copy, for copies of parameters (see is_param).
         self._casts: dict[int, weakref.ref] = {}
+        self.after_grad_free_op = False  # see __torch_dispatch__
 
     def is_param(self, t: torch.Tensor) -> bool:
         """A parameter or buffer of the model, a view of one, or autocast's cast copy of one."""
@@ -265,6 +256,10 @@ class OpWatch(TorchDispatchMode):
         op = _name(func)
         if self.pending:
             self.flush(op, args, kwargs)
+        # A custom autograd.Function's forward runs with gradients off, and its saved tensors
+        # are packed right after it returns, outside any op (torch >= 2.x calls apply from C,
+        # so no Python frame marks them): a pack that follows a gradient-free op is one of those.
+        self.after_grad_free_op = not torch.is_grad_enabled()
         out = func(*args, **kwargs)
         if op == "_to_copy" and args and self.is_param(args[0]):
             # Casts made by autocast; a cast the model makes itself is tracked alike, since a
