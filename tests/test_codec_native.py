@@ -213,6 +213,51 @@ def test_topk_long_rows_across_chunks_and_threads(dtype, rows, rowlen) -> None:
             check_topk(x.view(rows, rowlen), 0.9, rows)
 
 
+def _adversarial_row(kind: str, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    if kind == "ties":  # many keys equal to the threshold, few distinct values
+        x = torch.tensor([0.5, -1.0, 1.0, 2.0, 0.0])[torch.randint(0, 5, (n,), generator=g)].double()
+    elif kind == "equal":
+        x = torch.full((n,), -3.0, dtype=torch.float64)
+    elif kind == "huge":  # a few huge values the strided sample never sees
+        x[torch.randint(0, n, (n // 50,), generator=g)] = 1e30
+    elif kind == "naninf":
+        x[torch.randint(0, n, (n // 5,), generator=g)] = float("nan")
+        x[torch.randint(0, n, (n // 7,), generator=g)] = -float("inf")
+    elif kind == "zeros":  # mostly zeros: the threshold is zero
+        x[torch.rand(n, generator=g) < 0.97] = 0.0
+    elif kind == "ascending":
+        x = x.abs().sort().values
+    elif kind == "descending":
+        x = -x.abs().sort(descending=True).values
+    elif kind == "stripes":  # the strided sample lands on a periodic pattern
+        x = torch.where(torch.arange(n) % 64 == 32, x * 1e6, x)
+    elif kind == "relu":
+        x = x.relu()
+    return x.to(dtype)
+
+
+@needs_native
+@isa_param
+@settings(max_examples=12, deadline=None)
+@given(dtype=st.sampled_from(FLOAT_DTYPES), rows=st.integers(1, 3), rowlen=st.integers(8192, 40_000),
+       kind=st.sampled_from(["randn", "ties", "equal", "huge", "naninf", "zeros", "ascending", "descending",
+                             "stripes", "relu"]),
+       sparsity=st.sampled_from([0.5, 0.9, 0.99, 0.999]), seed=st.integers(0, 2**31))
+def test_topk_long_rows_sampled_bracket_matches_reference(isa_name, dtype, rows, rowlen, kind, sparsity,
+                                                          seed) -> None:
+    # rows of >= 8192 elements first try a bracket found on a strided sample of the row (exact
+    # select among the keys inside it, the whole-row radix select when the sample misled); the
+    # distributions here make the sample mislead or the bracket overflow
+    x = torch.stack([_adversarial_row(kind, rowlen, dtype, seed + r) for r in range(rows)])
+    with isa(isa_name):
+        check_topk(x, sparsity, rows)
+        keep = kept_per_row(rowlen, sparsity)
+        got = _cpu_kernels.topk(x, rows, keep)
+    assert torch.equal(got[0], pack_bits(_topk_mask_bits(x, keep).reshape(-1)))
+
+
 @needs_native
 def test_topk_agrees_with_the_float_reference_without_nan_overflow() -> None:
     x = sample(40 * 300, torch.float32, 0.2, seed=3, choices=[0.5, 1.0, -1.0, 2.0, 4.0]).view(40, 300)

@@ -558,24 +558,18 @@ static void NAME(convert)(const void *xv, int64_t s, int64_t e, void *yv, int ou
     }
 }
 
-/* Per-row top-k threshold of one row of n elements, keeping `keep` (0 < keep < n) magnitudes.
+/* The k-th smallest (1-indexed, 1 <= k <= n) magnitude key of x[0 .. n) (key = bits & ABSMASK,
+ * an unsigned integer that orders like |v|, NaN above Inf) into *thr, and the number of keys
+ * above it into *above. Returns -1 when out of memory.
  *
- * Radix select on the magnitude bits (an unsigned integer that orders like |v|, NaN above Inf):
- * a histogram of the top digit finds the bin holding the (n - keep)-th smallest key; the keys in
- * that bin are collected and the next digit refines it, until every bit is fixed. Linear in n
- * whatever the data; equal keys are counted, not sorted.
- *
- * Writes st[0..2] = (split, L1, L2): the row keeps position p iff key > (p < split ? L1 : L2).
- * Ties at the threshold thr are taken by position: the first `keep - #(key > thr)` of them,
- * i.e. L1 = thr - 1 up to the last tie taken and L2 = thr after it. A zero threshold keeps
- * the non-zeros only (zeros are never stored). Returns -1 when out of memory. */
-static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st) {
-    const ELEM *x = (const ELEM *)xv;
+ * Radix select: a histogram of the top digit finds the bin holding the k-th smallest key; the
+ * keys in that bin are collected and the next digit refines it, until every bit is fixed.
+ * Linear in n whatever the data; equal keys are counted, not sorted. */
+static int NAME(radix_kth)(const ELEM *x, int64_t n, int64_t k, ELEM *thr, int64_t *above_out) {
     uint64_t hist[1 << 11]; /* 64-bit: a row may hold more than 2^32 elements */
     const int digit = n >= 16384 ? 11 : 8;
-    int64_t k = n - keep; /* the threshold is the k-th smallest key (1-indexed) */
-    int64_t above = 0;    /* keys known to be above the threshold's bin */
-    int rem = WB - 1;     /* key bits not yet fixed */
+    int64_t above = 0; /* keys known to be above the threshold's bin */
+    int rem = WB - 1;  /* key bits not yet fixed */
     int width = rem < digit ? rem : digit;
     int shift = rem - width;
     ELEM prefix = 0;
@@ -647,14 +641,170 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
         m = j;
     }
     free(cand);
-    const ELEM thr = prefix;
+    *thr = prefix;
+    *above_out = above;
+    return 0;
+}
+
+/* The element of rank r (0-indexed) of a[0 .. n) once sorted, reordering a (quickselect,
+ * median of three; n is a few hundred, so even a bad pivot run costs little). */
+static ELEM NAME(small_nth)(ELEM *a, int64_t n, int64_t r) {
+    int64_t lo = 0, hi = n - 1;
+    while (hi - lo > 16) {
+        int64_t mid = lo + (hi - lo) / 2;
+        ELEM x0 = a[lo], x1 = a[mid], x2 = a[hi], p;
+        p = x0 < x1 ? (x1 < x2 ? x1 : (x0 < x2 ? x2 : x0)) : (x0 < x2 ? x0 : (x1 < x2 ? x2 : x1));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] < p) i++;
+            while (a[j] > p) j--;
+            if (i <= j) {
+                ELEM t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (r <= j) hi = j;
+        else if (r >= i) lo = i;
+        else return a[r]; /* between the two halves: equal to the pivot */
+    }
+    for (int64_t i = lo + 1; i <= hi; i++) { /* insertion sort of the last few */
+        ELEM v = a[i];
+        int64_t j = i - 1;
+        while (j >= lo && a[j] > v) a[j + 1] = a[j], j--;
+        a[j + 1] = v;
+    }
+    return a[r];
+}
+
+/* Rows at least this long try the sampled bracket first; SAMPLE_SIZE keys are sampled. */
+#ifndef SAMPLE_MIN_ROW
+#define SAMPLE_MIN_ROW 8192
+#define SAMPLE_SIZE 2048
+#endif
+
+/* The k-th smallest key of a long row from a bracket found on a sample (Floyd-Rivest style).
+ *
+ * Why: a radix select reads the row twice (histogram, then collecting the threshold's bin) and
+ * its histogram increments are scattered, dependent stores; the thresholds of a long row are
+ * well predicted by a small deterministic strided sample. Two sample order statistics around
+ * the expected rank of the k-th smallest, a few standard deviations apart, bracket it with high
+ * probability: one branch-free pass over the row counts the keys above the upper bound and
+ * copies the keys inside [lo, hi] (a few percent of the row) into a scratch buffer, and the
+ * exact k-th key is then selected among those (radix_kth on the small buffer). The result is
+ * exact whatever the sample says: when the bracket misses (the k-th key lies outside it) or
+ * holds too many keys (ties, skewed data), it returns 1 and the caller runs the exact radix
+ * select on the whole row. Returns 0 on success, -1 when out of memory. */
+static int NAME(sample_kth)(const ELEM *x, int64_t n, int64_t k, ELEM *thr, int64_t *above_out) {
+    ELEM sample[SAMPLE_SIZE];
+    const int64_t s = SAMPLE_SIZE, stride = n / s;
+    for (int64_t i = 0; i < s; i++) sample[i] = x[i * stride + stride / 2] & ABSMASK;
+    /* expected (0-indexed) sample rank of the k-th smallest key, and a margin of ~3.5 sigma */
+    int64_t r = (int64_t)(((double)k * (double)s) / (double)n) - 1;
+    double p = (double)k / (double)n, var = (double)s * p * (1.0 - p);
+    int64_t d = 8, d2 = 0;
+    while ((double)(d2 + 1) * (double)(d2 + 1) <= var) d2++; /* floor(sqrt(var)) */
+    d += (7 * d2 + 1) / 2;
+    int64_t rlo = r - d, rhi = r + d;
+    ELEM lo = 0, hi = ABSMASK;
+    if (rhi < s) hi = NAME(small_nth)(sample, s, rhi);
+    if (rlo >= 0) lo = NAME(small_nth)(sample, rhi < s ? rhi : s, rlo); /* rank rlo lies below rhi */
+    /* scratch: the expected candidates are ~2d/s of the row; more means the sample misled */
+    int64_t cap = n / 4 + 256;
+    ELEM *cand = (ELEM *)malloc((size_t)cap * sizeof(ELEM));
+    if (cand == NULL) return -1;
+    int64_t j = 0, above = 0, i00 = 0;
+#if ISA_AVX2 && WB == 32
+    if (n < ((int64_t)1 << 32)) {
+        /* eight keys a step: count those above hi, compress those inside [lo, hi] to cand[j..]
+         * (always a full store of eight; the cap check leaves room for it) */
+        const __m256i vm = _mm256_set1_epi32(0x7FFFFFFF), vlo = _mm256_set1_epi32((int32_t)lo - 1),
+                      vhi = _mm256_set1_epi32((int32_t)hi);
+        __m256i acc = _mm256_setzero_si256();
+        for (; i00 + 8 <= n; i00 += 8) {
+            __m256i key = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i00)), vm);
+            __m256i gt = _mm256_cmpgt_epi32(key, vhi);
+            __m256i in = _mm256_andnot_si256(gt, _mm256_cmpgt_epi32(key, vlo));
+            acc = _mm256_sub_epi32(acc, gt);
+            unsigned msk = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(in));
+            if (j + 8 > cap) {
+                free(cand);
+                return 1;
+            }
+            __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)COMPRESS8[msk]));
+            _mm256_storeu_si256((__m256i *)(cand + j), _mm256_permutevar8x32_epi32(key, idx));
+            j += POP8[msk];
+        }
+        uint32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, acc);
+        for (int q = 0; q < 8; q++) above += lanes[q];
+    }
+#endif
+    ELEM block[256];
+    for (int64_t i0 = i00; i0 < n; i0 += 256) {
+        int64_t len = n - i0 < 256 ? n - i0 : 256, t = 0, a = 0;
+        const ELEM *xs = x + i0;
+        for (int64_t i = 0; i < len; i++) { /* counts (vectorised by the compiler) */
+            SELEM key = (SELEM)(xs[i] & ABSMASK);
+            t += ((key >= (SELEM)lo) & (key <= (SELEM)hi));
+            a += key > (SELEM)hi;
+        }
+        if (t) {
+            int64_t u = 0;
+            for (int64_t i = 0; i < len; i++) {
+                ELEM key = xs[i] & ABSMASK;
+                block[u] = key;
+                u += (key >= lo) & (key <= hi);
+            }
+        }
+        if (j + t > cap) {
+            free(cand);
+            return 1;
+        }
+        memcpy(cand + j, block, (size_t)t * sizeof(ELEM));
+        j += t;
+        above += a;
+    }
+    int64_t below = n - j - above; /* keys < lo */
+    if (k <= below || k > below + j) {
+        free(cand);
+        return 1;
+    }
+    int64_t cabove = 0;
+    ELEM t;
+    int rc = NAME(radix_kth)(cand, j, k - below, &t, &cabove);
+    free(cand);
+    if (rc < 0) return -1;
+    *thr = t;
+    *above_out = above + cabove;
+    return 0;
+}
+
+/* Per-row top-k threshold of one row of n elements, keeping `keep` (0 < keep < n) magnitudes:
+ * the threshold is the (n - keep)-th smallest key (sample_kth on long rows, radix_kth on short
+ * ones or when the sample's bracket missed).
+ *
+ * Writes st[0..2] = (split, L1, L2): the row keeps position p iff key > (p < split ? L1 : L2).
+ * Ties at the threshold thr are taken by position: the first `keep - #(key > thr)` of them,
+ * i.e. L1 = thr - 1 up to the last tie taken and L2 = thr after it. A zero threshold keeps
+ * the non-zeros only (zeros are never stored). Returns -1 when out of memory. */
+static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st) {
+    const ELEM *x = (const ELEM *)xv;
+    int64_t k = n - keep, above = 0;
+    ELEM thr = 0;
+    int rc = 1;
+    if (n >= SAMPLE_MIN_ROW) rc = NAME(sample_kth)(x, n, k, &thr, &above);
+    if (rc > 0) rc = NAME(radix_kth)(x, n, k, &thr, &above);
+    if (rc < 0) return -1;
     if (thr == 0) { /* at least n - keep zeros: every non-zero survives */
         st[0] = 0;
         st[1] = 0;
         st[2] = 0;
         return 0;
     }
-    int64_t ties = keep - above; /* 0 <= ties < bin_count (keys equal to thr) */
+    int64_t ties = keep - above; /* 0 <= ties < #(key == thr) */
     int64_t split = 0;
     if (ties > 0) {
         for (int64_t i = 0, seen = 0; i < n; i++) {
