@@ -30,8 +30,23 @@ _ABS_MASK = {torch.int64: 0x7FFF_FFFF_FFFF_FFFF, torch.int32: 0x7FFF_FFFF, torch
 FLOAT_DTYPES = tuple(_INT_VIEW)
 
 
+class HeldValues:
+    """What every codec that keeps ``values`` of a tensor of ``shape`` answers the same way."""
+
+    values: torch.Tensor
+    shape: torch.Size
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
 @dataclass(frozen=True, eq=False)
-class BitmapTensor:
+class BitmapTensor(HeldValues):
     """A tensor held as a bitmap of stored positions plus the stored values.
 
     Attributes:
@@ -46,14 +61,6 @@ class BitmapTensor:
     values: torch.Tensor
     shape: torch.Size
     dtype: torch.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
     @property
     def nnz(self) -> int:

@@ -18,13 +18,12 @@ and on other devices, torch ops do the same with ``kthvalue``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from . import _cpu_kernels, _cuda
-from .bitmap import _ABS_MASK, FLOAT_DTYPES, BitmapTensor, pack_bits
+from .bitmap import _ABS_MASK, FLOAT_DTYPES, BitmapTensor, HeldValues, pack_bits
 
 
 def kept_per_row(row_numel: int, sparsity: float) -> int:
@@ -91,7 +90,7 @@ def pack_topk(
 
 
 @dataclass(frozen=True, eq=False)
-class TopkRowsTensor:
+class TopkRowsTensor(HeldValues):
     """Per-row top-k held without a host sync (the CUDA path of :func:`pack_topk`).
 
     Every row keeps at most ``keep`` values, a number known before the kernel runs; so row r's
@@ -110,14 +109,6 @@ class TopkRowsTensor:
     counts: torch.Tensor
     shape: torch.Size
     dtype: torch.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
     @property
     def nnz(self) -> int:
