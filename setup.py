@@ -23,7 +23,7 @@ setup(
         Extension(
             "edgetorch.codecs._native",
             sources=["src/edgetorch/codecs/_native.c"],
-            depends=["src/edgetorch/codecs/_native_kernels.h"],
+            depends=["src/edgetorch/codecs/_native_kernels.h", "src/edgetorch/codecs/_native_widths.h"],
             extra_compile_args=compile_args,
             extra_link_args=link_args,
             optional=True,

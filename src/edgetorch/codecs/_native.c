@@ -173,18 +173,7 @@ BYTE_KERNELS(generic)
 #define ISA generic
 #define ISA_AVX2 0
 #define ISA_AVX512 0
-#define WB 16
-#include "_native_kernels.h"
-#undef WB
-#define WB 32
-#include "_native_kernels.h"
-#undef WB
-#define WB 64
-#include "_native_kernels.h"
-#undef WB
-#undef ISA
-#undef ISA_AVX2
-#undef ISA_AVX512
+#include "_native_widths.h"
 
 static const isa_ops GENERIC_OPS = {
     "generic", popcount_generic, bits_pack_generic, {OPS_OF(16, generic), OPS_OF(32, generic), OPS_OF(64, generic)}};
@@ -200,18 +189,7 @@ BYTE_KERNELS(avx2)
 #define ISA avx2
 #define ISA_AVX2 1
 #define ISA_AVX512 0
-#define WB 16
-#include "_native_kernels.h"
-#undef WB
-#define WB 32
-#include "_native_kernels.h"
-#undef WB
-#define WB 64
-#include "_native_kernels.h"
-#undef WB
-#undef ISA
-#undef ISA_AVX2
-#undef ISA_AVX512
+#include "_native_widths.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -230,18 +208,7 @@ BYTE_KERNELS(avx512)
 #define ISA avx512
 #define ISA_AVX2 1
 #define ISA_AVX512 1
-#define WB 16
-#include "_native_kernels.h"
-#undef WB
-#define WB 32
-#include "_native_kernels.h"
-#undef WB
-#define WB 64
-#include "_native_kernels.h"
-#undef WB
-#undef ISA
-#undef ISA_AVX2
-#undef ISA_AVX512
+#include "_native_widths.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
