@@ -177,9 +177,8 @@ def test_unpack_ignores_bits_beyond_the_values() -> None:
 
 
 def cap_nans(x: torch.Tensor, keep: int) -> torch.Tensor:
-    """At most ``keep`` NaNs per row. With more, ``topk._topk_mask``'s threshold is NaN and its
-    ``~(a <= thr)`` keeps every element, zeros included, while a bit-pattern select (these
-    kernels, and the native CPU one) keeps the first NaNs: see test_more_nans_than_keep..."""
+    """At most ``keep`` NaNs per row, so the quota is met by distinct magnitudes or ties; rows with
+    more NaNs than ``keep`` (the first NaNs are kept) have their own test below."""
     for row in x:
         nans = row.isnan().nonzero().flatten()
         row[nans[keep:]] = 2.0
@@ -250,9 +249,8 @@ def test_topk_keep_above_n_keeps_every_nonzero() -> None:
 
 @interpreted
 def test_more_nans_than_keep_keeps_the_first_nans_only() -> None:
-    # Diverges from topk._topk_mask on purpose: there the threshold is NaN, ~(a <= NaN) is true
-    # everywhere, and the row stores all 5 elements (the zero too). Here NaN is the largest
-    # magnitude and ties are taken by position, like any other value: the quota holds.
+    # NaN is the largest magnitude and ties are taken by position, like any other value: the
+    # quota holds (a float comparison would make the threshold NaN and keep the zero too).
     x = torch.tensor([[NAN, NAN, 0.0, 1.0, 2.0]])
     bitmap, values, counts = T.pack_topk_rows(x, 1, block=8)
     assert bitmap.tolist() == [0b00001] and counts.tolist() == [1] and values.isnan().all()

@@ -12,8 +12,9 @@ published code are handled differently here:
 
 The threshold is a selection, not a sort, so its cost is linear in the row length. On CPU the C
 extension does the whole pack: a radix select on the magnitude bits of each row (rows in
-parallel), then the bitmap and the values written directly, at their exact size. Without it,
-and on other devices, torch ops do the same with ``kthvalue``.
+parallel), then the bitmap and the values written directly, at their exact size. On CUDA, Triton
+kernels do the same with no host sync (:class:`TopkRowsTensor`). Elsewhere, or without either,
+torch ops do the same with ``kthvalue`` on the magnitude bits; all three keep the same elements.
 """
 
 from __future__ import annotations
@@ -80,9 +81,7 @@ def pack_topk(
         x = t.detach().reshape(rows, -1)
         if t.is_cpu:
             _cpu_kernels.warn_fallback()
-            mask = _topk_mask_bits(x, keep)
-        else:
-            mask = _topk_mask(x, keep)
+        mask = _topk_mask(x, keep)
         bitmap, values = pack_bits(mask), x[mask]
     if value_dtype is not None and value_dtype != t.dtype:
         values = values.to(value_dtype)
@@ -138,51 +137,17 @@ def check_sparsity(sparsity: float) -> None:
         )
 
 
-def _topk_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
-    """Bool mask of each row's ``keep`` largest non-zero magnitudes (ties broken by position).
-
-    Compares floats; in a row with more NaNs than ``keep`` the threshold is NaN and the row keeps
-    everything (:func:`_topk_mask_bits`, what the CPU kernel does, keeps the first NaNs only).
-    """
-    n = x.shape[1]
-    a = x.abs()
-    if keep >= n or n == 0:
-        return a != 0  # every non-zero survives; zeros are never stored as values
-    if keep == 0:
-        return torch.zeros_like(a, dtype=torch.bool)
-    # The (n - keep)-th smallest magnitude: strictly above it are at most `keep` values.
-    thr = _kth_smallest(a, n - keep)
-    mask = ~(a <= thr)  # NaN compares false, so it is kept
-    # Rows short of their quota hold ties at a non-zero threshold: take the first ones.
-    short = (keep - mask.sum(1)) * (thr.squeeze(1) > 0)
-    for r in short.nonzero().flatten().tolist():
-        tied = (a[r] == thr[r]).nonzero().flatten()[: int(short[r])]
-        mask[r, tied] = True
-    return mask
-
-
 _INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
            torch.bfloat16: torch.int16}
 
 
-def _kth_smallest(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Per row of the magnitudes ``a`` [R, n], the k-th smallest (1-indexed), as [R, 1]. Exact.
+def _topk_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
+    """Bool mask of each row's ``keep`` largest non-zero magnitudes (ties broken by position).
 
-    On CPU ``kthvalue`` runs on the integer view (the bits of a non-negative float order like its
-    value, NaN above Inf), which also serves float16 and bfloat16.
-    """
-    if a.device.type != "cpu":
-        return a.kthvalue(k, dim=1, keepdim=True).values
-    bits = a.view(_INT_OF[a.dtype])
-    return bits.kthvalue(k, dim=1, keepdim=True).values.view(a.dtype)
-
-
-def _topk_mask_bits(x: torch.Tensor, keep: int) -> torch.Tensor:
-    """What the CPU kernel keeps, in torch ops: :func:`_topk_mask` decided on magnitude bits.
-
-    The fallback without the C extension and the reference it is tested against. The bits of
-    ``|v|`` order like ``|v|`` with NaN above Inf, so NaN is simply the largest magnitude and a
-    row keeps exactly ``min(keep, non-zeros)`` values even when it holds more NaNs than ``keep``.
+    The torch-ops path on any device (no C extension, no Triton) and the reference the kernels
+    are tested against. It decides on magnitude bits, as the kernels do: the bits of ``|v|``
+    order like ``|v|`` with NaN above Inf, so NaN is simply the largest magnitude and a row keeps
+    exactly ``min(keep, non-zeros)`` values even when it holds more NaNs than ``keep``.
     """
     n = x.shape[1]
     a = x.view(_INT_OF[x.dtype]) & _ABS_MASK[_INT_OF[x.dtype]]
