@@ -39,7 +39,6 @@ Usage: ``python bench/codec_throughput.py [--quick]`` (``--quick``: 1M and 10M o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -54,6 +53,7 @@ import torch
 from _common import write_results
 
 from edgetorch.codecs import _cpu_kernels, pack_bitmap
+from edgetorch.codecs._cpu_kernels import torch_ops
 from edgetorch.codecs.bitmap import BitmapTensor, pack_bits, pack_torch, unpack_torch
 from edgetorch.codecs.mask import pack_mask
 from edgetorch.codecs.narrow import pack_narrow
@@ -85,18 +85,9 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-@contextlib.contextmanager
-def _torch_ops():
-    saved, _cpu_kernels.NATIVE = _cpu_kernels.NATIVE, False
-    try:
-        yield
-    finally:
-        _cpu_kernels.NATIVE = saved
-
-
 def _on_torch_ops(fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
-        with _torch_ops():
+        with torch_ops():
             return fn()
     return run
 
@@ -185,7 +176,7 @@ def measure(n: int, zero_fraction: float, repeats: int, seed: int = 0) -> dict:
         }),
     ]
     if n <= TORCH_PATH_MAX_ELEMENTS:
-        with _torch_ops():
+        with torch_ops():
             ref_bitmap, ref_values = pack_torch(bits, 0)
         assert torch.equal(ref_bitmap, packed.bitmap)
         rounds.append((min(repeats, TORCH_PATH_MAX_REPEATS), {
@@ -278,7 +269,7 @@ def _old_pack_topk(t: torch.Tensor, sparsity: float) -> BitmapTensor:
     for r in short.nonzero().flatten().tolist():
         tied = (a[r] == thr[r]).nonzero().flatten()[: int(short[r])]
         mask[r, tied] = True
-    with _torch_ops():  # the old pack_bits was numpy's packbits; torch ops are at least as fast
+    with torch_ops():  # the old pack_bits was numpy's packbits; torch ops are at least as fast
         bitmap = pack_bits(mask)
     return BitmapTensor(bitmap, x[mask], t.shape, t.dtype)
 

@@ -4,12 +4,9 @@ The other codecs' native kernels, instruction sets, threads and the fallback: te
 
 from __future__ import annotations
 
-import contextlib
 import math
-import multiprocessing
 from decimal import ROUND_HALF_UP, Decimal
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,6 +14,7 @@ from hypothesis import strategies as st
 
 from edgetorch import pack_bitmap
 from edgetorch.codecs import FLOAT_DTYPES, _cpu_kernels
+from edgetorch.codecs._cpu_kernels import torch_ops
 from edgetorch.codecs.bitmap import pack_torch, unpack_torch
 
 INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
@@ -24,16 +22,6 @@ INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float1
 SPECIALS = [0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-40, -1e-40, 3.0, -7.5]
 CHUNK = _cpu_kernels.CHUNK_ELEMS  # elements per parallel chunk of the native kernel
 HYPO = settings(max_examples=60, deadline=None)
-
-
-@contextlib.contextmanager
-def torch_ops():
-    """Every codec on torch ops (the fallback without the C extension), for references."""
-    saved, _cpu_kernels.NATIVE = _cpu_kernels.NATIVE, False
-    try:
-        yield
-    finally:
-        _cpu_kernels.NATIVE = saved
 
 
 def bit_pattern(x: torch.Tensor) -> torch.Tensor:
@@ -200,31 +188,6 @@ def test_kernel_matches_reference_across_chunks(n: int, pattern: str) -> None:
         bits.zero_()
         bits[CHUNK - 1 if n > CHUNK else n - 1] = 42
     check_kernel_matches_reference(bits, 0)
-
-
-def _pack_in_child(queue: "multiprocessing.Queue[bool]") -> None:
-    # numpy only around the codec: torch's own OpenMP pool hangs in a forked child (not ours).
-    rng = np.random.default_rng(6)
-    x = torch.from_numpy(np.maximum(rng.standard_normal(9 * CHUNK, dtype=np.float32), 0))
-    queue.put(bool(np.array_equal(pack_bitmap(x).unpack().numpy(), x.numpy())))
-
-
-@needs_native  # torch ops (the fallback) hang in a forked child: their OpenMP pool is not fork-safe
-@pytest.mark.skipif(torch.get_num_threads() < 2, reason="the kernel runs single-threaded")
-def test_threaded_kernel_works_after_fork() -> None:
-    x = torch.relu(torch.randn(9 * CHUNK))
-    assert torch.equal(pack_bitmap(x).unpack(), x)  # the parent's worker threads now exist
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_pack_in_child, args=(queue,))
-    child.start()
-    try:
-        child.join(timeout=60)
-        assert child.exitcode == 0, "the forked child hung or crashed"
-        assert queue.get(timeout=5)
-    finally:
-        if child.is_alive():
-            child.kill()
 
 
 def test_golden_bitmap_bytes() -> None:

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from edgetorch import pack_bitmap
 from edgetorch.measure.footprint import first_call_footprint
 from edgetorch.codecs import FLOAT_DTYPES, _cpu_kernels
+from edgetorch.codecs._cpu_kernels import torch_ops
 from edgetorch.codecs.bitmap import BitmapTensor, pack_bits, unpack_bits
 from edgetorch.codecs.mask import MaskTensor, pack_mask
 from edgetorch.codecs.narrow import pack_narrow
@@ -41,16 +42,6 @@ INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16:
           torch.bfloat16: torch.int16}
 SPECIALS = [0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1e-40, -1e-40, 6.0, -6.0, 1.0, 0.5]
 HYPO = settings(max_examples=40, deadline=None)
-
-
-@contextlib.contextmanager
-def torch_ops():
-    """Every codec on torch ops (the fallback without the C extension): the reference."""
-    saved, _cpu_kernels.NATIVE = _cpu_kernels.NATIVE, False
-    try:
-        yield
-    finally:
-        _cpu_kernels.NATIVE = saved
 
 
 @contextlib.contextmanager

@@ -15,10 +15,13 @@ repeats, no torch ops beyond the allocations.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import warnings
+
+from collections.abc import Iterator
 
 import torch
 
@@ -66,6 +69,21 @@ def warn_fallback() -> None:
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+@contextlib.contextmanager
+def torch_ops() -> Iterator[None]:
+    """Within the block the CPU codecs run on torch ops, as they do without the extension.
+
+    The references of the tests and the fallback rows of the benchmarks use it. It flips
+    ``NATIVE``, which every codec reads at each call, for the whole process: not thread-safe.
+    """
+    global NATIVE
+    saved, NATIVE = NATIVE, False
+    try:
+        yield
+    finally:
+        NATIVE = saved
 
 
 def build_description() -> str:
