@@ -123,21 +123,14 @@ class _Region:
         self.nbytes = region.numel() * region.element_size()
         self.nnz = region.numel()
 
-    def unpack(self) -> torch.Tensor:
-        return self.tensor
-
 
 class _Decoded:
     """A form already decoded by backward, held in place of its packed copy (see ``_Entry.flat``)."""
 
     __slots__ = ("tensor",)
-    nbytes = nnz = 0  # held by autograd's own use of it, not by the policy
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
-
-    def unpack(self) -> torch.Tensor:
-        return self.tensor
 
 
 class _View:
@@ -268,7 +261,6 @@ class compress_activations(contextlib.ContextDecorator):
         # fire for every module on every thread, so they keep to this model and this thread.
         self._names = {id(m): (name, type(m).__name__) for name, m in self.model.named_modules()}
         self._thread = threading.get_ident()
-        self._handles = []
         self._exits = contextlib.ExitStack()
         self._watch = None
         if self.ledger is not None or self.policy.needs_roles:

@@ -189,7 +189,7 @@ def pack_bitmap_if_smaller(
         prefix = kernels.count(bits, limit)
         nnz = int(prefix[-1])
     else:
-        keep = (bits & _ABS_MASK[bits.dtype]) > limit
+        keep = _kept(bits, limit)
         nnz = int(keep.sum())
     value_bytes = (value_dtype or t.dtype).itemsize
     if (bits.numel() + 7) // 8 + nnz * value_bytes >= max_bytes:
@@ -235,13 +235,18 @@ def unpack_bits(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def pack_torch(bits: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device-generic packing with torch ops (the GPU path; also the reference on CPU)."""
-    keep = (bits & _ABS_MASK[bits.dtype]) > limit
+    """Device-generic packing with torch ops (the reference, and the fallback without kernels)."""
+    keep = _kept(bits, limit)
     return pack_bits(keep), bits[keep]
 
 
+def _kept(bits: torch.Tensor, limit: int) -> torch.Tensor:
+    """Which elements of an integer view are stored: ``|v|`` as bits above ``limit``."""
+    return (bits & _ABS_MASK[bits.dtype]) > limit
+
+
 def unpack_torch(bitmap: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
-    """Device-generic unpacking with torch ops (the GPU path; also the reference on CPU)."""
+    """Device-generic unpacking with torch ops (the reference, and the fallback without kernels)."""
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
     return out.masked_scatter_(unpack_bits(bitmap, numel), values)
 
