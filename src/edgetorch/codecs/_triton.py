@@ -38,16 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .bitmap import _ABS_MASK
+from .bitmap import _INT_VIEW as _INT_OF
+
 BLOCK = 2048  # elements per program: 256 bitmap bytes, 8 KiB of float32 read per program
 _RADIX_BITS = 8  # top-k threshold: 256-bin histogram per pass, 2/4/8 passes for 16/32/64 bits
 
-_INT_OF = {
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-    torch.float32: torch.int32,
-    torch.float64: torch.int64,
-}
-_ABS_MASK = {torch.int16: 0x7FFF, torch.int32: 0x7FFF_FFFF, torch.int64: 0x7FFF_FFFF_FFFF_FFFF}
 
 # Predicates of the flat kernels (constexpr MODE).
 _THRESHOLD = 0  # keep iff (bits & absmask) > limit

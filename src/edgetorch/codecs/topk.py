@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _cpu_kernels, _cuda
-from .bitmap import _ABS_MASK, FLOAT_DTYPES, BitmapTensor, HeldValues, pack_bits
+from .bitmap import _ABS_MASK, _INT_VIEW, FLOAT_DTYPES, BitmapTensor, HeldValues, pack_bits
 
 
 def kept_per_row(row_numel: int, sparsity: float) -> int:
@@ -137,9 +137,6 @@ def check_sparsity(sparsity: float) -> None:
         )
 
 
-_INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-           torch.bfloat16: torch.int16}
-
 
 def _topk_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
     """Bool mask of each row's ``keep`` largest non-zero magnitudes (ties broken by position).
@@ -150,7 +147,7 @@ def _topk_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
     exactly ``min(keep, non-zeros)`` values even when it holds more NaNs than ``keep``.
     """
     n = x.shape[1]
-    a = x.view(_INT_OF[x.dtype]) & _ABS_MASK[_INT_OF[x.dtype]]
+    a = x.view(_INT_VIEW[x.dtype]) & _ABS_MASK[_INT_VIEW[x.dtype]]
     if keep >= n or n == 0:
         return a != 0
     if keep == 0:
