@@ -257,6 +257,16 @@ class BottleneckModel(nn.Module):
         """Input height and width must be multiples of this."""
         return self.head.input_multiple
 
+    def spec(self) -> dict[str, Any]:
+        """What :func:`rebuild` needs to build this student's layers again (as plain JSON data).
+
+        Returns:
+            ``{"arch", "channels", "split_point", "downsample", "num_classes"}``.
+        """
+        linear = self.tail.classifier[-1]
+        return {"arch": self.arch, "channels": self.channels, "split_point": self.split_point,
+                "downsample": self.downsample, "num_classes": int(linear.out_features)}
+
     def bottleneck_parts(self) -> list[nn.Module]:
         """The layers bottleneck training (HND/GHND/AE reconstruction) updates: encoder and decoder.
 
@@ -379,6 +389,44 @@ def inject_autoencoder(model: nn.Module, channels: int) -> BottleneckModel:
         decoder.append(nn.ReLU(inplace=True))  # the front's output (layer2) is post-ReLU
     head = Head(nn.Sequential(stages.front, nn.Sequential(*encoder)), front_stride * 2)
     return BottleneckModel(head, Tail(nn.Sequential(*decoder), stages), channels, "ae", arch, True)
+
+
+_SPEC_KEYS = ("arch", "channels", "split_point", "downsample", "num_classes")
+
+
+def rebuild(spec: dict[str, Any]) -> BottleneckModel:
+    """A student with freshly initialised layers, built from :meth:`BottleneckModel.spec` data.
+
+    Only torchvision constructors of :data:`ACCEPTED_ARCHS` are called (no import of a name
+    taken from ``spec``), so a spec read from an untrusted file builds nothing but these layers.
+    Load the weights afterwards (strictly), e.g. from safetensors.
+
+    Args:
+        spec: ``{"arch", "channels", "split_point", "downsample", "num_classes"}``; ``split_point``
+            may also be ``"ae"`` (:func:`inject_autoencoder`).
+
+    Returns:
+        The student, in training mode, with random weights.
+
+    Raises:
+        ValueError: a missing or unknown key, or a value outside what the builders accept.
+    """
+    import torchvision.models as tvm
+
+    if not isinstance(spec, dict) or set(spec) != set(_SPEC_KEYS):
+        keys = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+        raise ValueError(f"a bottleneck spec needs exactly the keys {', '.join(_SPEC_KEYS)}; got {keys}")
+    arch, classes, downsample = spec["arch"], spec["num_classes"], spec["downsample"]
+    if arch not in ACCEPTED_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; accepted: {', '.join(ACCEPTED_ARCHS)}")
+    if isinstance(classes, bool) or not isinstance(classes, int) or not 1 <= classes <= 1_000_000:
+        raise ValueError(f"num_classes must be an int in [1, 1000000], got {classes!r}")
+    if not isinstance(downsample, bool):
+        raise ValueError(f"downsample must be true or false, got {downsample!r}")
+    teacher = getattr(tvm, arch)(num_classes=classes)
+    if spec["split_point"] == "ae":
+        return inject_autoencoder(teacher, spec["channels"])
+    return inject_bottleneck(teacher, spec["channels"], spec["split_point"], downsample)
 
 
 def split(model: BottleneckModel) -> tuple[nn.Module, nn.Module]:
