@@ -14,6 +14,22 @@ split_app = typer.Typer(help="BottleFit split computing: export, serve, infer, p
 app.add_typer(split_app, name="split")
 
 
+def _secret(env: str | None, what: str) -> str | None:
+    """A token or key read from an environment variable (never from the command line, which
+    other users can read in the process list)."""
+    import os
+
+    if env is None:
+        return None
+    value = os.environ.get(env)
+    if not value:
+        raise typer.BadParameter(f"environment variable {env} is not set or empty (it should hold the {what})")
+    return value
+
+
+NORMALISATIONS = {"none": ((0.0,), (1.0,)), "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
+
+
 @split_app.command()
 def export(
     model: str = typer.Option(..., help="teacher: torchvision:resnet18|50|152 or torchvision:densenet121|169|201"),
@@ -23,26 +39,36 @@ def export(
     random_init: bool = typer.Option(False, "--random-init", help="export untrained weights (timing, smoke tests)"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
     downsample: bool = typer.Option(False, help="halve the bottleneck's height and width once more"),
-    resolution: int = typer.Option(96, min=8, help="input height = width"),
+    resolution: int = typer.Option(224, min=8, help="input height = width the head is exported for"),
     num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
+    color: str = typer.Option("gray", help="images the client sends: gray (Fashion-MNIST teachers) or rgb"),
+    normalize: str = typer.Option("none", help="pixel normalisation after scaling to [0, 1]: none or imagenet"),
+    key_env: str = typer.Option(None, help="sign the manifest with HMAC-SHA256, the key (>= 16 bytes) read from this environment variable"),
+    onnx: bool = typer.Option(False, "--onnx", help="also write head.onnx for devices that run onnxruntime (needs edgetorch[onnx])"),
 ) -> None:
-    """Write head.pt2, tail.pt2 and manifest.json for a bottleneck-injected model."""
+    """Write head.safetensors, tail.safetensors and manifest.json for a bottleneck-injected model."""
     from ..split.bottleneck import inject_bottleneck
-    from ..split.export import export_model
+    from ..split.export import Preprocess, SplitArtifactError, export_model
     from ..zoo import CheckpointError, build_model, load_weights
 
     if (checkpoint is None) == (not random_init):
         raise typer.BadParameter("give exactly one of --checkpoint FILE or --random-init")
+    if normalize not in NORMALISATIONS:
+        raise typer.BadParameter(f"--normalize must be one of {', '.join(NORMALISATIONS)}, got {normalize!r}")
+    key = _secret(key_env, "HMAC key")
+    mean, std = NORMALISATIONS[normalize]
     try:
         student = inject_bottleneck(build_model(model, num_classes=num_classes), channels, split_point,
                                     downsample=downsample)
         if checkpoint is not None:
             load_weights(student, checkpoint)
-        manifest = export_model(student, out, resolution)
-    except (ValueError, TypeError, ImportError, CheckpointError) as err:
+        manifest = export_model(student, out, resolution, Preprocess((resolution, resolution), color, mean, std),
+                                key=key, onnx=onnx)
+    except (ValueError, TypeError, ImportError, CheckpointError, SplitArtifactError) as err:
         raise typer.BadParameter(str(err)) from None
     console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
-                  f"{manifest.num_classes} logits ({'random init' if random_init else checkpoint})")
+                  f"{manifest.num_classes} logits ({'random init' if random_init else checkpoint}"
+                  f"{', signed' if key else ''}{', with head.onnx' if onnx else ''})")
 
 
 @split_app.command()
@@ -52,23 +78,20 @@ def serve(
     port: int = typer.Option(8000, min=0, max=65535, help="port to bind"),
     max_payload_bytes: int = typer.Option(None, min=1, help="request size limit (default: 64 bottlenecks)"),
     token_env: str = typer.Option(None, help="require `Authorization: Bearer <token>`, the token read from this environment variable"),
+    key_env: str = typer.Option(None, help="refuse the artifact unless signed with the HMAC key in this environment variable"),
 ) -> None:
     """Serve the tail over HTTP (POST /infer, GET / health) with uvicorn."""
-    import os
-
     import uvicorn
 
-    from ..split.export import SplitArtifactError
-    from ..split.server import ServerConfig, app_from_dir
+    from ..split.export import SplitArtifactError, load_part
+    from ..split.server import ServerConfig, create_app
 
-    token = None
-    if token_env is not None:
-        token = os.environ.get(token_env)
-        if not token:
-            raise typer.BadParameter(f"environment variable {token_env} is not set or empty")
+    token = _secret(token_env, "bearer token")
+    key = _secret(key_env, "HMAC key")
     try:
-        server = app_from_dir(artifact_dir, ServerConfig(max_payload_bytes, token))
-    except SplitArtifactError as err:
+        tail, manifest = load_part(artifact_dir, "tail", key)
+        server = create_app(tail, manifest, ServerConfig(max_payload_bytes, token))
+    except (SplitArtifactError, ValueError) as err:
         raise typer.BadParameter(str(err)) from None
     uvicorn.run(server, host=host, port=port, log_level="info")
 
@@ -79,20 +102,21 @@ def infer(
     images: list[Path] = typer.Argument(..., help="PNG/JPEG files"),
     server: str = typer.Option(..., help="base URL of `edgetorch split serve`, e.g. http://127.0.0.1:8000"),
     token_env: str = typer.Option(None, help="send the bearer token read from this environment variable"),
+    key_env: str = typer.Option(None, help="refuse the artifact unless signed with the HMAC key in this environment variable"),
+    runtime: str = typer.Option("torch", help="run the head with torch (safetensors) or onnx (head.onnx, needs onnxruntime)"),
 ) -> None:
     """Run the head here, send the 8-bit payload, print predictions and each stage's time."""
-    import os
-
     import httpx
 
     from ..split.client import SplitClient, SplitClientError
     from ..split.export import SplitArtifactError
 
-    token = os.environ.get(token_env) if token_env else None
+    token = _secret(token_env, "bearer token")
+    key = _secret(key_env, "HMAC key")
     try:
-        with SplitClient.from_dir(artifact_dir, server, token=token) as client:
+        with SplitClient.from_dir(artifact_dir, server, token=token, key=key, runtime=runtime) as client:
             result = client.infer_files(images)
-    except (SplitArtifactError, ValueError) as err:
+    except (SplitArtifactError, ValueError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None
     except (SplitClientError, httpx.HTTPError) as err:
         console.print(f"[red]request failed: {err}[/red]")

@@ -10,7 +10,7 @@ Example:
 """
 
 from .bottleneck import ACCEPTED_ARCHS, SPLIT_POINTS, BottleneckModel, inject_autoencoder, inject_bottleneck, split
-from .export import SplitArtifactError, export_model, export_split, load
+from .export import SplitArtifactError, export_model, load, load_onnx_head
 from .links import parse_link
 from .losses import ghnd_loss, kd_loss
 from .payload import PayloadError, decode, encode, payload_size
@@ -32,12 +32,12 @@ __all__ = [
     "decode",
     "encode",
     "export_model",
-    "export_split",
     "ghnd_loss",
     "inject_autoencoder",
     "inject_bottleneck",
     "kd_loss",
     "load",
+    "load_onnx_head",
     "load_profile",
     "load_rgb",
     "parse_link",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .export import Preprocess, SplitManifest, load_part
+from .export import Preprocess, SplitManifest, load_onnx_head, load_part
 from .payload import encode
 
 
@@ -85,7 +85,7 @@ class SplitClient:
     """Runs the head locally and the tail on a server.
 
     Args:
-        head: the device-side module.
+        head: the device-side module (or an :class:`~edgetorch.split.export.OnnxHead`).
         manifest: the artifact manifest (bottleneck shape, preprocessing).
         server: base URL, e.g. ``http://127.0.0.1:8000``.
         token: bearer token, if the server requires one.
@@ -96,7 +96,7 @@ class SplitClient:
         >>> client.infer_files(["shoe.png"]).predictions  # doctest: +SKIP
     """
 
-    def __init__(self, head: nn.Module, manifest: SplitManifest, server: str,
+    def __init__(self, head: nn.Module | Callable[[torch.Tensor], torch.Tensor], manifest: SplitManifest, server: str,
                  token: str | None = None, timeout: float = 30.0) -> None:
         import httpx
 
@@ -107,9 +107,24 @@ class SplitClient:
         self._http = httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout)
 
     @classmethod
-    def from_dir(cls, artifact_dir: str | Path, server: str, **kwargs) -> SplitClient:
-        """Load the verified head from an artifact directory (the device needs no tail)."""
-        head, manifest = load_part(artifact_dir, "head")
+    def from_dir(cls, artifact_dir: str | Path, server: str, *, key: bytes | str | None = None,
+                 runtime: str = "torch", **kwargs) -> SplitClient:
+        """Load the verified head from an artifact directory (the device needs no tail).
+
+        Args:
+            artifact_dir: a directory written by :func:`~edgetorch.split.export_model`.
+            server: the tail server's base URL.
+            key: the HMAC key, if the artifact was signed.
+            runtime: ``"torch"`` (the safetensors head) or ``"onnx"`` (``head.onnx`` under
+                onnxruntime; the artifact must have been exported with ``onnx=True``).
+            **kwargs: ``token`` and ``timeout`` (see the class).
+        """
+        if runtime == "torch":
+            head, manifest = load_part(artifact_dir, "head", key)
+        elif runtime == "onnx":
+            head, manifest = load_onnx_head(artifact_dir, key)
+        else:
+            raise ValueError(f"runtime must be 'torch' or 'onnx', got {runtime!r}")
         return cls(head, manifest, server, **kwargs)
 
     def close(self) -> None:

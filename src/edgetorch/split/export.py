@@ -1,43 +1,82 @@
-"""Head/tail artifacts for deployment: two ``torch.export`` programs and a JSON manifest.
-
-Why ``torch.export`` (``.pt2``) and not TorchScript or ONNX: ``torch.jit.trace``/``script`` are
-deprecated in the PyTorch this project targets (2.14 warns on every call), ONNX needs onnx and
-onnxruntime, which a device may not have; a ``.pt2`` program is PyTorch's supported deployment
-format, holds the graph as JSON and the weights as raw tensor bytes (no pickled Python objects),
-and runs with plain ``torch`` and no edgetorch or model source code on the device. The batch dim
-is exported dynamic (1..``MAX_BATCH``), every other dim is fixed by the example input.
+"""Head/tail artifacts that load without running code: safetensors weights and a JSON manifest.
 
 An artifact directory holds::
 
-    head.pt2        device side: image [N, C, H, W] -> bottleneck [N, c, h, w]
-    tail.pt2        server side: bottleneck -> logits [N, num_classes]
-    manifest.json   what the two programs expect (see :class:`SplitManifest`) and their SHA-256
+    manifest.json       the architecture as data (a :meth:`BottleneckModel.spec`), shapes,
+                        preprocessing, payload format, each file's SHA-256, an optional HMAC
+    head.safetensors    device side weights: image [N, 3, H, W] -> bottleneck [N, C, h, w]
+    tail.safetensors    server side weights: bottleneck -> logits [N, K]
+    head.onnx           optional (``onnx=True``): the head for devices that run onnxruntime
 
-:func:`load` refuses a directory whose manifest is malformed, of an unknown version, or whose
-files do not match the recorded hashes, so a server never serves a head/tail pair that was
-swapped or half copied.
+Why not ``torch.export`` (``.pt2``, this module's first format) or TorchScript: both loaders
+unpickle (``torch.export.load`` reads its weights with ``weights_only=False``), so a crafted file
+runs code on the machine that loads it, and a hash stored beside the file does not stop whoever
+can rewrite both. Here nothing is unpickled: weights are safetensors (a JSON header and raw
+bytes), and the layers are rebuilt by :func:`~edgetorch.split.bottleneck.rebuild`, which calls
+only torchvision constructors of the accepted architectures. The layers are first built on the
+``meta`` device, so a manifest that asks for absurd sizes costs no memory, and every manifest
+field is checked against them (shapes, classes, split point) before any weight is read.
+
+Trust model:
+
+* The SHA-256 of each file catches corruption and a head/tail pair that was swapped or half
+  copied; it does not stop tampering, since the manifest sits beside the files.
+* With a key (``key=...``, ``--key-env`` on the CLI), export adds an HMAC-SHA256 of the
+  manifest, which covers the file hashes. A loader given the key refuses an unsigned or
+  altered artifact. Use it whenever the directory crosses a machine or a user boundary.
+* Paths are plain file names in the directory; symlinks are refused, and each file's bytes are
+  hashed and parsed from one read, so a file swapped between check and load is caught.
+
+The input size is fixed at export (``resolution``): the loaded head refuses another size with an
+error that names both, and the client resizes images to it.
+
+Example:
+    >>> import torchvision, edgetorch.split as es
+    >>> student = es.inject_bottleneck(torchvision.models.resnet18(num_classes=10), channels=3)
+    >>> manifest = es.export_model(student, "artifact", resolution=224)  # doctest: +SKIP
+    >>> head, tail = es.load("artifact")  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
+import io
 import json
-from dataclasses import asdict, dataclass, field
+import math
+import os
+import stat
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..zoo.weights import file_sha256
+from .. import __version__
 from . import payload
+from .bottleneck import BottleneckModel, rebuild
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
-MAX_BATCH = 1024
-_EXPORT_TOLERANCE = 1e-4  # exported vs eager output: the same kernels, so only reassociation differs
+MANIFEST_VERSION = 2
+FORMAT = "edgetorch-split"
+MAX_BATCH = 1024  # the largest batch export checks and the server accepts by default
+MAX_RESOLUTION = 4096  # input height/width a manifest may declare (the head is run on it to check shapes)
+_MAX_MANIFEST_BYTES = 1 << 20
+_MIN_KEY_BYTES = 16  # an HMAC key shorter than this is guessable; RFC 2104 advises >= the hash's 32
+_PARTS = ("head", "tail")
+_ONNX = "head_onnx"
+_FILE_NAMES = {"head": "head.safetensors", "tail": "tail.safetensors", _ONNX: "head.onnx"}
+_FORMATS = {"head": "safetensors", "tail": "safetensors", _ONNX: "onnx"}
+# Loaded vs eager modules: the same kernels on the same weights, so they agree to float rounding;
+# ONNX Runtime's kernels differ more.
+_EXPORT_TOLERANCE = 1e-5
+_ONNX_TOLERANCE = 1e-3
 
 
 class SplitArtifactError(ValueError):
-    """An artifact directory is missing a file, has a malformed manifest, or fails its hash check."""
+    """An artifact directory is incomplete, malformed, tampered with, or fails a check."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +87,8 @@ class Preprocess:
         size: (height, width) the image is resized to (bilinear, antialiased when shrinking).
         color: ``"gray"`` (converted to one channel, then repeated to the model's input channels,
             as the Fashion-MNIST teachers are trained) or ``"rgb"``.
-        mean, std: per-channel normalisation applied after scaling pixels to [0, 1].
+        mean, std: per-channel normalisation applied after scaling pixels to [0, 1]
+            (one value, or one per input channel).
     """
 
     size: tuple[int, int]
@@ -56,28 +96,38 @@ class Preprocess:
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
 
+    def check(self, channels: int) -> None:
+        """Raise ``ValueError`` unless this preprocessing can feed ``channels`` input channels."""
+        if self.color not in ("gray", "rgb"):
+            raise ValueError(f"preprocess.color must be 'gray' or 'rgb', got {self.color!r}")
+        for name, values in (("mean", self.mean), ("std", self.std)):
+            if len(values) not in (1, channels):
+                raise ValueError(f"preprocess.{name} needs 1 or {channels} values, got {len(values)}")
+            if not all(math.isfinite(v) for v in values):
+                raise ValueError(f"preprocess.{name} must be finite, got {list(values)}")
+        if not all(v > 0 for v in self.std):
+            raise ValueError(f"preprocess.std must be > 0 (it divides), got {list(self.std)}")
+
 
 @dataclass(frozen=True)
 class SplitManifest:
     """What ``manifest.json`` records about a head/tail pair.
 
     Attributes:
-        arch: model spec the split model was built from (e.g. ``"torchvision:resnet18"``).
-        channels: bottleneck channels C.
-        split_point: where the bottleneck was injected (e.g. ``"sp2"``).
-        input_shape: one sample's head input [C_in, H, W].
+        model: the student's architecture as data (:meth:`BottleneckModel.spec`).
+        input_shape: one sample's head input [3, H, W].
         bottleneck_shape: one sample's head output [C, h, w] (what a payload carries, per sample).
         num_classes: logits per sample.
         preprocess: how images become the input.
-        files: name -> {"path", "sha256", "format"} for ``head`` and ``tail``.
+        files: part -> {"path", "sha256", "format"} for ``head``, ``tail`` and optionally
+            ``head_onnx``.
         payload_format: codec name, version and whether scales are per sample.
-        torch_version: the torch that exported the programs.
+        torch_version, edgetorch_version: what exported it (information only).
+        signature: hex HMAC-SHA256 of the rest of the manifest, when exported with a key.
         manifest_version: version of this manifest layout.
     """
 
-    arch: str
-    channels: int
-    split_point: str
+    model: dict[str, Any]
     input_shape: tuple[int, ...]
     bottleneck_shape: tuple[int, ...]
     num_classes: int
@@ -86,52 +136,98 @@ class SplitManifest:
     payload_format: dict = field(default_factory=lambda: {
         "magic": payload.MAGIC.decode(), "version": payload.VERSION, "per_sample": True})
     torch_version: str = torch.__version__
+    edgetorch_version: str = __version__
+    signature: str | None = None
     manifest_version: int = MANIFEST_VERSION
+    format: str = FORMAT
+
+    @property
+    def arch(self) -> str:
+        """The teacher as a model spec, e.g. ``"torchvision:resnet18"``."""
+        return f"torchvision:{self.model['arch']}"
+
+    @property
+    def channels(self) -> int:
+        """Bottleneck channels C."""
+        return int(self.model["channels"])
+
+    @property
+    def split_point(self) -> str:
+        """Where the bottleneck sits (``"sp1"``, ``"sp2"``, ``"ae"``)."""
+        return str(self.model["split_point"])
 
     def to_json(self) -> str:
         """The manifest as indented JSON."""
         return json.dumps(asdict(self), indent=2) + "\n"
 
+    def signed_bytes(self) -> bytes:
+        """The bytes an HMAC covers: every field but the signature, as canonical JSON."""
+        body = asdict(self)
+        body.pop("signature")
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
     @classmethod
     def from_json(cls, text: str) -> SplitManifest:
-        """Parse and validate a manifest.
+        """Parse and validate a manifest's fields (types and ranges; not yet the files).
 
         Raises:
-            SplitArtifactError: not JSON, unknown version, missing or mistyped fields.
+            SplitArtifactError: not JSON, another version, missing, unknown or mistyped fields.
         """
         try:
             raw = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise SplitArtifactError(f"{MANIFEST_NAME} is not JSON ({exc})") from None
-        if not isinstance(raw, dict) or raw.get("manifest_version") != MANIFEST_VERSION:
-            version = raw.get("manifest_version") if isinstance(raw, dict) else None
+        if not isinstance(raw, dict):
+            raise SplitArtifactError(f"{MANIFEST_NAME} must hold a JSON object, got {type(raw).__name__}")
+        version = raw.get("manifest_version")
+        if version == 1:
             raise SplitArtifactError(
-                f"{MANIFEST_NAME}: manifest_version {version!r} is not supported (expected {MANIFEST_VERSION})")
+                f"{MANIFEST_NAME}: version 1 artifacts hold torch.export programs, whose loader "
+                "unpickles and can run code; they are no longer read. Export again with "
+                "`edgetorch split export` (same checkpoint) to get safetensors weights")
+        if version != MANIFEST_VERSION or raw.get("format") != FORMAT:
+            raise SplitArtifactError(f"{MANIFEST_NAME}: format {raw.get('format')!r} version {version!r} is not "
+                                     f"supported (expected {FORMAT!r} version {MANIFEST_VERSION})")
+        expected = {f.name for f in cls.__dataclass_fields__.values()}
+        if set(raw) != expected:
+            raise SplitArtifactError(f"{MANIFEST_NAME}: fields {sorted(set(raw) ^ expected)} are missing or "
+                                     f"unknown (expected exactly {sorted(expected)})")
         try:
+            prep = raw["preprocess"]
+            if not isinstance(prep, dict) or set(prep) != {"size", "color", "mean", "std"}:
+                raise ValueError("preprocess needs exactly size, color, mean, std")
+            files = raw["files"]
+            if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+                raise ValueError("files must map each part to {path, sha256, format}")
             manifest = cls(
-                arch=str(raw["arch"]), channels=_positive(raw["channels"]),
-                split_point=str(raw["split_point"]),
-                input_shape=tuple(_positive(d) for d in raw["input_shape"]),
-                bottleneck_shape=tuple(_positive(d) for d in raw["bottleneck_shape"]),
+                model=_plain_dict(raw["model"]),
+                input_shape=_shape(raw["input_shape"], 3),
+                bottleneck_shape=_shape(raw["bottleneck_shape"], 3),
                 num_classes=_positive(raw["num_classes"]),
-                preprocess=Preprocess(size=tuple(_positive(d) for d in raw["preprocess"]["size"]),
-                                      color=raw["preprocess"]["color"],
-                                      mean=tuple(float(v) for v in raw["preprocess"]["mean"]),
-                                      std=tuple(float(v) for v in raw["preprocess"]["std"])),
-                files={k: {"path": str(v["path"]), "sha256": str(v["sha256"]), "format": str(v["format"])}
-                       for k, v in raw["files"].items()},
-                payload_format=dict(raw["payload_format"]), torch_version=str(raw["torch_version"]),
+                preprocess=Preprocess(size=_shape(prep["size"], 2), color=_text(prep["color"]),
+                                      mean=_floats(prep["mean"]), std=_floats(prep["std"])),
+                files={str(k): {"path": _text(v["path"]), "sha256": _text(v["sha256"]),
+                                "format": _text(v["format"])} for k, v in files.items()},
+                payload_format=_plain_dict(raw["payload_format"]),
+                torch_version=_text(raw["torch_version"]), edgetorch_version=_text(raw["edgetorch_version"]),
+                signature=None if raw["signature"] is None else _text(raw["signature"]),
             )
+            manifest.preprocess.check(manifest.input_shape[0])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise SplitArtifactError(f"{MANIFEST_NAME}: missing or malformed field ({exc!r})") from None
-        if set(manifest.files) != {"head", "tail"}:
-            raise SplitArtifactError(f"{MANIFEST_NAME}: files must list exactly head and tail, got {sorted(manifest.files)}")
-        if manifest.preprocess.color not in ("gray", "rgb"):
-            raise SplitArtifactError(f"{MANIFEST_NAME}: preprocess.color must be gray or rgb")
-        if payload.MAGIC.decode() != manifest.payload_format.get("magic") or \
-                manifest.payload_format.get("version") != payload.VERSION:
+            raise SplitArtifactError(f"{MANIFEST_NAME}: missing or malformed field ({exc})") from None
+        if not set(_PARTS) <= set(manifest.files) <= {*_PARTS, _ONNX}:
+            raise SplitArtifactError(f"{MANIFEST_NAME}: files must list head and tail (and optionally "
+                                     f"{_ONNX}), got {sorted(manifest.files)}")
+        for part, entry in manifest.files.items():
+            if entry["path"] != _FILE_NAMES[part] or entry["format"] != _FORMATS[part]:
+                raise SplitArtifactError(f"{MANIFEST_NAME}: {part} must be {_FILE_NAMES[part]} in format "
+                                         f"{_FORMATS[part]}, got {entry['path']!r} ({entry['format']!r})")
+        if manifest.payload_format != SplitManifest.__dataclass_fields__["payload_format"].default_factory():
             raise SplitArtifactError(f"{MANIFEST_NAME}: payload format {manifest.payload_format} is not "
-                                     f"{payload.MAGIC.decode()} version {payload.VERSION}")
+                                     f"{payload.MAGIC.decode()} version {payload.VERSION}, per sample")
+        if max(manifest.input_shape[1:]) > MAX_RESOLUTION or manifest.input_shape[1:] != manifest.preprocess.size:
+            raise SplitArtifactError(f"{MANIFEST_NAME}: input_shape {list(manifest.input_shape)} must match "
+                                     f"preprocess.size {list(manifest.preprocess.size)}, at most {MAX_RESOLUTION} px")
         return manifest
 
 
@@ -141,152 +237,401 @@ def _positive(value: object) -> int:
     return value
 
 
-def _export_program(module: nn.Module, example: torch.Tensor, path: Path) -> nn.Module:
-    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
-    torch.export.save(program, str(path))
-    return program.module()
+def _shape(value: object, ndim: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) != ndim:
+        raise ValueError(f"expected a list of {ndim} positive integers, got {value!r}")
+    return tuple(_positive(d) for d in value)
 
 
-def export_split(head: nn.Module, tail: nn.Module, out_dir: str | Path, *, arch: str, channels: int,
-                 split_point: str, input_shape: tuple[int, int, int],
-                 preprocess: Preprocess | None = None) -> SplitManifest:
-    """Export a head and a tail as ``torch.export`` programs plus a manifest.
+def _floats(value: object) -> tuple[float, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"expected a list of numbers, got {value!r}")
+    return tuple(float(v) for v in value)
 
-    Both modules are put in eval mode (batch-norm uses its running statistics, as in deployment),
-    exported with a dynamic batch dim, and checked against the eager modules on a random input.
+
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _plain_dict(value: object) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"expected an object, got {value!r}")
+    return dict(value)
+
+
+def _key_bytes(key: bytes | str) -> bytes:
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if len(raw) < _MIN_KEY_BYTES:
+        raise ValueError(f"an HMAC key needs at least {_MIN_KEY_BYTES} bytes, got {len(raw)}; "
+                         "generate one with `python -c 'import secrets; print(secrets.token_hex(32))'`")
+    return raw
+
+
+def _signature(manifest: SplitManifest, key: bytes | str) -> str:
+    return hmac.new(_key_bytes(key), manifest.signed_bytes(), hashlib.sha256).hexdigest()
+
+
+class CheckedInput(nn.Module):
+    """A loaded head or tail that refuses inputs of another per-sample shape than exported.
+
+    Attributes:
+        module: the head or tail.
+        sample_shape: the per-sample input shape it was exported for.
+    """
+
+    def __init__(self, module: nn.Module, sample_shape: tuple[int, ...], what: str):
+        super().__init__()
+        self.module, self.sample_shape, self._what = module, tuple(sample_shape), what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != len(self.sample_shape) + 1 or tuple(x.shape[1:]) != self.sample_shape:
+            want = ", ".join(map(str, self.sample_shape))
+            hint = (f": resize images to {self.sample_shape[1]}x{self.sample_shape[2]} (the split client "
+                    "does), or export again at this resolution") if self._what == "head" else ""
+            raise ValueError(f"this {self._what} was exported for inputs [N, {want}], got {list(x.shape)}{hint}")
+        if not 1 <= x.shape[0] <= MAX_BATCH:
+            raise ValueError(f"batch {x.shape[0]} is outside 1..{MAX_BATCH}")
+        return self.module(x)
+
+
+def export_model(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
+                 preprocess: Preprocess | None = None, *, key: bytes | str | None = None,
+                 onnx: bool = False) -> SplitManifest:
+    """Write a student's head and tail as safetensors plus a verified manifest.
+
+    The files are written, then loaded back the way a server would, and the loaded split must
+    reproduce the eager model's logits. The model's train/eval mode is left as it was.
 
     Args:
-        head: device-side module, input [N, *input_shape] -> bottleneck.
-        tail: server-side module, bottleneck -> logits [N, K].
-        out_dir: directory to write (created; existing files of the same names are replaced).
-        arch, channels, split_point: recorded in the manifest.
-        input_shape: one sample's input shape [C_in, H, W].
-        preprocess: image preprocessing for the client; default: gray, resized to (H, W).
+        model: a bottleneck-injected student (:func:`~edgetorch.split.inject_bottleneck`).
+        out_dir: artifact directory (created; the artifact's own file names are replaced).
+        resolution: input height = width the head is exported for (a multiple of
+            ``model.input_multiple``); 224 is what torchvision models are trained at.
+        preprocess: image preprocessing for the client; default: gray images at ``resolution``.
+        key: sign the manifest with HMAC-SHA256 (at least 16 bytes; read it from the environment,
+            never from the command line).
+        onnx: also write ``head.onnx`` (needs the ``onnx`` extra: onnx and onnxscript; checked
+            against the eager head with onnxruntime when that is installed).
 
     Returns:
         The written :class:`SplitManifest`.
 
     Raises:
-        SplitArtifactError: the exported programs disagree with the eager modules.
+        TypeError: ``model`` is not a :class:`BottleneckModel`.
+        ValueError: ``resolution`` does not suit the model, or a bad preprocess or key.
+        SplitArtifactError: ``out_dir`` is a file, or the loaded split disagrees with the model.
 
     Example:
-        >>> export_split(head, tail, "artifacts", arch="torchvision:resnet18", channels=3,
-        ...              split_point="sp2", input_shape=(3, 96, 96))  # doctest: +SKIP
+        >>> export_model(student, "r18_c12", 224, key=os.environ["SPLIT_KEY"])  # doctest: +SKIP
     """
+    from safetensors.torch import save
+
+    if not isinstance(model, BottleneckModel):
+        raise TypeError(f"export_model takes a BottleneckModel (see inject_bottleneck), got {type(model).__name__}")
+    if isinstance(resolution, bool) or not isinstance(resolution, int) or not \
+            0 < resolution <= MAX_RESOLUTION or resolution % model.input_multiple:
+        raise ValueError(f"resolution must be a multiple of {model.input_multiple} for this model, "
+                         f"at most {MAX_RESOLUTION}, got {resolution!r}")
+    preprocess = preprocess or Preprocess(size=(resolution, resolution))
+    preprocess.check(3)
+    if preprocess.size != (resolution, resolution):
+        raise ValueError(f"preprocess.size {preprocess.size} must be the export resolution {resolution}")
+    if key is not None:
+        _key_bytes(key)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise SplitArtifactError(f"{out} is a file; give a directory for the artifact")
     out.mkdir(parents=True, exist_ok=True)
-    head, tail = head.eval(), tail.eval()
-    # Batch 2: an example of batch 1 would let export specialise the batch dim to a constant.
-    example = torch.rand(2, *input_shape, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # not inference_mode: export cannot trace with inference tensors
-        bottleneck = head(example)
-        logits = tail(bottleneck)
-    exported_head = _export_program(head, example, out / "head.pt2")
-    exported_tail = _export_program(tail, bottleneck, out / "tail.pt2")
-    with torch.no_grad():
-        again = exported_tail(exported_head(example))
-    if not torch.allclose(again, logits, atol=_EXPORT_TOLERANCE, rtol=_EXPORT_TOLERANCE):
-        raise SplitArtifactError("the exported head/tail do not reproduce the eager modules' logits")
-    files = {name: {"path": f"{name}.pt2", "sha256": file_sha256(out / f"{name}.pt2"),
-                    "format": "torch.export"} for name in ("head", "tail")}
+    example = torch.rand(2, 3, resolution, resolution, generator=torch.Generator().manual_seed(0))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            bottleneck = model.head(example)
+            expected = model.tail(bottleneck)
+        blobs = {part: save(_state(getattr(model, part)), metadata={"part": part, "format": FORMAT})
+                 for part in _PARTS}
+        if onnx:
+            blobs[_ONNX] = _onnx_bytes(model.head, example)
+    finally:
+        model.train(was_training)
+    for stale in set(_FILE_NAMES) - set(blobs):
+        (out / _FILE_NAMES[stale]).unlink(missing_ok=True)
+    for part, blob in blobs.items():
+        _write_new(out / _FILE_NAMES[part], blob)
     manifest = SplitManifest(
-        arch=arch, channels=channels, split_point=split_point, input_shape=tuple(input_shape),
-        bottleneck_shape=tuple(bottleneck.shape[1:]), num_classes=int(logits.shape[1]),
-        preprocess=preprocess or Preprocess(size=(input_shape[1], input_shape[2])), files=files)
-    (out / MANIFEST_NAME).write_text(manifest.to_json())
+        model=model.spec(), input_shape=(3, resolution, resolution),
+        bottleneck_shape=tuple(bottleneck.shape[1:]),
+        num_classes=int(expected.shape[1]), preprocess=preprocess,
+        files={part: {"path": _FILE_NAMES[part], "sha256": hashlib.sha256(blob).hexdigest(),
+                      "format": _FORMATS[part]} for part, blob in blobs.items()})
+    if key is not None:
+        manifest = replace(manifest, signature=_signature(manifest, key))
+    _write_new(out / MANIFEST_NAME, manifest.to_json().encode())
+    head, tail = load(out, key=key)
+    with torch.no_grad():
+        again = tail(head(example))
+    if not torch.allclose(again, expected, atol=_EXPORT_TOLERANCE, rtol=_EXPORT_TOLERANCE):
+        raise SplitArtifactError("the loaded head/tail do not reproduce the model's logits")
+    if onnx:
+        _check_onnx(out, key, example, bottleneck)
     return manifest
 
 
-def read_manifest(artifact_dir: str | Path) -> SplitManifest:
-    """Read and validate ``DIR/manifest.json`` and check both files' SHA-256.
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    # Copies: safetensors refuses tensors that share memory, and a view would save its whole base.
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in module.state_dict().items()}
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary name, then rename: a reader never sees half a file, and a
+    symlink planted at ``path`` is replaced, never followed."""
+    temporary = path.with_name(path.name + ".partial")
+    temporary.unlink(missing_ok=True)
+    with open(temporary, "xb") as f:
+        f.write(data)
+    os.replace(temporary, path)
+
+
+def _onnx_bytes(head: nn.Module, example: torch.Tensor) -> bytes:
+    import importlib.util
+
+    if importlib.util.find_spec("onnxscript") is None:  # torch.onnx's exporter needs it: fail with the fix
+        raise ImportError("ONNX export needs the onnx extra: pip install 'edgetorch[onnx]'")
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its progress
+        program = torch.onnx.export(head, (example,), dynamic_shapes=({0: batch},), dynamo=True,
+                                    input_names=["image"], output_names=["bottleneck"], verbose=False)
+    return program.model_proto.SerializeToString()
+
+
+def _check_onnx(out: Path, key: bytes | str | None, example: torch.Tensor, bottleneck: torch.Tensor) -> None:
+    try:
+        session, _ = load_onnx_head(out, key=key)
+    except ImportError:
+        return  # export needs only onnx; the check runs where onnxruntime is installed too
+    if not torch.allclose(session(example), bottleneck, atol=_ONNX_TOLERANCE, rtol=_ONNX_TOLERANCE):
+        raise SplitArtifactError("head.onnx does not reproduce the head's bottleneck under onnxruntime")
+
+
+def read_manifest(artifact_dir: str | Path, key: bytes | str | None = None) -> SplitManifest:
+    """Read and validate ``DIR/manifest.json``, its signature when a key is given, and every file's hash.
 
     Args:
-        artifact_dir: a directory written by :func:`export_split`.
+        artifact_dir: a directory written by :func:`export_model`.
+        key: the HMAC key the artifact was signed with; when given, an unsigned or altered
+            manifest is refused.
 
     Returns:
-        The :class:`SplitManifest`.
+        The :class:`SplitManifest` (its shapes are checked against the layers by :func:`load`).
 
     Raises:
-        SplitArtifactError: missing directory/file, malformed manifest, or a hash mismatch.
+        SplitArtifactError: missing directory or file, a symlink, a malformed manifest, a bad
+            signature, or a hash mismatch.
     """
-    root = Path(artifact_dir)
-    path = root / MANIFEST_NAME
-    if not path.is_file():
-        raise SplitArtifactError(f"{root}: no {MANIFEST_NAME}; export one with `edgetorch split export`")
-    manifest = SplitManifest.from_json(path.read_text())
-    for name, entry in manifest.files.items():
-        file = root / entry["path"]
-        if Path(entry["path"]).is_absolute() or ".." in Path(entry["path"]).parts:
-            raise SplitArtifactError(f"{MANIFEST_NAME}: {name} path {entry['path']!r} must stay inside {root}")
-        if not file.is_file():
-            raise SplitArtifactError(f"{root}: {name} file {entry['path']} is missing")
-        if file_sha256(file) != entry["sha256"]:
-            raise SplitArtifactError(f"{file}: SHA-256 does not match the manifest (modified or swapped)")
+    manifest = _signed_manifest(Path(artifact_dir), key)
+    for part in manifest.files:
+        _verified_bytes(Path(artifact_dir), manifest, part)
     return manifest
 
 
-def load_part(artifact_dir: str | Path, part: str) -> tuple[nn.Module, SplitManifest]:
-    """Load one verified program (``"head"`` or ``"tail"``) and the manifest.
+def _signed_manifest(root: Path, key: bytes | str | None) -> SplitManifest:
+    """The parsed manifest, its HMAC checked when a key is given (the files are checked as read)."""
+    if not root.is_dir():
+        raise SplitArtifactError(f"{root} is not a directory; export one with `edgetorch split export`")
+    manifest = SplitManifest.from_json(_read_regular(root / MANIFEST_NAME, _MAX_MANIFEST_BYTES).decode("utf-8", "replace"))
+    if key is not None:
+        if manifest.signature is None:
+            raise SplitArtifactError(f"{root}: the manifest is not signed, but a key was given; export it "
+                                     "again with the key (--key-env) or load it without one")
+        if not hmac.compare_digest(manifest.signature, _signature(manifest, key)):
+            raise SplitArtifactError(f"{root}: the manifest's HMAC does not match this key (tampered, or "
+                                     "signed with another key)")
+    return manifest
+
+
+def _read_regular(path: Path, limit: int | None = None) -> bytes:
+    """A regular file's bytes, refusing symlinks (O_NOFOLLOW) and anything over ``limit``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise SplitArtifactError(f"{path.parent}: {path.name} is missing") from None
+    except OSError as exc:  # ELOOP: a symlink
+        raise SplitArtifactError(f"{path}: cannot be opened as a regular file (symlinks are refused): "
+                                 f"{exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise SplitArtifactError(f"{path} is not a regular file")
+        if limit is not None and info.st_size > limit:
+            raise SplitArtifactError(f"{path} is {info.st_size} bytes, over the {limit}-byte limit")
+        return f.read()
+
+
+def _verified_bytes(root: Path, manifest: SplitManifest, part: str) -> bytes:
+    """A part's bytes, read once and checked against the manifest's SHA-256."""
+    entry = manifest.files[part]
+    data = _read_regular(root / entry["path"])
+    if not hmac.compare_digest(hashlib.sha256(data).hexdigest(), entry["sha256"]):
+        raise SplitArtifactError(f"{root / entry['path']}: SHA-256 does not match the manifest (modified or swapped)")
+    return data
+
+
+def _skeleton(manifest: SplitManifest) -> BottleneckModel:
+    """The manifest's layers on the meta device (no memory), checked against its shapes."""
+    try:
+        with torch.device("meta"):
+            model = rebuild(manifest.model).eval()
+            bottleneck = model.head(torch.empty(1, *manifest.input_shape))
+            logits = model.tail(bottleneck)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise SplitArtifactError(f"{MANIFEST_NAME}: model {manifest.model} with input "
+                                 f"{list(manifest.input_shape)} cannot be built ({exc})") from None
+    if tuple(bottleneck.shape[1:]) != manifest.bottleneck_shape or manifest.bottleneck_shape[0] != manifest.channels:
+        raise SplitArtifactError(f"{MANIFEST_NAME}: bottleneck_shape {list(manifest.bottleneck_shape)} is not "
+                                 f"what the model gives at this input ({list(bottleneck.shape[1:])})")
+    if logits.shape[1] != manifest.num_classes:
+        raise SplitArtifactError(f"{MANIFEST_NAME}: num_classes {manifest.num_classes} is not the model's "
+                                 f"{logits.shape[1]}")
+    return model
+
+
+def _load_weights(root: Path, manifest: SplitManifest, model: BottleneckModel, part: str) -> nn.Module:
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_safetensors
+
+    data = _verified_bytes(root, manifest, part)
+    try:
+        tensors = load_safetensors(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise SplitArtifactError(f"{root / manifest.files[part]['path']}: not a safetensors file ({exc})") from None
+    module: nn.Module = getattr(model, part)
+    wanted = module.state_dict()
+    if set(tensors) != set(wanted):
+        missing, extra = sorted(set(wanted) - set(tensors)), sorted(set(tensors) - set(wanted))
+        raise SplitArtifactError(f"{part} weights do not fit the manifest's model: missing {missing[:5]}, "
+                                 f"unexpected {extra[:5]} (head and tail swapped, or another model)")
+    for name, tensor in tensors.items():
+        if tensor.shape != wanted[name].shape or tensor.dtype != wanted[name].dtype:
+            raise SplitArtifactError(f"{part} weight {name} is {tensor.dtype} {list(tensor.shape)}, the model "
+                                     f"needs {wanted[name].dtype} {list(wanted[name].shape)}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise SplitArtifactError(f"{part} weight {name} holds inf or NaN")
+    module.load_state_dict(tensors, strict=True, assign=True)
+    shape = manifest.input_shape if part == "head" else manifest.bottleneck_shape
+    return CheckedInput(module.eval(), shape, part)
+
+
+def load_part(artifact_dir: str | Path, part: str, key: bytes | str | None = None) -> tuple[nn.Module, SplitManifest]:
+    """Load one verified side (``"head"`` for the device, ``"tail"`` for the server) and the manifest.
+
+    Only that side's file is read (a device needs no tail file) and only its weights allocated.
 
     Args:
-        artifact_dir: a directory written by :func:`export_split`.
-        part: ``"head"`` (the device needs only this) or ``"tail"`` (the server).
+        artifact_dir: a directory written by :func:`export_model`.
+        part: ``"head"`` or ``"tail"``.
+        key: the HMAC key, if the artifact was signed (see :func:`read_manifest`).
 
     Returns:
-        ``(module, manifest)``; the module runs on CPU.
+        ``(module, manifest)``; the module runs on CPU in eval mode and refuses inputs of
+        another per-sample shape than the manifest's.
+
+    Raises:
+        ValueError: ``part`` is neither.
+        SplitArtifactError: see :func:`read_manifest`, or weights that do not fit the manifest.
     """
-    if part not in ("head", "tail"):
+    if part not in _PARTS:
         raise ValueError(f"part must be 'head' or 'tail', got {part!r}")
-    manifest = read_manifest(artifact_dir)
-    return _load_program(artifact_dir, manifest, part), manifest
+    manifest = _signed_manifest(Path(artifact_dir), key)
+    return _load_weights(Path(artifact_dir), manifest, _skeleton(manifest), part), manifest
 
 
-def _load_program(artifact_dir: str | Path, manifest: SplitManifest, part: str) -> nn.Module:
-    return torch.export.load(str(Path(artifact_dir) / manifest.files[part]["path"])).module()
-
-
-def load(artifact_dir: str | Path) -> tuple[nn.Module, nn.Module]:
+def load(artifact_dir: str | Path, key: bytes | str | None = None) -> tuple[nn.Module, nn.Module]:
     """Load a verified head and tail from an artifact directory.
 
     Args:
-        artifact_dir: a directory written by :func:`export_split` / ``edgetorch split export``.
+        artifact_dir: a directory written by :func:`export_model` / ``edgetorch split export``.
+        key: the HMAC key, if the artifact was signed (see :func:`read_manifest`).
 
     Returns:
-        ``(head, tail)`` modules.
+        ``(head, tail)`` modules in eval mode.
 
     Raises:
-        SplitArtifactError: see :func:`read_manifest`.
+        SplitArtifactError: see :func:`read_manifest`, or weights that do not fit the manifest.
 
     Example:
         >>> head, tail = load("artifacts")  # doctest: +SKIP
         >>> logits = tail(head(images))  # doctest: +SKIP
     """
-    manifest = read_manifest(artifact_dir)
-    return _load_program(artifact_dir, manifest, "head"), _load_program(artifact_dir, manifest, "tail")
+    manifest = _signed_manifest(Path(artifact_dir), key)
+    model = _skeleton(manifest)
+    root = Path(artifact_dir)
+    return _load_weights(root, manifest, model, "head"), _load_weights(root, manifest, model, "tail")
 
 
-def export_model(model: nn.Module, out_dir: str | Path, resolution: int,
-                 preprocess: Preprocess | None = None) -> SplitManifest:
-    """Export a :class:`~edgetorch.split.bottleneck.BottleneckModel`'s head and tail.
+class OnnxHead:
+    """An ONNX Runtime session that takes and returns torch tensors, like the torch head.
+
+    Attributes:
+        sample_shape: the per-sample input shape [3, H, W].
+    """
+
+    def __init__(self, session: Any, sample_shape: tuple[int, ...]):
+        self._session, self.sample_shape = session, tuple(sample_shape)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[1:]) != self.sample_shape:
+            raise ValueError(f"this head was exported for inputs [N, {', '.join(map(str, self.sample_shape))}], "
+                             f"got {list(x.shape)}")
+        out = self._session.run(None, {self._session.get_inputs()[0].name: x.detach().float().contiguous().numpy()})[0]
+        return torch.from_numpy(out)
+
+
+def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> tuple[OnnxHead, SplitManifest]:
+    """The verified ``head.onnx`` as an ONNX Runtime session (for devices without PyTorch models).
+
+    The session is built from the bytes whose hash was checked, and, where the ``onnx`` package is
+    installed, a model that points at external data files is refused (they would be read from
+    outside the checked bytes).
 
     Args:
-        model: a bottleneck-injected student (``inject_bottleneck``), trained or not.
-        out_dir: artifact directory to write.
-        resolution: input height = width (a multiple of ``model.input_multiple``).
-        preprocess: image preprocessing for the client; default: gray images at ``resolution``.
+        artifact_dir: a directory exported with ``onnx=True`` (``--onnx``).
+        key: the HMAC key, if the artifact was signed.
 
     Returns:
-        The written :class:`SplitManifest`.
+        ``(head, manifest)``: call the :class:`OnnxHead` on a float [N, 3, H, W] tensor.
 
     Raises:
-        ValueError: ``resolution`` does not suit the model's strides.
+        ImportError: onnxruntime is not installed.
+        SplitArtifactError: no ``head.onnx`` in the artifact, or any check of :func:`read_manifest`.
     """
-    from .bottleneck import split
+    try:
+        import onnxruntime
+    except ImportError:
+        raise ImportError("loading head.onnx needs onnxruntime: pip install onnxruntime") from None
+    manifest = _signed_manifest(Path(artifact_dir), key)
+    if _ONNX not in manifest.files:
+        raise SplitArtifactError(f"{artifact_dir}: no head.onnx; export with --onnx (onnx=True)")
+    data = _verified_bytes(Path(artifact_dir), manifest, _ONNX)
+    _refuse_external_data(data)
+    try:
+        session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types for a malformed model
+        raise SplitArtifactError(f"{artifact_dir}: head.onnx does not load in onnxruntime ({exc})") from None
+    return OnnxHead(session, manifest.input_shape), manifest
 
-    if resolution % model.input_multiple:
-        raise ValueError(f"resolution must be a multiple of {model.input_multiple} for this model, got {resolution}")
-    head, tail = split(model)
-    return export_split(head, tail, out_dir, arch=f"torchvision:{model.arch}", channels=model.channels,
-                        split_point=model.split_point, input_shape=(3, resolution, resolution),
-                        preprocess=preprocess)
+
+def _refuse_external_data(data: bytes) -> None:
+    try:
+        import onnx
+        from onnx.external_data_helper import uses_external_data
+    except ImportError:
+        return
+    try:
+        model = onnx.load_from_string(data)
+    except Exception as exc:  # protobuf's DecodeError and onnx's own errors
+        raise SplitArtifactError(f"head.onnx is not an ONNX model ({exc})") from None
+    if any(uses_external_data(t) for t in model.graph.initializer):
+        raise SplitArtifactError("head.onnx refers to external data files; an artifact's head must be self-contained")
