@@ -10,8 +10,19 @@ app = typer.Typer(help="edgetorch: memory-efficient training and deployment on e
 console = Console(width=130)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        console.print(f"edgetorch {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="print the version and exit"),
+) -> None:
     """edgetorch command line."""
 
 
