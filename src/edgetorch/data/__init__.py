@@ -1,8 +1,10 @@
-"""Datasets: Fashion-MNIST from local IDX files, scikit-learn digits as the embedded default."""
+"""Datasets: Fashion-MNIST from local IDX files, scikit-learn digits as the embedded default, and
+the user's own image folders (:func:`image_folder`)."""
 
 from .cache import CACHE_ENV, cache_dir
 from .datasets import DATASETS, DatasetInfo, dataset_info, load_dataset
 from .digits import load_digits_arrays
+from .folder import ImageFolderDataset, ImageFolderError, image_folder
 from .fashion_mnist import (
     DEBIAN_FASHION_MNIST_DIR,
     DatasetNotFoundError,
@@ -18,8 +20,11 @@ __all__ = [
     "DatasetInfo",
     "DatasetNotFoundError",
     "IDXFormatError",
+    "ImageFolderDataset",
+    "ImageFolderError",
     "cache_dir",
     "dataset_info",
+    "image_folder",
     "load_dataset",
     "load_digits_arrays",
     "load_fashion_mnist",
