@@ -27,8 +27,11 @@ Wire format, version 1 (all integers little-endian; nothing is pickled)::
 
 So a payload is ``numel + 13 + 4 * ndim + 5 * G`` bytes: for a [1, 12, 28, 28] bottleneck,
 9,408 values + 34 bytes. :func:`decode` checks every field, that the length is exact and the
-checksum matches (so a corrupted payload is an error, never a plausible wrong tensor), and
-raises :class:`PayloadError` (a ``ValueError``) naming what was wrong.
+checksum matches (so a corrupted payload is an error, never a plausible wrong tensor), that no
+(scale, zero point) can dequantise to inf in float32 or the restored dtype (so a decoded tensor
+is always finite), and raises :class:`PayloadError` (a ``ValueError``) naming what was wrong.
+:func:`encode` refuses, with the same error, every tensor whose payload :func:`decode` would
+refuse: what one side accepts, the other does.
 
 Example:
     >>> x = torch.randn(2, 3, 4, 4)
@@ -41,6 +44,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+import operator
 import struct
 import zlib
 from collections.abc import Sequence
@@ -59,6 +64,8 @@ _UINT8 = 1
 _RESTORED = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16, 4: torch.float64}
 _RESTORED_CODE = {dtype: code for code, dtype in _RESTORED.items()}
 _QMAX = 255
+# torch counts elements in int64: a shape with more cannot be a tensor, so its size means nothing.
+MAX_NUMEL = 2**63 - 1
 
 
 class PayloadError(ValueError):
@@ -86,7 +93,7 @@ class PayloadHeader:
     @property
     def numel(self) -> int:
         """Number of quantised values (one byte each)."""
-        return int(np.prod(self.shape, dtype=object))
+        return math.prod(self.shape)
 
     @property
     def total_bytes(self) -> int:
@@ -103,19 +110,32 @@ def payload_size(shape: Sequence[int], per_sample: bool = True) -> int:
     """Exact byte length of ``encode(x, per_sample)`` for a tensor of ``shape``, without encoding.
 
     Args:
-        shape: the tensor's shape (1..8 dims, each >= 1).
+        shape: the tensor's shape: 1..8 integer dims, each in 1..2**32-1 (what the header can
+            hold), with at most 2**63-1 elements in all (what a tensor can hold).
         per_sample: as in :func:`encode`.
 
     Returns:
-        ``numel + header_size``.
+        ``numel + header_size``, computed in Python integers (never wraps around).
+
+    Raises:
+        PayloadError: a shape outside those bounds, or dims that are not integers.
 
     Example:
         >>> payload_size((1, 12, 28, 28))
         9442
     """
-    shape = _check_shape(tuple(int(d) for d in shape))
+    shape = _check_shape(_int_dims(shape))
     groups = shape[0] if per_sample else 1
-    return int(np.prod(shape)) + header_size(len(shape), groups)
+    return math.prod(shape) + header_size(len(shape), groups)
+
+
+def _int_dims(shape: Sequence[int]) -> tuple[int, ...]:
+    # operator.index accepts ints, numpy integers and torch.Size entries, but not 2.5 or "3":
+    # int() would silently truncate or parse them into a different shape.
+    try:
+        return tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise PayloadError(f"a shape is a sequence of integers, got {shape!r}") from None
 
 
 def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -123,7 +143,31 @@ def _check_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         raise PayloadError(f"a payload tensor has 1..{MAX_NDIM} dims, got {len(shape)}")
     if any(d < 1 or d >= 2**32 for d in shape):
         raise PayloadError(f"every dim must be in 1..2**32-1, got shape {shape}")
+    if math.prod(shape) > MAX_NUMEL:
+        raise PayloadError(f"shape {shape} has {math.prod(shape):.3g} elements; a tensor holds at most 2**63-1")
     return shape
+
+
+def _check_range(scale: np.ndarray, zero_point: np.ndarray, dtype: torch.dtype) -> None:
+    """Refuse (scale, zero point) pairs whose dequantised values would overflow to inf.
+
+    :func:`dequantize` computes ``(q - z) * s`` in float32 and then casts to ``dtype``. ``q - z``
+    is an exact integer in [-255, 255] and rounding is monotone, so the largest magnitude any
+    value of the group can reach is ``s * max(z, 255 - z)``; if that is finite in float32 and
+    after the cast, every value of the group is.
+    """
+    zero = torch.as_tensor(np.asarray(zero_point, dtype=np.float32))
+    reach = torch.maximum(zero, _QMAX - zero)
+    scale32 = torch.as_tensor(np.asarray(scale, dtype=np.float32))
+    if not bool(torch.isfinite((scale32 * reach).to(dtype)).all()):  # float32 product, as dequantize
+        worst = float((scale32.double() * reach.double()).max())
+        raise PayloadError(
+            f"out of range: 8-bit values with scale up to {float(scale32.max()):.4g} dequantise to "
+            f"magnitudes up to {worst:.4g}, which overflow {str(dtype).removeprefix('torch.')} "
+            f"(largest finite {torch.finfo(dtype).max:.4g}; dequantisation runs in float32, largest "
+            f"{torch.finfo(torch.float32).max:.4g}); accepted: tensors whose range max(x) - min(x) "
+            "dequantises within both"
+        )
 
 
 def quantize(x: torch.Tensor, per_sample: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,14 +182,10 @@ def quantize(x: torch.Tensor, per_sample: bool = True) -> tuple[torch.Tensor, to
         ``zero_point`` uint8, each of shape [G] with G = ``x.shape[0]`` or 1.
 
     Raises:
-        PayloadError: non-floating, empty or non-finite input.
+        PayloadError: not a dense float32/float16/bfloat16/float64 tensor with data (sparse, meta,
+            nested, quantized, complex and integer tensors are refused), empty, or non-finite.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype not in _RESTORED_CODE:
-        raise PayloadError(
-            f"encode takes a float32/float16/bfloat16/float64 tensor, got "
-            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
-        )
-    _check_shape(tuple(x.shape))
+    _check_tensor(x)
     groups = x.shape[0] if per_sample else 1
     flat = x.detach().to("cpu", torch.float64).reshape(groups, -1)
     if not torch.isfinite(flat).all():
@@ -162,6 +202,30 @@ def quantize(x: torch.Tensor, per_sample: bool = True) -> tuple[torch.Tensor, to
     zero_point = torch.round(-lo / stored).clamp(0, _QMAX)
     q = torch.round(flat / stored[:, None] + zero_point[:, None]).clamp(0, _QMAX)
     return q.to(torch.uint8).reshape(x.shape), scale, zero_point.to(torch.uint8)
+
+
+_ACCEPTED = "a dense (strided) float32/float16/bfloat16/float64 tensor on a CPU or GPU device"
+
+
+def _check_tensor(x: object) -> None:
+    """Refuse, with :class:`PayloadError`, anything that is not a tensor encode can serialise.
+
+    Checked before touching the values, because sparse, meta and nested tensors raise their own
+    RuntimeErrors from ``reshape``/``isfinite``, and a meta tensor has no values to send at all.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise PayloadError(f"encode takes {_ACCEPTED}, got {type(x).__name__}")
+    if x.is_nested:
+        raise PayloadError(f"encode takes {_ACCEPTED}, got a nested tensor; encode its parts one by one")
+    if x.layout != torch.strided:
+        raise PayloadError(f"encode takes {_ACCEPTED}, got layout {x.layout}; call .to_dense() first")
+    if x.is_meta or x.device.type == "meta":
+        raise PayloadError(f"encode takes {_ACCEPTED}, got a meta tensor (it has a shape but no values)")
+    if x.is_quantized:
+        raise PayloadError(f"encode takes {_ACCEPTED}, got quantized {x.dtype}; call .dequantize() first")
+    if x.dtype not in _RESTORED_CODE:
+        raise PayloadError(f"encode takes {_ACCEPTED}, got dtype {x.dtype}")
+    _check_shape(tuple(x.shape))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
@@ -195,13 +259,24 @@ def encode(x: torch.Tensor, per_sample: bool = True) -> bytes:
         The payload; ``len(result) == payload_size(x.shape, per_sample)``.
 
     Raises:
-        PayloadError: unsupported dtype, shape, or non-finite values.
+        PayloadError: whatever :func:`decode` would refuse or turn into inf: a tensor that is not
+            dense floating (see :func:`quantize`), a bad shape, non-finite values, or values whose
+            dequantised range overflows float32 or the tensor's own dtype (float16 near 65504,
+            float32/bfloat16 near 3.4e38, float64 beyond float32's range).
 
     Example:
         >>> len(encode(torch.zeros(1, 3, 4, 4)))
         82
     """
     q, scale, zero_point = quantize(x, per_sample)
+    if not bool(torch.isfinite(scale).all()):
+        # Finite float64 input whose range exceeds float32's: the float32 scale is inf.
+        raise PayloadError(
+            f"out of range: values span {float(x.max()) - float(x.min()):.4g}, more than a float32 scale "
+            f"can step in 255 steps (range up to about {torch.finfo(torch.float32).max:.4g}); accepted: "
+            "tensors whose range dequantises within float32"
+        )
+    _check_range(scale.numpy(), zero_point.numpy(), x.dtype)
     params = np.empty(scale.numel(), dtype=_PARAM)
     params["scale"] = scale.numpy()
     params["zero_point"] = zero_point.numpy()
@@ -267,7 +342,9 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -
 
     Raises:
         PayloadError: any malformed payload: too long, truncated or with trailing bytes, bad
-            header fields, a checksum mismatch, or a scale that is not finite and positive.
+            header fields, a checksum mismatch, a scale that is not finite and positive, or a
+            scale and zero point that would dequantise to inf in float32 or the restored dtype
+            (so a decoded tensor is always finite).
 
     Example:
         >>> decode(encode(torch.ones(2, 2))).tolist()
@@ -291,6 +368,7 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -
     scale = params["scale"].astype(np.float32)
     if not (np.isfinite(scale).all() and (scale > 0).all()):
         raise PayloadError("inconsistent payload: every scale must be finite and > 0")
+    _check_range(scale, params["zero_point"], header.dtype)
     values = np.frombuffer(data, dtype=np.uint8, offset=header.header_bytes).reshape(header.shape)
     return dequantize(torch.from_numpy(values.copy()), torch.from_numpy(scale),
                       torch.from_numpy(params["zero_point"].copy()), header.dtype)
