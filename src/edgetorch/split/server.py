@@ -2,23 +2,67 @@
 
 Why FastAPI on an ASGI server (uvicorn): ASGI is the standard Python web-server interface, so the
 same app runs under ``uvicorn --workers N``, gunicorn with uvicorn workers, or behind Ray Serve's
-FastAPI ingress without changes; FastAPI gives JSON errors and request routing without code of
-our own, and runs the (blocking) tail in its thread pool so the event loop keeps accepting.
+FastAPI ingress without changes; FastAPI gives request routing without code of our own, and runs
+the (blocking) tail in its thread pool so the event loop keeps accepting.
 
 Endpoints:
 
-* ``GET /``: health and model info (arch, channels, bottleneck shape, limits).
+* ``GET /health``: liveness, always open, ``{"status": "ok"}``; answered on the event loop, so it
+  answers while the tail is busy and while stalled connections are held.
+* ``GET /``: model info (arch, channels, bottleneck shape, limits); open, as before.
 * ``POST /infer``: body ``application/octet-stream`` = a :func:`edgetorch.split.payload.encode`
   payload of a [N, *bottleneck_shape] tensor; answers ``{"logits": [[...], ...], "timing": {...}}``.
+* ``GET /metrics``: Prometheus text format: ``edgetorch_split_requests_total{path, code}``,
+  ``edgetorch_split_errors_total{code}`` and the ``edgetorch_split_inference_seconds`` histogram
+  (decode + tail of answered requests). It needs the token when one is set: it reveals how much
+  traffic the server takes and how long each inference runs, which is nobody's business but the
+  operator's, and Prometheus sends a bearer token with ``authorization: {credentials: ...}`` in
+  its scrape config. ``/health`` stays open because liveness probes rarely can.
+* ``/docs``, ``/redoc``, ``/openapi.json``: only without a token; with one they are off (404), so a
+  protected server does not describe itself to whoever asks.
 
-Every bad request gets a 4xx JSON ``{"error": "..."}`` and the server keeps serving: 401 missing or
-wrong bearer token, 411/413 missing or over-limit size, 415 wrong content type, 400 malformed
-payload, 422 a valid payload of the wrong shape.
+Every refused request gets a JSON ``{"error": {"code": <int>, "type": "<name>", "message": "..."}}``
+(FastAPI's own 404 and 405 included) and the server keeps serving:
+
+====  ========================  =====================================================================
+code  type                      when
+====  ========================  =====================================================================
+400   bad_request               malformed HTTP (from the protocol), or a Content-Length that is not a number
+400   malformed_payload         the body is not a valid payload (the codec's message says why)
+401   unauthorized              missing or wrong ``Authorization: Bearer <token>`` (scheme case-insensitive)
+404   not_found                 no such path (or docs with a token set)
+405   method_not_allowed        e.g. ``GET /infer``
+408   request_timeout           headers not complete within ``header_timeout_s``, or the body within
+                                ``read_timeout_s``; the connection is closed
+413   payload_too_large         body over ``max_payload_bytes`` (declared or streamed), or a batch over
+                                ``max_batch`` (checked from the payload header, before decoding)
+415   unsupported_media_type    content type other than ``application/octet-stream`` (case-insensitive)
+431   request_header_fields_    request line and headers over ``max_header_bytes`` (400 while they are
+      too_large                 still arriving, from the protocol layer)
+422   shape_mismatch            a valid payload of another shape than the tail's bottleneck
+422   non_finite_output         the tail's logits are inf or NaN for this (finite) payload
+500   internal_error            a genuine server bug (the tail raised on a payload that passed every
+                                check): logged once with its traceback, never sent to the client
+503   (uvicorn's text/plain)    more than ``max_connections`` connections and requests at once
+====  ========================  =====================================================================
+
+A client that hangs up mid-request is logged as one INFO line, not a traceback. Refusals that
+leave part of the request body unread close the connection, so a refused client cannot keep it
+busy by sending the rest slowly.
+
+Limits that need the HTTP protocol layer (the header deadline, idle connections, the connection
+cap, the header size) are set by :func:`uvicorn_config`; :func:`serve_in_background` and
+``edgetorch split serve`` use it. Running the app with plain ``uvicorn module:app`` keeps the
+app's own limits (body deadline, sizes, batch) but not the header deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
+import logging
+import math
 import socket
 import threading
 import time
@@ -26,17 +70,30 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from torch import nn
 
 from .export import SplitManifest, load_part
-from .payload import PayloadError, decode, payload_size
+from .payload import PayloadError, decode, payload_size, read_header
 
 CONTENT_TYPE = "application/octet-stream"
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+logger = logging.getLogger(__name__)
+
+# Short names for the "type" field of error bodies, by status code (handlers may be more precise).
+_ERROR_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                405: "method_not_allowed", 408: "request_timeout", 413: "payload_too_large",
+                415: "unsupported_media_type", 422: "unprocessable", 500: "internal_error"}
+# Seconds; the tail of a CPU model is milliseconds to seconds.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -46,78 +103,349 @@ class ServerConfig:
     Attributes:
         max_payload_bytes: larger request bodies are refused with 413 before being read in full.
             Default: a batch of 64 bottlenecks (set from the manifest when ``None``).
-        token: if set, requests need ``Authorization: Bearer <token>`` (health stays open).
+        token: if set, ``/infer`` and ``/metrics`` need ``Authorization: Bearer <token>``
+            (``/health`` and ``/`` stay open; the API docs are off).
+        max_batch: payloads with more samples are refused with 413 before decoding (the tail is
+            an eager module with no batch guard of its own).
+        header_timeout_s: a connection must deliver a complete request line and headers within
+            this many seconds of opening (or of starting its next request), else 408 and close.
+        read_timeout_s: the whole body of ``POST /infer`` must arrive within this many seconds of
+            its headers, else 408 and close. One deadline, not one per chunk, so a client cannot
+            hold the request by sending a byte at a time.
+        keep_alive_s: an idle keep-alive connection is closed after this many seconds.
+        max_connections: open connections (and running requests) above this get uvicorn's 503.
+            The process's file-descriptor limit caps it too (``ulimit -n``).
+        max_header_bytes: a request line plus headers above this size gets 431 (400 from h11 while
+            they are still incomplete, which also bounds the memory an unfinished request holds).
+
+    Example:
+        >>> ServerConfig(token="s3cret", read_timeout_s=5.0).max_batch
+        1024
     """
 
     max_payload_bytes: int | None = None
     token: str | None = None
+    max_batch: int = 1024
+    header_timeout_s: float = 10.0
+    read_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 2048
+    max_header_bytes: int = 16 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_connections", "max_header_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_payload_bytes is not None and (not isinstance(self.max_payload_bytes, int)
+                                                   or self.max_payload_bytes < 1):
+            raise ValueError(f"ServerConfig.max_payload_bytes must be None or an integer >= 1, "
+                             f"got {self.max_payload_bytes!r}")
+        for name in ("header_timeout_s", "read_timeout_s", "keep_alive_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"ServerConfig.{name} must be a finite number of seconds > 0, got {value!r}")
+        if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
+            raise ValueError("ServerConfig.token must be a non-empty string without whitespace "
+                             "(it is sent as `Authorization: Bearer <token>`)")
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+class _Refused(Exception):
+    """A request the server refuses: becomes a JSON error with ``status``."""
+
+    def __init__(self, status: int, kind: str, message: str, close: bool = False,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+        self.headers = dict(headers or {})
+        if close:
+            self.headers["connection"] = "close"
+
+
+def error_body(status: int, kind: str | None, message: str) -> dict:
+    """The JSON body of every refusal: ``{"error": {"code", "type", "message"}}``."""
+    return {"error": {"code": status, "type": kind or _ERROR_TYPES.get(status, "error"), "message": message}}
+
+
+def _error(status: int, kind: str | None, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, kind, message), status_code=status, headers=headers)
+
+
+class Metrics:
+    """Counters and a latency histogram, rendered in the Prometheus text format (version 0.0.4).
+
+    Written by hand rather than with ``prometheus_client`` because three series do not justify a
+    dependency. Every update happens on the event loop of one process; with several uvicorn
+    workers each has its own numbers (Prometheus sums them across targets).
+    """
+
+    def __init__(self, buckets: tuple[float, ...] = _LATENCY_BUCKETS):
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.errors: dict[int, int] = {}
+        self.buckets = buckets
+        self.bucket_counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.latency_sum = 0.0
+        self.latency_count = 0
+
+    def record_request(self, path: str, status: int) -> None:
+        """Count one answered request (``path`` must come from a small fixed set of labels)."""
+        with self._lock:
+            self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
+            if status >= 400:
+                self.errors[status] = self.errors.get(status, 0) + 1
+
+    def observe_inference(self, seconds: float) -> None:
+        """Add one decode + tail duration to the histogram."""
+        with self._lock:
+            index = next((i for i, bound in enumerate(self.buckets) if seconds <= bound), len(self.buckets))
+            self.bucket_counts[index] += 1
+            self.latency_sum += seconds
+            self.latency_count += 1
+
+    def render(self) -> str:
+        """The exposition text."""
+        with self._lock:
+            lines = ["# HELP edgetorch_split_requests_total HTTP requests answered, by path and status code.",
+                     "# TYPE edgetorch_split_requests_total counter"]
+            lines += [f'edgetorch_split_requests_total{{path="{_label(path)}",code="{code}"}} {count}'
+                      for (path, code), count in sorted(self.requests.items())]
+            lines += ["# HELP edgetorch_split_errors_total Requests answered with a 4xx or 5xx, by status code.",
+                      "# TYPE edgetorch_split_errors_total counter"]
+            lines += [f'edgetorch_split_errors_total{{code="{code}"}} {count}' for code, count in sorted(self.errors.items())]
+            lines += ["# HELP edgetorch_split_inference_seconds Decode plus tail time of answered /infer requests.",
+                      "# TYPE edgetorch_split_inference_seconds histogram"]
+            cumulative = 0
+            for bound, count in zip((*map(repr, self.buckets), "+Inf"), self.bucket_counts):
+                cumulative += count
+                lines.append(f'edgetorch_split_inference_seconds_bucket{{le="{bound}"}} {cumulative}')
+            lines += [f"edgetorch_split_inference_seconds_sum {self.latency_sum!r}",
+                      f"edgetorch_split_inference_seconds_count {self.latency_count}"]
+        return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class _Guard:
+    """Outermost app middleware: counts every answer, turns any escaped exception into one logged
+    500 without a traceback on the wire, and closes connections whose request body was left unread.
+
+    A pure ASGI middleware (not BaseHTTPMiddleware) so it sees the real ``send`` and ``receive``.
+    """
+
+    def __init__(self, app: Any, metrics: Metrics, paths: frozenset[str], max_header_bytes: int):
+        self.app, self.metrics, self.paths, self.max_header_bytes = app, metrics, paths, max_header_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw_headers = scope.get("headers") or []
+        # h11's limit only bounds headers still incomplete in its buffer; a larger block that
+        # arrives in one read is parsed whole, so the app measures what it was given.
+        size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
+            len(name) + len(value) + 4 for name, value in raw_headers)
+        if size > self.max_header_bytes:
+            response = _error(431, "request_header_fields_too_large",
+                              f"request line and headers of {size} bytes exceed the limit of "
+                              f"{self.max_header_bytes} bytes", {"connection": "close"})
+            await response(scope, receive, send)
+            self.metrics.record_request("(headers)", 431)
+            return
+        headers = dict(raw_headers)
+        body_left = b"transfer-encoding" in headers or headers.get(b"content-length", b"0").strip() not in (b"0", b"")
+        state = {"status": None, "body_left": body_left}
+
+        async def tracking_receive() -> dict:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                state["body_left"] = False
+            return message
+
+        async def tracking_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                if state["body_left"] and not any(k.lower() == b"connection" for k, _ in message.get("headers", [])):
+                    # Part of the body is still on its way: reading it only to discard it would let
+                    # a refused client hold the connection, so close it after this answer.
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        try:
+            await self.app(scope, tracking_receive, tracking_send)
+        except Exception:
+            logger.exception("internal error while answering %s %s", scope.get("method"), scope.get("path"))
+            if state["status"] is None:
+                response = _error(500, None, "internal server error; it is logged on the server",
+                                  {"connection": "close"})
+                await response(scope, tracking_receive, tracking_send)
+        finally:
+            if state["status"] is not None:
+                path = scope.get("path", "")
+                self.metrics.record_request(path if path in self.paths else "other", state["status"])
+
+
+def _parse_bearer(value: str) -> str | None:
+    """The credentials of an ``Authorization: Bearer <token>`` header; the scheme is
+    case-insensitive (RFC 7235 section 2.1), the token is not."""
+    scheme, _, credentials = value.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return credentials.strip()
 
 
 def create_app(tail: nn.Module, manifest: SplitManifest, config: ServerConfig = ServerConfig()) -> FastAPI:
     """Build the ASGI app serving ``tail``.
 
     Args:
-        tail: the server-side module (bottleneck -> logits), in eval mode (an exported program is).
-        manifest: the artifact's manifest (bottleneck shape, model info).
-        config: limits and token.
+        tail: the server-side module (bottleneck -> logits), in eval mode.
+        manifest: the artifact's manifest, or any object with ``arch, channels, split_point,
+            bottleneck_shape, num_classes, payload_format``.
+        config: limits and token; kept as ``app.state.server_config`` for :func:`uvicorn_config`.
 
     Returns:
-        A FastAPI app; run it with ``uvicorn.run(app, ...)`` or test it with ``TestClient(app)``.
+        A FastAPI app; run it with ``uvicorn.Server(uvicorn_config(app)).run()`` or test it with
+        ``TestClient(app)``.
 
     Example:
         >>> tail, manifest = load_part("artifacts", "tail")  # doctest: +SKIP
-        >>> uvicorn.run(create_app(tail, manifest), host="127.0.0.1", port=8000)  # doctest: +SKIP
+        >>> uvicorn.Server(uvicorn_config(create_app(tail, manifest), port=8000)).run()  # doctest: +SKIP
     """
-    limit = config.max_payload_bytes or payload_size((64, *manifest.bottleneck_shape))
-    app = FastAPI(title="edgetorch split tail server")
+    bottleneck_shape = tuple(int(d) for d in manifest.bottleneck_shape)
+    limit = config.max_payload_bytes or payload_size((64, *bottleneck_shape))
+    docs = config.token is None  # a protected server does not describe itself to strangers
+    app = FastAPI(title="edgetorch split tail server", docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
+    metrics = Metrics()
+    app.state.server_config, app.state.metrics = config, metrics
+    paths = {"/", "/health", "/infer", "/metrics"}
+    if docs:
+        paths |= {"/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
+    app.add_middleware(_Guard, metrics=metrics, paths=frozenset(paths), max_header_bytes=config.max_header_bytes)
 
-    def authorised(request: Request) -> bool:
+    @app.exception_handler(_Refused)
+    async def refused(request: Request, exc: _Refused) -> JSONResponse:
+        return _error(exc.status, exc.kind, exc.message, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no such path {request.url.path!r}; this server has GET /, GET /health, "
+                        "GET /metrics and POST /infer",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, None, message, dict(exc.headers or {}))
+
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected(request: Request, exc: ClientDisconnect) -> Response:
+        # Clients hang up all the time (timeouts, cancelled requests): one quiet line, no traceback.
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        logger.info("%s disconnected before its %s %s request was complete", client, request.method, request.url.path)
+        # Nobody reads this answer (the server drops writes to a closed connection); 499 is the
+        # code nginx logs for "client closed request", so /metrics counts these apart from errors.
+        return Response(status_code=499)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, "invalid_request", "; ".join(str(e.get("msg", e)) for e in exc.errors()) or "invalid request")
+
+    def authorise(request: Request) -> None:
         if config.token is None:
-            return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {config.token}".encode())
+            return
+        given = _parse_bearer(request.headers.get("authorization", "")) or ""
+        # compare_digest: time independent of where the strings differ (it still reveals the length).
+        if not hmac.compare_digest(given.encode(), config.token.encode()):
+            raise _Refused(401, None, "missing or wrong bearer token (send `Authorization: Bearer <token>`)",
+                           headers={"www-authenticate": 'Bearer realm="edgetorch"'})
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
 
     @app.get("/")
-    def health() -> dict:
+    async def info() -> dict:
         return {"status": "ok", "arch": manifest.arch, "channels": manifest.channels,
-                "split_point": manifest.split_point, "bottleneck_shape": list(manifest.bottleneck_shape),
+                "split_point": manifest.split_point, "bottleneck_shape": list(bottleneck_shape),
                 "num_classes": manifest.num_classes, "payload_format": manifest.payload_format,
-                "max_payload_bytes": limit, "auth": config.token is not None}
+                "max_payload_bytes": limit, "max_batch": config.max_batch, "auth": config.token is not None}
+
+    @app.get("/metrics")
+    async def metrics_text(request: Request) -> Response:
+        authorise(request)
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/infer")
     async def infer(request: Request) -> JSONResponse:
-        if not authorised(request):
-            return _error(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+        authorise(request)
         content_type = request.headers.get("content-type", "").split(";")[0].strip()
-        if content_type != CONTENT_TYPE:
-            return _error(415, f"content type must be {CONTENT_TYPE}, got {content_type or 'none'!r}")
+        if content_type.lower() != CONTENT_TYPE:  # media types are case-insensitive (RFC 9110 8.3.1)
+            raise _Refused(415, None, f"content type must be {CONTENT_TYPE}, got {content_type or 'none'!r}")
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return _error(413, f"payload of {declared} bytes exceeds the limit of {limit} bytes")
-        body = bytearray()
-        async for chunk in request.stream():  # bounded even when Content-Length lies or is absent
-            body += chunk
-            if len(body) > limit:
-                return _error(413, f"payload exceeds the limit of {limit} bytes")
+        if declared is not None:
+            if not declared.strip().isascii() or not declared.strip().isdigit():  # "²".isdigit() is True
+                raise _Refused(400, None, f"Content-Length must be a non-negative integer, got {declared!r}")
+            if int(declared) > limit:
+                raise _Refused(413, None, f"payload of {declared} bytes exceeds the limit of {limit} bytes")
+        body = await _read_body(request, limit, config.read_timeout_s)
         start = time.perf_counter()
         try:
-            bottleneck = decode(bytes(body), max_bytes=limit)
+            header = read_header(body)
+            if tuple(header.shape[1:]) != bottleneck_shape:
+                raise _Refused(422, "shape_mismatch",
+                               f"payload shape {list(header.shape)} does not match this model's bottleneck "
+                               f"[N, {', '.join(map(str, bottleneck_shape))}]")
+            if header.shape[0] > config.max_batch:
+                raise _Refused(413, "batch_too_large",
+                               f"batch of {header.shape[0]} exceeds this server's limit of {config.max_batch} samples")
+            bottleneck = decode(body, max_bytes=limit)
         except PayloadError as exc:
-            return _error(400, f"malformed payload: {exc}")
-        if tuple(bottleneck.shape[1:]) != manifest.bottleneck_shape:
-            return _error(422, f"payload shape {list(bottleneck.shape)} does not match this model's "
-                               f"bottleneck [N, {', '.join(map(str, manifest.bottleneck_shape))}]")
+            raise _Refused(400, "malformed_payload", f"malformed payload: {exc}") from None
         decoded = time.perf_counter()
-        logits = await run_in_threadpool(_run_tail, tail, bottleneck.float())
+        try:
+            logits = await run_in_threadpool(_run_tail, tail, bottleneck.float())
+        except Exception:
+            # The payload passed every check, so this is the server's fault: log it once with its
+            # traceback, and tell the client only that it happened.
+            logger.exception("the tail raised on a valid payload of shape %s", list(bottleneck.shape))
+            raise _Refused(500, "internal_error", "the model failed on this payload; the error is logged "
+                                                  "on the server") from None
         done = time.perf_counter()
+        if not bool(torch.isfinite(logits).all()):
+            raise _Refused(422, "non_finite_output",
+                           f"the model's logits are not finite (inf or NaN) for this payload: its values reach "
+                           f"{float(bottleneck.abs().max()):.3g}, far outside what the model was trained on; "
+                           "accepted: payloads whose logits are finite")
+        metrics.observe_inference(done - start)
         return JSONResponse({"logits": logits.tolist(),
                              "timing": {"decode_s": decoded - start, "tail_s": done - decoded}})
 
     return app
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """Read the request body within one deadline and one size limit.
+
+    Raises:
+        _Refused: 413 over ``limit`` (even when Content-Length lies or is absent), 408 when the
+            body has not arrived within ``timeout_s``; both close the connection.
+        ClientDisconnect: the client hung up (answered by the caller's handler).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    body = bytearray()
+    while True:
+        try:
+            message = await asyncio.wait_for(request.receive(), max(deadline - loop.time(), 0.0))
+        except asyncio.TimeoutError:
+            raise _Refused(408, None, f"the request body did not arrive within {timeout_s:g} s "
+                                      f"({len(body)} bytes received)", close=True) from None
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        body += message.get("body", b"")
+        if len(body) > limit:
+            raise _Refused(413, None, f"payload exceeds the limit of {limit} bytes", close=True)
+        if not message.get("more_body", False):
+            return bytes(body)
 
 
 def _run_tail(tail: nn.Module, bottleneck: torch.Tensor) -> torch.Tensor:
@@ -125,22 +453,135 @@ def _run_tail(tail: nn.Module, bottleneck: torch.Tensor) -> torch.Tensor:
         return tail(bottleneck)
 
 
-def app_from_dir(artifact_dir: str | Path, config: ServerConfig = ServerConfig()) -> FastAPI:
-    """Load a verified tail from an artifact directory and build the app (see :func:`create_app`)."""
-    tail, manifest = load_part(artifact_dir, "tail")
+def app_from_dir(artifact_dir: str | Path, config: ServerConfig = ServerConfig(),
+                 key: bytes | str | None = None) -> FastAPI:
+    """Load a verified tail from an artifact directory and build the app (see :func:`create_app`).
+
+    Args:
+        artifact_dir: a directory written by :func:`~edgetorch.split.export_model`.
+        config: limits and token.
+        key: the HMAC key, if the artifact was signed.
+    """
+    tail, manifest = load_part(artifact_dir, "tail", key)
     return create_app(tail, manifest, config)
+
+
+_TIMEOUT_ANSWER = json.dumps(error_body(408, None, "the request line and headers did not arrive in time")).encode()
+_BAD_REQUEST_ANSWER = "malformed HTTP request (or request line and headers over the size limit)"
+
+
+def _protocol_class(config: ServerConfig, metrics: Metrics | None) -> type:
+    """uvicorn's h11 protocol plus a header deadline and JSON protocol-level errors.
+
+    uvicorn (0.54) times out idle keep-alive connections only after a response: a connection that
+    opens and sends nothing, or half a request line, is held forever, and so are slowloris clients.
+    This subclass arms one deadline whenever the connection waits for the client outside a running
+    request (from the moment it opens, and again when a new request's first bytes end a keep-alive
+    idle period); it is not pushed back by further bytes, so dripping headers does not help. While
+    the app runs a request, the app's own body deadline applies instead.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    timeout = config.header_timeout_s
+
+    class DeadlineH11Protocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._watch()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel()
+            super().connection_lost(exc)
+
+        def _cancel(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _watch(self) -> None:
+            in_app = self.cycle is not None and not self.cycle.response_complete
+            idle = self.timeout_keep_alive_task is not None  # uvicorn's keep-alive timer covers it
+            if in_app or idle or self.transport.is_closing():
+                self._cancel()
+            elif self._deadline is None:
+                self._deadline = self.loop.call_later(timeout, self._expired)
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            if self.conn.our_state is h11.IDLE:  # no answer started for this request: say why we close
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                     % (len(_TIMEOUT_ANSWER), _TIMEOUT_ANSWER))
+                if metrics is not None:
+                    metrics.record_request("(headers)", 408)
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn answers unparseable HTTP with text/plain; keep every 4xx in the same JSON shape.
+            body = json.dumps(error_body(400, None, _BAD_REQUEST_ANSWER)).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            if metrics is not None:
+                metrics.record_request("(headers)", 400)
+            self.transport.close()
+
+    return DeadlineH11Protocol
+
+
+def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
+                   **overrides: Any) -> Any:
+    """The uvicorn settings that enforce ``config``'s protocol-level limits, in one place.
+
+    Args:
+        app: the app from :func:`create_app`.
+        host: address to bind (the default serves loopback only).
+        port: port to bind.
+        config: defaults to the one the app was built with (``app.state.server_config``).
+        **overrides: other :class:`uvicorn.Config` arguments (``log_level``, ``workers``, ...).
+
+    Returns:
+        A :class:`uvicorn.Config`: header deadline and JSON 400s (our h11 protocol subclass),
+        keep-alive timeout, connection cap (``limit_concurrency``), header size limit, and no
+        ``server`` header.
+
+    Example:
+        >>> import uvicorn
+        >>> app = create_app(tail, manifest, ServerConfig(read_timeout_s=10))  # doctest: +SKIP
+        >>> uvicorn.Server(uvicorn_config(app, "0.0.0.0", 8000)).run()  # doctest: +SKIP
+    """
+    import uvicorn
+
+    config = config or getattr(app.state, "server_config", None) or ServerConfig()
+    settings = {"log_level": "info", "server_header": False, **overrides}
+    return uvicorn.Config(app, host=host, port=port, http=_protocol_class(config, getattr(app.state, "metrics", None)),
+                          timeout_keep_alive=config.keep_alive_s, limit_concurrency=config.max_connections,
+                          h11_max_incomplete_event_size=config.max_header_bytes, **settings)
 
 
 @contextmanager
 def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Run ``app`` under uvicorn in a daemon thread for the ``with`` block; yields its base URL.
+    """Run ``app`` under uvicorn (with :func:`uvicorn_config`) in a daemon thread for the ``with``
+    block; yields its base URL.
 
     ``port=0`` binds a free port (the socket is bound here, so there is no race for it). Used by
-    the demo, the load test and the tests; ``edgetorch split serve`` runs uvicorn in the foreground.
+    the demo, the tests and the CLI's tests; ``edgetorch split serve`` runs uvicorn in the foreground.
 
     Example:
         >>> with serve_in_background(app) as url:  # doctest: +SKIP
-        ...     httpx.get(url).json()["status"]
+        ...     httpx.get(url + "/health").json()["status"]
         'ok'
     """
     import uvicorn
@@ -148,7 +589,7 @@ def serve_in_background(app: FastAPI, host: str = "127.0.0.1", port: int = 0) ->
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn_config(app, host, sock.getsockname()[1], log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -1,0 +1,487 @@
+"""The split tail server under malformed, hostile and slow clients: status codes, JSON errors, auth,
+metrics, timeouts on a real uvicorn on loopback, and a bounded HTTP fuzz that must never see a 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import select
+import socket
+import struct
+import time
+import types
+import zlib
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from edgetorch.split.payload import encode, payload_size
+from edgetorch.split.server import ServerConfig, create_app, serve_in_background, uvicorn_config
+
+MANIFEST = types.SimpleNamespace(arch="tiny", channels=2, split_point="sp2", bottleneck_shape=(2, 4, 4),
+                                 num_classes=3, payload_format="etbq-v1")
+OCTET = {"content-type": "application/octet-stream"}
+LOG = "edgetorch.split.server"
+
+
+class Tail(nn.Module):
+    """Flatten + Linear(32, 3) with all-ones weights (so huge inputs overflow), counting its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 3)
+        nn.init.ones_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x.flatten(1))
+
+
+class Broken(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("secret internal detail")
+
+
+def client(tail=None, **config) -> TestClient:
+    return TestClient(create_app(tail or Tail(), MANIFEST, ServerConfig(**config)))
+
+
+def body(batch: int = 1, scale: float = 1.0, shape=(2, 4, 4)) -> bytes:
+    return encode(torch.randn(batch, *shape) * scale)
+
+
+def assert_error(response: httpx.Response, status: int, kind: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and isinstance(error["message"], str) and error["message"]
+    assert re.fullmatch(r"[a-z_]+", error["type"])
+    if kind is not None:
+        assert error["type"] == kind
+    assert "Traceback" not in response.text
+    return error
+
+
+def test_a_valid_payload_gets_logits_and_timings():
+    tail = Tail()
+    answer = client(tail).post("/infer", content=body(3), headers=OCTET)
+    assert answer.status_code == 200
+    assert len(answer.json()["logits"]) == 3 and len(answer.json()["logits"][0]) == 3
+    assert set(answer.json()["timing"]) == {"decode_s", "tail_s"} and tail.calls == 1
+
+
+@pytest.mark.parametrize("content_type", ["APPLICATION/OCTET-STREAM", "Application/Octet-Stream; charset=binary",
+                                          " application/octet-stream "])
+def test_media_type_is_case_insensitive(content_type):
+    assert client().post("/infer", content=body(), headers={"content-type": content_type}).status_code == 200
+
+
+@pytest.mark.parametrize("authorization, status", [
+    ("Bearer s3cret", 200), ("bearer s3cret", 200), ("BEARER  s3cret ", 200),
+    (None, 401), ("Bearer wrong", 401), ("Bearer S3CRET", 401), ("Basic s3cret", 401), ("s3cret", 401),
+    ("Bearer", 401), ("Bearer s3cret extra", 401), ("", 401),
+])
+def test_bearer_scheme_is_case_insensitive_and_the_token_is_not(authorization, status):
+    headers = {**OCTET, **({"authorization": authorization} if authorization is not None else {})}
+    answer = client(token="s3cret").post("/infer", content=body(), headers=headers)
+    if status == 401:
+        assert_error(answer, 401, "unauthorized")
+        assert answer.headers["www-authenticate"].startswith("Bearer")
+    else:
+        assert answer.status_code == 200
+
+
+def _resealed(blob: bytes, offset: int, value: bytes) -> bytes:
+    out = blob[:offset] + value + blob[offset + len(value):]
+    crc = zlib.crc32(out[13:], zlib.crc32(out[:9]))
+    return out[:9] + struct.pack("<I", crc) + out[13:]
+
+
+@pytest.mark.parametrize("method, path, headers, content, status, kind", [
+    ("GET", "/nowhere", {}, None, 404, "not_found"),
+    ("GET", "/infer", {}, None, 405, "method_not_allowed"),
+    ("DELETE", "/health", {}, None, 405, "method_not_allowed"),
+    ("POST", "/infer", {"content-type": "text/plain"}, body(), 415, "unsupported_media_type"),
+    ("POST", "/infer", {}, body(), 415, "unsupported_media_type"),
+    ("POST", "/infer", {**OCTET, "content-length": "99999999999999999999"}, body(), 413, "payload_too_large"),
+    ("POST", "/infer", {**OCTET, "content-length": "abc"}, body(), 400, "bad_request"),
+    ("POST", "/infer", {**OCTET, "content-length": "\u00b2".encode("latin-1")}, body(), 400, "bad_request"),  # "²".isdigit()
+    ("POST", "/infer", OCTET, b"not a payload", 400, "malformed_payload"),
+    ("POST", "/infer", OCTET, body()[:-1], 400, "malformed_payload"),
+    ("POST", "/infer", OCTET, b"", 400, "malformed_payload"),
+    ("POST", "/infer", OCTET, body(shape=(3, 4, 4)), 422, "shape_mismatch"),
+    ("POST", "/infer", OCTET, encode(torch.randn(32)), 422, "shape_mismatch"),
+    # A CRC-valid payload whose scale would dequantise to inf: the codec refuses it, not the tail.
+    ("POST", "/infer", OCTET, _resealed(body(), 29, struct.pack("<f", 3e38)), 400, "malformed_payload"),
+    ("POST", "/infer", OCTET, _resealed(_resealed(body(), 7, b"\x02"), 29, struct.pack("<f", 1e5)), 400,
+     "malformed_payload"),
+], ids=lambda v: f"{len(v)}B" if isinstance(v, bytes) else None)
+def test_every_malformed_request_gets_a_structured_4xx(method, path, headers, content, status, kind):
+    tail = Tail()
+    assert_error(client(tail).request(method, path, headers=headers, content=content), status, kind)
+    assert tail.calls == 0
+
+
+def test_a_body_over_the_limit_is_refused_while_streaming_and_closes_the_connection():
+    chunks = iter([body(1)] * 100)  # chunked: no Content-Length to refuse up front
+    answer = client(max_payload_bytes=1000).post("/infer", content=chunks, headers=OCTET)
+    assert_error(answer, 413, "payload_too_large")
+    assert answer.headers["connection"] == "close"
+
+
+def test_batch_over_the_limit_is_refused_before_decoding_or_running_the_model():
+    tail = Tail()
+    app = client(tail, max_batch=4, max_payload_bytes=payload_size((64, 2, 4, 4)))
+    assert app.post("/infer", content=body(4), headers=OCTET).status_code == 200
+    error = assert_error(app.post("/infer", content=body(5), headers=OCTET), 413, "batch_too_large")
+    assert "batch of 5" in error["message"] and "limit of 4" in error["message"]
+    assert tail.calls == 1
+    # The default (1024) holds even when the byte limit is raised far above it.
+    big = client(tail, max_payload_bytes=payload_size((1100, 2, 4, 4)))
+    assert_error(big.post("/infer", content=body(1025), headers=OCTET), 413, "batch_too_large")
+    assert tail.calls == 1
+
+
+def test_non_finite_logits_are_a_clear_422():
+    # Every value near float32's max: the all-ones Linear sums 32 of them to inf.
+    answer = client().post("/infer", content=encode(torch.full((1, 2, 4, 4), 3e38)), headers=OCTET)
+    error = assert_error(answer, 422, "non_finite_output")
+    assert "not finite" in error["message"] and "accepted" in error["message"]
+
+
+def test_a_failing_tail_is_a_500_logged_once_without_leaking_the_error(caplog):
+    caplog.set_level(logging.INFO, logger=LOG)
+    answer = client(Broken()).post("/infer", content=body(), headers=OCTET)
+    assert_error(answer, 500, "internal_error")
+    assert "secret internal detail" not in answer.text
+    records = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(records) == 1 and records[0].exc_info is not None
+    assert "secret internal detail" in str(records[0].exc_info[1])
+
+
+def test_docs_are_off_with_a_token_and_health_stays_open():
+    protected, open_ = client(token="t"), client()
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert_error(protected.get(path), 404, "not_found")
+        assert open_.get(path).status_code == 200
+    assert protected.get("/health").json() == {"status": "ok"}
+    info = protected.get("/").json()
+    assert info["bottleneck_shape"] == [2, 4, 4] and info["auth"] is True and info["max_batch"] == 1024
+
+
+def _metrics(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_count_requests_errors_and_inference_latency_and_need_the_token():
+    app = client(token="t")
+    auth = {**OCTET, "authorization": "Bearer t"}
+    for _ in range(3):
+        assert app.post("/infer", content=body(), headers=auth).status_code == 200
+    app.post("/infer", content=b"junk", headers=auth)
+    app.post("/infer", content=body(), headers=OCTET)
+    app.get("/nowhere/123")
+    app.get("/health")
+    assert_error(app.get("/metrics"), 401)
+    answer = app.get("/metrics", headers=auth)
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/plain; version=0.0.4")
+    values = _metrics(answer.text)
+    assert values['edgetorch_split_requests_total{path="/infer",code="200"}'] == 3
+    assert values['edgetorch_split_requests_total{path="/infer",code="400"}'] == 1
+    assert values['edgetorch_split_requests_total{path="/infer",code="401"}'] == 1
+    assert values['edgetorch_split_requests_total{path="other",code="404"}'] == 1  # unknown paths share a label
+    assert values['edgetorch_split_requests_total{path="/health",code="200"}'] == 1
+    assert values['edgetorch_split_requests_total{path="/metrics",code="401"}'] == 1
+    assert values['edgetorch_split_errors_total{code="401"}'] == 2
+    assert values["edgetorch_split_inference_seconds_count"] == 3
+    assert values['edgetorch_split_inference_seconds_bucket{le="+Inf"}'] == 3
+    buckets = [v for k, v in values.items() if k.startswith("edgetorch_split_inference_seconds_bucket")]
+    assert buckets == sorted(buckets) and 0 < values["edgetorch_split_inference_seconds_sum"] < 60
+    assert "# TYPE edgetorch_split_inference_seconds histogram" in answer.text
+    assert client().get("/metrics").status_code == 200  # no token: open like everything else
+
+
+def test_a_client_that_hangs_up_mid_body_is_one_quiet_log_line(caplog):
+    caplog.set_level(logging.DEBUG, logger=LOG)
+    app = create_app(Tail(), MANIFEST)
+    messages = iter([{"type": "http.request", "body": b"ETBQ", "more_body": True}, {"type": "http.disconnect"}])
+    sent = []
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/infer", "raw_path": b"/infer", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 5555), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    records = [r for r in caplog.records if r.name == LOG]
+    assert len(records) == 1 and records[0].levelno == logging.INFO and records[0].exc_info is None
+    assert "disconnected" in records[0].getMessage() and "127.0.0.1:5555" in records[0].getMessage()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_batch", 0), ("max_batch", 1.5), ("max_connections", -1), ("read_timeout_s", 0),
+    ("header_timeout_s", float("inf")), ("keep_alive_s", -1.0), ("max_payload_bytes", 0), ("token", ""),
+    ("token", "a b"),
+])
+def test_server_config_refuses_impossible_limits(field, value):
+    with pytest.raises(ValueError, match=f"ServerConfig.{field}"):
+        ServerConfig(**{field: value})
+
+
+def test_uvicorn_config_carries_the_protocol_limits():
+    app = create_app(Tail(), MANIFEST, ServerConfig(keep_alive_s=3, max_connections=77, max_header_bytes=4096))
+    settings = uvicorn_config(app, port=0)
+    assert (settings.timeout_keep_alive, settings.limit_concurrency, settings.h11_max_incomplete_event_size) == (3, 77, 4096)
+    assert settings.host == "127.0.0.1" and settings.server_header is False
+
+
+# --- A real uvicorn on loopback: timeouts, stalled connections, the connection cap. ---------------
+
+TIMEOUT = 0.5
+FAST = ServerConfig(header_timeout_s=TIMEOUT, read_timeout_s=TIMEOUT, keep_alive_s=TIMEOUT, max_connections=200)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_in_background(create_app(Tail(), MANIFEST, FAST)) as url:
+        yield url, int(url.rsplit(":", 1)[1])
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return sock
+
+
+def _read_until_closed(sock: socket.socket, limit_s: float = 5.0) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when it closed."""
+    start, data = time.monotonic(), b""
+    sock.settimeout(limit_s)
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data, time.monotonic() - start
+        data += chunk
+
+
+def _status(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1])
+
+
+def _json_body(raw: bytes) -> dict:
+    return json.loads(raw.split(b"\r\n\r\n", 1)[1])
+
+
+@pytest.mark.parametrize("sent", [
+    b"",  # opens and says nothing
+    b"POST /infer HTTP/1.1\r\nHost: x\r\n",  # half the headers
+    b"GET /health HTT",  # half the request line
+])
+def test_a_stalled_request_is_answered_408_and_closed_within_the_header_timeout(server, sent):
+    with _connect(server[1]) as sock:
+        sock.sendall(sent)
+        raw, elapsed = _read_until_closed(sock)
+    assert TIMEOUT * 0.8 <= elapsed < TIMEOUT + 1.5
+    assert _status(raw) == 408 and _json_body(raw)["error"]["type"] == "request_timeout"
+
+
+def test_dripping_headers_do_not_push_the_deadline_back(server):
+    with _connect(server[1]) as sock:
+        start = time.monotonic()
+        for byte in b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100:
+            # Stop once the server has answered: writing into a closed connection draws a reset
+            # that could discard its answer before we read it.
+            if select.select([sock], [], [], 0)[0] or time.monotonic() - start > TIMEOUT + 2:
+                break
+            sock.sendall(bytes([byte]))
+            time.sleep(0.05)
+        raw, _ = _read_until_closed(sock)
+        assert time.monotonic() - start < TIMEOUT + 1.5 and _status(raw) == 408
+
+
+def test_a_stalled_body_is_answered_408_and_closed_within_the_read_timeout(server):
+    with _connect(server[1]) as sock:
+        sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
+                     b"content-length: 100\r\n\r\nETBQ")
+        raw, elapsed = _read_until_closed(sock)
+    assert TIMEOUT * 0.8 <= elapsed < TIMEOUT + 1.5
+    assert _status(raw) == 408 and "did not arrive within" in _json_body(raw)["error"]["message"]
+
+
+def test_health_answers_while_stalled_connections_are_held_and_they_are_all_closed():
+    timeout = 2.0  # longer than the module's: /health must answer before any stalled one times out
+    config = ServerConfig(header_timeout_s=timeout, read_timeout_s=timeout)
+    with serve_in_background(create_app(Tail(), MANIFEST, config)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        opened = time.monotonic()
+        stalled = []
+        for i in range(60):
+            sock = _connect(port)
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n" if i % 2 else
+                         b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
+                         b"content-length: 50\r\n\r\nE")
+            stalled.append(sock)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        assert not select.select(stalled, [], [], 0)[0]  # answered while every stalled one was still held
+        for sock in stalled:
+            raw, _ = _read_until_closed(sock)
+            assert _status(raw) == 408
+            sock.close()
+        assert time.monotonic() - opened < timeout + 2
+
+
+def test_an_idle_keep_alive_connection_is_closed(server):
+    with _connect(server[1]) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw, elapsed = _read_until_closed(sock)
+    assert _status(raw) == 200 and elapsed < TIMEOUT + 1.5
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"NOT HTTP AT ALL\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Without Colon\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000,  # still incomplete past max_header_bytes
+    b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-length: -5\r\n\r\n",
+])
+def test_malformed_http_gets_a_json_400(server, request_bytes):
+    with _connect(server[1]) as sock:
+        sock.sendall(request_bytes)
+        raw, _ = _read_until_closed(sock)
+    assert _status(raw) == 400 and _json_body(raw)["error"]["code"] == 400
+
+
+def test_headers_over_the_limit_that_arrive_complete_get_a_json_431(server):
+    with _connect(server[1]) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+        raw, _ = _read_until_closed(sock)
+    assert _status(raw) == 431 and _json_body(raw)["error"]["type"] == "request_header_fields_too_large"
+
+
+def test_a_refusal_with_the_body_still_coming_closes_the_connection(server):
+    with _connect(server[1]) as sock:
+        sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
+                     b"content-length: 99999999\r\n\r\nETBQ")
+        raw, elapsed = _read_until_closed(sock)
+    assert _status(raw) == 413 and elapsed < TIMEOUT  # closed at once, not after the rest or a timeout
+
+
+def test_a_client_hanging_up_over_tcp_logs_one_line(server, caplog):
+    caplog.set_level(logging.INFO, logger=LOG)
+    with _connect(server[1]) as sock:
+        sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
+                     b"content-length: 100\r\n\r\nETBQ")
+        time.sleep(0.1)
+    deadline = time.monotonic() + 5
+    while not [r for r in caplog.records if r.name == LOG] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    records = [r for r in caplog.records if r.name == LOG]
+    assert len(records) == 1 and records[0].levelno == logging.INFO and records[0].exc_info is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_connections_over_the_limit_get_503_until_the_stalled_ones_time_out():
+    config = ServerConfig(header_timeout_s=TIMEOUT, max_connections=4)
+    with serve_in_background(create_app(Tail(), MANIFEST, config)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = [_connect(port) for _ in range(3)]
+        for sock in held:
+            sock.sendall(b"GET / HTTP/1.1\r\n")
+        time.sleep(0.1)
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+        for sock in held:
+            _read_until_closed(sock)
+            sock.close()
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+# --- Bounded HTTP fuzz against the in-process app: never a 5xx. --------------------------------
+
+_TOKEN = "fuzz-token"
+_FUZZ_TAIL = Tail()
+_FUZZ_APPS = {
+    token: TestClient(create_app(_FUZZ_TAIL, MANIFEST, ServerConfig(token=token, max_batch=8,
+                                                                     max_payload_bytes=payload_size((16, 2, 4, 4)))))
+    for token in (None, _TOKEN)
+}
+_SAFE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+
+
+def _payloads():
+    valid = st.builds(lambda b, s, p: encode((torch.rand(b, 2, 4, 4) * 2 - 1) * s, p), st.integers(1, 12),
+                      st.sampled_from([1.0, 1e-30, 1e20, 3e36, 3e38]), st.booleans())
+    other_shape = st.builds(lambda shape: encode(torch.randn(*shape)),
+                            st.lists(st.integers(1, 5), min_size=1, max_size=5))
+
+    def mutate(blob, edits, cut, reseal):
+        blob = bytearray(blob)
+        for offset, value in edits:
+            blob[offset % len(blob)] = value
+        blob = bytes(blob[:cut % (len(blob) + 1)])
+        return _resealed(blob, 0, blob[:13]) if reseal and len(blob) >= 13 else blob
+
+    mutated = st.builds(mutate, valid, st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=4),
+                        st.integers(0, 10**6), st.booleans())
+    huge_shape = st.builds(lambda dims: _resealed(body(1)[:13] + struct.pack("<4I", *dims) + body(1)[29:], 8, b"\x04"),
+                           st.tuples(*[st.integers(1, 2**32 - 1)] * 4))
+    return st.one_of(valid, other_shape, mutated, huge_shape, st.binary(max_size=600), st.just(b""))
+
+
+def _mostly(draw, common: list, rare: st.SearchStrategy, rare_one_in: int = 5):
+    """One of ``common`` most of the time, else anything ``rare`` makes: most fuzzed requests get
+    far enough to reach the payload checks and the model, the rest probe routing and parsing."""
+    return draw(rare) if draw(st.integers(1, rare_one_in)) == 1 else draw(st.sampled_from(common))
+
+
+@st.composite
+def _requests(draw):
+    method = _mostly(draw, ["POST"], st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "TRACE"])
+                     | st.text(st.characters(min_codepoint=65, max_codepoint=90), min_size=1, max_size=8))
+    path = _mostly(draw, ["/infer"], st.sampled_from(["/", "/health", "/metrics", "/docs", "/openapi.json", "/redoc",
+                                                      "/infer/", "//infer", "/infer?x=1", "/%00", "/../infer"])
+                   | st.text(_SAFE, max_size=30).map(lambda t: "/" + t.replace("#", "").replace("?", "")))
+    headers = {}
+    content_type = _mostly(draw, ["application/octet-stream", "APPLICATION/OCTET-STREAM", "application/octet-stream; x=y"],
+                           st.sampled_from([None, "application/json", "text/plain", "", ";", "application/octet-stream;;;"])
+                           | st.text(_SAFE, max_size=40))
+    if content_type is not None:
+        headers["content-type"] = content_type
+    authorization = _mostly(draw, [f"Bearer {_TOKEN}", f"bearer {_TOKEN}"],
+                            st.sampled_from([None, "Bearer", "Bearer wrong", "Basic Zm9vOmJhcg==", "", " ",
+                                             f"Bearer {_TOKEN} {_TOKEN}"]) | st.text(_SAFE, max_size=40))
+    if authorization is not None:
+        headers["authorization"] = authorization
+    if draw(st.integers(1, 4)) == 1:  # a lying, huge or malformed Content-Length
+        headers["content-length"] = draw(st.sampled_from(["0", "1", "-1", "abc", "1e3", " 12 ", "99999999999999999999"])
+                                         | st.integers(0, 10**7).map(str))
+    for _ in range(draw(st.integers(0, 2))):
+        name = draw(st.text(st.characters(min_codepoint=97, max_codepoint=122), min_size=1, max_size=10))
+        headers.setdefault("x-" + name, draw(st.text(_SAFE, max_size=30)))
+    return method, path, headers, draw(_payloads()), draw(st.sampled_from(list(_FUZZ_APPS)))
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_requests())
+def test_fuzzed_requests_never_get_a_5xx(request):
+    method, path, headers, content, token = request
+    answer = _FUZZ_APPS[token].request(method, path, headers=headers, content=content)
+    assert answer.status_code < 500, (answer.status_code, answer.text)
+    if answer.status_code >= 400 and method != "HEAD":
+        error = answer.json()["error"]
+        assert error["code"] == answer.status_code and "Traceback" not in answer.text
