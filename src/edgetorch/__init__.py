@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "BackRazor": "activations", "Bitmap": "activations", "CheckpointEvery": "activations",
     "Dense": "activations", "Policy": "activations", "compress_activations": "activations",
-    "freeze_batchnorm": "activations", "parse_policy": "activations",
+    "freeze_batchnorm": "activations", "parse_policy": "activations", "plan_memory": "activations",
     "BitmapTensor": "codecs", "pack_bitmap": "codecs",
     "load_dataset": "data",
     "SavedTensorLedger": "measure", "model_memory": "measure",
@@ -27,7 +27,7 @@ _SUBPACKAGES = ("activations", "codecs", "data", "integrations", "measure", "red
 
 if TYPE_CHECKING:
     from .activations import (BackRazor, Bitmap, CheckpointEvery, Dense, Policy, compress_activations,
-                              freeze_batchnorm, parse_policy)
+                              freeze_batchnorm, parse_policy, plan_memory)
     from .codecs import BitmapTensor, pack_bitmap
     from .data import load_dataset
     from .measure import SavedTensorLedger, model_memory

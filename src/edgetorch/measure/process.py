@@ -57,6 +57,49 @@ def reset_peak_rss() -> bool:
         return False
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers, from glibc's malloc.h
+
+
+def _glibc():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None or not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(name)
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def honest_malloc() -> bool:
+    """In this process, what :data:`HONEST_MALLOC_ENV` does for a fresh one: large allocations get
+    their own mappings and freed heap is returned, so RSS follows live memory from now on.
+
+    For measuring in a process that is already running (the memory planner), where the
+    environment variables come too late: glibc reads them at start-up, ``mallopt`` changes the
+    same settings at any time. Then :func:`release_freed` before each measurement.
+
+    Returns:
+        False where the C library is not glibc (the settings do not exist; RSS may lag).
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(HONEST_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]))
+                and libc.mallopt(_M_TRIM_THRESHOLD, int(HONEST_MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"])))
+
+
+def release_freed() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``), so the
+    next RSS reading starts from what is live."""
+    import gc
+
+    gc.collect()
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def run_fresh(module: str, payload: dict, timeout: float | None = None) -> dict:
     """Run ``python -m module`` in a fresh interpreter, feeding ``payload`` as JSON on stdin.
 

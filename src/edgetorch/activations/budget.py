@@ -1,0 +1,283 @@
+"""Fit a training run into a memory budget: measure a step per policy, predict every batch size, choose.
+
+For each candidate policy the planner runs real training steps (forward and backward, no
+optimizer step, the model's weights and buffers restored after) at two small calibration
+batches, in this process, and reads the step's peak resident memory (CPU) or the CUDA
+allocator's peak. A step's increase over what was held before it is close to linear in the
+batch size (saved activations and their gradients are per sample; workspace is mostly per
+sample too), so two points give each policy's line, and every batch size from the requested
+one down is predicted from it:
+
+    predicted peak = held now (interpreter, torch, model, data)
+                     + optimizer state (per trainable parameter: 1 copy for SGD with momentum, 2 for Adam)
+                     + the policy's step increase at that batch (the line)
+                     + the input batch itself
+
+Before measuring, glibc is told to give large allocations their own mappings and freed memory
+back (:func:`edgetorch.measure.process.honest_malloc`), so RSS follows what is live and one
+policy's freed memory cannot hide the next one's. The ledger of the larger calibration step is
+kept beside each line, for the table.
+
+The choice follows the least accuracy risk: exact policies (dense, lossless bitmap) first,
+then the lowest Back Razor sparsity, then the largest batch; ties go to the faster step.
+
+Example:
+    >>> plan = plan_memory(model, (images, labels), "600MiB")  # doctest: +SKIP
+    >>> plan.chosen.policy, plan.chosen.batch  # doctest: +SKIP
+    ('bitmap', 32)
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..measure import SavedTensorLedger
+from ..measure.process import honest_malloc, peak_rss_bytes, release_freed, reset_peak_rss, rss_bytes
+from .engine import compress_activations
+from .policies import BackRazor, Bitmap, Dense, Policy, parse_policy
+
+DEFAULT_POLICIES = ("dense", "bitmap", "backrazor:sparsity=0.8", "backrazor:sparsity=0.9",
+                    "backrazor:sparsity=0.95", "backrazor:sparsity=0.97")
+OPTIMIZER_STATES = {"sgd": 1, "sgd-no-momentum": 0, "adam": 2, "adamw": 2}
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"600MiB"``, ``"1.5GiB"``, ``"800MB"`` or a byte count as an int.
+
+    Raises:
+        ValueError: not a positive size with one of the units B, KB, MB, GB, KiB, MiB, GiB.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in {"", *_UNITS}:
+            raise ValueError(f"memory size {text!r} is not a number with a unit (B, KB, MB, GB, KiB, MiB, GiB), "
+                             "e.g. 600MiB")
+        value = int(float(match.group(1)) * _UNITS.get(unit, 1))
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner considered.
+
+    Attributes:
+        policy: the policy spec (``parse_policy`` accepts it).
+        batch: batch size.
+        predicted_peak_bytes: the run's predicted peak (resident memory, or CUDA allocated).
+        fits: ``predicted_peak_bytes * (1 + margin) <= budget``.
+        exact: the policy gives exact gradients (dense, lossless bitmap).
+        sparsity: Back Razor's sparsity (0 for exact policies).
+        step_time_ratio: the policy's measured step time over dense's, at the larger
+            calibration batch.
+        saved_bytes: the ledger's stored activation bytes at that batch, scaled to ``batch``.
+    """
+
+    policy: str
+    batch: int
+    predicted_peak_bytes: int
+    fits: bool
+    exact: bool
+    sparsity: float
+    step_time_ratio: float
+    saved_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What :func:`plan_memory` measured, predicted and chose.
+
+    Attributes:
+        budget_bytes: the budget.
+        candidates: every (policy, batch), in the order of preference.
+        chosen: the first candidate that fits, or None.
+        reason: one sentence on why it was chosen (or why nothing fits).
+        held_bytes: memory held before training (measured) plus the optimizer's state (computed).
+        calibration_batches: the two batch sizes each policy was measured at.
+        memory_kind: ``"peak_rss"`` or ``"cuda_max_allocated"``.
+    """
+
+    budget_bytes: int
+    candidates: list[Candidate]
+    chosen: Candidate | None
+    reason: str
+    held_bytes: int
+    calibration_batches: tuple[int, int]
+    memory_kind: str
+
+
+def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                budget: str | int, *, policies: Sequence[str] = DEFAULT_POLICIES, optimizer: str = "sgd",
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                margin: float = 0.05) -> MemoryPlan:
+    """Measure one step per policy, predict the peak at every batch size, and choose.
+
+    ``model`` must be set up as it will train: trainable parameters marked, batch norm frozen or
+    not, on its device. Its weights, buffers (batch-norm statistics), gradients and RNG state are
+    as they were when this returns.
+
+    Args:
+        model: the model to train.
+        example_batch: ``(inputs, labels)`` at the requested batch size (labels default to
+            class 0 when only inputs are given); the candidates are this batch size and its
+            halvings down to 1.
+        budget: e.g. ``"600MiB"`` or a byte count: the most the process may hold (CPU: peak
+            resident memory; CUDA: the allocator's peak).
+        policies: candidate policy specs.
+        optimizer: ``"sgd"`` (momentum), ``"sgd-no-momentum"``, ``"adam"`` or ``"adamw"``: how
+            much state per trainable parameter to add.
+        loss_fn: ``loss_fn(outputs, labels)``; default cross-entropy.
+        margin: headroom a candidate must leave (0.05: predicted peak + 5% <= budget).
+
+    Returns:
+        A :class:`MemoryPlan`.
+
+    Raises:
+        ValueError: a bad budget, policy, optimizer or batch.
+
+    Example:
+        >>> plan = plan_memory(torchvision.models.resnet18(), torch.rand(32, 3, 224, 224), "1GiB")  # doctest: +SKIP
+    """
+    budget_bytes = parse_bytes(budget)
+    parsed = [parse_policy(spec) for spec in policies]
+    if not parsed:
+        raise ValueError("give at least one policy")
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
+    x, y = example_batch if isinstance(example_batch, (tuple, list)) else (example_batch, None)
+    if x.dim() < 1 or x.shape[0] < 1:
+        raise ValueError(f"example_batch needs a batch dimension, got inputs of shape {list(x.shape)}")
+    requested = x.shape[0]
+    y = torch.zeros(requested, dtype=torch.long, device=x.device) if y is None else y
+    loss_fn = loss_fn or F.cross_entropy
+    device = x.device
+    # Two small batches, at least 2 where the request allows (batch norm cannot train on one
+    # sample of a 1x1 feature map); the lines are extrapolated from them.
+    small = max(min(2, requested), requested // 8)
+    calibration = (small, max(small + 1, requested // 4))
+
+    def sample(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.arange(batch, device=device) % requested
+        return x[index], y[index]
+
+    if device.type != "cuda":
+        honest_malloc()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state_bytes = OPTIMIZER_STATES[optimizer] * sum(p.numel() * p.element_size() for p in trainable)
+    lines: dict[str, tuple[float, float, float, int]] = {}  # spec -> (slope, intercept, seconds, saved at c2)
+    with _restored(model):
+        _measure(model, *sample(calibration[0]), Dense(), loss_fn, None)  # warm-up: pools, first-call costs
+        release_freed()
+        held = _held(device)
+        for policy in parsed:
+            ledger = SavedTensorLedger()
+            first, _ = _measure(model, *sample(calibration[0]), policy, loss_fn, None)
+            second, seconds = _measure(model, *sample(calibration[1]), policy, loss_fn, ledger)
+            slope = (second - first) / (calibration[1] - calibration[0])
+            lines[policy.spec()] = (slope, second - slope * calibration[1], seconds, ledger.total().stored_bytes)
+    dense_seconds = lines.get("dense", next(iter(lines.values())))[2]
+    sample_bytes = (x[0].numel() * x.element_size()) + y[:1].numel() * y.element_size()
+    batches = sorted({max(1, requested >> k) for k in range(requested.bit_length())}, reverse=True)
+    candidates = []
+    for policy in parsed:
+        slope, intercept, seconds, saved = lines[policy.spec()]
+        for batch in batches:
+            peak = held + state_bytes + max(0.0, intercept + slope * batch) + batch * sample_bytes
+            candidates.append(Candidate(policy.spec(), batch, int(peak), peak * (1 + margin) <= budget_bytes,
+                                        _exact(policy), _sparsity(policy), seconds / dense_seconds,
+                                        int(saved * batch / calibration[1])))
+    candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, c.step_time_ratio))
+    chosen = next((c for c in candidates if c.fits), None)
+    return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested),
+                      held + state_bytes, calibration,
+                      "cuda_max_allocated" if device.type == "cuda" else "peak_rss")
+
+
+def _exact(policy: Policy) -> bool:
+    return isinstance(policy, Dense) or (isinstance(policy, Bitmap) and policy.threshold == 0
+                                         and policy.value_dtype is None)
+
+
+def _sparsity(policy: Policy) -> float:
+    return float(policy.sparsity) if isinstance(policy, BackRazor) else 0.0
+
+
+def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, requested: int) -> str:
+    mib = 2**20
+    if chosen is None:
+        least = min(candidates, key=lambda c: c.predicted_peak_bytes)
+        return (f"nothing fits {budget / mib:,.0f} MiB: the smallest prediction is {least.policy} at batch "
+                f"{least.batch}, {least.predicted_peak_bytes / mib:,.0f} MiB; raise the budget, train fewer "
+                "parameters, or use a smaller input size")
+    why = "an exact policy" if chosen.exact else (
+        f"no exact policy fits at any batch, and {chosen.sparsity:g} is the lowest sparsity that does")
+    batch = "the requested batch" if chosen.batch == requested else f"the largest batch that fits (requested {requested})"
+    return (f"{chosen.policy} at batch {chosen.batch}: {why}, at {batch}; predicted peak "
+            f"{chosen.predicted_peak_bytes / mib:,.0f} MiB of {budget / mib:,.0f} MiB")
+
+
+def _held(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return rss_bytes()
+
+
+def _measure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, policy: Policy, loss_fn: Callable,
+             ledger: SavedTensorLedger | None) -> tuple[int, float]:
+    """One forward and backward under ``policy``: (peak increase over what was held, seconds)."""
+    device = x.device
+    release_freed()
+    before = _held(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+    start = time.perf_counter()
+    with compress_activations(model, policy, ledger=ledger):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = peak_rss_bytes()
+    seconds = time.perf_counter() - start
+    del loss
+    for p in model.parameters():
+        p.grad = None
+    return peak - before, seconds
+
+
+class _restored:
+    """Leave the model as it was: buffers (batch-norm statistics), gradients, the RNG streams."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self) -> None:
+        self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        self._grads = {p: p.grad for p in self.model.parameters()}
+        self._rng = torch.random.fork_rng(devices=[])
+        self._rng.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._rng.__exit__(*exc)
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                b.copy_(self._buffers[name])
+        for p, grad in self._grads.items():
+            p.grad = grad
+

@@ -1,0 +1,112 @@
+"""The memory planner: byte sizes, the model left as it was, the order of choice, and its
+predictions against measured training runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+
+from edgetorch import plan_memory
+from edgetorch.activations.budget import parse_bytes
+
+
+@pytest.mark.parametrize("text, value", [("600MiB", 600 * 2**20), ("1.5GiB", int(1.5 * 2**30)), ("800 MB", 800 * 10**6),
+                                         ("4096", 4096), (123, 123), ("2kib", 2048)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "600XB", "-5MiB", "0", "MiB", "1e9", True])
+def test_parse_bytes_refuses_what_is_not_a_size(text):
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes(text)
+
+
+@pytest.fixture(scope="module")
+def small():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=4)
+    return model, (torch.randn(8, 3, 32, 32), torch.randint(0, 4, (8,)))
+
+
+def test_the_model_is_left_as_it_was(small):
+    model, batch = small
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(5)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(5)
+    plan_memory(model, batch, "100GiB", policies=["dense", "backrazor:sparsity=0.9"])
+    assert torch.equal(torch.rand(3), expected_draw)  # the RNG stream is untouched
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # batch-norm statistics included
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_choice_follows_exactness_then_sparsity_then_batch(small):
+    model, batch = small
+    policies = ["dense", "bitmap", "backrazor:sparsity=0.8", "backrazor:sparsity=0.95"]
+    roomy = plan_memory(model, batch, "100GiB", policies=policies)
+    assert roomy.chosen.exact and roomy.chosen.batch == 8
+    assert "exact policy" in roomy.reason and "requested batch" in roomy.reason
+    assert sorted({c.batch for c in roomy.candidates}) == [1, 2, 4, 8]
+    keys = [(not c.exact, c.sparsity, -c.batch, c.step_time_ratio) for c in roomy.candidates]
+    assert keys == sorted(keys)
+    for c in roomy.candidates:
+        assert c.predicted_peak_bytes > roomy.held_bytes * 0.9
+    # A budget between the smallest and the largest prediction: the chosen candidate fits, and
+    # every candidate preferred to it does not.
+    peaks = sorted(c.predicted_peak_bytes for c in roomy.candidates)
+    tight = plan_memory(model, batch, int((peaks[0] + peaks[-1]) / 2 * 1.05), policies=policies)
+    index = tight.candidates.index(tight.chosen)
+    assert tight.chosen.fits and not any(c.fits for c in tight.candidates[:index])
+    none = plan_memory(model, batch, "1MiB", policies=["dense"])
+    assert none.chosen is None and "nothing fits 1 MiB" in none.reason
+
+
+def test_bad_arguments_say_what_is_accepted(small):
+    model, batch = small
+    with pytest.raises(ValueError, match="optimizer must be one of sgd"):
+        plan_memory(model, batch, "1GiB", optimizer="lion")
+    with pytest.raises(ValueError, match="unknown policy"):
+        plan_memory(model, batch, "1GiB", policies=["zip"])
+    with pytest.raises(ValueError, match="memory size"):
+        plan_memory(model, batch, "lots")
+
+
+_RUN = """
+import json, sys, torch, torchvision
+import torch.nn.functional as F
+from edgetorch import compress_activations, parse_policy, plan_memory
+from edgetorch.measure.process import peak_rss_bytes, release_freed, reset_peak_rss
+arch, batch, res, spec = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+torch.manual_seed(0)
+model = getattr(torchvision.models, arch)(num_classes=10)
+x, y = torch.randn(batch, 3, res, res), torch.randint(0, 10, (batch,))
+plan = plan_memory(model, (x, y), "100GiB", policies=[spec])
+predicted = next(c for c in plan.candidates if c.batch == batch).predicted_peak_bytes
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+release_freed()
+reset_peak_rss()
+for _ in range(3):
+    with compress_activations(model, parse_policy(spec)):
+        loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+print(json.dumps({"predicted": predicted, "measured": peak_rss_bytes()}))
+"""
+
+
+@pytest.mark.parametrize("arch, batch, res, spec", [("resnet18", 16, 96, "dense"), ("resnet18", 16, 96, "backrazor:sparsity=0.9"),
+                                                    ("mobilenet_v2", 8, 96, "bitmap")])
+def test_predictions_are_within_10_percent_of_a_measured_run(arch, batch, res, spec):
+    out = subprocess.run([sys.executable, "-c", _RUN, arch, str(batch), str(res), spec],
+                         capture_output=True, text=True, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    error = (result["predicted"] - result["measured"]) / result["measured"]
+    assert abs(error) <= 0.10, result
