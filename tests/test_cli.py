@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+
+import pytest
 
 
 def _run(code: str) -> str:
@@ -27,3 +30,31 @@ def test_public_names_load_on_first_use():
     assert _run("import edgetorch; print(edgetorch.split.load.__name__)").strip() == "load"
     missing = subprocess.run([sys.executable, "-c", "import edgetorch; edgetorch.nope"], capture_output=True, text=True)
     assert "has no attribute 'nope'" in missing.stderr
+
+
+MISTAKES = [
+    (["profile", "--model", "torchvision:resnet18", "--json", "missing/out.json"], "directory .*missing does not exist"),
+    (["profile", "--model", "torchvision:resnet18", "--plot", "."], "is a directory; give a file path"),
+    (["profile", "--model", "torchvision:resnet18", "--device", "tpu"], "'tpu' is not a device; accepted: cpu, cuda"),
+    (["profile", "--model", "torchvision:resnet18", "--policy", "bitmap:threshold=inf"], "threshold must be finite"),
+    (["reduce", "--model", "zoo:mlp", "--weights", "none.safetensors", "--alpha", "0.5"], "does not exist"),
+    (["reduce", "--model", "zoo:mlp", "--weights", ".", "--alpha", "0.5"], "is a directory, not a file"),
+    (["reduce", "--model", "zoo:mlp", "--size", "32", "--alpha", "0.5"], "pretrained on 28x28 images; use --size 28"),
+    (["split", "export", "--model", "torchvision:resnet18", "--channels", "2", "--random-init", "--out", "file"],
+     "is an existing file; give a directory"),
+    (["split", "plan", "--link", "wifi:5", "--channels", "0"], "--channels must be positive"),
+]
+
+
+@pytest.mark.parametrize("args, message", MISTAKES)
+def test_user_mistakes_get_a_message_and_exit_code_2_not_a_traceback(tmp_path, monkeypatch, args, message):
+    from typer.testing import CliRunner
+
+    from edgetorch.cli import app
+
+    monkeypatch.chdir(tmp_path)  # short relative paths: the error box wraps long ones
+    (tmp_path / "file").write_text("x")
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert re.search(message, " ".join(result.output.replace("│", " ").split())), result.output
+    assert isinstance(result.exception, SystemExit)  # a usage error, not an exception escaping

@@ -144,7 +144,7 @@ def test_build_model_errors(spec, kw, fragment):
 
 
 def test_named_torchvision_weights_are_not_downloaded():
-    with pytest.raises(FileNotFoundError, match="IMAGENET1K_V1 does not exist.*never downloaded"):
+    with pytest.raises(CheckpointError, match="IMAGENET1K_V1 does not exist.*never downloaded"):
         build_model("torchvision:resnet18", weights="IMAGENET1K_V1")
 
 
@@ -188,8 +188,10 @@ def test_unsafe_or_corrupt_weight_files_are_refused(tmp_path):
         load_weights(model, tmp_path / "junk.safetensors")
     with pytest.raises(CheckpointError, match="unknown weight file suffix '.ckpt'"):
         load_weights(model, tmp_path / "w.ckpt")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(CheckpointError, match="does not exist"):
         load_weights(model, tmp_path / "absent.safetensors")
+    with pytest.raises(CheckpointError, match="is a directory, not a file"):
+        load_weights(model, tmp_path)
 
 
 # --- pretraining -----------------------------------------------------------------------------

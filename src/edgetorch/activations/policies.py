@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -84,6 +85,11 @@ class Bitmap(Policy):
 
     def __post_init__(self) -> None:
         zero_limit_bits(torch.float32, self.threshold)  # validates the threshold
+        if not math.isfinite(self.threshold):
+            # Every saved value would be dropped: gradients of everything but the last layers
+            # are silently zero (31 of resnet's 32 were measured so).
+            raise ValueError(f"threshold must be finite: {self.threshold!r} drops every saved value and zeroes "
+                             "the gradients; use a small threshold such as 0.01, or 0 for lossless")
         if self.value_dtype is not None and self.value_dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"value_dtype must be None or one of {', '.join(map(str, FLOAT_DTYPES))}; "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from rich.console import Console
 
@@ -24,6 +26,41 @@ def main(
                                  help="print the version and exit"),
 ) -> None:
     """edgetorch command line."""
+
+
+def output_file(path: Path | None) -> Path | None:
+    """Typer callback for an option naming a file to write: refuse at the start what would
+    otherwise fail after the whole run (a missing directory, a directory given as the file)."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a directory; give a file path")
+    if not path.parent.is_dir():
+        raise typer.BadParameter(f"directory {path.parent} does not exist; create it first")
+    return path
+
+
+def output_dir(path: Path | None) -> Path | None:
+    """Typer callback for an option naming a directory to write into (created if missing)."""
+    if path is not None and path.exists() and not path.is_dir():
+        raise typer.BadParameter(f"{path} is an existing file; give a directory")
+    return path
+
+
+def device_option(device: str) -> str:
+    """Typer callback for ``--device``: ``cpu``, ``cuda`` or ``cuda:N``, and CUDA only where present."""
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
+        raise typer.BadParameter(f"{device!r} is not a device; accepted: cpu, cuda, cuda:N")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter(f"--device {device} given but no CUDA device is available")
+        if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+            raise typer.BadParameter(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def mib(n: int | None) -> str:

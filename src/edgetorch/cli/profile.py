@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ._app import app, console, mib
+from ._app import app, console, device_option, mib, output_file
 
 
 @app.command()
@@ -22,10 +22,10 @@ def profile(
     ),
     channels: int = typer.Option(None, help="input channels (default: the first conv's)"),
     num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
-    device: str = typer.Option("cpu", help="cpu or cuda"),
+    device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
     freeze_bn: bool = typer.Option(False, "--freeze-bn", help="freeze batch norm first (the Back Razor paper's choice)"),
-    json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
-    plot: Path = typer.Option(None, help="write a PNG of the memory breakdown per policy here"),
+    json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the results as JSON here"),
+    plot: Path = typer.Option(None, callback=output_file, help="write a PNG of the memory breakdown per policy here"),
 ) -> None:
     """Profile one training step per policy: saved-activation bytes (ledger) and measured peak memory."""
     from ..activations import parse_policy
@@ -38,11 +38,6 @@ def profile(
         build_model(model, num_classes=num_classes)  # fail fast on unknown names
     except (ValueError, TypeError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise typer.BadParameter("--device cuda given but no CUDA device is available")
 
     with console.status("") as status:
         done = []

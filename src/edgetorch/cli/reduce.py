@@ -8,18 +8,23 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ._app import app, console
+from ._app import app, console, output_file
 
 
 def _load_model(model: str, weights: Path | None, dataset: str, size: int):
     from ..data import dataset_info
     from ..zoo import ZOO_MODELS, build_model, pretrained
+    from ..zoo.pretrain import default_config
     from ..zoo.registry import takes_image_size
 
     zoo, name = model.startswith("zoo:"), model.removeprefix("zoo:")
     if weights is None:
         if not zoo:
             raise typer.BadParameter("--weights is required unless --model is a zoo model (zoo:NAME)")
+        trained_at = default_config(name, dataset).image_size
+        if size != trained_at:
+            raise typer.BadParameter(f"{model} is pretrained on {trained_at}x{trained_at} images; use --size "
+                                     f"{trained_at}, or give --weights of a model built for {size}x{size}")
         return pretrained(name, dataset=dataset)
     sized = zoo and name in ZOO_MODELS and takes_image_size(name)
     return build_model(model, num_classes=dataset_info(dataset).num_classes, weights=weights,
@@ -39,7 +44,7 @@ def reduce(
     accuracy: bool = typer.Option(True, help="evaluate full and reduced accuracy on the test labels"),
     latency_batch: int = typer.Option(64, min=1, help="batch size of the CPU latency comparison"),
     seed: int = typer.Option(0, help="PSO seed"),
-    output: Path = typer.Option(None, help="write the reduced network here (.safetensors + .json)"),
+    output: Path = typer.Option(None, callback=output_file, help="write the reduced network here (.safetensors + .json)"),
 ) -> None:
     """Reduce a trained MLP or plain CNN: per-layer factors, MACs, accuracy and measured CPU latency ratio."""
     import torch

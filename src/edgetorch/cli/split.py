@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ._app import app, console
+from ._app import app, console, output_dir, output_file
 
 split_app = typer.Typer(help="BottleFit split computing: export, serve, infer, plan.", no_args_is_help=True)
 app.add_typer(split_app, name="split")
@@ -34,7 +34,7 @@ NORMALISATIONS = {"none": ((0.0,), (1.0,)), "imagenet": ((0.485, 0.456, 0.406), 
 def export(
     model: str = typer.Option(..., help="teacher: torchvision:resnet18|50|152 or torchvision:densenet121|169|201"),
     channels: int = typer.Option(..., min=1, help="bottleneck channels C"),
-    out: Path = typer.Option(..., help="artifact directory to write"),
+    out: Path = typer.Option(..., callback=output_dir, help="artifact directory to write"),
     checkpoint: Path = typer.Option(None, help="trained BottleneckModel state dict (.safetensors), loaded strictly"),
     random_init: bool = typer.Option(False, "--random-init", help="export untrained weights (timing, smoke tests)"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
@@ -153,13 +153,15 @@ def plan(
     resolution: int = typer.Option(96, min=8, help="input height = width"),
     accuracy: Path = typer.Option(None, help="accuracy JSON {teacher, jpeg, split: {C: acc}} (default: docs/results/split_training.json if it holds them)"),
     server_speedup: float = typer.Option(1.0, help="assumed server speed relative to this machine"),
-    json_path: Path = typer.Option(None, "--json", help="write the plan(s) as JSON here"),
+    json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the plan(s) as JSON here"),
 ) -> None:
     """Local vs full offload (PNG/JPEG) vs split at each C: delay, device energy, accuracy."""
     from ..split.links import parse_link
     from ..split.plan import compare_deployments, image_file_bytes, load_accuracy, measure_host_times, plan_record
     from ..split.power import load_profile
 
+    if any(c < 1 for c in channels):
+        raise typer.BadParameter(f"--channels must be positive bottleneck channel counts, got {channels}")
     try:
         links = [parse_link(spec) for spec in link]
         profile = load_profile(device)

@@ -105,14 +105,14 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
         ``model``, for chaining.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        CheckpointError: unreadable file, or missing / unexpected keys or shape mismatches
+        CheckpointError: no such file (or a directory), unreadable file, or missing / unexpected keys or shape mismatches
             (the message names them).
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"weight file {path} does not exist (a local .safetensors/.pt/.pth/.bin path is "
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise CheckpointError(
+            f"weight file {path} {what} (a local .safetensors/.pt/.pth/.bin file is "
             "expected; named pretrained weights are never downloaded)"
         )
     state = _read_state(path)
