@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -260,7 +261,7 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 2**40) | st.flo
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.lists(st.sampled_from(["model", "arch", "channels", "split_point", "downsample", "num_classes",
                                       "input_shape", "bottleneck_shape", "preprocess", "size", "mean", "std",
-                                      "color", "files", "head", "tail", "path", "sha256", "payload_format",
+                                      "color", "files", "head", "tail", "path", "sha256", "payload_format", "class_names",
                                       "signature", 0, 1, 2]), min_size=1, max_size=3),
        value=_JSON)
 def test_fuzzed_manifests_load_consistently_or_raise_split_artifact_error(artifact, tmp_path_factory, path, value):
@@ -404,9 +405,12 @@ def test_cli_export_then_infer_over_loopback(tmp_path):
     signed = tmp_path / "signed"
     no_key = runner.invoke(app, [*args[:-1], str(signed), "--random-init", "--key-env", "SPLIT_KEY"], env={})
     assert no_key.exit_code == 2 and "SPLIT_KEY is not set" in no_key.output
-    done = runner.invoke(app, [*args[:-1], str(signed), "--random-init", "--key-env", "SPLIT_KEY"],
-                         env={"SPLIT_KEY": KEY})
+    names = runner.invoke(app, [*args[:-1], str(signed), "--random-init", "--class-names", "a,b"])
+    assert names.exit_code == 2 and "class_names must be 5 non-empty strings" in names.output
+    done = runner.invoke(app, [*args[:-1], str(signed), "--random-init", "--key-env", "SPLIT_KEY",
+                               "--class-names", "tee, trouser, pullover, dress, coat"], env={"SPLIT_KEY": KEY})
     assert done.exit_code == 0, done.output
+    assert read_manifest(signed).class_names == ("tee", "trouser", "pullover", "dress", "coat")
 
     images = [_png(tmp_path / f"{i}.png", i) for i in range(2)]
     tail, manifest = load_part(signed, "tail", key=KEY)
@@ -414,7 +418,9 @@ def test_cli_export_then_infer_over_loopback(tmp_path):
         answer = runner.invoke(app, ["split", "infer", str(signed), *images, "--server", url, "--key-env", "SPLIT_KEY"],
                                env={"SPLIT_KEY": KEY})
         assert answer.exit_code == 0, answer.output
-        assert "class" in answer.output and f"payload {2 * 3 * 4 * 4 + 13 + 16 + 10} bytes" in answer.output
+        for line in answer.output.splitlines()[:2]:  # "0.png: coat 21.3%, tee 20.4%, dress 20.0%"
+            assert re.fullmatch(r".*\.png: (\w+ \d+\.\d%, ){2}\w+ \d+\.\d%", line), line
+        assert f"payload {2 * 3 * 4 * 4 + 13 + 16 + 10} bytes" in answer.output
         for stage in ("head", "encode", "network", "server", "total"):
             assert f"{stage} " in answer.output
         wrong = runner.invoke(app, ["split", "infer", str(signed), *images, "--server", url, "--key-env", "SPLIT_KEY"],

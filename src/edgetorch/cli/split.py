@@ -41,6 +41,7 @@ def export(
     downsample: bool = typer.Option(False, help="halve the bottleneck's height and width once more"),
     resolution: int = typer.Option(224, min=8, help="input height = width the head is exported for"),
     num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
+    class_names: str = typer.Option(None, help="comma-separated class names, in label order, for `split infer` to print"),
     color: str = typer.Option("gray", help="images the client sends: gray (Fashion-MNIST teachers) or rgb"),
     normalize: str = typer.Option("none", help="pixel normalisation after scaling to [0, 1]: none or imagenet"),
     key_env: str = typer.Option(None, help="sign the manifest with HMAC-SHA256, the key (>= 16 bytes) read from this environment variable"),
@@ -57,13 +58,14 @@ def export(
         raise typer.BadParameter(f"--normalize must be one of {', '.join(NORMALISATIONS)}, got {normalize!r}")
     key = _secret(key_env, "HMAC key")
     mean, std = NORMALISATIONS[normalize]
+    names = None if class_names is None else [n.strip() for n in class_names.split(",")]
     try:
         student = inject_bottleneck(build_model(model, num_classes=num_classes), channels, split_point,
                                     downsample=downsample)
         if checkpoint is not None:
             load_weights(student, checkpoint)
         manifest = export_model(student, out, resolution, Preprocess((resolution, resolution), color, mean, std),
-                                key=key, onnx=onnx)
+                                class_names=names, key=key, onnx=onnx)
     except (ValueError, TypeError, ImportError, CheckpointError, SplitArtifactError) as err:
         raise typer.BadParameter(str(err)) from None
     console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
@@ -104,6 +106,7 @@ def infer(
     token_env: str = typer.Option(None, help="send the bearer token read from this environment variable"),
     key_env: str = typer.Option(None, help="refuse the artifact unless signed with the HMAC key in this environment variable"),
     runtime: str = typer.Option("torch", help="run the head with torch (safetensors) or onnx (head.onnx, needs onnxruntime)"),
+    top_k: int = typer.Option(3, min=1, help="print this many most probable classes per image"),
 ) -> None:
     """Run the head here, send the 8-bit payload, print predictions and each stage's time."""
     import httpx
@@ -121,8 +124,8 @@ def infer(
     except (SplitClientError, httpx.HTTPError) as err:
         console.print(f"[red]request failed: {err}[/red]")
         raise typer.Exit(1) from None
-    for path, label in zip(images, result.predictions):
-        console.print(f"{path}: class {label}")
+    for path, ranked in zip(images, result.top(top_k, client.manifest.class_names)):
+        console.print(f"{path}: " + ", ".join(f"{name} {p:.1%}" for name, p in ranked))
     stages = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     console.print(f"payload {result.payload_bytes:,} bytes for {len(images)} image(s); {stages}")
 

@@ -40,6 +40,19 @@ class InferenceResult:
         """Arg-max class per sample."""
         return self.logits.argmax(dim=1).tolist()
 
+    def top(self, k: int = 3, class_names: Sequence[str] | None = None) -> list[list[tuple[str, float]]]:
+        """The ``k`` most probable classes of each sample, as (name, softmax probability).
+
+        Args:
+            k: how many per sample (at most the number of classes).
+            class_names: names by class index (the manifest's); indices when None.
+        """
+        probabilities = torch.softmax(self.logits.double(), dim=1)
+        values, indices = probabilities.topk(min(k, probabilities.shape[1]), dim=1)
+        name = (lambda i: class_names[i]) if class_names else str
+        return [[(name(i), float(p)) for p, i in zip(row_p.tolist(), row_i.tolist())]
+                for row_p, row_i in zip(values, indices)]
+
 
 def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_channels: int) -> torch.Tensor:
     """Load image files (PNG, JPEG, anything PIL reads) as the head's input batch.

@@ -48,6 +48,7 @@ import math
 import os
 import stat
 from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,7 @@ class SplitManifest:
             ``head_onnx``.
         payload_format: codec name, version and whether scales are per sample.
         torch_version, edgetorch_version: what exported it (information only).
+        class_names: one name per class, or None (the client then prints class indices).
         signature: hex HMAC-SHA256 of the rest of the manifest, when exported with a key.
         manifest_version: version of this manifest layout.
     """
@@ -137,6 +139,7 @@ class SplitManifest:
         "magic": payload.MAGIC.decode(), "version": payload.VERSION, "per_sample": True})
     torch_version: str = torch.__version__
     edgetorch_version: str = __version__
+    class_names: tuple[str, ...] | None = None
     signature: str | None = None
     manifest_version: int = MANIFEST_VERSION
     format: str = FORMAT
@@ -210,8 +213,10 @@ class SplitManifest:
                                 "format": _text(v["format"])} for k, v in files.items()},
                 payload_format=_plain_dict(raw["payload_format"]),
                 torch_version=_text(raw["torch_version"]), edgetorch_version=_text(raw["edgetorch_version"]),
+                class_names=None if raw["class_names"] is None else _texts(raw["class_names"]),
                 signature=None if raw["signature"] is None else _text(raw["signature"]),
             )
+            _check_class_names(manifest.class_names, manifest.num_classes)
             manifest.preprocess.check(manifest.input_shape[0])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SplitArtifactError(f"{MANIFEST_NAME}: missing or malformed field ({exc})") from None
@@ -231,6 +236,14 @@ class SplitManifest:
         return manifest
 
 
+def _check_class_names(names: Sequence[str] | None, num_classes: int) -> None:
+    if names is None:
+        return
+    if len(names) != num_classes or not all(isinstance(n, str) and 0 < len(n) <= 200 for n in names):
+        raise ValueError(f"class_names must be {num_classes} non-empty strings of at most 200 characters, "
+                         f"got {len(names)}")
+
+
 def _positive(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"expected a positive integer, got {value!r}")
@@ -247,6 +260,12 @@ def _floats(value: object) -> tuple[float, ...]:
     if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         raise ValueError(f"expected a list of numbers, got {value!r}")
     return tuple(float(v) for v in value)
+
+
+def _texts(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of strings, got {value!r}")
+    return tuple(_text(v) for v in value)
 
 
 def _text(value: object) -> str:
@@ -297,8 +316,8 @@ class CheckedInput(nn.Module):
 
 
 def export_model(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
-                 preprocess: Preprocess | None = None, *, key: bytes | str | None = None,
-                 onnx: bool = False) -> SplitManifest:
+                 preprocess: Preprocess | None = None, *, class_names: Sequence[str] | None = None,
+                 key: bytes | str | None = None, onnx: bool = False) -> SplitManifest:
     """Write a student's head and tail as safetensors plus a verified manifest.
 
     The files are written, then loaded back the way a server would, and the loaded split must
@@ -310,6 +329,7 @@ def export_model(model: BottleneckModel, out_dir: str | Path, resolution: int = 
         resolution: input height = width the head is exported for (a multiple of
             ``model.input_multiple``); 224 is what torchvision models are trained at.
         preprocess: image preprocessing for the client; default: gray images at ``resolution``.
+        class_names: one name per class, for the client's predictions.
         key: sign the manifest with HMAC-SHA256 (at least 16 bytes; read it from the environment,
             never from the command line).
         onnx: also write ``head.onnx`` (needs the ``onnx`` extra: onnx and onnxscript; checked
@@ -340,6 +360,8 @@ def export_model(model: BottleneckModel, out_dir: str | Path, resolution: int = 
         raise ValueError(f"preprocess.size {preprocess.size} must be the export resolution {resolution}")
     if key is not None:
         _key_bytes(key)
+    class_names = None if class_names is None else tuple(class_names)
+    _check_class_names(class_names, model.spec()["num_classes"])
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise SplitArtifactError(f"{out} is a file; give a directory for the artifact")
@@ -364,7 +386,7 @@ def export_model(model: BottleneckModel, out_dir: str | Path, resolution: int = 
     manifest = SplitManifest(
         model=model.spec(), input_shape=(3, resolution, resolution),
         bottleneck_shape=tuple(bottleneck.shape[1:]),
-        num_classes=int(expected.shape[1]), preprocess=preprocess,
+        num_classes=int(expected.shape[1]), preprocess=preprocess, class_names=class_names,
         files={part: {"path": _FILE_NAMES[part], "sha256": hashlib.sha256(blob).hexdigest(),
                       "format": _FORMATS[part]} for part, blob in blobs.items()})
     if key is not None:
