@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -58,3 +59,10 @@ def test_user_mistakes_get_a_message_and_exit_code_2_not_a_traceback(tmp_path, m
     assert result.exit_code == 2, result.output
     assert re.search(message, " ".join(result.output.replace("│", " ").split())), result.output
     assert isinstance(result.exception, SystemExit)  # a usage error, not an exception escaping
+
+
+def test_piped_help_is_not_cut_at_80_columns():
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "TERMINAL_WIDTH")}
+    out = subprocess.run([sys.executable, "-m", "edgetorch.cli", "split", "export", "--help"], capture_output=True,
+                         text=True, check=True, env=env).stdout
+    assert "…" not in out and "torchvision:densenet121|169|201" in out

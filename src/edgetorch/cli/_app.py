@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import typer
+import typer.rich_utils
 from rich.console import Console
+
+# Piped or captured help (a pager, a file, CI logs) would be laid out at rich's 80 columns, which
+# truncates long option help with an ellipsis; a terminal keeps its own width.
+if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+    typer.rich_utils.MAX_WIDTH = 120
 
 app = typer.Typer(help="edgetorch: memory-efficient training and deployment on edge devices.",
                   no_args_is_help=True, add_completion=False)
