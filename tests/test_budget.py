@@ -93,9 +93,9 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 release_freed()
 reset_peak_rss()
 for _ in range(3):
+    optimizer.zero_grad(set_to_none=True)
     with compress_activations(model, parse_policy(spec)):
         loss = F.cross_entropy(model(x), y)
-    optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
 print(json.dumps({"predicted": predicted, "measured": peak_rss_bytes()}))

@@ -1,8 +1,8 @@
 """Fit a training run into a memory budget: measure a step per policy, predict every batch size, choose.
 
-For each candidate policy the planner runs real training steps (forward and backward, no
-optimizer step, the model's weights and buffers restored after) at two small calibration
-batches, in this process, and reads the step's peak resident memory (CPU) or the CUDA
+For each candidate policy the planner runs real training steps (forward, backward and the
+optimizer's step at learning rate 0, so no weight moves; batch-norm statistics restored after)
+at two small calibration batches, in this process, and reads the step's peak resident memory (CPU) or the CUDA
 allocator's peak. A step's increase over what was held before it is close to linear in the
 batch size (saved activations and their gradients are per sample; workspace is mostly per
 sample too), so two points give each policy's line, and every batch size from the requested
@@ -10,8 +10,13 @@ one down is predicted from it:
 
     predicted peak = held now (interpreter, torch, model, data)
                      + optimizer state (per trainable parameter: 1 copy for SGD with momentum, 2 for Adam)
-                     + the policy's step increase at that batch (the line)
+                     + the policy's step increase at that batch (the line; it includes the
+                       optimizer step's temporaries, e.g. the gradient copies of weight decay)
                      + the input batch itself
+
+The prediction assumes the standard loop, where gradients are freed
+(``optimizer.zero_grad(set_to_none=True)``) before each forward; a loop that keeps them until
+after the forward holds one more copy of the trainable parameters at the peak.
 
 Before measuring, glibc is told to give large allocations their own mappings and freed memory
 back (:func:`edgetorch.measure.process.honest_malloc`), so RSS follows what is live and one
@@ -45,7 +50,7 @@ from .policies import BackRazor, Bitmap, Dense, Policy, parse_policy
 
 DEFAULT_POLICIES = ("dense", "bitmap", "backrazor:sparsity=0.8", "backrazor:sparsity=0.9",
                     "backrazor:sparsity=0.95", "backrazor:sparsity=0.97")
-OPTIMIZER_STATES = {"sgd": 1, "sgd-no-momentum": 0, "adam": 2, "adamw": 2}
+OPTIMIZER_STATES = {"sgd": 1, "sgd-no-momentum": 0, "adam": 2, "adamw": 2}  # state tensors per parameter
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -120,7 +125,7 @@ class MemoryPlan:
 
 def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 budget: str | int, *, policies: Sequence[str] = DEFAULT_POLICIES, optimizer: str = "sgd",
-                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                weight_decay: float = 0.0, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                 margin: float = 0.05) -> MemoryPlan:
     """Measure one step per policy, predict the peak at every batch size, and choose.
 
@@ -137,7 +142,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             resident memory; CUDA: the allocator's peak).
         policies: candidate policy specs.
         optimizer: ``"sgd"`` (momentum), ``"sgd-no-momentum"``, ``"adam"`` or ``"adamw"``: how
-            much state per trainable parameter to add.
+            much state per trainable parameter to add, and which step runs in calibration.
+        weight_decay: as the run will use it (SGD's decay copies every gradient during the step).
         loss_fn: ``loss_fn(outputs, labels)``; default cross-entropy.
         margin: headroom a candidate must leave (0.05: predicted peak + 5% <= budget).
 
@@ -178,15 +184,20 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     state_bytes = OPTIMIZER_STATES[optimizer] * sum(p.numel() * p.element_size() for p in trainable)
     lines: dict[str, tuple[float, float, float, int]] = {}  # spec -> (slope, intercept, seconds, saved at c2)
     with _restored(model):
-        _measure(model, *sample(calibration[0]), Dense(), loss_fn, None)  # warm-up: pools, first-call costs
+        step = _zero_lr_optimizer(optimizer, trainable, weight_decay)
+        _measure(model, *sample(calibration[0]), Dense(), loss_fn, None, None)  # warm-up: pools, first calls
         release_freed()
         held = _held(device)
+        # One step creates the optimizer's state, so the measured steps hold it as training does
+        # (it is added below from the parameter count, exactly).
+        _measure(model, *sample(calibration[0]), Dense(), loss_fn, None, step)
         for policy in parsed:
             ledger = SavedTensorLedger()
-            first, _ = _measure(model, *sample(calibration[0]), policy, loss_fn, None)
-            second, seconds = _measure(model, *sample(calibration[1]), policy, loss_fn, ledger)
+            first, _ = _measure(model, *sample(calibration[0]), policy, loss_fn, None, step)
+            second, seconds = _measure(model, *sample(calibration[1]), policy, loss_fn, ledger, step)
             slope = (second - first) / (calibration[1] - calibration[0])
             lines[policy.spec()] = (slope, second - slope * calibration[1], seconds, ledger.total().stored_bytes)
+        del step  # its state goes with it
     dense_seconds = lines.get("dense", next(iter(lines.values())))[2]
     sample_bytes = (x[0].numel() * x.element_size()) + y[:1].numel() * y.element_size()
     batches = sorted({max(1, requested >> k) for k in range(requested.bit_length())}, reverse=True)
@@ -235,9 +246,20 @@ def _held(device: torch.device) -> int:
     return rss_bytes()
 
 
+def _zero_lr_optimizer(name: str, params: list[nn.Parameter], weight_decay: float) -> torch.optim.Optimizer | None:
+    """The run's optimizer at learning rate 0: its step allocates and computes what the real one
+    does, and moves no weight (every update is scaled by the learning rate)."""
+    if not params:
+        return None
+    if name in ("adam", "adamw"):
+        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=0.0, weight_decay=weight_decay)
+    return torch.optim.SGD(params, lr=0.0, momentum=0.9 if name == "sgd" else 0.0, weight_decay=weight_decay)
+
+
 def _measure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, policy: Policy, loss_fn: Callable,
-             ledger: SavedTensorLedger | None) -> tuple[int, float]:
-    """One forward and backward under ``policy``: (peak increase over what was held, seconds)."""
+             ledger: SavedTensorLedger | None, optimizer: torch.optim.Optimizer | None) -> tuple[int, float]:
+    """One forward, backward and (if given) optimizer step under ``policy``: (peak increase over
+    what was held, seconds)."""
     device = x.device
     release_freed()
     before = _held(device)
@@ -249,6 +271,8 @@ def _measure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, policy: Policy,
     with compress_activations(model, policy, ledger=ledger):
         loss = loss_fn(model(x), y)
     loss.backward()
+    if optimizer is not None:
+        optimizer.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
