@@ -457,7 +457,7 @@ def test_cli_serve_runs_uvicorn_with_a_token_and_key_from_the_environment(signed
         port = sock.getsockname()[1]
     code = "import sys, edgetorch.cli.split; from edgetorch.cli import app; sys.argv[0] = 'edgetorch'; app()"
     command = [sys.executable, "-c", code, "split", "serve", str(signed), "--port", str(port),
-               "--token-env", "SPLIT_TOKEN", "--key-env", "SPLIT_KEY"]
+               "--token-env", "SPLIT_TOKEN", "--key-env", "SPLIT_KEY", "--max-batch", "4", "--read-timeout", "5"]
     clean = {k: v for k, v in os.environ.items() if k not in ("SPLIT_TOKEN", "SPLIT_KEY")}
     missing = subprocess.run(command, capture_output=True, text=True, env={**clean, "SPLIT_KEY": KEY})
     assert missing.returncode != 0 and "SPLIT_TOKEN is not set" in missing.stdout + missing.stderr
@@ -481,6 +481,9 @@ def test_cli_serve_runs_uvicorn_with_a_token_and_key_from_the_environment(signed
         ok = httpx.post(url + "/infer", content=body, headers={"content-type": "application/octet-stream",
                                                                "authorization": "Bearer abc"})
         assert ok.status_code == 200 and len(ok.json()["logits"][0]) == 5
+        too_many = httpx.post(url + "/infer", content=encode(torch.randn(5, 2, 4, 4)),
+                              headers={"content-type": "application/octet-stream", "authorization": "Bearer abc"})
+        assert too_many.status_code == 413 and httpx.get(url + "/health").json()["status"] == "ok"
     finally:
         server.terminate()
         server.wait(timeout=30)

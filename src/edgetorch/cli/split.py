@@ -79,23 +79,42 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to bind"),
     port: int = typer.Option(8000, min=0, max=65535, help="port to bind"),
     max_payload_bytes: int = typer.Option(None, min=1, help="request size limit (default: 64 bottlenecks)"),
+    max_batch: int = typer.Option(1024, min=1, help="payloads with more samples get 413, before decoding"),
+    header_timeout: float = typer.Option(10.0, min=0.1, help="seconds for a request line and headers, else 408"),
+    read_timeout: float = typer.Option(30.0, min=0.1, help="seconds for a whole request body, else 408"),
+    keep_alive: float = typer.Option(5.0, min=0.1, help="seconds an idle keep-alive connection stays open"),
+    max_connections: int = typer.Option(2048, min=1, help="connections above this get 503"),
     token_env: str = typer.Option(None, help="require `Authorization: Bearer <token>`, the token read from this environment variable"),
     key_env: str = typer.Option(None, help="refuse the artifact unless signed with the HMAC key in this environment variable"),
+    ray: bool = typer.Option(False, "--ray", help="serve behind Ray Serve's proxy (needs edgetorch[ray]); see docs/split_ray.md"),
+    replicas: int = typer.Option(1, min=1, help="with --ray: tail replicas, each loading and verifying the artifact"),
+    num_cpus_per_replica: float = typer.Option(1.0, min=0.0, help="with --ray: CPUs Ray reserves per replica"),
 ) -> None:
-    """Serve the tail over HTTP (POST /infer, GET / health) with uvicorn."""
-    import uvicorn
-
-    from ..split.export import SplitArtifactError, load_part
-    from ..split.server import ServerConfig, create_app
+    """Serve the tail over HTTP (POST /infer, GET /health, GET /metrics) with uvicorn, or on Ray Serve."""
+    from ..split.export import SplitArtifactError
+    from ..split.server import ServerConfig, app_from_dir, uvicorn_config
 
     token = _secret(token_env, "bearer token")
     key = _secret(key_env, "HMAC key")
+    if replicas > 1 and not ray:
+        raise typer.BadParameter("--replicas needs --ray (without Ray, run several `split serve` processes)")
     try:
-        tail, manifest = load_part(artifact_dir, "tail", key)
-        server = create_app(tail, manifest, ServerConfig(max_payload_bytes, token))
-    except (SplitArtifactError, ValueError) as err:
+        config = ServerConfig(max_payload_bytes, token, max_batch=max_batch, header_timeout_s=header_timeout,
+                              read_timeout_s=read_timeout, keep_alive_s=keep_alive, max_connections=max_connections)
+        if ray:
+            from ..split import ray_app
+
+            console.print("[yellow]Ray's own services listen on this machine's network address, whatever "
+                          "--host says; the Ray proxy does not enforce --header-timeout, --keep-alive or "
+                          "--max-connections (docs/split_ray.md)[/yellow]")
+            ray_app.run(artifact_dir, host, port, replicas, config, key=key, num_cpus_per_replica=num_cpus_per_replica)
+            return
+        server = app_from_dir(artifact_dir, config, key)
+    except (SplitArtifactError, ValueError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None
-    uvicorn.run(server, host=host, port=port, log_level="info")
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(server, host, port)).run()
 
 
 @split_app.command()
