@@ -46,7 +46,8 @@ code  type                      when
 503   (uvicorn's text/plain)    more than ``max_connections`` connections and requests at once
 ====  ========================  =====================================================================
 
-A client that hangs up mid-request is logged as one INFO line, not a traceback. Refusals that
+A client that hangs up mid-request is logged as one INFO line, not a traceback, and counted in
+``/metrics`` under code 499 (nginx's "client closed request"; nothing is sent). Refusals that
 leave part of the request body unread close the connection, so a refused client cannot keep it
 busy by sending the rest slowly.
 
@@ -229,7 +230,7 @@ def _label(value: str) -> str:
 
 
 class _Guard:
-    """Outermost app middleware: counts every answer, turns any escaped exception into one logged
+    """The outermost of the app's own middleware: counts every answer, turns any escaped exception into one logged
     500 without a traceback on the wire, and closes connections whose request body was left unread.
 
     A pure ASGI middleware (not BaseHTTPMiddleware) so it sees the real ``send`` and ``receive``.
