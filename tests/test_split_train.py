@@ -88,6 +88,29 @@ def test_stage_config_rejects_bad_values() -> None:
         StageConfig(epochs=0)
     with pytest.raises(ValueError, match="lr_step"):
         StageConfig(lr_step=0)
+    with pytest.raises(ValueError, match="weight_decay"):
+        StageConfig(weight_decay=-1.0)
+
+
+@pytest.mark.parametrize("optimizer, weight_decay, expected", [("sgd", None, 5e-4), ("adam", None, 0.0),
+                                                               ("sgd", 0.0, 0.0), ("adam", 1e-4, 1e-4)])
+def test_weight_decay_follows_the_authors_code_unless_given(teacher, data, monkeypatch, optimizer, weight_decay,
+                                                            expected) -> None:
+    import edgetorch.split.train as train_module
+
+    seen = []
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
+
+    class Spy(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self.defaults["weight_decay"])
+
+    monkeypatch.setattr(train_module.torch.optim, cls.__name__, Spy)
+    student = inject_bottleneck(teacher, 2)
+    train_stage(student, data, StageConfig(loss="kd", trainable="tail", optimizer=optimizer, epochs=1,
+                                           batch_size=8, weight_decay=weight_decay), teacher=teacher, progress=False)
+    assert seen == [expected]
 
 
 def test_ghnd_trains_only_the_bottleneck_and_loss_decreases(teacher: nn.Module, data: TensorDataset) -> None:
