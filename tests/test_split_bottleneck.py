@@ -59,11 +59,20 @@ def test_injection_shapes(arch: str) -> None:
     for split_point, downsample in [("sp1", False), ("sp1", True), ("sp2", False), ("sp2", True)]:
         student = inject_bottleneck(teacher, 12, split_point, downsample=downsample)
         z = student.head(x)
-        stride = (4 if split_point == "sp1" else 8) * (2 if downsample else 1)
-        assert z.shape == (1, 12, SIZE // stride, SIZE // stride)
+        side = SIZE // (8 * (2 if downsample else 1)) + (split_point == "sp1")  # SP1: H/8 + 1
+        assert z.shape == (1, 12, side, side)
         # The decoder reproduces the front's output shape, so the copied blocks run unchanged.
         assert [t.shape for t in student.tail.taps(z)] == expected
         assert (student.arch, student.split_point, student.channels) == (arch, split_point, 12)
+
+
+@pytest.mark.parametrize("arch", ["resnet152", "resnet18", "densenet201"])
+def test_split_points_have_the_papers_shapes_at_224_px(arch: str) -> None:
+    """BottleFit Sec. IV-A: 12 x 29 x 29 at SP1 and 12 x 28 x 28 at SP2 for C = 12."""
+    teacher = _meta_model(arch)
+    x = torch.empty(1, 3, 224, 224, device="meta")
+    assert inject_bottleneck(teacher, 12, "sp1").head(x).shape == (1, 12, 29, 29)
+    assert inject_bottleneck(teacher, 12, "sp2").head(x).shape == (1, 12, 28, 28)
 
 
 @pytest.mark.parametrize("arch", ACCEPTED_ARCHS)

@@ -17,8 +17,11 @@ need. The encoder's first convolution (and its batch norm) start from a copy of 
 
 Split points (both build the bottleneck with a convolution, as the paper does):
 
-* ``"sp1"`` (early, least work on the device): stem conv 7x7/2 + BN + ReLU, then a second conv
-  3x3/2 whose output channels are shrunk to ``C`` -- a ``C x H/4`` bottleneck;
+* ``"sp1"`` (early, least work on the device; the paper's Sec. IV-A "reducing the output channels
+  of the 2nd convolution layer"): the stem conv 7x7/2 + BN + ReLU and max-pool, then a second conv,
+  2x2/2 with padding 1, whose output channels are ``C`` -- a ``C x (H/8 + 1)`` bottleneck, the
+  paper's 12 x 29 x 29 at 224 px (the 2x2 kernel and padding are the authors' code's). The decoder
+  starts with a 2x2 conv without padding that brings H/8 + 1 back to H/8;
 * ``"sp2"`` (later): the stem + max-pool, a conv 3x3/2 to ``Ct/2`` channels (the resolution of
   ``layer2``), then a conv to ``C`` channels -- a ``C x H/8`` bottleneck.
 
@@ -293,9 +296,12 @@ def _check_channels(channels: int) -> None:
         raise ValueError(f"channels must be a positive int (the paper uses 1, 2, 3, 6, 9, 12), got {channels!r}")
 
 
-def _decoder(channels: int, width: int, target: int, steps: int, final_relu: bool) -> nn.Sequential:
-    """conv C->width; |steps| resamplings (>0: 2x2/2 deconv up, <0: 3x3/2 conv down); conv -> target."""
+def _decoder(channels: int, width: int, target: int, steps: int, final_relu: bool, trim: bool = False) -> nn.Sequential:
+    """conv C->width; with ``trim`` a 2x2 conv without padding (SP1's n + 1 back to n); |steps|
+    resamplings (>0: 2x2/2 deconv up, <0: 3x3/2 conv down); conv -> target."""
     layers = _conv_bn_relu(channels, width)
+    if trim:
+        layers += [nn.Conv2d(width, width, 2, 1, 0, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
     for _ in range(abs(steps)):
         layers += _deconv_bn_relu(width, width, 2, 2) if steps > 0 else _conv_bn_relu(width, width, 2)
     layers.append(nn.Conv2d(width, target, 3, 1, 1, bias=not final_relu))
@@ -315,7 +321,7 @@ def inject_bottleneck(model: nn.Module, channels: int, split_point: str = "sp2",
     Args:
         model: the teacher, one of :data:`ACCEPTED_ARCHS` (any ``num_classes``).
         channels: bottleneck channels ``C`` (the paper uses 1, 2, 3, 6, 9, 12; any positive int).
-        split_point: ``"sp1"`` (bottleneck ``C x H/4``) or ``"sp2"`` (``C x H/8``).
+        split_point: ``"sp1"`` (bottleneck ``C x (H/8 + 1)``) or ``"sp2"`` (``C x H/8``).
         downsample: halve the bottleneck's height and width once more; the decoder deconvolves back.
 
     Returns:
@@ -328,7 +334,7 @@ def inject_bottleneck(model: nn.Module, channels: int, split_point: str = "sp2",
         >>> from edgetorch.zoo import build_model
         >>> s = inject_bottleneck(build_model("torchvision:densenet121"), 12, "sp1", downsample=True)
         >>> s.head(torch.zeros(1, 3, 64, 64)).shape
-        torch.Size([1, 12, 8, 8])
+        torch.Size([1, 12, 5, 5])
     """
     _check_channels(channels)
     if split_point not in SPLIT_POINTS:
@@ -339,8 +345,9 @@ def inject_bottleneck(model: nn.Module, channels: int, split_point: str = "sp2",
     stride = 2 if downsample else 1
     with torch.device(_device_of(model)):
         if split_point == "sp1":
-            encoder = _copied_stem(model, arch) + [nn.Conv2d(_STEM_CHANNELS, channels, 3, 2 * stride, 1)]
-            bottleneck_stride = 4 * stride
+            encoder = _copied_stem(model, arch) + [nn.MaxPool2d(3, 2, 1)]
+            encoder.append(nn.Conv2d(_STEM_CHANNELS, channels, 2, 2 * stride, 1))  # H/(8 stride) + 1
+            bottleneck_stride = 8 * stride
         else:
             encoder = _copied_stem(model, arch) + [nn.MaxPool2d(3, 2, 1)]
             encoder += _conv_bn_relu(_STEM_CHANNELS, width, 2)
@@ -348,7 +355,7 @@ def inject_bottleneck(model: nn.Module, channels: int, split_point: str = "sp2",
             bottleneck_stride = 8 * stride
         # log2(bottleneck_stride / front_stride): positive means the decoder must upsample.
         steps = bottleneck_stride.bit_length() - front_stride.bit_length()
-        decoder = _decoder(channels, width, target, steps, final_relu=arch in RESNETS)
+        decoder = _decoder(channels, width, target, steps, final_relu=arch in RESNETS, trim=split_point == "sp1")
     stages = copy.deepcopy(decompose(model))
     multiple = max(bottleneck_stride, front_stride)
     return BottleneckModel(Head(nn.Sequential(*encoder), multiple), Tail(decoder, stages),
