@@ -38,6 +38,17 @@ def test_lora_sf6_implicit_header_and_paper_rate():
     assert link.airtime(10) == pytest.approx((12.25 + 8 + 4 * 5) * 64 / 500e3)
 
 
+def test_lora_paper_rate_model_next_to_time_on_air():
+    rate = parse_link("lora:sf=6,bw=500,model=rate")
+    airtime = parse_link("lora:sf=6,bw=500")
+    assert rate.delays(1762, 4)[0] == pytest.approx((1762 + 4) * 8 / 37_500)  # the paper's bytes x 8 / rate
+    assert rate.uplink(1762)[0] == pytest.approx(1762 * 8 / 37_500)
+    assert airtime.delays(1762, 4)[0] > rate.delays(1762, 4)[0]  # headers, preambles, fragments
+    assert "nominal-rate model" in rate.name and "nominal" not in airtime.name
+    with pytest.raises(ValueError, match="airtime or rate"):
+        parse_link("lora:model=fast")
+
+
 def test_lora_fragments_and_duty_cycle():
     link = LoRaLink(max_payload=255)
     full, rest = link.airtime(255), link.airtime(90)

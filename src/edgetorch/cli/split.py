@@ -167,7 +167,7 @@ def _training_results_accuracy():
 
 @split_app.command()
 def plan(
-    link: list[str] = typer.Option(..., help="repeatable: wifi:MBPS, lte:MBPS, trace:FILE, lora:sf=6,bw=125,cr=1"),
+    link: list[str] = typer.Option(..., help="repeatable: wifi:MBPS, lte:MBPS, trace:FILE, lora:sf=6,bw=125,cr=1[,model=rate]"),
     device: str = typer.Option("jetson-nano", help="jetson-nano, raspberry-pi-4, raspberry-pi-4-lora or a profile .json"),
     model: str = typer.Option("torchvision:resnet18", help="teacher architecture"),
     channels: list[int] = typer.Option([1, 2, 3, 6, 9, 12], help="repeatable: bottleneck channels to compare"),

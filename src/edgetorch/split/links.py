@@ -92,6 +92,8 @@ class LoRaLink:
         duty_cycle: fraction of time the radio may transmit (1.0 = no limit; 0.01 for EU 868 MHz
             sub-bands); after each fragment but the last the sender waits ``airtime * (1/dc - 1)``.
         crc: payload CRC on (the uplink default).
+        model: ``"airtime"`` (the Semtech formula per fragment, with duty-cycle waits) or
+            ``"rate"`` (the paper's delay: bytes x 8 / the nominal bit rate, no packet overhead).
     """
 
     spreading_factor: int = 6
@@ -101,8 +103,11 @@ class LoRaLink:
     max_payload: int = 255
     duty_cycle: float = 1.0
     crc: bool = True
+    model: str = "airtime"
 
     def __post_init__(self) -> None:
+        if self.model not in ("airtime", "rate"):
+            raise ValueError(f"LoRa delay model must be airtime or rate, got {self.model!r}")
         if not 6 <= self.spreading_factor <= 12:
             raise ValueError(f"LoRa spreading factor must be 6..12, got {self.spreading_factor}")
         if self.bandwidth_hz not in (125e3, 250e3, 500e3):
@@ -114,7 +119,8 @@ class LoRaLink:
 
     @property
     def name(self) -> str:
-        return f"LoRa SF{self.spreading_factor} BW{self.bandwidth_hz / 1e3:g} CR4/{4 + self.coding_rate}"
+        rate = ", nominal-rate model" if self.model == "rate" else ""
+        return f"LoRa SF{self.spreading_factor} BW{self.bandwidth_hz / 1e3:g} CR4/{4 + self.coding_rate}{rate}"
 
     @property
     def symbol_s(self) -> float:
@@ -143,7 +149,10 @@ class LoRaLink:
         return (self.preamble_symbols + 4.25) * self.symbol_s + symbols * self.symbol_s
 
     def transfer_s(self, nbytes: int) -> float:
-        """Seconds to send ``nbytes`` as full fragments plus one remainder, with duty-cycle waits."""
+        """Seconds to send ``nbytes`` as full fragments plus one remainder, with duty-cycle waits
+        (or, with ``model="rate"``, the paper's ``nbytes * 8 / nominal_bps``)."""
+        if self.model == "rate":
+            return nbytes * 8 / self.nominal_bps
         full, rest = divmod(nbytes, self.max_payload)
         airtimes = [self.airtime(self.max_payload)] * full + ([self.airtime(rest)] if rest else [])
         on_air = sum(airtimes)
@@ -160,6 +169,8 @@ class LoRaLink:
 
     def uplink(self, request_bytes: int) -> np.ndarray:
         """Seconds the device's radio is on air for the request (duty-cycle waits excluded)."""
+        if self.model == "rate":
+            return np.array([self.transfer_s(request_bytes)])
         full, rest = divmod(request_bytes, self.max_payload)
         return np.array([full * self.airtime(self.max_payload) + (self.airtime(rest) if rest else 0.0)])
 
@@ -181,7 +192,8 @@ def parse_link(spec: str) -> Link:
 
     Args:
         spec: ``wifi:MBPS[,rtt_ms=MS]``, ``lte:MBPS[,rtt_ms=MS]``, ``trace:FILE[,rtt_ms=MS]`` (one
-            Mbit/s per line), or ``lora[:sf=6,bw=125,cr=1,duty=1.0,max_payload=255]`` (bw in kHz).
+            Mbit/s per line), or ``lora[:sf=6,bw=125,cr=1,duty=1.0,max_payload=255,model=airtime|rate]``
+            (bw in kHz; ``model=rate`` is the paper's bytes x 8 / nominal rate).
 
     Returns:
         A :class:`RateLink`, :class:`TraceLink` or :class:`LoRaLink`.
@@ -213,7 +225,8 @@ def parse_link(spec: str) -> Link:
                             bandwidth_hz=float(options.pop("bw", 125)) * 1e3,
                             coding_rate=int(options.pop("cr", 1)),
                             duty_cycle=float(options.pop("duty", 1.0)),
-                            max_payload=int(options.pop("max_payload", 255)))
+                            max_payload=int(options.pop("max_payload", 255)),
+                            model=options.pop("model", "airtime"))
             if options:
                 raise ValueError(f"unknown LoRa options {sorted(options)}")
             return link
