@@ -155,9 +155,32 @@ def test_accuracy_file(tmp_path):
         load_accuracy(path)
 
 
-def test_image_file_bytes_from_real_images():
+def test_image_file_bytes_from_real_images(tmp_path):
     sizes = image_file_bytes(32, count=4, dataset="digits")
-    assert set(sizes) == {"png", "jpeg"} and all(v > 0 for v in sizes.values())
+    assert set(sizes) == {"png", "jpeg", "png_encode_s", "jpeg_encode_s"} and all(v > 0 for v in sizes.values())
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(3):  # the user's own colour photos, of another size
+        (tmp_path / "a").mkdir(exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(tmp_path / "a" / f"{i}.png")
+    own = image_file_bytes(32, images_dir=tmp_path)
+    assert own["png"] > sizes["png"]  # three channels of noise compress worse than gray digits
+    (tmp_path / "a" / "bad.png").write_bytes(b"no")
+    with pytest.raises(ValueError, match="not a readable image"):
+        image_file_bytes(32, images_dir=tmp_path)
+    with pytest.raises(ValueError, match="no .* images found"):
+        image_file_bytes(32, images_dir=tmp_path / "a" / "0.png")
+
+
+def test_the_device_pays_for_encoding_what_it_sends():
+    times = replace(TIMES, payload_encode_s={3: 0.001, 12: 0.002})
+    files = {**FILES, "png_encode_s": 0.003, "jpeg_encode_s": 0.004}
+    rows = {r.option: r for r in compare_deployments(times, files, RateLink("test", 1e6, 0.01), DEVICE)}
+    assert rows["split C=3"].head_s == pytest.approx((0.02 + 0.001) * 2)  # device = 2x this host
+    assert rows["offload png"].head_s == pytest.approx(0.003 * 2)
+    assert rows["offload jpeg"].head_s == pytest.approx(0.004 * 2)
+    assert rows["offload jpeg"].energy_j > compare_deployments(TIMES, FILES, RateLink("test", 1e6, 0.01), DEVICE)[2].energy_j
 
 
 def test_cli_plan_prints_every_option_and_writes_json(tmp_path):
@@ -184,6 +207,10 @@ def test_cli_plan_prints_every_option_and_writes_json(tmp_path):
     assert split3["sent_bytes"] == payload_size((1, 3, 4, 4)) and split3["accuracy"] == 0.87
     bad = CliRunner().invoke(app, ["split", "plan", "--link", "carrier-pigeon:1"])
     assert bad.exit_code != 0 and "unknown link kind" in bad.output
+    (tmp_path / "empty").mkdir()
+    no_images = CliRunner().invoke(app, ["split", "plan", "--link", "wifi:5", "--device", str(device), "--resolution",
+                                         "32", "--channels", "3", "--images", str(tmp_path / "empty")])
+    assert no_images.exit_code == 2 and "images found" in " ".join(no_images.output.replace("│", " ").split())
 
 
 def test_accuracy_file_without_accuracies_is_refused(tmp_path):

@@ -175,6 +175,7 @@ def plan(
     resolution: int = typer.Option(96, min=8, help="input height = width"),
     accuracy: Path = typer.Option(None, help="accuracy JSON {teacher, jpeg, split: {C: acc}} (default: docs/results/split_training.json if it holds them)"),
     server_speedup: float = typer.Option(1.0, help="assumed server speed relative to this machine"),
+    images: Path = typer.Option(None, help="offload file sizes from your own images under this folder (default: Fashion-MNIST test images)"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the plan(s) as JSON here"),
 ) -> None:
     """Local vs full offload (PNG/JPEG) vs split at each C: delay, device energy, accuracy."""
@@ -192,10 +193,15 @@ def plan(
         raise typer.BadParameter(str(err)) from None
     with console.status("timing the head/tail per C and the device's reference model on this machine"):
         times = measure_host_times(model, sorted(set(channels)), resolution, profile, split_point)
-        files = image_file_bytes(resolution)
+        try:
+            files = image_file_bytes(resolution, images_dir=images)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
     console.print(f"device: {profile.name} ({profile.source}); device/host speed ratio "
                   f"{profile.reference_seconds / times.reference_s:.3g}; server = this machine / {server_speedup:g}")
-    console.print(f"accuracy: {known.source if known else 'none given (pass --accuracy FILE)'}")
+    console.print(f"accuracy: {known.source if known else 'none given (pass --accuracy FILE)'}; offload files: "
+                  f"{images or 'Fashion-MNIST test images'} at {resolution}px (PNG {files['png']:,.0f} B, "
+                  f"JPEG {files['jpeg']:,.0f} B; device-side encoding is counted)")
     records = []
     for one in links:
         rows = compare_deployments(times, files, one, profile, known, server_speedup=server_speedup)

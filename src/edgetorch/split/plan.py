@@ -3,7 +3,9 @@
 BottleFit's model (Sec. III-D): D_e2e = D_H + D_N + D_T and P_md = P_H + P_N. Here:
 
 * D_H (device): the head (or, for local computing, the whole model) timed on this host, batch 1
-  (fastest of interleaved rounds: :func:`time_modules`), scaled by the device profile's speed ratio (:mod:`edgetorch.split.power`);
+  (fastest of interleaved rounds: :func:`time_modules`), plus encoding what is sent (the 8-bit
+  payload for split computing, the PNG or JPEG file for full offload), scaled by the device
+  profile's speed ratio (:mod:`edgetorch.split.power`);
 * D_N: the link model (:mod:`edgetorch.split.links`) for the true payload bytes: the 8-bit
   bottleneck payload (:func:`edgetorch.split.payload.payload_size`) for split computing, the
   mean PNG or JPEG file size of real test images at the model's resolution for full offload;
@@ -19,7 +21,7 @@ from __future__ import annotations
 import io
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from .links import Link
-from .payload import payload_size
+from .payload import encode, payload_size
 from .power import DeviceProfile
 
 
@@ -42,6 +44,7 @@ class HostTimes:
         head_s, tail_s: per bottleneck channel count C.
         bottleneck_shapes: per C, one sample's bottleneck shape.
         reference_s: the device profile's reference model, for the speed ratio.
+        payload_encode_s: per C, encoding one bottleneck as the 8-bit payload.
     """
 
     arch: str
@@ -51,6 +54,7 @@ class HostTimes:
     tail_s: dict[int, float]
     bottleneck_shapes: dict[int, tuple[int, ...]]
     reference_s: float
+    payload_encode_s: dict[int, float] = field(default_factory=dict)
 
 
 def time_modules(calls: dict[str, tuple[nn.Module, torch.Tensor]], rounds: int = 5) -> dict[str, float]:
@@ -104,49 +108,90 @@ def measure_host_times(arch: str, channels: list[int], resolution: int, referenc
     teacher = build_model(arch, num_classes=num_classes)
     x = torch.rand(1, 3, resolution, resolution)
     calls: dict[str, tuple[nn.Module, torch.Tensor]] = {"full": (teacher, x)}
-    shapes = {}
+    shapes, student_z = {}, {}
     for c in channels:
         student = inject_bottleneck(teacher, c, split_point).eval()
         with torch.inference_mode():
             z = student.head(x)
         calls[f"head{c}"], calls[f"tail{c}"] = (student.head, x), (student.tail, z)
-        shapes[c] = tuple(z.shape[1:])
+        shapes[c], student_z[c] = tuple(z.shape[1:]), z
     side = reference.reference_resolution
     calls["reference"] = (build_model(reference.reference_model, num_classes=1000), torch.rand(1, 3, side, side))
     seconds = time_modules(calls, rounds)
+    with torch.inference_mode():
+        encoding = {c: _fastest(lambda c=c: encode(student_z[c]), rounds) for c in channels}
     return HostTimes(arch, resolution, seconds["full"], {c: seconds[f"head{c}"] for c in channels},
-                     {c: seconds[f"tail{c}"] for c in channels}, shapes, seconds["reference"])
+                     {c: seconds[f"tail{c}"] for c in channels}, shapes, seconds["reference"], encoding)
+
+
+def _fastest(call, rounds: int) -> float:
+    """Fastest of ``rounds`` timings of ``call()`` after one warm-up (see :func:`time_modules`)."""
+    call()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
-                     dataset: str = "fashion-mnist") -> dict[str, float]:
-    """Mean PNG and JPEG file sizes of real test images resized to the model's resolution.
+                     dataset: str = "fashion-mnist", images_dir: str | Path | None = None) -> dict[str, float]:
+    """Mean PNG and JPEG file sizes, and the time to encode them here, of real images resized to
+    the model's resolution.
 
-    Images are gray (one channel), as Fashion-MNIST is; the model repeats them to 3 channels, so a
-    device would send the one-channel file.
+    By default the first ``count`` test images of ``dataset``, gray (one channel: the model
+    repeats it to 3, so a device would send the one-channel file). With ``images_dir``, the
+    user's own images instead (PNG/JPEG/BMP/WebP found under it, sorted, the first ``count``),
+    in their own colour mode.
 
     Args:
-        resolution: height = width after resizing (as ``load_dataset(size=...)`` does).
-        count: images averaged (the first ``count`` of the test split).
+        resolution: height = width after resizing (bilinear, as ``load_dataset(size=...)`` does).
+        count: images averaged.
         jpeg_quality: PIL JPEG quality.
-        dataset: ``"fashion-mnist"`` or ``"digits"``.
+        dataset: ``"fashion-mnist"`` or ``"digits"`` (when no ``images_dir``).
+        images_dir: a folder of the user's images.
 
     Returns:
-        ``{"png": mean bytes, "jpeg": mean bytes}``.
+        ``{"png", "jpeg"}``: mean bytes; ``{"png_encode_s", "jpeg_encode_s"}``: mean seconds to
+        encode one image on this host; ``"source"`` is not included (the caller knows it).
+
+    Raises:
+        ValueError: ``images_dir`` holds no readable image.
     """
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
-    from ..data import load_dataset
+    if images_dir is None:
+        from ..data import load_dataset
 
-    images = load_dataset(dataset, "test", size=resolution, limit=count).tensors[0]
+        images = load_dataset(dataset, "test", size=resolution, limit=count).tensors[0]
+        pictures = [Image.fromarray((image[0].numpy() * 255).round().astype(np.uint8), mode="L") for image in images]
+    else:
+        files = sorted(p for p in Path(images_dir).rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES)
+        pictures = []
+        for path in files[:count]:
+            try:
+                with Image.open(path) as image:
+                    mode = image.mode if image.mode in ("L", "RGB") else "RGB"
+                    pictures.append(image.convert(mode).resize((resolution, resolution), Image.BILINEAR))
+            except (UnidentifiedImageError, OSError) as exc:
+                raise ValueError(f"{path}: not a readable image ({exc})") from None
+        if not pictures:
+            raise ValueError(f"{images_dir}: no {'/'.join(sorted(_IMAGE_SUFFIXES))} images found")
     sizes: dict[str, list[int]] = {"png": [], "jpeg": []}
-    for image in images:
-        pixels = Image.fromarray((image[0].numpy() * 255).round().astype(np.uint8), mode="L")
+    seconds: dict[str, list[float]] = {"png": [], "jpeg": []}
+    for pixels in pictures:
         for fmt, options in (("png", {"optimize": True}), ("jpeg", {"quality": jpeg_quality})):
             buffer = io.BytesIO()
+            start = time.perf_counter()
             pixels.save(buffer, format=fmt.upper(), **options)
+            seconds[fmt].append(time.perf_counter() - start)
             sizes[fmt].append(buffer.tell())
-    return {fmt: float(np.mean(v)) for fmt, v in sizes.items()}
+    return {**{fmt: float(np.mean(v)) for fmt, v in sizes.items()},
+            **{f"{fmt}_encode_s": float(np.median(v)) for fmt, v in seconds.items()}}
+
+
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 
 
 @dataclass(frozen=True)
@@ -207,7 +252,7 @@ class PlanRow:
     Attributes:
         option: ``local``, ``offload png``, ``offload jpeg`` or ``split C=c``.
         sent_bytes: request bytes over the link (0 for local).
-        head_s: device compute seconds (whole model when local).
+        head_s: device compute seconds (whole model when local), encoding what is sent included.
         network_s, network_p95_s: link delay, mean and 95th percentile over the link's samples.
         tail_s: server compute seconds.
         e2e_s: head + network (mean) + tail.
@@ -266,11 +311,12 @@ def compare_deployments(times: HostTimes, file_bytes: dict[str, float], link: Li
     acc = accuracy or Accuracy(None, None, {}, "none")
     rows = [_row("local", 0, times.full_s * slowdown, 0.0, None, device, acc.teacher)]
     for fmt, known in (("png", acc.teacher), ("jpeg", acc.jpeg)):
-        rows.append(_row(f"offload {fmt}", round(file_bytes[fmt]), 0.0, server_full, link, device, known))
+        encoding = file_bytes.get(f"{fmt}_encode_s", 0.0) * slowdown  # the device encodes the file it sends
+        rows.append(_row(f"offload {fmt}", round(file_bytes[fmt]), encoding, server_full, link, device, known))
     for c in sorted(times.head_s):
         nbytes = payload_size((1, *times.bottleneck_shapes[c]), per_sample)
-        rows.append(_row(f"split C={c}", nbytes, times.head_s[c] * slowdown, server_tail[c], link,
-                         device, acc.split.get(c)))
+        head = (times.head_s[c] + times.payload_encode_s.get(c, 0.0)) * slowdown
+        rows.append(_row(f"split C={c}", nbytes, head, server_tail[c], link, device, acc.split.get(c)))
     return rows
 
 
