@@ -487,3 +487,15 @@ def test_cli_serve_runs_uvicorn_with_a_token_and_key_from_the_environment(signed
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_server_limit_above_1024_serves_such_batches_instead_of_a_500(artifact):
+    """The loaded tail has no batch cap of its own: the server's --max-batch is the one limit."""
+    from fastapi.testclient import TestClient
+
+    tail, manifest = load_part(artifact, "tail")
+    app = create_app(tail, manifest, ServerConfig(max_batch=2048, max_payload_bytes=10**6))
+    answer = TestClient(app).post("/infer", content=encode(torch.randn(1100, 2, 4, 4)),
+                                  headers={"content-type": "application/octet-stream"})
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["logits"]) == 1100

@@ -47,8 +47,8 @@ import json
 import math
 import os
 import stat
-from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ from .bottleneck import BottleneckModel, rebuild
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 2
 FORMAT = "edgetorch-split"
-MAX_BATCH = 1024  # the largest batch export checks and the server accepts by default
+MAX_BATCH = 1024  # the ONNX head's declared batch range (the eager modules take any batch)
 MAX_RESOLUTION = 4096  # input height/width a manifest may declare (the head is run on it to check shapes)
 _MAX_MANIFEST_BYTES = 1 << 20
 _MIN_KEY_BYTES = 16  # an HMAC key shorter than this is guessable; RFC 2104 advises >= the hash's 32
@@ -310,8 +310,6 @@ class CheckedInput(nn.Module):
             hint = (f": resize images to {self.sample_shape[1]}x{self.sample_shape[2]} (the split client "
                     "does), or export again at this resolution") if self._what == "head" else ""
             raise ValueError(f"this {self._what} was exported for inputs [N, {want}], got {list(x.shape)}{hint}")
-        if not 1 <= x.shape[0] <= MAX_BATCH:
-            raise ValueError(f"batch {x.shape[0]} is outside 1..{MAX_BATCH}")
         return self.module(x)
 
 
