@@ -86,8 +86,6 @@ def ray_app(artifact_dir: str | Path, config: ServerConfig = ServerConfig(), rep
     # A closure over plain data: Ray pickles it by value with the deployment class and calls it in
     # each replica's constructor. Nothing that holds a tensor or a module is captured.
     def build_tail_app() -> Any:
-        if key is None:
-            return app_from_dir(path, config)
         return app_from_dir(path, config, key)
 
     options: dict[str, Any] = {"name": DEPLOYMENT_NAME, "num_replicas": replicas,
@@ -128,10 +126,7 @@ def start(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, r
 
 def _verify(artifact_dir: str | Path, config: ServerConfig, key: bytes | str | None) -> None:
     """Load the artifact once here, so a broken one fails before Ray starts."""
-    if key is None:
-        app_from_dir(Path(artifact_dir), config)
-    else:
-        app_from_dir(Path(artifact_dir), config, key)
+    app_from_dir(Path(artifact_dir), config, key)
 
 
 def _init_ray(num_cpus: float | None, ray_init: dict[str, Any] | None) -> None:
