@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..measure import SavedTensorLedger
-from ..measure.process import honest_malloc, peak_rss_bytes, release_freed, reset_peak_rss, rss_bytes
+from ..measure.process import held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed, reset_peak
 from .engine import compress_activations
 from .policies import BackRazor, Bitmap, Dense, Policy, parse_policy
 
@@ -131,7 +131,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
 
     ``model`` must be set up as it will train: trainable parameters marked, batch norm frozen or
     not, on its device. Its weights, buffers (batch-norm statistics), gradients and RNG state are
-    as they were when this returns.
+    as they were when this returns. On a CPU with glibc, the malloc settings it makes stay for the
+    rest of the process, so the training run that follows returns freed memory as it was measured.
 
     Args:
         model: the model to train.
@@ -187,7 +188,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         step = _zero_lr_optimizer(optimizer, trainable, weight_decay)
         _measure(model, *sample(calibration[0]), Dense(), loss_fn, None, None)  # warm-up: pools, first calls
         release_freed()
-        held = _held(device)
+        held = held_bytes(device)
         # One step creates the optimizer's state, so the measured steps hold it as training does
         # (it is added below from the parameter count, exactly).
         _measure(model, *sample(calibration[0]), Dense(), loss_fn, None, step)
@@ -212,8 +213,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, c.step_time_ratio))
     chosen = next((c for c in candidates if c.fits), None)
     return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested),
-                      held + state_bytes, calibration,
-                      "cuda_max_allocated" if device.type == "cuda" else "peak_rss")
+                      held + state_bytes, calibration, peak_kind(device))
 
 
 def _exact(policy: Policy) -> bool:
@@ -239,13 +239,6 @@ def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, 
             f"{chosen.predicted_peak_bytes / mib:,.0f} MiB of {budget / mib:,.0f} MiB")
 
 
-def _held(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.memory_allocated(device)
-    return rss_bytes()
-
-
 def _zero_lr_optimizer(name: str, params: list[nn.Parameter], weight_decay: float) -> torch.optim.Optimizer | None:
     """The run's optimizer at learning rate 0: its step allocates and computes what the real one
     does, and moves no weight (every update is scaled by the learning rate)."""
@@ -262,22 +255,15 @@ def _measure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, policy: Policy,
     what was held, seconds)."""
     device = x.device
     release_freed()
-    before = _held(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        reset_peak_rss()
+    before = held_bytes(device)
+    reset_peak(device)
     start = time.perf_counter()
     with compress_activations(model, policy, ledger=ledger):
         loss = loss_fn(model(x), y)
     loss.backward()
     if optimizer is not None:
         optimizer.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = peak_rss_bytes()
+    peak = peak_bytes(device)  # synchronises a GPU first
     seconds = time.perf_counter() - start
     del loss
     for p in model.parameters():

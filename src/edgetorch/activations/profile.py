@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..measure import SavedTensorLedger, machine_description, model_memory, run_fresh
-from ..measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes, uss_bytes
+from ..measure.process import held_bytes, peak_bytes, peak_kind, reset_peak, rss_bytes, uss_bytes
 from .batchnorm import freeze_batchnorm
 from .engine import compress_activations
 from .policies import parse_policy
@@ -113,15 +113,10 @@ def profile_one(request: ProfileRequest) -> dict:
     y = torch.randint(0, request.num_classes, (request.batch,), device=device)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
 
-    def held() -> int:
-        # What the peak is measured in: the CUDA allocator on a GPU, resident memory on the CPU.
-        _sync(device)
-        return torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
-
     def train_step(ledger: SavedTensorLedger | None) -> dict:
         with compress_activations(model, policy, ledger=ledger):
             loss = F.cross_entropy(model(x), y)
-        measured = {"held_after_forward_bytes": held(), "rss_after_forward_bytes": rss_bytes(),
+        measured = {"held_after_forward_bytes": held_bytes(device), "rss_after_forward_bytes": rss_bytes(),
                     "uss_after_forward_bytes": uss_bytes()}
         loss.backward()
         optimizer.step()
@@ -133,17 +128,13 @@ def profile_one(request: ProfileRequest) -> dict:
         return measured
 
     train_step(None)
-    _sync(device)
     ledger = SavedTensorLedger()
-    rss_before, before = rss_bytes(), held()
-    reset_peak_rss()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    rss_before, before = rss_bytes(), held_bytes(device)
+    reset_peak(device)
     start = time.perf_counter()
     measured = train_step(ledger)
-    _sync(device)
+    peak = peak_bytes(device)  # synchronises a GPU first
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
     total = ledger.total()
     return {
         "policy": policy.spec(),
@@ -152,7 +143,7 @@ def profile_one(request: ProfileRequest) -> dict:
         "peak_live_activation_bytes": ledger.peak_live_bytes,
         "sparsity": total.sparsity,
         "peak_memory_bytes": peak,
-        "peak_memory_kind": "cuda_max_allocated" if device.type == "cuda" else "peak_rss",
+        "peak_memory_kind": peak_kind(device),
         "rss_before_step_bytes": rss_before,
         "step_peak_increase_bytes": peak - before,
         # Memory added by the forward and still held when it ends: the measured counterpart of
@@ -169,11 +160,6 @@ def profile_one(request: ProfileRequest) -> dict:
 def _input_channels(model: nn.Module) -> int:
     first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
     return first_conv.in_channels if first_conv is not None else 1
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":

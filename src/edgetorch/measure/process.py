@@ -57,6 +57,42 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def held_bytes(device) -> int:
+    """What a step's peak is measured against, now: the CUDA allocator's allocated bytes on a GPU
+    (host RSS says nothing about GPU memory), resident memory on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return rss_bytes()
+
+
+def reset_peak(device) -> None:
+    """Start a new peak for :func:`peak_bytes` (the CUDA allocator's, or VmHWM on the CPU)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+
+
+def peak_bytes(device) -> int:
+    """The peak since :func:`reset_peak`, in the unit of :func:`held_bytes`."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss_bytes()
+
+
+def peak_kind(device) -> str:
+    """What :func:`peak_bytes` reads: ``"cuda_max_allocated"`` or ``"peak_rss"``."""
+    return "cuda_max_allocated" if device.type == "cuda" else "peak_rss"
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers, from glibc's malloc.h
 
 
