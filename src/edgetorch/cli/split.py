@@ -191,12 +191,12 @@ def plan(
         known = load_accuracy(accuracy) if accuracy is not None else _training_results_accuracy()
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
+    try:  # before the timing, so a bad --images folder is reported at once
+        files = image_file_bytes(resolution, images_dir=images)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
     with console.status("timing the head/tail per C and the device's reference model on this machine"):
         times = measure_host_times(model, sorted(set(channels)), resolution, profile, split_point)
-        try:
-            files = image_file_bytes(resolution, images_dir=images)
-        except ValueError as err:
-            raise typer.BadParameter(str(err)) from None
     console.print(f"device: {profile.name} ({profile.source}); device/host speed ratio "
                   f"{profile.reference_seconds / times.reference_s:.3g}; server = this machine / {server_speedup:g}")
     console.print(f"accuracy: {known.source if known else 'none given (pass --accuracy FILE)'}; offload files: "

@@ -21,8 +21,10 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,7 +59,8 @@ class HostTimes:
     payload_encode_s: dict[int, float] = field(default_factory=dict)
 
 
-def time_modules(calls: dict[str, tuple[nn.Module, torch.Tensor]], rounds: int = 5) -> dict[str, float]:
+def time_modules(calls: dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]],
+                 rounds: int = 5) -> dict[str, float]:
     """Fastest of ``rounds`` wall-clock timings of each ``module(x)``, interleaved round-robin.
 
     On a shared machine other jobs only ever add time, so the minimum estimates the module's own
@@ -65,8 +68,8 @@ def time_modules(calls: dict[str, tuple[nn.Module, torch.Tensor]], rounds: int =
     in a quiet minute and the next in a busy one. One untimed warm-up call each comes first.
 
     Args:
-        calls: name -> (module, input); modules are put in eval mode.
-        rounds: timed calls per module.
+        calls: name -> (module or function, input); modules are put in eval mode.
+        rounds: timed calls per entry.
 
     Returns:
         name -> seconds.
@@ -74,7 +77,7 @@ def time_modules(calls: dict[str, tuple[nn.Module, torch.Tensor]], rounds: int =
     best = {name: float("inf") for name in calls}
     with torch.inference_mode():
         for module, x in calls.values():
-            module.eval()(x)
+            (module.eval() if isinstance(module, nn.Module) else module)(x)
         for _ in range(rounds):
             for name, (module, x) in calls.items():
                 start = time.perf_counter()
@@ -108,31 +111,19 @@ def measure_host_times(arch: str, channels: list[int], resolution: int, referenc
     teacher = build_model(arch, num_classes=num_classes)
     x = torch.rand(1, 3, resolution, resolution)
     calls: dict[str, tuple[nn.Module, torch.Tensor]] = {"full": (teacher, x)}
-    shapes, student_z = {}, {}
+    shapes = {}
     for c in channels:
         student = inject_bottleneck(teacher, c, split_point).eval()
         with torch.inference_mode():
             z = student.head(x)
-        calls[f"head{c}"], calls[f"tail{c}"] = (student.head, x), (student.tail, z)
-        shapes[c], student_z[c] = tuple(z.shape[1:]), z
+        calls[f"head{c}"], calls[f"tail{c}"], calls[f"encode{c}"] = (student.head, x), (student.tail, z), (encode, z)
+        shapes[c] = tuple(z.shape[1:])
     side = reference.reference_resolution
     calls["reference"] = (build_model(reference.reference_model, num_classes=1000), torch.rand(1, 3, side, side))
     seconds = time_modules(calls, rounds)
-    with torch.inference_mode():
-        encoding = {c: _fastest(lambda c=c: encode(student_z[c]), rounds) for c in channels}
     return HostTimes(arch, resolution, seconds["full"], {c: seconds[f"head{c}"] for c in channels},
-                     {c: seconds[f"tail{c}"] for c in channels}, shapes, seconds["reference"], encoding)
-
-
-def _fastest(call, rounds: int) -> float:
-    """Fastest of ``rounds`` timings of ``call()`` after one warm-up (see :func:`time_modules`)."""
-    call()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
+                     {c: seconds[f"tail{c}"] for c in channels}, shapes, seconds["reference"],
+                     {c: seconds[f"encode{c}"] for c in channels})
 
 
 def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
@@ -174,7 +165,7 @@ def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
                 with Image.open(path) as image:
                     mode = image.mode if image.mode in ("L", "RGB") else "RGB"
                     pictures.append(image.convert(mode).resize((resolution, resolution), Image.BILINEAR))
-            except (UnidentifiedImageError, OSError) as exc:
+            except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
                 raise ValueError(f"{path}: not a readable image ({exc})") from None
         if not pictures:
             raise ValueError(f"{images_dir}: no {'/'.join(sorted(_IMAGE_SUFFIXES))} images found")
