@@ -1,8 +1,12 @@
-"""Networks shared by the reduce tests: a small MLP and a small plain CNN with trained-looking batch norms."""
+"""Shared by several test modules: a small MLP and a small plain CNN with trained-looking batch
+norms (the reduce tests), and a decompression-bomb image file (every reader of user images)."""
 
 from __future__ import annotations
 
+import struct
+import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,3 +50,19 @@ def mlp_and_data():
     model = MLP(image_size=8, hidden=(40, 30, 20)).eval()
     x = torch.rand(200, 1, 8, 8)
     return model, x
+
+
+@pytest.fixture()
+def bomb_png() -> Callable[[Path], Path]:
+    """Writes a PNG whose header declares 30000 x 30000 pixels (in a few dozen bytes): PIL refuses
+    it as a decompression bomb when it reads the header."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    def write(path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = chunk(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0))
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + header + chunk(b"IDAT", zlib.compress(b"\0" * 10)) + chunk(b"IEND", b""))
+        return path
+
+    return write

@@ -62,7 +62,7 @@ def test_a_csv_of_paths_and_labels(tree, tmp_path):
         image_folder(tmp_path / "missing.csv")
 
 
-def test_what_cannot_make_a_dataset_is_an_error_that_says_why(tmp_path, tree):
+def test_what_cannot_make_a_dataset_is_an_error_that_says_why(tmp_path, tree, bomb_png):
     with pytest.raises(ImageFolderError, match="not a directory of class subfolders or a .csv"):
         image_folder(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
@@ -76,6 +76,9 @@ def test_what_cannot_make_a_dataset_is_an_error_that_says_why(tmp_path, tree):
         image_folder(tmp_path / "one")
     (tree / "dog" / "broken.png").write_bytes(b"\x89PNG not really")
     with pytest.raises(ImageFolderError, match=r"1 of 46 images cannot be read: .*broken.png"):
+        image_folder(tree)
+    bomb_png(tree / "emu" / "huge.png")
+    with pytest.raises(ImageFolderError, match=r"2 of 47 images cannot be read: .*huge.png \(DecompressionBombError\)"):
         image_folder(tree)
     for bad, match in ((dict(split="test"), "split must be one of train, val, all"), (dict(color="cmyk"), "color"),
                        (dict(size=0), "size must be a positive int"), (dict(val_fraction=1.0), r"val_fraction must be in \[0, 1\)")):

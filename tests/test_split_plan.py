@@ -155,7 +155,7 @@ def test_accuracy_file(tmp_path):
         load_accuracy(path)
 
 
-def test_image_file_bytes_from_real_images(tmp_path):
+def test_image_file_bytes_from_real_images(tmp_path, bomb_png):
     sizes = image_file_bytes(32, count=4, dataset="digits")
     assert set(sizes) == {"png", "jpeg", "png_encode_s", "jpeg_encode_s"} and all(v > 0 for v in sizes.values())
     from PIL import Image
@@ -168,6 +168,10 @@ def test_image_file_bytes_from_real_images(tmp_path):
     assert own["png"] > sizes["png"]  # three channels of noise compress worse than gray digits
     (tmp_path / "a" / "bad.png").write_bytes(b"no")
     with pytest.raises(ValueError, match="not a readable image"):
+        image_file_bytes(32, images_dir=tmp_path)
+    (tmp_path / "a" / "bad.png").unlink()
+    bomb_png(tmp_path / "a" / "bomb.png")
+    with pytest.raises(ValueError, match="bomb.png: not a readable image .*decompression bomb"):
         image_file_bytes(32, images_dir=tmp_path)
     with pytest.raises(ValueError, match="no .* images found"):
         image_file_bytes(32, images_dir=tmp_path / "a" / "0.png")

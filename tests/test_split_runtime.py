@@ -319,7 +319,7 @@ def _png(path, seed: int, size: int = 28) -> str:
     return str(path)
 
 
-def test_preprocess_resizes_and_repeats_gray_channels(tmp_path):
+def test_preprocess_resizes_and_repeats_gray_channels(tmp_path, bomb_png):
     batch = preprocess_images([_png(tmp_path / "a.png", 0), _png(tmp_path / "b.jpg", 1, 40)],
                               Preprocess(size=(16, 16)), in_channels=3)
     assert batch.shape == (2, 3, 16, 16) and torch.equal(batch[:, 0], batch[:, 2])
@@ -327,6 +327,8 @@ def test_preprocess_resizes_and_repeats_gray_channels(tmp_path):
     (tmp_path / "bad.png").write_bytes(b"not an image")
     with pytest.raises(ValueError, match="not a readable image"):
         preprocess_images([tmp_path / "bad.png"], Preprocess(size=(16, 16)), in_channels=3)
+    with pytest.raises(ValueError, match="not a readable image .*decompression bomb"):
+        preprocess_images([bomb_png(tmp_path / "huge.png")], Preprocess(size=(16, 16)), in_channels=3)
 
 
 def test_onnx_head_matches_the_torch_head_and_serves_the_client(model, tmp_path):

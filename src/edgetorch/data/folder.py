@@ -187,7 +187,7 @@ def _check_readable(samples: list[tuple[Path, int]], source: Path) -> Counter:
         try:
             with Image.open(path) as image:
                 modes[image.mode] += 1
-        except (UnidentifiedImageError, OSError) as exc:
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
             bad.append(f"{path} ({type(exc).__name__})")
     if bad:
         shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")

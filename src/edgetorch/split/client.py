@@ -76,7 +76,7 @@ def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_ch
         try:
             with Image.open(path) as image:
                 array = np.asarray(image.convert(mode), dtype=np.float32) / 255.0
-        except (UnidentifiedImageError, OSError) as exc:
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
             raise ValueError(f"{path}: not a readable image ({exc})") from None
         pixels = torch.from_numpy(array.reshape(*array.shape[:2], -1)).permute(2, 0, 1)[None]
         # The same resize load_dataset applies to training images (bilinear, antialiased when shrinking).
