@@ -90,7 +90,7 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 logger = logging.getLogger(__name__)
 
 # Short names for the "type" field of error bodies, by status code (handlers may be more precise).
-_ERROR_TYPES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+_ERROR_TYPES = {400: "bad_request", 401: "unauthorized", 404: "not_found",
                 405: "method_not_allowed", 408: "request_timeout", 413: "payload_too_large",
                 415: "unsupported_media_type", 422: "unprocessable", 500: "internal_error"}
 # Seconds; the tail of a CPU model is milliseconds to seconds.
