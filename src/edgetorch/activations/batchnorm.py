@@ -31,9 +31,12 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
         ...     loss = criterion(model(x), y)   # batch-norm inputs: nothing stored
     """
     for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not getattr(module, "_edgetorch_frozen", False):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            # Every call freezes the affine again (something may have turned it back on since);
+            # the hook is registered once.
             module.requires_grad_(False)
             module.eval()
-            module.register_forward_pre_hook(_stay_in_eval)
-            module._edgetorch_frozen = True
+            if not getattr(module, "_edgetorch_frozen", False):
+                module.register_forward_pre_hook(_stay_in_eval)
+                module._edgetorch_frozen = True
     return model

@@ -24,7 +24,10 @@ policy's freed memory cannot hide the next one's. The ledger of the larger calib
 kept beside each line, for the table.
 
 The choice follows the least accuracy risk: exact policies (dense, lossless bitmap) first,
-then the lowest Back Razor sparsity, then the largest batch; ties go to the faster step.
+then the lowest Back Razor sparsity, then the largest batch; among equals, the least machinery
+(no checkpointing before checkpointing, dense before an encoding policy), then the faster step.
+The step times come from the small calibration batches, which are too noisy to rank dense
+against the lossless bitmap on their own.
 
 Example:
     >>> plan = plan_memory(model, (images, labels), "600MiB")  # doctest: +SKIP
@@ -45,11 +48,14 @@ from torch.nn import functional as F
 
 from ..measure import SavedTensorLedger
 from ..measure.process import held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed, reset_peak
-from .engine import compress_activations
-from .policies import BackRazor, Bitmap, Dense, Policy, parse_policy
+from .checkpoint import find_stages
+from .policies import BackRazor, Bitmap, Dense
+from .step import CHECKPOINT_SUFFIX, TrainingPolicy, forward_backward, parse_training_policy
 
-DEFAULT_POLICIES = ("dense", "bitmap", "backrazor:sparsity=0.8", "backrazor:sparsity=0.9",
-                    "backrazor:sparsity=0.95", "backrazor:sparsity=0.97")
+# Checkpointed candidates are dropped for a model with no stage to checkpoint.
+DEFAULT_POLICIES = ("dense", "bitmap", "dense+checkpoint", "bitmap+checkpoint", "backrazor:sparsity=0.8",
+                    "backrazor:sparsity=0.9", "backrazor:sparsity=0.95", "backrazor:sparsity=0.97",
+                    "backrazor:sparsity=0.9+checkpoint", "backrazor:sparsity=0.97+checkpoint")
 OPTIMIZER_STATES = {"sgd": 1, "sgd-no-momentum": 0, "adam": 2, "adamw": 2}  # state tensors per parameter
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -79,7 +85,8 @@ class Candidate:
     """One configuration the planner considered.
 
     Attributes:
-        policy: the policy spec (``parse_policy`` accepts it).
+        policy: the training policy spec (``parse_training_policy`` accepts it; a
+            ``+checkpoint`` suffix means the model's stages are checkpointed).
         batch: batch size.
         predicted_peak_bytes: the run's predicted peak (resident memory, or CUDA allocated).
         fits: ``predicted_peak_bytes * (1 + margin) <= budget``.
@@ -141,7 +148,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             halvings down to 1.
         budget: e.g. ``"600MiB"`` or a byte count: the most the process may hold (CPU: peak
             resident memory; CUDA: the allocator's peak).
-        policies: candidate policy specs.
+        policies: candidate training policy specs (``POLICY`` or ``POLICY+checkpoint``); by
+            default the exact ones, with and without checkpointing, and Back Razor at 80-97%.
         optimizer: ``"sgd"`` (momentum), ``"sgd-no-momentum"``, ``"adam"`` or ``"adamw"``: how
             much state per trainable parameter to add, and which step runs in calibration.
         weight_decay: as the run will use it (SGD's decay copies every gradient during the step).
@@ -158,7 +166,12 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         >>> plan = plan_memory(torchvision.models.resnet18(), torch.rand(32, 3, 224, 224), "1GiB")  # doctest: +SKIP
     """
     budget_bytes = parse_bytes(budget)
-    parsed = [parse_policy(spec) for spec in policies]
+    parsed = [parse_training_policy(spec) for spec in policies]
+    if not find_stages(model):
+        if policies is not DEFAULT_POLICIES and any(p.checkpoint for p in parsed):
+            raise ValueError(f"{type(model).__name__} has no nn.Sequential of blocks to checkpoint; "
+                             "drop the +checkpoint candidates")
+        parsed = [p for p in parsed if not p.checkpoint]
     if not parsed:
         raise ValueError("give at least one policy")
     if optimizer not in OPTIMIZER_STATES:
@@ -186,12 +199,12 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     lines: dict[str, tuple[float, float, float, int]] = {}  # spec -> (slope, intercept, seconds, saved at c2)
     with _restored(model):
         step = _zero_lr_optimizer(optimizer, trainable, weight_decay)
-        _measure(model, *sample(calibration[0]), Dense(), loss_fn, None, None)  # warm-up: pools, first calls
+        _measure(model, *sample(calibration[0]), TrainingPolicy(Dense()), loss_fn, None, None)  # warm-up: pools, first calls
         release_freed()
         held = held_bytes(device)
         # One step creates the optimizer's state, so the measured steps hold it as training does
         # (it is added below from the parameter count, exactly).
-        _measure(model, *sample(calibration[0]), Dense(), loss_fn, None, step)
+        _measure(model, *sample(calibration[0]), TrainingPolicy(Dense()), loss_fn, None, step)
         for policy in parsed:
             ledger = SavedTensorLedger()
             first, _ = _measure(model, *sample(calibration[0]), policy, loss_fn, None, step)
@@ -210,19 +223,21 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             candidates.append(Candidate(policy.spec(), batch, int(peak), peak * (1 + margin) <= budget_bytes,
                                         _exact(policy), _sparsity(policy), seconds / dense_seconds,
                                         int(saved * batch / calibration[1])))
-    candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, c.step_time_ratio))
+    candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, c.policy.endswith(CHECKPOINT_SUFFIX),
+                                   not c.policy.startswith("dense"), c.step_time_ratio))
     chosen = next((c for c in candidates if c.fits), None)
     return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested),
                       held + state_bytes, calibration, peak_kind(device))
 
 
-def _exact(policy: Policy) -> bool:
+def _exact(how: TrainingPolicy) -> bool:
+    policy = how.policy
     return isinstance(policy, Dense) or (isinstance(policy, Bitmap) and policy.threshold == 0
                                          and policy.value_dtype is None)
 
 
-def _sparsity(policy: Policy) -> float:
-    return float(policy.sparsity) if isinstance(policy, BackRazor) else 0.0
+def _sparsity(how: TrainingPolicy) -> float:
+    return float(how.policy.sparsity) if isinstance(how.policy, BackRazor) else 0.0
 
 
 def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, requested: int) -> str:
@@ -249,18 +264,16 @@ def _zero_lr_optimizer(name: str, params: list[nn.Parameter], weight_decay: floa
     return torch.optim.SGD(params, lr=0.0, momentum=0.9 if name == "sgd" else 0.0, weight_decay=weight_decay)
 
 
-def _measure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, policy: Policy, loss_fn: Callable,
+def _measure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: TrainingPolicy, loss_fn: Callable,
              ledger: SavedTensorLedger | None, optimizer: torch.optim.Optimizer | None) -> tuple[int, float]:
-    """One forward, backward and (if given) optimizer step under ``policy``: (peak increase over
+    """One forward, backward and (if given) optimizer step under ``how``: (peak increase over
     what was held, seconds)."""
     device = x.device
     release_freed()
     before = held_bytes(device)
     reset_peak(device)
     start = time.perf_counter()
-    with compress_activations(model, policy, ledger=ledger):
-        loss = loss_fn(model(x), y)
-    loss.backward()
+    loss = forward_backward(model, x, y, how, loss_fn, ledger)
     if optimizer is not None:
         optimizer.step()
     peak = peak_bytes(device)  # synchronises a GPU first

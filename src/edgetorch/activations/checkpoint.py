@@ -7,11 +7,17 @@ policy too, so the peak is (segment inputs + one segment), each compressed.
 Reentrant checkpointing is used on purpose: it runs the first pass under no_grad and the
 recomputation under our hooks, whereas the non-reentrant variant is itself built on
 saved_tensors_hooks and would hide the segment's tensors from ours.
+
+:func:`checkpoint_stages` applies this to a whole model for the length of a block: every
+``nn.Sequential`` of blocks (ResNet's ``layer1..4``, MobileNet's ``features``, ViT's encoder
+layers) is swapped for a :class:`CheckpointEvery` and swapped back on exit, so parameter names,
+``state_dict`` keys and the saved weights stay the model's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -65,7 +71,12 @@ class CheckpointEvery(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self.blocks(x)
-        with compress_activations(self, self.policy, ledger=self.ledger, keep=(x,)):
+        # Inside a model-wide compress_activations (checkpoint_stages), that block already
+        # stores the segment inputs under the same policy and deduplicates them against the
+        # other ops that save them; a second, innermost pair of hooks would hide them from it.
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        with contextlib.nullcontext() if outer else compress_activations(self, self.policy, ledger=self.ledger,
+                                                                          keep=(x,)):
             for start in range(0, len(self.blocks), self.every):
                 segment = self.blocks[start : start + self.every]
                 if not x.requires_grad:
@@ -82,6 +93,67 @@ class CheckpointEvery(nn.Module):
             segment, self.policy, ledger=self.ledger
         ):
             return segment(x)
+
+
+def find_stages(model: nn.Module) -> list[tuple[nn.Module, str, nn.Sequential]]:
+    """The sequences of blocks :func:`checkpoint_stages` checkpoints: the outermost
+    ``nn.Sequential`` submodules with at least two children that hold parameters (a sequence of
+    pooling and flattening, or of dropout and one Linear, saves nothing worth recomputing), as
+    ``(parent, attribute, stage)``.
+
+    A model that is itself an ``nn.Sequential`` is searched inside (it cannot replace itself).
+    """
+    stages = []
+    for name, child in model.named_children():
+        blocks = sum(any(True for _ in block.parameters()) for block in child.children())
+        if isinstance(child, nn.Sequential) and blocks >= 2:
+            stages.append((model, name, child))
+        else:
+            stages.extend(find_stages(child))
+    return stages
+
+
+@contextlib.contextmanager
+def checkpoint_stages(model: nn.Module, policy: Policy | None = None,
+                      ledger: SavedTensorLedger | None = None) -> Iterator[list[str]]:
+    """Checkpoint every stage of ``model`` (see :func:`find_stages`) while the block runs.
+
+    Each stage of n blocks keeps the input of every ``round(sqrt(n))``-th block (Chen et al.,
+    2016: sqrt(n) segments of sqrt(n) blocks minimise the stored inputs plus one recomputed
+    segment). Run the forward inside the block, under :func:`edgetorch.compress_activations`
+    entered after it with the same ``policy``, so the tensors outside the stages are stored by it
+    too and the engine sees the swapped modules; backward
+    may run after the block (the recomputation holds the stage modules, not the attributes).
+
+    Args:
+        model: the model; its stage attributes are replaced and restored in place.
+        policy: how recomputed segments store their saved tensors (default lossless Bitmap).
+        ledger: optional ledger for the recomputed segments.
+
+    Yields:
+        The checkpointed stages' qualified names.
+
+    Raises:
+        ValueError: the model has no ``nn.Sequential`` of two or more blocks.
+
+    Example:
+        >>> with checkpoint_stages(model, policy), edgetorch.compress_activations(model, policy):
+        ...     loss = criterion(model(x), y)
+        >>> loss.backward()
+    """
+    stages = find_stages(model)
+    if not stages:
+        raise ValueError(f"{type(model).__name__} has no nn.Sequential of two or more blocks to checkpoint")
+    names = {id(m): name for name, m in model.named_modules()}
+    wrapped = [names[id(stage)] for _, _, stage in stages]
+    try:
+        for parent, attr, stage in stages:
+            every = max(1, round(math.sqrt(len(stage))))
+            setattr(parent, attr, CheckpointEvery(stage, every, policy, ledger))
+        yield wrapped
+    finally:
+        for parent, attr, stage in stages:
+            setattr(parent, attr, stage)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from ..measure import SavedTensorLedger, machine_description, model_memory, run_fresh
@@ -100,7 +99,7 @@ def profile_policies(
 
 def profile_one(request: ProfileRequest) -> dict:
     """Run the warm-up and the measured step in this process (call it in a fresh one)."""
-    from ..zoo import build_model
+    from ..zoo import build_model, input_channels
 
     torch.manual_seed(request.seed)
     device = torch.device(request.device)
@@ -108,7 +107,7 @@ def profile_one(request: ProfileRequest) -> dict:
     model = build_model(request.model, num_classes=request.num_classes).to(device).train()
     if request.freeze_bn:
         freeze_batchnorm(model)
-    channels = request.channels or _input_channels(model)
+    channels = request.channels or input_channels(model)
     x = torch.randn(request.batch, channels, request.resolution, request.resolution, device=device)
     y = torch.randint(0, request.num_classes, (request.batch,), device=device)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
@@ -155,11 +154,6 @@ def profile_one(request: ProfileRequest) -> dict:
         "by_form": {k: v.to_dict() for k, v in ledger.by_form().items()},
         "by_module_type": {k: v.to_dict() for k, v in ledger.by_module_type().items()},
     }
-
-
-def _input_channels(model: nn.Module) -> int:
-    first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-    return first_conv.in_channels if first_conv is not None else 1
 
 
 if __name__ == "__main__":

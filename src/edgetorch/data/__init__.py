@@ -5,6 +5,7 @@ from .cache import CACHE_ENV, cache_dir
 from .datasets import DATASETS, DatasetInfo, dataset_info, load_dataset
 from .digits import load_digits_arrays
 from .folder import ImageFolderDataset, ImageFolderError, image_folder
+from .sources import ImageData, image_data
 from .fashion_mnist import (
     DEBIAN_FASHION_MNIST_DIR,
     DatasetNotFoundError,
@@ -20,10 +21,12 @@ __all__ = [
     "DatasetInfo",
     "DatasetNotFoundError",
     "IDXFormatError",
+    "ImageData",
     "ImageFolderDataset",
     "ImageFolderError",
     "cache_dir",
     "dataset_info",
+    "image_data",
     "image_folder",
     "load_dataset",
     "load_digits_arrays",

@@ -56,3 +56,37 @@ def plot_memory_breakdown(profile: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_training(history: list[dict], path: str | Path, title: str = "") -> Path:
+    """Training loss and validation accuracy per epoch, side by side.
+
+    Args:
+        history: records with ``epoch``, ``train_loss`` and ``val_accuracy`` (what
+            :func:`edgetorch.finetune.finetune` returns in ``history``).
+        path: where to write the PNG.
+        title: figure title.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in history]
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
+    loss_ax.plot(epochs, [r["train_loss"] for r in history], marker="o")
+    loss_ax.set(xlabel="epoch", ylabel="training loss (mean over the epoch)")
+    acc_ax.plot(epochs, [100 * r["val_accuracy"] for r in history], marker="o", color="tab:green")
+    acc_ax.set(xlabel="epoch", ylabel="validation accuracy (%)")
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -12,8 +12,8 @@ from .pretrain import (
     pretrain,
     pretrained,
 )
-from .registry import ZOO_MODELS, build_model, torchvision_classification_models
-from .weights import CheckpointError, load_weights, save_weights
+from .registry import ZOO_MODELS, build_model, input_channels, torchvision_classification_models
+from .weights import CheckpointError, load_weights, read_weights, save_weights
 
 __all__ = [
     "MLP",
@@ -29,10 +29,12 @@ __all__ = [
     "checkpoint_paths",
     "default_config",
     "evaluate_accuracy",
+    "input_channels",
     "load_pretrained",
     "load_weights",
     "pretrain",
     "pretrained",
+    "read_weights",
     "save_weights",
     "torchvision_classification_models",
 ]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..data import cache_dir, dataset_info, load_dataset
 from .registry import ZOO_MODELS, takes_image_size
@@ -134,13 +134,13 @@ def build_zoo_model(config: PretrainConfig) -> nn.Module:
 
 
 @torch.no_grad()
-def evaluate_accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 512) -> float:
+def evaluate_accuracy(model: nn.Module, data: Dataset, batch_size: int = 512) -> float:
     """Top-1 accuracy of ``model`` on ``data`` (eval mode during, previous mode restored).
 
     Args:
         model: a classifier returning logits.
-        data: ``TensorDataset`` of images and int labels, on any device (batches are moved to
-            the model's).
+        data: ``(image, label)`` samples: a ``TensorDataset`` (sliced directly) or any dataset
+            (read through a ``DataLoader``); batches are moved to the model's device.
         batch_size: inference batch size.
 
     Returns:
@@ -148,14 +148,18 @@ def evaluate_accuracy(model: nn.Module, data: TensorDataset, batch_size: int = 5
     """
     was_training = model.training
     model.eval()
-    images, labels = data.tensors
     device = next(model.parameters()).device
-    correct = sum(
-        int((model(x.to(device)).argmax(1) == y.to(device)).sum())
-        for x, y in zip(images.split(batch_size), labels.split(batch_size))
-    )
-    model.train(was_training)
-    return correct / len(labels)
+    batches = (zip(*(t.split(batch_size) for t in data.tensors)) if isinstance(data, TensorDataset)
+               else DataLoader(data, batch_size=batch_size))
+    correct = total = 0
+    try:
+        with torch.no_grad():
+            for x, y in batches:
+                correct += int((model(x.to(device)).argmax(1) == y.to(device)).sum())
+                total += len(y)
+    finally:
+        model.train(was_training)
+    return correct / max(total, 1)
 
 
 def _train(model: nn.Module, data: TensorDataset, config: PretrainConfig) -> float:

@@ -36,6 +36,12 @@ def takes_image_size(name: str) -> bool:
     return "image_size" in inspect.signature(ZOO_MODELS[name]).parameters
 
 
+def input_channels(model: nn.Module) -> int:
+    """The channels of the model's first convolution (1 for a model without one: an MLP on gray images)."""
+    first = next((m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+    return first.in_channels if first is not None else 1
+
+
 def torchvision_classification_models() -> list[str]:
     """Names accepted after ``torchvision:``.
 

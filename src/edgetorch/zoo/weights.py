@@ -93,13 +93,38 @@ def _listed(keys: list[str]) -> str:
     return ", ".join(keys[:_SHOWN]) + more
 
 
-def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a weight file's tensors without loading them into a model.
+
+    Args:
+        path: a ``.safetensors`` file, or a ``.pt``/``.pth``/``.bin`` state dict (read with
+            ``torch.load(weights_only=True)``).
+
+    Returns:
+        The state dict.
+
+    Raises:
+        CheckpointError: no such file (or a directory), or an unreadable file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise CheckpointError(
+            f"weight file {path} {what} (a local .safetensors/.pt/.pth/.bin file is "
+            "expected; named pretrained weights are never downloaded)"
+        )
+    return _read_state(path)
+
+
+def load_weights(model: nn.Module, path: str | Path, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     """Load a weight file into ``model`` with a strict key and shape check.
 
     Args:
         model: the model to fill (modified in place).
         path: a ``.safetensors`` file, or a ``.pt``/``.pth``/``.bin`` state dict (read with
             ``torch.load(weights_only=True)``).
+        state: the file's tensors when already read with :func:`read_weights` (``path`` then
+            only names it in errors).
 
     Returns:
         ``model``, for chaining.
@@ -109,13 +134,7 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
             (the message names them).
     """
     path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise CheckpointError(
-            f"weight file {path} {what} (a local .safetensors/.pt/.pth/.bin file is "
-            "expected; named pretrained weights are never downloaded)"
-        )
-    state = _read_state(path)
+    state = read_weights(path) if state is None else state
     expected = model.state_dict()
     problems = []
     missing = [k for k in expected if k not in state]

@@ -1,0 +1,76 @@
+"""One training step under a policy spec: the step the memory planner measures and
+``edgetorch finetune`` runs, so what is predicted is what runs.
+
+A spec is a policy (:func:`~edgetorch.activations.policies.parse_policy`) with an optional
+``+checkpoint`` suffix: ``dense``, ``bitmap+checkpoint``, ``backrazor:sparsity=0.9+checkpoint``.
+The suffix checkpoints every stage of the model (:func:`~edgetorch.activations.checkpoint.checkpoint_stages`)
+and stores both the stage inputs and the recomputed segments under the policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..measure import SavedTensorLedger
+from .checkpoint import checkpoint_stages
+from .engine import compress_activations
+from .policies import Policy, parse_policy
+
+CHECKPOINT_SUFFIX = "+checkpoint"
+
+
+@dataclass(frozen=True)
+class TrainingPolicy:
+    """How a training step stores what backward needs.
+
+    Attributes:
+        policy: the storage policy of every saved tensor.
+        checkpoint: also checkpoint the model's stages (recompute them in backward).
+    """
+
+    policy: Policy
+    checkpoint: bool = False
+
+    def spec(self) -> str:
+        """The string :func:`parse_training_policy` turns back into this."""
+        return self.policy.spec() + (CHECKPOINT_SUFFIX if self.checkpoint else "")
+
+
+def parse_training_policy(spec: str) -> TrainingPolicy:
+    """``POLICY`` or ``POLICY+checkpoint`` (POLICY as :func:`edgetorch.parse_policy` takes it).
+
+    Raises:
+        ValueError: a malformed policy (the message lists what is accepted).
+
+    Example:
+        >>> parse_training_policy("bitmap+checkpoint").checkpoint
+        True
+    """
+    text = spec.strip()
+    checkpoint = text.endswith(CHECKPOINT_SUFFIX)
+    return TrainingPolicy(parse_policy(text.removesuffix(CHECKPOINT_SUFFIX) if checkpoint else text), checkpoint)
+
+
+def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: TrainingPolicy,
+                     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     ledger: SavedTensorLedger | None = None) -> torch.Tensor:
+    """Forward under ``how``, then backward; returns the (detached) loss.
+
+    Args:
+        model: the model, in the mode it trains in.
+        x, y: the batch.
+        how: the training policy.
+        loss_fn: ``loss_fn(outputs, labels)``.
+        ledger: optional ledger of what the forward (and any recomputation) saved.
+    """
+    # Stages are swapped in before the engine starts, so it sees (and names) the wrappers.
+    stages = checkpoint_stages(model, how.policy, ledger) if how.checkpoint else contextlib.nullcontext()
+    with stages, compress_activations(model, how.policy, ledger=ledger):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach()

@@ -1,0 +1,192 @@
+"""``edgetorch finetune``: fine-tune a model on the user's images, under a policy or a memory budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ._app import app, console, device_option, mib, output_dir, output_file
+
+_POLICY_HELP = ("repeatable: dense, bitmap[:threshold=..,value_dtype=..], backrazor[:sparsity=0.9], each optionally "
+                "+checkpoint. Without --memory-budget give one; with it, these are the candidates (default: "
+                "dense, bitmap, with and without +checkpoint, and Back Razor at 80-97%)")
+
+
+@app.command()
+def finetune(
+    model: str = typer.Option(..., help="torchvision:NAME, zoo:NAME or pkg.module:factory"),
+    data: str = typer.Option(..., help="an image folder (one subfolder per class), a path,label .csv, "
+                                       "or a built-in: digits, fashion-mnist"),
+    weights: Path = typer.Option(None, help="local weights of --model (safetensors or a state dict), with their "
+                                            "own classifier, e.g. torchvision's ImageNet file; default: zoo models "
+                                            "start pretrained on digits, others from scratch"),
+    out: Path = typer.Option(Path("runs/finetune"), callback=output_dir,
+                             help="output directory: model.safetensors, model.json, log.json, checkpoint/ "
+                                  "(an existing run with the same settings resumes)"),
+    policy: list[str] = typer.Option(None, help=_POLICY_HELP),
+    memory_budget: str = typer.Option(None, help="e.g. 600MiB: measure every candidate policy and batch size "
+                                                 "first, and train with the safest one whose predicted peak fits"),
+    scope: str = typer.Option("full", help="what trains: full, last, norm+last, bias (BitFit)"),
+    freeze_bn: bool = typer.Option(False, "--freeze-bn", help="batch norm frozen: running statistics, no affine "
+                                                             "training (the Back Razor paper's transfer setting)"),
+    epochs: int = typer.Option(3, min=1, help="passes over the training images"),
+    batch: int = typer.Option(32, min=1, help="batch size (with --memory-budget: the largest tried)"),
+    optimizer: str = typer.Option("sgd", help="sgd (momentum 0.9), adam, adamw"),
+    lr: float = typer.Option(0.01, help="initial learning rate"),
+    weight_decay: float = typer.Option(0.0, help="L2 penalty (decoupled for adamw)"),
+    schedule: str = typer.Option("cosine", help="cosine (to 0 over the run) or constant"),
+    seed: int = typer.Option(0, help="batch order, validation split and new classifier"),
+    size: int = typer.Option(None, min=1, help="image height and width (default: 28 for zoo models, else 224)"),
+    val_fraction: float = typer.Option(0.2, help="a folder's share of each class held out for validation"),
+    limit: int = typer.Option(None, min=1, help="built-in datasets: use the first N training (and test) images"),
+    device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
+    json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the run's summary as JSON here"),
+    plot: Path = typer.Option(None, callback=output_file, help="write a PNG of loss and validation accuracy here"),
+) -> None:
+    """Fine-tune a model on your images: per-epoch validation accuracy, measured peak memory, resumable."""
+    import torch
+
+    from ..activations import parse_training_policy, plan_memory
+    from ..activations.budget import DEFAULT_POLICIES, parse_bytes
+    from ..data import DatasetNotFoundError, ImageFolderError, image_data
+    from ..finetune import FinetuneConfig, finetune as run, prepare, replace_classifier, start_model
+    from ..zoo import CheckpointError, input_channels
+
+    policies = policy or []
+    try:
+        for spec in policies:
+            parse_training_policy(spec)
+        if memory_budget is None and len(policies) > 1:
+            raise ValueError("several --policy values are candidates for --memory-budget; without a budget give one")
+        budget = parse_bytes(memory_budget) if memory_budget is not None else None
+        config = FinetuneConfig(policy=policies[0] if policies else "dense", scope=scope, freeze_bn=freeze_bn,
+                                epochs=epochs, batch_size=batch, optimizer=optimizer, lr=lr,
+                                weight_decay=weight_decay, schedule=schedule, seed=seed)
+        if not 0 < val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+        torch.manual_seed(seed)
+        net, origin = start_model(model, None, weights)
+        size = size or (28 if model.startswith("zoo:") else 224)
+        images = image_data(data, size=size, channels=input_channels(net), val_fraction=val_fraction, seed=seed,
+                            limit=limit)
+        if replace_classifier(net, len(images.classes)):
+            origin += f"; new {len(images.classes)}-class classifier"
+    except (ValueError, TypeError, ImportError, CheckpointError, ImageFolderError, DatasetNotFoundError) as err:
+        raise typer.BadParameter(str(err)) from None
+    net = net.to(device)
+    console.print(f"model {model}: {origin}")
+    console.print(f"data {images.description}; {size}x{size} px")
+
+    plan = None
+    if budget is not None:
+        prepare(net, config)  # the plan measures the model as it will train
+        x, y = next(iter(torch.utils.data.DataLoader(images.train, batch_size=min(batch, len(images.train)))))
+        with console.status(f"measuring {len(policies) or len(DEFAULT_POLICIES)} candidate policies "
+                            f"(two small steps each) against {memory_budget}"):
+            plan = plan_memory(net, (x.to(device), y.to(device)), budget, policies=policies or DEFAULT_POLICIES,
+                               optimizer=config.planner_optimizer, weight_decay=weight_decay)
+        _print_plan(plan)
+        if plan.chosen is None:
+            console.print(f"[red]{plan.reason}[/red]")
+            raise typer.Exit(1)
+        config = dataclasses.replace(config, policy=plan.chosen.policy, batch_size=plan.chosen.batch)
+        del x, y
+
+    console.print(f"training: {config.policy}, scope {config.scope}, batch {config.batch_size}, {config.epochs} "
+                  f"epoch(s), {config.optimizer} lr {config.lr} ({config.schedule})")
+    metadata = {"model": model, "weights": str(weights) if weights else None, "origin": origin,
+                "data": images.description, "classes": images.classes, "num_classes": len(images.classes),
+                "image_size": size, "channels": input_channels(net), "normalize": images.normalize}
+    try:
+        with _Display() as display:
+            result = run(net, images.train, images.val, config, out, metadata=metadata, on_progress=display.update)
+    except CheckpointError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from None
+
+    summary = {**metadata, "config": dataclasses.asdict(config), "history": result.history,
+               "val_accuracy": result.val_accuracy, "peak_bytes": result.peak_bytes, "peak_kind": result.peak_kind,
+               "resumed_from_epoch": result.resumed_from, "weights_file": str(result.weights)}
+    measured = f"measured peak {mib(result.peak_bytes)} MiB ({result.peak_kind})"
+    if plan is not None:
+        predicted = plan.chosen.predicted_peak_bytes
+        within = result.peak_bytes <= plan.budget_bytes
+        summary["plan"] = _plan_dict(plan) | {"measured_peak_bytes": result.peak_bytes, "within_budget": within,
+                                              "prediction_error": predicted / result.peak_bytes - 1}
+        verdict = "within" if within else "[red]OVER[/red]"
+        console.print(f"{measured}, {verdict} the budget of {mib(plan.budget_bytes)} MiB; predicted "
+                      f"{mib(predicted)} MiB ({predicted / result.peak_bytes - 1:+.1%})")
+    else:
+        console.print(measured)
+    if result.resumed_from:
+        console.print(f"resumed after epoch {result.resumed_from} from {out / 'checkpoint'}")
+    console.print(f"validation accuracy {result.val_accuracy:.4f}; wrote {result.weights} and {out / 'model.json'} "
+                  f"(a state_dict of {model} with num_classes={len(images.classes)})")
+    if json_path is not None:
+        json_path.write_text(json.dumps(summary, indent=2))
+        console.print(f"wrote {json_path}")
+    if plot is not None:
+        from ..measure.plots import plot_training
+
+        console.print(f"wrote {plot_training(result.history, plot, f'{model} on {images.description}')}")
+
+
+class _Display:
+    """A progress bar per epoch with the running loss and throughput, and a line per finished epoch."""
+
+    def __enter__(self) -> _Display:
+        self.progress = Progress(TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("loss {task.fields[loss]:.4f}  {task.fields[speed]:.1f} img/s"),
+                                 TimeElapsedColumn(), console=console, transient=True)
+        self.progress.__enter__()
+        self.task = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
+
+    def update(self, event: dict) -> None:
+        if event["event"] == "step":
+            if self.task is None:
+                self.task = self.progress.add_task("", total=event["steps"], epoch=event["epoch"], loss=0.0, speed=0.0)
+            self.progress.update(self.task, completed=event["step"], epoch=event["epoch"], loss=event["loss"],
+                                 speed=event["images_per_second"])
+        else:
+            if self.task is not None:
+                self.progress.remove_task(self.task)
+                self.task = None
+            self.progress.console.print(
+                f"epoch {event['epoch']}: loss {event['train_loss']:.4f}, val acc {event['val_accuracy']:.4f}, "
+                f"{event['images_per_second']:.1f} img/s, peak {mib(event['peak_bytes'])} MiB")
+
+
+def _plan_dict(plan) -> dict:
+    return {"budget_bytes": plan.budget_bytes, "chosen": dataclasses.asdict(plan.chosen) if plan.chosen else None,
+            "reason": plan.reason, "held_bytes": plan.held_bytes, "memory_kind": plan.memory_kind,
+            "calibration_batches": list(plan.calibration_batches),
+            "candidates": [dataclasses.asdict(c) for c in plan.candidates]}
+
+
+def _print_plan(plan) -> None:
+    table = Table(title=f"candidates for a {mib(plan.budget_bytes)} MiB budget ({plan.memory_kind}), "
+                        "in order of preference")
+    for col in ("policy", "batch", "predicted peak MiB", "fits", "step time vs dense", "saved act. MiB (ledger)"):
+        table.add_column(col, justify="right")
+    # One row per policy: its largest batch that fits (or, if none does, its smallest), so the
+    # table answers "what does each policy allow" without listing every halving.
+    rows = {}
+    for c in plan.candidates:
+        if c.policy not in rows or (not rows[c.policy].fits and (c.fits or c.batch < rows[c.policy].batch)):
+            rows[c.policy] = c
+    rows = list(rows.values())
+    for c in rows:
+        mark = "[green]chosen[/green]" if c == plan.chosen else ("yes" if c.fits else "no")
+        table.add_row(c.policy, str(c.batch), mib(c.predicted_peak_bytes), mark, f"{c.step_time_ratio:.2f}",
+                      mib(c.saved_bytes))
+    console.print(table)
+    console.print(f"why: {plan.reason}")

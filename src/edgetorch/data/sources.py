@@ -1,0 +1,121 @@
+"""One name for "the images to train on": a built-in dataset or the user's folder.
+
+Commands that train on the user's data (``edgetorch finetune``) take ``--data digits``,
+``--data fashion-mnist`` or ``--data PATH`` and get the same thing back: train and validation
+datasets of ``[channels, size, size]`` float images the model takes, and the class names.
+
+One convention for every source: a 3-channel model gets ImageNet-normalised RGB (what
+torchvision's pretrained weights expect), a 1-channel model gets gray pixels in [0, 1] (what
+the zoo's models are trained on). Built-in images are resized (and repeated to RGB) one sample
+at a time, so 60,000 Fashion-MNIST images at 224 px never exist at once (36 GB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, TensorDataset
+
+from .datasets import DATASETS, dataset_info, load_dataset
+from .folder import IMAGENET_MEAN, IMAGENET_STD, image_folder
+
+
+@dataclass(frozen=True)
+class ImageData:
+    """Train and validation images of one source.
+
+    Attributes:
+        train: training samples ``(image, label)``.
+        val: validation samples (a built-in's test split; a folder's held-out share).
+        classes: class names; label ``i`` is ``classes[i]``.
+        normalize: ``"imagenet"`` or ``None`` (pixels in [0, 1]): what a deployed model's
+            inputs must go through.
+        description: one line for logs, e.g. ``"photos/: 240 train, 60 val, 3 classes"``.
+    """
+
+    train: Dataset
+    val: Dataset
+    classes: list[str]
+    normalize: str | None
+    description: str
+
+
+class _Prepared(Dataset):
+    """A built-in split resized (and made RGB) per sample."""
+
+    def __init__(self, data: TensorDataset, size: int, channels: int):
+        self.images, self.labels = data.tensors
+        self.size, self.channels = size, channels
+        self._mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+        self._std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        x = self.images[index]
+        if x.shape[-1] != self.size:
+            x = F.interpolate(x[None], size=(self.size, self.size), mode="bilinear", align_corners=False,
+                              antialias=self.size < x.shape[-1])[0].clamp_(0.0, 1.0)
+        if self.channels == 3:
+            x = (x.expand(3, -1, -1) - self._mean) / self._std
+        return x, int(self.labels[index])
+
+
+def image_data(source: str | Path, *, size: int, channels: int, val_fraction: float = 0.2, seed: int = 0,
+               limit: int | None = None) -> ImageData:
+    """Resolve ``source`` to train and validation images for a model that takes ``channels`` x ``size`` x ``size``.
+
+    Args:
+        source: ``"digits"``, ``"fashion-mnist"`` or a path (a class-per-subfolder tree or a
+            ``path,label`` CSV; see :func:`edgetorch.data.image_folder`).
+        size: image height = width the model takes.
+        channels: 1 (gray) or 3 (RGB).
+        val_fraction: a folder's share of each class held out for validation.
+        seed: a folder's split seed.
+        limit: a built-in only: use the first ``limit`` training images (and as many test
+            images, at most), for a quick run.
+
+    Returns:
+        An :class:`ImageData`.
+
+    Raises:
+        ValueError: channels other than 1 or 3, a bad limit, or a source that is neither a
+            built-in name nor an existing path (the message lists both).
+        ImageFolderError: a folder that cannot make a dataset (the message says why).
+        DatasetNotFoundError: Fashion-MNIST files are not installed.
+
+    Example:
+        >>> data = image_data("digits", size=28, channels=1)
+        >>> len(data.classes)
+        10
+    """
+    if channels not in (1, 3):
+        raise ValueError(f"the model takes {channels}-channel images; image sources give 1 (gray) or 3 (RGB)")
+    text = str(source)
+    if text.lower().replace("_", "-") in DATASETS:
+        info = dataset_info(text)
+        train = load_dataset(info.name, "train", limit=limit)
+        test = load_dataset(info.name, "test")
+        if limit is not None:
+            test = TensorDataset(*(t[:limit] for t in test.tensors))
+        return ImageData(_Prepared(train, size, channels), _Prepared(test, size, channels), list(info.class_names),
+                         "imagenet" if channels == 3 else None,
+                         f"{info.name}: {len(train)} train, {len(test)} test images, {info.num_classes} classes")
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"data {text!r} is neither a built-in dataset ({', '.join(DATASETS)}) nor an existing "
+                         "folder or .csv file")
+    if limit is not None:
+        raise ValueError("limit applies to the built-in datasets; a folder is used whole")
+    color, normalize = ("rgb", "imagenet") if channels == 3 else ("gray", None)
+    train = image_folder(path, size, "train", val_fraction=val_fraction, seed=seed, color=color, normalize=normalize)
+    val = image_folder(path, size, "val", val_fraction=val_fraction, seed=seed, color=color, normalize=normalize)
+    if len(val) == 0:
+        raise ValueError(f"{path}: no image is held out for validation (val_fraction={val_fraction}); "
+                         "raise it or add images")
+    return ImageData(train, val, train.classes, normalize,
+                     f"{path}: {len(train)} train, {len(val)} val images, {train.num_classes} classes")

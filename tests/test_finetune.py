@@ -1,0 +1,183 @@
+"""edgetorch finetune: start models, scopes, the loop's exactness and resume, and the CLI on a real folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torchvision
+from PIL import Image
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from edgetorch.cli import app
+from edgetorch.data import image_data
+from edgetorch.finetune import FinetuneConfig, classifier_name, finetune, set_scope, start_model
+from edgetorch.zoo import CheckpointError, save_weights
+
+COLORS = {"red": (200, 30, 30), "green": (30, 180, 40), "blue": (40, 50, 210)}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Three classes of 10 real PNG files each: noisy images of one dominant colour per class."""
+    root = tmp_path_factory.mktemp("photos")
+    rng = torch.Generator().manual_seed(0)
+    for name, rgb in COLORS.items():
+        (root / name).mkdir()
+        for i in range(10):
+            noise = torch.randint(-60, 60, (40, 40, 3), generator=rng)
+            pixels = (torch.tensor(rgb) + noise).clamp(0, 255).to(torch.uint8).numpy()
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def imagenet_weights(tmp_path_factory):
+    """A resnet18 weight file with torchvision's own 1,000-class classifier (random values)."""
+    path = tmp_path_factory.mktemp("weights") / "resnet18.safetensors"
+    torch.manual_seed(1)
+    save_weights(torchvision.models.resnet18(), path)
+    return path
+
+
+def _resnet(weights, classes=3):
+    torch.manual_seed(0)
+    model, origin = start_model("torchvision:resnet18", classes, weights)
+    return model, origin
+
+
+def test_start_model_replaces_the_classifier_and_keeps_the_rest(imagenet_weights):
+    model, origin = _resnet(imagenet_weights)
+    assert classifier_name(model) == "fc" and model.fc.out_features == 3
+    assert "new 3-class classifier" in origin
+    reference = load_file(str(imagenet_weights))
+    assert torch.equal(model.conv1.weight, reference["conv1.weight"])
+    assert torch.equal(model.layer4[1].bn2.running_var, reference["layer4.1.bn2.running_var"])
+
+
+def test_scopes_mark_the_documented_parameters(imagenet_weights):
+    model, _ = _resnet(imagenet_weights)
+    names = lambda: {n for n, p in model.named_parameters() if p.requires_grad}  # noqa: E731
+    set_scope(model, "last")
+    assert names() == {"fc.weight", "fc.bias"}
+    set_scope(model, "bias")
+    assert names() == {"fc.weight", "fc.bias"} | {n for n, _ in model.named_parameters() if n.endswith(".bias")}
+    set_scope(model, "norm+last")
+    assert "bn1.weight" in names() and "layer1.0.conv1.weight" not in names() and "fc.weight" in names()
+    set_scope(model, "full")
+    assert names() == {n for n, _ in model.named_parameters()}
+    with pytest.raises(ValueError, match="accepted: full, last, norm\\+last, bias"):
+        set_scope(model, "head")
+
+
+def test_lossless_policies_train_to_identical_weights(folder, imagenet_weights, tmp_path):
+    """bitmap and checkpointing change how activations are stored, never the result."""
+    data = image_data(folder, size=32, channels=3)
+    states = []
+    for policy in ("dense", "bitmap+checkpoint"):
+        model, _ = _resnet(imagenet_weights)
+        torch.manual_seed(5)  # augmentation draws from the global RNG
+        finetune(model, data.train, data.val, FinetuneConfig(policy=policy, epochs=1, batch_size=8, lr=0.05))
+        states.append(model.state_dict())
+    for key, value in states[0].items():
+        assert torch.equal(value, states[1][key]), key
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights(folder, imagenet_weights, tmp_path):
+    data = image_data(folder, size=32, channels=3)
+    config = FinetuneConfig(policy="backrazor:sparsity=0.9", epochs=2, batch_size=8, optimizer="adam", lr=1e-3)
+
+    model, _ = _resnet(imagenet_weights)
+    torch.manual_seed(5)
+    whole = finetune(model, data.train, data.val, config, tmp_path / "whole")
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_after_first_epoch(event):
+        if event["event"] == "epoch":
+            raise Interrupt
+
+    model, _ = _resnet(imagenet_weights)
+    torch.manual_seed(5)
+    with pytest.raises(Interrupt):
+        finetune(model, data.train, data.val, config, tmp_path / "split", on_progress=stop_after_first_epoch)
+    torch.manual_seed(123)  # a new process: the RNG comes from the checkpoint, not from here
+    model, _ = _resnet(imagenet_weights)
+    resumed = finetune(model, data.train, data.val, config, tmp_path / "split")
+    assert resumed.resumed_from == 1 and len(resumed.history) == 2
+    a, b = load_file(str(whole.weights)), load_file(str(resumed.weights))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    other = FinetuneConfig(policy="dense", epochs=2, batch_size=8, optimizer="adam", lr=1e-3)
+    with pytest.raises(CheckpointError, match="another config.*policy"):
+        finetune(model, data.train, data.val, other, tmp_path / "split")
+    optimizer_file = tmp_path / "split" / "checkpoint" / "optimizer.safetensors"
+    damaged = bytearray(optimizer_file.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    optimizer_file.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match="differs from the SHA-256"):
+        finetune(model, data.train, data.val, config, tmp_path / "split")
+
+
+def _run(args):
+    result = CliRunner().invoke(app, ["finetune", *map(str, args)])
+    return result, " ".join(result.output.replace("│", " ").split())
+
+
+def test_cli_finetunes_a_folder_into_weights_torchvision_loads(folder, imagenet_weights, tmp_path):
+    out = tmp_path / "run"
+    result, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
+                         "--size", 32, "--epochs", 2, "--batch", 8, "--lr", 0.05, "--out", out,
+                         "--json", tmp_path / "run.json", "--plot", tmp_path / "run.png"])
+    assert result.exit_code == 0, text
+    assert "epoch 2: loss" in text and "validation accuracy" in text and "measured peak" in text
+    model = torchvision.models.resnet18(num_classes=3)
+    model.load_state_dict(load_file(str(out / "model.safetensors")))  # strict: the architecture's own names
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["classes"] == ["blue", "green", "red"] and meta["image_size"] == 32 and meta["normalize"] == "imagenet"
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert [r["epoch"] for r in summary["history"]] == [1, 2] and summary["peak_bytes"] > 0
+    assert (tmp_path / "run.png").stat().st_size > 1000
+    log = json.loads((out / "log.json").read_text())
+    assert len(log["epochs"]) == 2 and log["config"]["policy"] == "dense"
+
+    again, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
+                        "--size", 32, "--epochs", 2, "--batch", 8, "--lr", 0.05, "--out", out])
+    assert again.exit_code == 0 and "resumed after epoch 2" in text
+
+
+def test_cli_memory_budget_plans_then_stays_within(folder, imagenet_weights, tmp_path):
+    args = ["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder, "--size", 32,
+            "--epochs", 1, "--batch", 8, "--out", tmp_path / "run", "--json", tmp_path / "run.json"]
+    result, text = _run([*args, "--memory-budget", "16GiB"])
+    assert result.exit_code == 0, text
+    assert "candidates for a" in text and "why: dense at batch 8: an exact policy" in text
+    plan = json.loads((tmp_path / "run.json").read_text())["plan"]
+    assert plan["within_budget"] and plan["chosen"]["policy"] == "dense"
+    assert {c["policy"] for c in plan["candidates"]} >= {"bitmap+checkpoint", "backrazor:sparsity=0.97"}
+
+    result, text = _run([*args, "--memory-budget", "1MiB", "--policy", "dense", "--policy", "bitmap"])
+    assert result.exit_code == 1 and "nothing fits 1 MiB" in text
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--scope", "head"], "accepted: full, last, norm+last, bias"),
+    (["--policy", "dense", "--policy", "bitmap"], "without a budget give one"),
+    (["--policy", "backrazor:sparsity=2"], "sparsity"),
+    (["--memory-budget", "lots"], "not a number with a unit"),
+    (["--weights", "missing.safetensors"], "does not exist"),
+    (["--freeze-bn", "--scope", "norm+last"], "drop one"),
+    (["--val-fraction", "1"], "--val-fraction must be in (0, 1)"),
+])
+def test_cli_usage_errors_are_messages(folder, tmp_path, extra, message):
+    result, text = _run(["--model", "zoo:cnn", "--data", folder, "--out", tmp_path / "run", *extra])
+    assert result.exit_code == 2, text
+    assert message in text and "Traceback" not in text
+
+
+def test_cli_rejects_a_source_that_is_neither_builtin_nor_a_path(tmp_path):
+    result, text = _run(["--model", "zoo:cnn", "--data", tmp_path / "nowhere", "--out", tmp_path / "run"])
+    assert result.exit_code == 2 and "neither a built-in dataset (digits, fashion-mnist)" in text
