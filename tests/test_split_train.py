@@ -16,7 +16,7 @@ from edgetorch.split.bottleneck import inject_autoencoder, inject_bottleneck
 from edgetorch.split.losses import ghnd_loss, kd_loss
 from edgetorch.split.teacher import TeacherConfig, load_rgb, teacher_paths, train_teacher
 import edgetorch.split.train as train_module
-from edgetorch.split.train import StageConfig, train_stage
+from edgetorch.split.train import StageConfig, stage_progress, train_stage
 from edgetorch.zoo import CheckpointError, build_model
 
 SIZE = 16  # tiny inputs keep the tests fast; 16 is a multiple of every input_multiple used here
@@ -231,3 +231,20 @@ def test_a_stage_trains_on_cuda_from_cpu_data_and_checkpoints_load_on_the_cpu(te
     assert train_stage(cpu_student, data, config, teacher=teacher, checkpoint_dir=tmp_path, progress=False) == history
     x = data.tensors[0][:4]
     torch.testing.assert_close(cpu_student.eval()(x), student.eval()(x.cuda()).cpu(), rtol=1e-3, atol=1e-3)
+
+
+def test_stage_progress_records_each_epochs_time(teacher, data, tmp_path) -> None:
+    assert stage_progress(tmp_path) is None
+    config = StageConfig(loss="ce", trainable="tail", epochs=2, batch_size=8, optimizer="sgd")
+    history = train_stage(inject_bottleneck(teacher, 2), data, config, checkpoint_dir=tmp_path, progress=False)
+    done = stage_progress(tmp_path)
+    assert done["epoch"] == 2 and done["history"] == history
+    assert len(done["epoch_seconds"]) == 2 and all(s > 0 for s in done["epoch_seconds"])
+
+
+def test_a_diverged_loss_stops_the_stage_with_a_clear_error(teacher, data) -> None:
+    images, labels = data.tensors
+    broken = TensorDataset(torch.full_like(images, float("nan")), labels)
+    with pytest.raises(FloatingPointError, match="ce loss is nan at epoch 1, step 1.*lower the learning rate"):
+        train_stage(inject_bottleneck(teacher, 2), broken, StageConfig(loss="ce", trainable="tail", batch_size=8),
+                    progress=False)  # fmt: skip

@@ -18,8 +18,9 @@ not move (the published reference code puts the whole student in train mode, whi
 statistics of "frozen" blocks). The teacher is always in eval mode and never receives gradients.
 
 Checkpoints (``checkpoint_dir``), written after every epoch: ``model.safetensors`` (the student's
-``state_dict``), ``state.pt`` (epoch, optimizer and scheduler state, loss history and the
-weights' SHA-256; read back with ``torch.load(weights_only=True)``) and ``config.json``. Calling
+``state_dict``), ``state.pt`` (epoch, optimizer and scheduler state, loss history, each epoch's
+wall-clock seconds and the weights' SHA-256; read back with ``torch.load(weights_only=True)``;
+:func:`stage_progress` returns the plain parts) and ``config.json``. Calling
 :func:`train_stage` again with the same directory resumes after the last finished epoch and gives
 the same weights as an uninterrupted run (batch order is a function of seed and epoch). A
 directory written with another config, or weights that do not match the model or the recorded
@@ -30,7 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +158,13 @@ def _save(directory: Path, model: nn.Module, state: dict[str, Any]) -> None:
     os.replace(tmp, directory / "state.pt")  # the state file commits the epoch
 
 
+def _read_state(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch.load raises many types on a damaged file
+        raise CheckpointError(f"{path}: unreadable training state ({exc})") from exc
+
+
 def _resume(directory: Path, model: nn.Module, config: StageConfig) -> dict[str, Any] | None:
     state_path, config_path = directory / "state.pt", directory / "config.json"
     if not state_path.is_file():
@@ -162,15 +172,37 @@ def _resume(directory: Path, model: nn.Module, config: StageConfig) -> dict[str,
     recorded = json.loads(config_path.read_text()) if config_path.is_file() else None
     if recorded != dataclasses.asdict(config):
         raise CheckpointError(f"{directory} holds a checkpoint of config {recorded}, not {config}")
-    try:
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load raises many types on a damaged file
-        raise CheckpointError(f"{state_path}: unreadable training state ({exc})") from exc
+    state = _read_state(state_path)
     weights = directory / "model.safetensors"
     if not weights.is_file() or file_sha256(weights) != state["sha256"]:
         raise CheckpointError(f"{weights} is missing or differs from the one recorded in {state_path}")
     load_weights(model, weights)  # strict: raises on any key or shape mismatch
     return state
+
+
+def stage_progress(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+    """What a stage's checkpoint records about its training, without loading any weights.
+
+    Args:
+        checkpoint_dir: a directory :func:`train_stage` wrote.
+
+    Returns:
+        ``{"epoch": finished epochs, "history": mean loss per epoch, "epoch_seconds": wall-clock
+        seconds per epoch}`` (``epoch_seconds`` is ``None`` for a checkpoint written before it was
+        recorded), or ``None`` when no epoch has finished there.
+
+    Raises:
+        CheckpointError: an unreadable state file.
+
+    Example:
+        >>> stage_progress("runs/c12/stage1-ghnd")  # doctest: +SKIP
+        {'epoch': 2, 'history': [0.41, 0.22], 'epoch_seconds': [61.2, 60.8]}
+    """
+    path = Path(checkpoint_dir) / "state.pt"
+    if not path.is_file():
+        return None
+    state = _read_state(path)
+    return {"epoch": state["epoch"], "history": list(state["history"]), "epoch_seconds": state.get("epoch_seconds")}
 
 
 def _progress(enabled: bool) -> Progress:
@@ -202,6 +234,7 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
         ValueError: a missing teacher, a stage that needs a BottleneckModel, or data smaller than
             a batch.
         CheckpointError: ``checkpoint_dir`` holds a checkpoint of another config or model.
+        FloatingPointError: the loss became inf or NaN (the checkpoint keeps the last finished epoch).
     """
     if config.loss in _NEEDS_TEACHER and teacher is None:
         raise ValueError(f"loss={config.loss!r} needs the teacher model")
@@ -221,6 +254,7 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
         opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=decay)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=config.lr_step or config.epochs + 1, gamma=0.1)
     history: list[float] = []
+    seconds: list[float] | None = []  # wall-clock time of each epoch, kept across resumed runs
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -229,6 +263,7 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
             opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["scheduler"])
             history = list(state["history"])
+            seconds = state.get("epoch_seconds")  # None: a checkpoint older than the field, times unknown
         (directory / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
     logits = stages = None
     if teacher is not None:
@@ -245,7 +280,7 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
                                 total=steps, loss=float("nan"))  # fmt: skip
             # A function of (seed, epoch) only, so a resumed run sees the same batches.
             order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(config.seed * 100_003 + epoch))
-            total = 0.0
+            total, start = 0.0, time.perf_counter()
             for step in range(steps):
                 idx = order[step * config.batch_size : (step + 1) * config.batch_size].to(images.device)
                 x, y = images[idx].to(device, non_blocking=True), labels[idx].to(device, non_blocking=True)
@@ -253,13 +288,20 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                total += loss.item()
+                value = loss.item()
+                if not math.isfinite(value):
+                    # Every later step would train on garbage; the last checkpoint (if any) is intact.
+                    raise FloatingPointError(f"{config.loss} loss is {value} at epoch {epoch + 1}, step {step + 1}: "
+                                             f"training diverged; lower the learning rate (lr={config.lr})")
+                total += value
                 bar.update(task, advance=1, loss=total / (step + 1))
             sched.step()
             history.append(total / steps)
+            if seconds is not None:
+                seconds.append(time.perf_counter() - start)
             if directory is not None:
-                _save(directory, model, {"epoch": epoch + 1, "optimizer": opt.state_dict(),
-                                         "scheduler": sched.state_dict(), "history": history})  # fmt: skip
+                _save(directory, model, {"epoch": epoch + 1, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                         "history": history, "epoch_seconds": seconds})  # fmt: skip
     model.eval()
     for p, required in zip(model.parameters(), was_required):
         p.requires_grad_(required)
