@@ -14,10 +14,12 @@ from torch.utils.data import TensorDataset
 
 from edgetorch.split.bottleneck import inject_autoencoder, inject_bottleneck
 from edgetorch.split.losses import ghnd_loss, kd_loss
+from edgetorch.split.payload import decode, encode
+from edgetorch.split.recipe import NORMALISATIONS, BottleFitConfig, evaluate_split, file_offload
 from edgetorch.split.teacher import TeacherConfig, load_rgb, teacher_paths, train_teacher
 import edgetorch.split.train as train_module
 from edgetorch.split.train import StageConfig, stage_progress, train_stage
-from edgetorch.zoo import CheckpointError, build_model
+from edgetorch.zoo import CheckpointError, build_model, evaluate_accuracy
 
 SIZE = 16  # tiny inputs keep the tests fast; 16 is a multiple of every input_multiple used here
 
@@ -248,3 +250,39 @@ def test_a_diverged_loss_stops_the_stage_with_a_clear_error(teacher, data) -> No
     with pytest.raises(FloatingPointError, match="ce loss is nan at epoch 1, step 1.*lower the learning rate"):
         train_stage(inject_bottleneck(teacher, 2), broken, StageConfig(loss="ce", trainable="tail", batch_size=8),
                     progress=False)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the recipe and `split train`
+
+
+def test_bottlefit_config_builds_the_papers_stages() -> None:
+    (name1, first), (name2, second) = BottleFitConfig(stage2="kd", freeze_encoder=True, epochs=10).stages()
+    assert (name1, first.loss, first.trainable, first.optimizer, first.lr_step) == ("stage1-ghnd", "ghnd", "bottleneck",
+                                                                                     "adam", 5)
+    assert (name2, second.loss, second.trainable, second.optimizer) == ("stage2-kd-fe", "kd", "tail", "sgd")
+    assert [n for n, _ in BottleFitConfig(stage2="ft").stages()] == ["stage1-ghnd", "stage2-ft"]
+    assert [n for n, _ in BottleFitConfig(stage2=None).stages()] == ["stage1-ghnd"]
+    with pytest.raises(ValueError, match="accepted: ft, kd"):
+        BottleFitConfig(stage2="ce")
+    with pytest.raises(ValueError, match="epochs"):
+        BottleFitConfig(epochs=0)
+
+
+@pytest.mark.parametrize("color, normalize", [("rgb", "imagenet"), ("gray", "none")])
+def test_png_offload_is_lossless_and_the_8_bit_path_is_the_payloads(teacher, color, normalize) -> None:
+    gen = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (12, 1 if color == "gray" else 3, SIZE, SIZE), generator=gen)
+    mean, std = NORMALISATIONS[normalize]
+    m, s = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
+    images = ((pixels.float() / 255).expand(-1, 3, -1, -1) - m) / s
+    val = TensorDataset(images, torch.randint(0, 4, (12,), generator=gen))
+    files = file_offload(teacher, val, color, mean, std, jpeg_qualities=(50,), batch_size=5)
+    assert files["png"]["accuracy"] == evaluate_accuracy(teacher, val)  # the decoded PNG is the input, exactly
+    assert set(files) == {"png", "jpeg50"} and all(f["mean_bytes"] > 0 for f in files.values())
+    student = inject_bottleneck(teacher, 2)
+    result = evaluate_split(student, val, batch_size=5)
+    with torch.inference_mode():
+        z = student.eval().head(images)
+        expected = (student.tail(decode(encode(z))).argmax(1) == val.tensors[1]).float().mean().item()
+    assert result.quantized_accuracy == pytest.approx(expected)
+    assert result.payload_bytes == len(encode(z[:1])) and result.bottleneck_shape == (2, 2, 2)

@@ -1,6 +1,7 @@
 """BottleFit split computing: bottleneck injection, two-stage training, 8-bit payloads, runtime.
 
-The few verbs a user needs are re-exported here; the HTTP server (``edgetorch.split.server``) and
+The few verbs a user needs are re-exported here (:func:`train_student` is the whole recipe that
+``edgetorch split train`` runs); the HTTP server (``edgetorch.split.server``) and
 the device client (``edgetorch.split.client``) are imported from their modules.
 
 Example:
@@ -16,22 +17,37 @@ from .losses import ghnd_loss, kd_loss
 from .payload import PayloadError, decode, encode, payload_size
 from .plan import compare_deployments
 from .power import DeviceProfile, load_profile
+from .recipe import (
+    BottleFitConfig,
+    RecipeConfig,
+    SplitAccuracy,
+    evaluate_split,
+    file_offload,
+    load_trained,
+    train_bottlefit,
+    train_student,
+)
 from .teacher import TeacherConfig, load_rgb, train_teacher
 from .train import StageConfig, train_stage
 
 __all__ = [
     "ACCEPTED_ARCHS",
     "SPLIT_POINTS",
+    "BottleFitConfig",
     "BottleneckModel",
     "DeviceProfile",
     "PayloadError",
+    "RecipeConfig",
+    "SplitAccuracy",
     "SplitArtifactError",
     "StageConfig",
     "TeacherConfig",
     "compare_deployments",
     "decode",
     "encode",
+    "evaluate_split",
     "export_model",
+    "file_offload",
     "ghnd_loss",
     "inject_autoencoder",
     "inject_bottleneck",
@@ -40,9 +56,12 @@ __all__ = [
     "load_onnx_head",
     "load_profile",
     "load_rgb",
+    "load_trained",
     "parse_link",
     "payload_size",
     "split",
+    "train_bottlefit",
     "train_stage",
+    "train_student",
     "train_teacher",
 ]

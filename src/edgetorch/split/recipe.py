@@ -1,0 +1,713 @@
+"""BottleFit end to end: a trained teacher and a dataset in, a split-ready student out.
+
+Two layers, both used by ``edgetorch split train`` and ``bench/split_training.py``:
+
+* :func:`train_bottlefit` -- from a teacher in memory and training tensors: inject the bottleneck
+  (seeded), stage 1 GHND (encoder + decoder, Adam), then stage 2 FT (cross entropy) or KD (SGD),
+  with the encoder frozen if asked. Each stage checkpoints every epoch in its own directory under
+  ``out_dir`` (``stage1-ghnd``, ``stage2-ft``, ``stage2-kd-fe``, ...): a rerun resumes, and runs
+  that differ only in stage 2 share stage 1;
+* :func:`train_student` -- the whole recipe from files: the teacher from a model spec and a local
+  weight file, the data from an image folder or a built-in dataset, :func:`train_bottlefit`, then
+  an evaluation on the validation split through the real 8-bit payload (:func:`evaluate_split`)
+  against the teacher and against sending the same images as PNG or JPEG files
+  (:func:`file_offload`). It writes ``student.safetensors`` and ``student.json``, which
+  ``edgetorch split export --trained DIR`` reads (:func:`load_trained`).
+
+Choices (docs/split_training.md says why): images go through the device client's own
+preprocessing (:func:`edgetorch.split.client.preprocess_images`: the whole image resized to
+``size x size``, then normalised), so the student trains on exactly what ``split infer`` sends;
+there is no augmentation, so the teacher's KD logits are computed once and a resumed run gives the
+same weights; the learning rate drops x0.1 after the first half of each stage, as in the paper.
+
+Example:
+    >>> config = RecipeConfig(teacher="torchvision:resnet18", teacher_weights="teacher.safetensors",
+    ...                       data="photos", size=64, bottlefit=BottleFitConfig(channels=3, epochs=2))
+    >>> record = train_student(config, "runs/c3")  # doctest: +SKIP
+    >>> record["evaluation"]["student"]["quantized_accuracy"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ..data import DATASETS, DatasetNotFoundError, ImageFolderDataset, dataset_info, image_folder
+from ..data.folder import IMAGENET_MEAN, IMAGENET_STD
+from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
+from ..zoo.weights import file_sha256
+from .bottleneck import SPLIT_POINTS, BottleneckModel, inject_bottleneck, rebuild, split
+from .export import Preprocess
+from .payload import decode, encode, payload_size
+from .teacher import load_rgb
+from .train import StageConfig, stage_progress, train_stage
+
+STAGE2 = ("ft", "kd")
+# Pixel normalisation after scaling to [0, 1]: what `split export --normalize` and `split train` accept.
+NORMALISATIONS = {"none": ((0.0,), (1.0,)), "imagenet": (IMAGENET_MEAN, IMAGENET_STD)}
+WEIGHTS_NAME, RECORD_NAME, RECIPE_NAME = "student.safetensors", "student.json", "recipe.json"
+RECORD_FORMAT, RECORD_VERSION = "edgetorch-split-student", 1
+JPEG_QUALITY = 90  # the offload comparison's JPEG (the planner's "jpeg")
+EVAL_BATCH = 250
+_DECODE_CHUNK = 256  # images decoded per preprocess call: bounds the temporary copies
+
+Log = Callable[[str], None]
+
+
+def lr_step(epochs: int) -> int:
+    """Epochs between x0.1 learning-rate drops: after the first half of a stage (the paper: 5 of 10).
+
+    A 1-epoch stage keeps its rate (the scheduler steps after the last epoch).
+
+    Args:
+        epochs: the stage's epochs.
+
+    Returns:
+        ``max(1, (epochs + 1) // 2)``.
+
+    Example:
+        >>> lr_step(10), lr_step(3), lr_step(1)
+        (5, 2, 1)
+    """
+    return max(1, (epochs + 1) // 2)
+
+
+@dataclass(frozen=True)
+class BottleFitConfig:
+    """The student and its two training stages (hyperparameters as in the paper unless noted).
+
+    Attributes:
+        channels: bottleneck channels C (the paper: 1, 2, 3, 6, 9, 12).
+        split_point: ``"sp1"`` or ``"sp2"`` (:func:`~edgetorch.split.inject_bottleneck`).
+        downsample: halve the bottleneck's height and width once more.
+        stage2: ``"ft"`` (cross entropy, eq. 5), ``"kd"`` (eq. 6-7), or ``None``: stage 1 only.
+        freeze_encoder: stage 2 trains only the tail ("FE" in the paper's Table II).
+        epochs: per stage (the paper: 10).
+        batch_size: samples per step (the last partial batch of an epoch is dropped).
+        lr: initial learning rate of both stages (the paper: 1e-3), x0.1 after :func:`lr_step` epochs.
+        seed: the new layers' initialisation and the batch order.
+    """
+
+    channels: int = 12
+    split_point: str = "sp2"
+    downsample: bool = False
+    stage2: str | None = "ft"
+    freeze_encoder: bool = False
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stage2 not in (*STAGE2, None):
+            raise ValueError(f"stage2={self.stage2!r}; accepted: {', '.join(STAGE2)} (or None: stage 1 only)")
+        if self.split_point not in SPLIT_POINTS:
+            raise ValueError(f"split_point={self.split_point!r}; accepted: {', '.join(SPLIT_POINTS)}")
+        if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
+            raise ValueError(f"channels must be a positive int, got {self.channels!r}")
+        self.stages()  # StageConfig checks epochs, batch size, learning rate and seed
+
+    def stages(self) -> list[tuple[str, StageConfig]]:
+        """``(checkpoint directory name, config)`` of each stage, in order.
+
+        Returns:
+            Stage 1 (GHND, encoder + decoder, Adam) and, unless ``stage2`` is None, stage 2 (SGD,
+            momentum 0.9, the whole student or with ``freeze_encoder`` the tail).
+        """
+        common = dict(epochs=self.epochs, lr=self.lr, lr_step=lr_step(self.epochs), batch_size=self.batch_size,
+                      seed=self.seed)
+        stages = [("stage1-ghnd", StageConfig(loss="ghnd", trainable="bottleneck", optimizer="adam", **common))]
+        if self.stage2 is not None:
+            name = f"stage2-{self.stage2}" + ("-fe" if self.freeze_encoder else "")
+            stages.append((name, StageConfig(loss="ce" if self.stage2 == "ft" else "kd", optimizer="sgd",
+                                             trainable="tail" if self.freeze_encoder else "all", **common)))
+        return stages
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """One stage as trained (or resumed, or loaded finished) by :func:`run_stage`.
+
+    Attributes:
+        name: the checkpoint directory's name.
+        config: the stage.
+        loss_history: mean training loss of every epoch.
+        seconds: wall-clock training time of all its epochs, over every run that trained some
+            (``None`` for a checkpoint older than that record).
+        seconds_this_run: time spent in this call (about 0 for a finished stage).
+    """
+
+    name: str
+    config: StageConfig
+    loss_history: list[float]
+    seconds: float | None
+    seconds_this_run: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The run as plain JSON data."""
+        return {**dataclasses.asdict(self), "config": dataclasses.asdict(self.config)}
+
+
+def run_stage(model: nn.Module, train: TensorDataset, config: StageConfig, teacher: nn.Module | None,
+              directory: str | Path, progress: bool = True, log: Log | None = None) -> StageRun:
+    """:func:`~edgetorch.split.train.train_stage` in ``directory``, timed and logged.
+
+    Args:
+        model: the student (changed in place).
+        train: training images and labels.
+        config: the stage.
+        teacher: the teacher, for ``kd``/``hnd``/``ghnd``.
+        directory: the stage's checkpoint directory (resumed if it holds a checkpoint).
+        progress: show a progress bar.
+        log: called with one line when the stage starts and when it ends.
+
+    Returns:
+        The :class:`StageRun`.
+    """
+    directory = Path(directory)
+    log = log or (lambda line: None)
+    done = stage_progress(directory)
+    log(f"{directory.name}: " + (f"resuming after epoch {done['epoch']}/{config.epochs}" if done else "training")
+        + f" ({config.loss}, {config.trainable} trainable, {config.epochs} epoch(s))")
+    start = time.perf_counter()
+    history = train_stage(model, train, config, teacher=teacher, checkpoint_dir=directory, progress=progress)
+    elapsed = time.perf_counter() - start
+    epoch_seconds = (stage_progress(directory) or {}).get("epoch_seconds")
+    seconds = None if epoch_seconds is None else float(sum(epoch_seconds))
+    log(f"{directory.name}: done in {elapsed:.0f} s this run, loss per epoch {[round(h, 4) for h in history]}")
+    return StageRun(directory.name, config, history, seconds, elapsed)
+
+
+@dataclass
+class BottleFitRun:
+    """What :func:`train_bottlefit` returns.
+
+    Attributes:
+        student: the trained student, in eval mode, on the teacher's device.
+        stages: each stage's :class:`StageRun`.
+    """
+
+    student: BottleneckModel
+    stages: list[StageRun]
+
+
+def build_student(teacher: nn.Module, config: BottleFitConfig) -> BottleneckModel:
+    """The untrained student: ``teacher`` with the bottleneck injected, its new layers seeded by ``config.seed``.
+
+    Args:
+        teacher: a torchvision ResNet/DenseNet (copied, never changed).
+        config: channels, split point, downsampling and seed.
+
+    Returns:
+        The student on the teacher's device (the caller's random state is left as it was).
+    """
+    device = next(teacher.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(config.seed)
+        return inject_bottleneck(teacher, config.channels, config.split_point, config.downsample)
+
+
+def train_bottlefit(teacher: nn.Module, train: TensorDataset, config: BottleFitConfig, out_dir: str | Path,
+                    progress: bool = True, log: Log | None = None) -> BottleFitRun:  # fmt: skip
+    """Inject the bottleneck into ``teacher`` and train the student in BottleFit's stages.
+
+    Args:
+        teacher: the trained torchvision ResNet/DenseNet (kept in eval mode, never changed); the
+            student is built on its device.
+        train: ``TensorDataset`` of input images ``[N, 3, H, W]`` (as the teacher takes them) and labels.
+        config: the student and stages.
+        out_dir: one checkpoint directory per stage is kept under it (see :meth:`BottleFitConfig.stages`).
+            A stage resumes by its config alone, so use one ``out_dir`` per teacher and training data.
+        progress: show progress bars.
+        log: called with a line as each stage starts and ends.
+
+    Returns:
+        The :class:`BottleFitRun`.
+
+    Raises:
+        ValueError: the teacher is not an accepted architecture, or the data is smaller than a batch.
+        CheckpointError: a stage directory holds a checkpoint of another config or model.
+        FloatingPointError: a loss became inf or NaN.
+    """
+    student = build_student(teacher, config)
+    runs = [run_stage(student, train, stage, teacher, Path(out_dir) / name, progress, log)
+            for name, stage in config.stages()]
+    return BottleFitRun(student, runs)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@dataclass(frozen=True)
+class SplitAccuracy:
+    """A student's accuracy with the float bottleneck and through the deployed 8-bit payload.
+
+    Attributes:
+        float_accuracy: ``tail(head(x))``.
+        quantized_accuracy: ``tail(decode(encode(head(x))))``, the bytes that go over the network.
+        bottleneck_shape: one image's bottleneck ``[C, h, w]``.
+        float32_bytes: one image's bottleneck as float32.
+        payload_bytes: one image's payload (values and header), the exact size sent.
+    """
+
+    float_accuracy: float
+    quantized_accuracy: float
+    bottleneck_shape: tuple[int, ...]
+    float32_bytes: int
+    payload_bytes: int
+
+
+@torch.inference_mode()
+def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int = EVAL_BATCH) -> SplitAccuracy:
+    """Float and 8-bit accuracy of a student, and the bytes one image sends.
+
+    The 8-bit path is the deployed one: the head's output is encoded to payload bytes (on the
+    CPU, as on the wire), decoded and fed to the tail. Payloads carry one scale and zero point
+    per sample, so encoding a batch gives each image the values it gets alone.
+
+    Args:
+        model: the student (its mode is restored afterwards).
+        data: images and labels, on any device.
+        batch_size: images per forward pass.
+
+    Returns:
+        The :class:`SplitAccuracy`.
+
+    Example:
+        >>> evaluate_split(student, val).quantized_accuracy  # doctest: +SKIP
+    """
+    was_training = model.training
+    head, tail = split(model.eval())
+    device = next(model.parameters()).device
+    images, labels = data.tensors
+    correct_float = correct_q = 0
+    shape: tuple[int, ...] = ()
+    for x, y in zip(images.split(batch_size), labels.split(batch_size)):
+        z = head(x.to(device))
+        restored = decode(encode(z)).to(device)
+        y = y.to(device)
+        correct_float += int((tail(z).argmax(1) == y).sum())
+        correct_q += int((tail(restored).argmax(1) == y).sum())
+        shape = tuple(z.shape[1:])
+    model.train(was_training)
+    return SplitAccuracy(correct_float / len(labels), correct_q / len(labels), shape, 4 * int(np.prod(shape)),
+                         payload_size((1, *shape)))
+
+
+def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mean: Sequence[float] = (0.0,),
+                 std: Sequence[float] = (1.0,), jpeg_qualities: Sequence[int] = (JPEG_QUALITY,),
+                 batch_size: int = EVAL_BATCH) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Full offload of the same images: each sent as a PNG or JPEG file, and ``model`` on the decoded files.
+
+    Each input is un-normalised to [0, 1] and rounded to 8 bits (the picture a device holds at the
+    model's resolution), gray images as one channel; the file is encoded with PIL (PNG optimised,
+    JPEG at each quality), decoded, normalised again and classified.
+
+    Args:
+        model: the unsplit model (the teacher).
+        data: model inputs ``[N, 3, H, W]`` normalised with ``mean``/``std``, and labels.
+        color: ``"gray"`` (the three channels are equal; the file has one) or ``"rgb"``.
+        mean, std: the normalisation the inputs carry (one value or one per channel).
+        jpeg_qualities: the JPEG qualities to compare.
+        batch_size: images per forward pass.
+
+    Returns:
+        ``{"png": {"mean_bytes", "accuracy"}, "jpeg90": {...}, ...}``.
+
+    Raises:
+        ValueError: an unknown color.
+    """
+    from PIL import Image
+
+    if color not in ("gray", "rgb"):
+        raise ValueError(f"color must be 'gray' or 'rgb', got {color!r}")
+    images, labels = data.tensors
+    m, s = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
+    formats = [("png", {"format": "PNG", "optimize": True})]
+    formats += [(f"jpeg{q}", {"format": "JPEG", "quality": q}) for q in jpeg_qualities]
+    sizes: dict[str, list[int]] = {name: [] for name, _ in formats}
+    correct = dict.fromkeys(sizes, 0)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    mode = "L" if color == "gray" else "RGB"
+    for x, y in zip(images.split(batch_size), labels.split(batch_size)):
+        pixels = ((x.cpu() * s + m).clamp(0, 1) * 255).round().to(torch.uint8)
+        arrays = pixels[:, 0].numpy() if color == "gray" else pixels.permute(0, 2, 3, 1).numpy()
+        for name, options in formats:
+            decoded = []
+            for array in arrays:
+                buffer = io.BytesIO()
+                Image.fromarray(array).save(buffer, **options)
+                sizes[name].append(buffer.tell())
+                buffer.seek(0)
+                with Image.open(buffer) as image:
+                    decoded.append(np.asarray(image.convert(mode)))
+            back = torch.from_numpy(np.stack(decoded)).float() / 255  # [N, H, W] gray, [N, H, W, 3] rgb
+            back = back[:, None] if color == "gray" else back.permute(0, 3, 1, 2)
+            inputs = (back.expand(-1, 3, -1, -1) - m) / s
+            with torch.inference_mode():
+                correct[name] += int((model(inputs.to(device)).argmax(1).cpu() == y.cpu()).sum())
+    model.train(was_training)
+    return {name: {"mean_bytes": float(np.mean(sizes[name])), "accuracy": correct[name] / len(labels)}
+            for name in sizes}
+
+
+# ----------------------------------------------------------------------------- the recipe from files
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """Everything ``edgetorch split train`` takes.
+
+    Attributes:
+        teacher: model spec: ``torchvision:NAME`` (resnet18/50/152, densenet121/169/201) or a
+            ``package.module:factory`` returning one (see :func:`edgetorch.zoo.build_model`).
+        data: an image folder (one subfolder per class, or a ``path,label`` CSV:
+            :func:`edgetorch.data.image_folder`), or a built-in dataset: ``digits``,
+            ``fashion-mnist`` (write ``./digits`` for a folder of that name).
+        teacher_weights: the teacher's trained weights (``.safetensors`` or a state dict read with
+            ``weights_only=True``); required for ``torchvision:`` specs, since nothing is downloaded.
+        size: input height = width (a multiple of the student's ``input_multiple``, 8 or 16).
+        color: ``"rgb"`` or ``"gray"``; ``None``: rgb for folders, gray for built-ins (which are gray).
+        normalize: a key of :data:`NORMALISATIONS`; ``None``: imagenet for folders (what
+            torchvision's pretrained weights expect), none for built-ins (edgetorch's own teachers).
+        val_fraction: folders: the share of each class held out for evaluation (stratified,
+            seeded by ``bottlefit.seed``); ``None``: 0.2. Built-ins evaluate on their test split.
+        train_limit, val_limit: built-ins only: the first N images of the train / test split.
+        bottlefit: the student and its stages.
+    """
+
+    teacher: str
+    data: str
+    teacher_weights: str | None = None
+    size: int = 224
+    color: str | None = None
+    normalize: str | None = None
+    val_fraction: float | None = None
+    train_limit: int | None = None
+    val_limit: int | None = None
+    bottlefit: BottleFitConfig = BottleFitConfig()
+
+    @property
+    def builtin(self) -> bool:
+        """Whether ``data`` names a built-in dataset rather than a folder."""
+        return "/" not in self.data and self.data.strip().lower().replace("_", "-") in DATASETS
+
+    def resolved(self) -> RecipeConfig:
+        """This config with ``color`` and ``normalize`` filled in and checked.
+
+        Raises:
+            ValueError: an unknown color or normalisation, rgb or limits where they do not apply.
+        """
+        color = self.color or ("gray" if self.builtin else "rgb")
+        normalize = self.normalize or ("none" if self.builtin else "imagenet")
+        if color not in ("rgb", "gray"):
+            raise ValueError(f"color must be rgb or gray, got {color!r}")
+        if normalize not in NORMALISATIONS:
+            raise ValueError(f"normalize must be one of {', '.join(NORMALISATIONS)}, got {normalize!r}")
+        if self.builtin and color != "gray":
+            raise ValueError(f"{self.data} is a gray dataset; color must be gray")
+        if not self.builtin and (self.train_limit or self.val_limit):
+            raise ValueError("train/val limits apply to the built-in datasets; for a folder, use fewer images")
+        if self.builtin and self.val_fraction is not None:
+            raise ValueError(f"{self.data} is evaluated on its own test split; val_fraction applies to folders")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"size must be a positive int, got {self.size!r}")
+        fraction = None if self.builtin else 0.2 if self.val_fraction is None else self.val_fraction
+        if fraction is not None and not 0 < fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1): the student is evaluated on it, got {fraction}")
+        return dataclasses.replace(self, color=color, normalize=normalize, val_fraction=fraction)
+
+
+@dataclass
+class _Prepared:
+    teacher: nn.Module
+    train: TensorDataset
+    val: TensorDataset
+    class_names: list[str]
+    identity: dict[str, Any]
+
+
+def _folder_tensors(config: RecipeConfig, parts: dict[str, ImageFolderDataset],
+                    preprocess: Preprocess) -> tuple[TensorDataset, TensorDataset, str]:  # fmt: skip
+    """Train and validation tensors from the listed folder, and a fingerprint of its files."""
+    from .client import preprocess_images
+
+    source = Path(config.data)
+    base = source if source.is_dir() else source.parent  # a CSV's paths are relative to its folder
+    listing = sorted((os.path.relpath(path, base), label, path.stat().st_size)
+                     for part in parts.values() for path, label in part.samples)  # fmt: skip
+    fingerprint = hashlib.sha256(json.dumps([parts["train"].classes, listing]).encode()).hexdigest()
+    sets = []
+    for part in parts.values():
+        paths = [path for path, _ in part.samples]
+        images = torch.cat([preprocess_images(paths[i : i + _DECODE_CHUNK], preprocess, 3)
+                            for i in range(0, len(paths), _DECODE_CHUNK)])  # fmt: skip
+        sets.append(TensorDataset(images, part.labels))
+    return sets[0], sets[1], fingerprint
+
+
+def _builtin_tensors(config: RecipeConfig, preprocess: Preprocess,
+                     device: torch.device) -> tuple[TensorDataset, TensorDataset, str]:  # fmt: skip
+    """Train (on ``device``) and test split of a built-in dataset (gray, repeated to RGB,
+    normalised), and its identity."""
+    name = dataset_info(config.data).name
+    sets = []
+    for split_name, limit, where in (("train", config.train_limit, device), ("test", config.val_limit, "cpu")):
+        try:
+            images, labels = load_rgb(name, split_name, config.size, limit, where).tensors
+        except DatasetNotFoundError as exc:  # bad input like any other, not a failure of the run
+            raise ValueError(str(exc)) from None
+        # Without normalisation the images stay load_rgb's expanded view: one channel in memory, not three.
+        if config.normalize != "none":
+            m, s = (torch.tensor(v, device=where).view(1, -1, 1, 1) for v in (preprocess.mean, preprocess.std))
+            images = (images - m) / s
+        sets.append(TensorDataset(images, labels))
+    return sets[0], sets[1], f"{name}:{config.train_limit}:{config.val_limit}"
+
+
+def _load_teacher(config: RecipeConfig, num_classes: int, device: torch.device) -> nn.Module:
+    weights = config.teacher_weights
+    if weights is None and config.teacher.startswith("torchvision:"):
+        raise ValueError("a torchvision teacher needs its trained weights (--teacher-weights FILE): nothing is "
+                         "downloaded, and a randomly initialised teacher teaches nothing")
+    try:
+        teacher = build_model(config.teacher, num_classes=num_classes, weights=weights)
+    except CheckpointError as exc:
+        raise CheckpointError(f"teacher {config.teacher} for {num_classes} classes ({config.data}): {exc}") from None
+    return teacher.to(device).eval()
+
+
+def _prepare(config: RecipeConfig, device: torch.device) -> _Prepared:
+    """Every check that can fail on bad input, cheapest first; then the pixels are decoded."""
+    if config.teacher_weights is not None:
+        path = Path(config.teacher_weights)
+        if not path.is_file():
+            raise CheckpointError(f"teacher weight file {path} " + ("is a directory, not a file" if path.is_dir()
+                                                                    else "does not exist"))
+    preprocess = Preprocess((config.size, config.size), config.color, *NORMALISATIONS[config.normalize])
+    if config.builtin:
+        class_names = list(dataset_info(config.data).class_names)
+    else:  # list and header-check the folder before building anything
+        parts = {split: image_folder(config.data, config.size, split, val_fraction=config.val_fraction,
+                                     seed=config.bottlefit.seed, color=config.color, normalize=None)
+                 for split in ("train", "val")}  # fmt: skip
+        if not len(parts["val"]):
+            raise ValueError(f"{config.data}: no validation images at val_fraction={config.val_fraction}; add images")
+        class_names = list(parts["train"].classes)
+    teacher = _load_teacher(config, len(class_names), device)
+    probe = build_student(teacher, config.bottlefit)  # raises for an architecture that takes no bottleneck
+    if config.size % probe.input_multiple:
+        up = -(-config.size // probe.input_multiple) * probe.input_multiple
+        raise ValueError(f"size {config.size} is not a multiple of {probe.input_multiple}, which the "
+                         f"{probe.arch} {probe.split_point} student needs (e.g. {up})")
+    del probe
+    if config.builtin:
+        train, val, fingerprint = _builtin_tensors(config, preprocess, device)
+    else:
+        train, val, fingerprint = _folder_tensors(config, parts, preprocess)
+    if len(train) < config.bottlefit.batch_size:
+        raise ValueError(f"{len(train)} training images is less than one batch of {config.bottlefit.batch_size}; "
+                         "lower the batch size")
+    identity = {**{k: v for k, v in dataclasses.asdict(config).items() if k not in ("teacher_weights", "data", "bottlefit")},
+                **{k: v for k, v in dataclasses.asdict(config.bottlefit).items() if k not in ("stage2", "freeze_encoder")},
+                "teacher_sha256": file_sha256(config.teacher_weights) if config.teacher_weights else None,
+                "data_fingerprint": fingerprint}  # fmt: skip
+    return _Prepared(teacher, train, val, class_names, identity)
+
+
+def _claim(out: Path, identity: dict[str, Any]) -> None:
+    """Make ``out`` this recipe's run directory, or refuse one that holds another run or other files."""
+    recorded = out / RECIPE_NAME
+    if recorded.is_file():
+        before = json.loads(recorded.read_text())
+        differs = sorted(k for k in set(before) | set(identity) if before.get(k) != identity.get(k))
+        if differs:
+            raise CheckpointError(f"{out} holds a run of another recipe (it differs in {', '.join(differs)}); "
+                                  "give another output directory, or delete this one to start over")
+        return
+    if out.is_dir() and any(out.iterdir()):
+        raise CheckpointError(f"{out} is not empty and holds no {RECIPE_NAME}: not a `split train` directory; "
+                              "give a new or empty one")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(recorded, identity)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch.device = "cpu",
+                  progress: bool = True, log: Log | None = None) -> dict[str, Any]:  # fmt: skip
+    """The BottleFit recipe from files: train, evaluate and save a student that ``split export`` takes.
+
+    Every check of the input runs before any training: a missing or mismatched weight file, an
+    empty or unreadable folder, a size the student cannot take, data smaller than a batch, or an
+    ``out_dir`` that holds another run.
+
+    Args:
+        config: the teacher, data and student.
+        out_dir: the run directory: ``recipe.json`` (what the checkpoints belong to), one
+            checkpoint directory per stage (the same call resumes after the last finished epoch),
+            then ``student.safetensors`` and ``student.json`` (this function's record).
+        device: where the teacher and student train (``"cpu"``, ``"cuda"``).
+        progress: show progress bars.
+        log: called with a line per step of the recipe.
+
+    Returns:
+        The record written to ``student.json``: the student (``model``: its spec, ``resolution``,
+        ``preprocess``, ``class_names``), the ``recipe``, each stage's losses and time, and the
+        ``evaluation`` on the validation images: ``teacher_accuracy``, ``student``
+        (:class:`SplitAccuracy` as a dict) and ``offload`` (:func:`file_offload`, PNG and JPEG).
+
+    Raises:
+        ValueError: bad input (subclasses: :class:`~edgetorch.data.ImageFolderError`,
+            :class:`~edgetorch.zoo.CheckpointError`; a built-in dataset whose files are not found
+            too), before any training.
+        FloatingPointError: a loss became inf or NaN.
+    """
+    config = config.resolved()
+    log = log or (lambda line: None)
+    device = torch.device(device)
+    out = Path(out_dir)
+    prepared = _prepare(config, device)
+    _claim(out, prepared.identity)
+    log(f"data: {len(prepared.train):,} training and {len(prepared.val):,} validation images, "
+        f"{len(prepared.class_names)} classes, {config.size} px {config.color}")
+    train = TensorDataset(*(t.to(device) for t in prepared.train.tensors))
+    run = train_bottlefit(prepared.teacher, train, config.bottlefit, out, progress, log)
+    log("evaluating on the validation images (8-bit payload, PNG, JPEG)")
+    mean, std = NORMALISATIONS[config.normalize]
+    evaluation = {"val_images": len(prepared.val),
+                  "teacher_accuracy": evaluate_accuracy(prepared.teacher, prepared.val, batch_size=EVAL_BATCH),
+                  "student": dataclasses.asdict(evaluate_split(run.student, prepared.val)),
+                  "offload": file_offload(prepared.teacher, prepared.val, config.color, mean, std)}  # fmt: skip
+    record = {"format": RECORD_FORMAT, "version": RECORD_VERSION,
+              "weights": {"path": WEIGHTS_NAME, "sha256": save_weights(run.student, out / WEIGHTS_NAME)},
+              "model": run.student.spec(), "resolution": config.size,
+              "preprocess": {"color": config.color, "mean": list(mean), "std": list(std)},
+              "class_names": prepared.class_names, "recipe": dataclasses.asdict(config),
+              "stages": [stage.to_json() for stage in run.stages], "evaluation": evaluation,
+              "torch_version": torch.__version__}  # fmt: skip
+    _write_json(out / RECORD_NAME, record)
+    return record
+
+
+# ----------------------------------------------------------------------------- reading a run back
+
+
+@dataclass(frozen=True)
+class TrainedStudent:
+    """A student read back from a :func:`train_student` directory.
+
+    Attributes:
+        model: the student with its trained weights (CPU, eval mode).
+        resolution: the input height = width it was trained at.
+        preprocess: how images become its input (what ``split export`` writes to the manifest).
+        class_names: one name per class.
+        record: the whole ``student.json``.
+    """
+
+    model: BottleneckModel
+    resolution: int
+    preprocess: Preprocess
+    class_names: tuple[str, ...]
+    record: dict[str, Any]
+
+
+def load_trained(directory: str | Path) -> TrainedStudent:
+    """Read ``student.json`` and ``student.safetensors`` from a :func:`train_student` directory.
+
+    The layers are rebuilt from the recorded spec (:func:`~edgetorch.split.bottleneck.rebuild`:
+    torchvision constructors only) and the weights loaded strictly after their SHA-256 is checked
+    against the record; nothing is unpickled.
+
+    Args:
+        directory: the ``--out`` of ``edgetorch split train``.
+
+    Returns:
+        The :class:`TrainedStudent`.
+
+    Raises:
+        ValueError: not such a directory, an unfinished run, a malformed record, or weights that
+            differ from the record (:class:`~edgetorch.zoo.CheckpointError`).
+
+    Example:
+        >>> trained = load_trained("runs/c12")  # doctest: +SKIP
+        >>> export_model(trained.model, "artifact", trained.resolution, trained.preprocess)  # doctest: +SKIP
+    """
+    root = Path(directory)
+    path = root / RECORD_NAME
+    if not path.is_file():
+        what = "has no " + RECORD_NAME if root.is_dir() else "is not a directory"
+        raise ValueError(f"{root} {what}: it is written when `edgetorch split train --out {root}` finishes "
+                         "(an interrupted run resumes with the same command)")
+    try:
+        record = json.loads(path.read_text())
+        if record.get("format") != RECORD_FORMAT or record.get("version") != RECORD_VERSION:
+            raise ValueError(f"format {record.get('format')!r} version {record.get('version')!r} is not "
+                             f"{RECORD_FORMAT!r} version {RECORD_VERSION}")
+        model = rebuild(record["model"])
+        resolution = int(record["resolution"])
+        prep = record["preprocess"]
+        preprocess = Preprocess((resolution, resolution), str(prep["color"]), tuple(map(float, prep["mean"])),
+                                tuple(map(float, prep["std"])))
+        preprocess.check(3)
+        class_names = tuple(str(name) for name in record["class_names"])
+        sha256 = record["weights"]["sha256"]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable `split train` record ({exc})") from None
+    weights = root / WEIGHTS_NAME
+    if not weights.is_file() or file_sha256(weights) != sha256:
+        raise CheckpointError(f"{weights} is missing or differs from the one recorded in {path}")
+    return TrainedStudent(load_weights(model, weights).eval(), resolution, preprocess, class_names, record)
+
+
+def plot_losses(stages: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Training loss per epoch, one panel per stage (GHND's and FT/KD's losses have different units).
+
+    Args:
+        stages: :meth:`StageRun.to_json` records (``student.json``'s ``stages``).
+        path: the image to write (format from the suffix: .png, .pdf, .svg).
+        title: the figure's title.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(stages), figsize=(4.5 * len(stages), 3.6), squeeze=False)
+    for ax, stage in zip(axes[0], stages):
+        history = stage["loss_history"]
+        ax.plot(range(1, len(history) + 1), history, "o-")
+        ax.set_title(f"{stage['name']} ({stage['config']['loss']}, {stage['config']['trainable']} trainable)", fontsize=9)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("mean training loss")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
