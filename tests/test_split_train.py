@@ -1,25 +1,33 @@
-"""BottleFit training: losses against hand computations, frozen parts, GHND progress, exact resume."""
+"""BottleFit training: losses against hand computations, frozen parts, GHND progress, exact resume;
+the recipe end to end through `edgetorch split train` on a real image folder."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
+import re
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import nn
 from torch.utils.data import TensorDataset
+from typer.testing import CliRunner
 
+from edgetorch.cli import app
 from edgetorch.split.bottleneck import inject_autoencoder, inject_bottleneck
 from edgetorch.split.losses import ghnd_loss, kd_loss
-from edgetorch.split.payload import decode, encode
+from edgetorch.split.payload import decode, encode, payload_size
 from edgetorch.split.recipe import NORMALISATIONS, BottleFitConfig, evaluate_split, file_offload
 from edgetorch.split.teacher import TeacherConfig, load_rgb, teacher_paths, train_teacher
 import edgetorch.split.train as train_module
 from edgetorch.split.train import StageConfig, stage_progress, train_stage
-from edgetorch.zoo import CheckpointError, build_model, evaluate_accuracy
+from edgetorch.zoo import CheckpointError, build_model, evaluate_accuracy, save_weights
 
 SIZE = 16  # tiny inputs keep the tests fast; 16 is a multiple of every input_multiple used here
 
@@ -286,3 +294,174 @@ def test_png_offload_is_lossless_and_the_8_bit_path_is_the_payloads(teacher, col
         expected = (student.tail(decode(encode(z))).argmax(1) == val.tensors[1]).float().mean().item()
     assert result.quantized_accuracy == pytest.approx(expected)
     assert result.payload_bytes == len(encode(z[:1])) and result.bottleneck_shape == (2, 2, 2)
+
+
+CLASSES = ("cross", "disc", "stripes")  # sorted: a folder's classes are in name order
+
+
+def _draw(name: str, index: int, rng: np.random.Generator) -> Image.Image:
+    """A small picture of class ``name``: a shape of its kind on a noisy background (sizes vary)."""
+    from PIL import ImageDraw
+
+    width, height = 36 + 2 * index, 40 - index
+    image = Image.fromarray(rng.integers(0, 90, (height, width, 3), dtype=np.uint8))
+    draw, colour = ImageDraw.Draw(image), tuple(int(v) for v in rng.integers(150, 256, 3))
+    if name == "disc":
+        draw.ellipse((6, 6, width - 6, height - 6), fill=colour)
+    elif name == "cross":
+        draw.line((0, 0, width, height), fill=colour, width=5)
+        draw.line((0, height, width, 0), fill=colour, width=5)
+    else:
+        for y in range(0, height, 8):
+            draw.rectangle((0, y, width, y + 3), fill=colour)
+    return image
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """A real image folder: 3 classes x 12 PNG and JPEG files of several sizes."""
+    root = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(0)
+    for name in CLASSES:
+        (root / name).mkdir()
+        for i in range(12):
+            _draw(name, i, rng).save(root / name / f"{i}.{'jpg' if i % 4 == 0 else 'png'}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def teacher_file(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("teacher") / "teacher.safetensors"
+    save_weights(build_model("torchvision:resnet18", num_classes=len(CLASSES)), path)
+    return path
+
+
+def _said(result) -> str:
+    """A CLI result's output on one line: the error box wraps long messages anywhere."""
+    return " ".join(result.output.replace("│", " ").split())
+
+
+def _train_args(teacher_file: Path, photos: Path, out: Path, **change: str | None) -> list[str]:
+    options = {"--teacher": "torchvision:resnet18", "--teacher-weights": str(teacher_file), "--data": str(photos),
+               "--size": "32", "--channels": "2", "--epochs": "2", "--batch-size": "8", "--val-fraction": "0.25",
+               "--out": str(out), **change}  # fmt: skip
+    return ["split", "train", "--no-progress", *(x for k, v in options.items() if v is not None for x in (k, v))]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, teacher_file, photos):
+    """One finished `split train` run: (run directory, CLI result)."""
+    out = tmp_path_factory.mktemp("run") / "c2"
+    extra = {"--json": str(out.parent / "log.json"), "--plot": str(out.parent / "loss.png")}
+    result = CliRunner().invoke(app, _train_args(teacher_file, photos, out, **extra))
+    assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_split_train_then_export_serve_and_infer_a_real_image(trained, photos, tmp_path) -> None:
+    import shlex
+
+    from edgetorch.split.export import load_part, read_manifest
+    from edgetorch.split.server import create_app, serve_in_background
+
+    out, result = trained
+    record = json.loads((out / "student.json").read_text())
+    assert json.loads((out.parent / "log.json").read_text()) == record
+    assert (out.parent / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert [s["name"] for s in record["stages"]] == ["stage1-ghnd", "stage2-ft"]
+    assert all(len(s["loss_history"]) == 2 and s["seconds"] > 0 for s in record["stages"])
+    evaluation = record["evaluation"]
+    assert evaluation["val_images"] == 9  # 25% of each class's 12 images
+    assert 0 <= evaluation["teacher_accuracy"] <= 1 and 0 <= evaluation["student"]["quantized_accuracy"] <= 1
+    assert evaluation["student"]["payload_bytes"] == payload_size((1, 2, 4, 4))
+    assert evaluation["offload"]["png"]["mean_bytes"] > evaluation["student"]["payload_bytes"]
+    said = _said(result)
+    assert "student, 8-bit payload (deployed)" in said and "teacher on JPEG q90 files" in said
+
+    # The export command the run printed, as printed.
+    command = shlex.split(result.output.split("export it with:")[1].strip())
+    assert command[:3] == ["edgetorch", "split", "export"]
+    runner = CliRunner()
+    exported = runner.invoke(app, command[1:])
+    assert exported.exit_code == 0, exported.output
+    artifact = out / "artifact"
+    manifest = read_manifest(artifact)
+    assert manifest.class_names == CLASSES and manifest.input_shape == (3, 32, 32)
+    assert (manifest.preprocess.color, manifest.preprocess.mean) == ("rgb", NORMALISATIONS["imagenet"][0])
+
+    image = photos / "cross" / "1.png"
+    tail, manifest = load_part(artifact, "tail")
+    with serve_in_background(create_app(tail, manifest)) as url:
+        answer = runner.invoke(app, ["split", "infer", str(artifact), str(image), "--server", url, "--top-k", "1"])
+    assert answer.exit_code == 0, answer.output
+    predicted = re.search(r"1\.png: (\w+) \d+\.\d%", _said(answer))
+    assert predicted and predicted.group(1) in CLASSES, answer.output
+
+
+def test_an_interrupted_split_train_resumes_to_the_same_weights(trained, teacher_file, photos, tmp_path,
+                                                                 monkeypatch) -> None:  # fmt: skip
+    from safetensors.torch import load_file
+
+    real_save, saves = train_module._save, []
+
+    def save_then_interrupt(*args, **kwargs):
+        real_save(*args, **kwargs)
+        saves.append(1)
+        if len(saves) == 3:  # stage 1's two epochs and stage 2's first are checkpointed
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_save", save_then_interrupt)
+    out, runner = tmp_path / "run", CliRunner()
+    stopped = runner.invoke(app, _train_args(teacher_file, photos, out))
+    assert stopped.exit_code == 130 and "run the same command again to resume" in _said(stopped)
+    assert not (out / "student.json").exists()
+    monkeypatch.setattr(train_module, "_save", real_save)
+    resumed = runner.invoke(app, _train_args(teacher_file, photos, out))
+    assert resumed.exit_code == 0, resumed.output
+    assert "stage1-ghnd: resuming after epoch 2/2" in resumed.output and "stage2-ft: resuming after epoch 1/2" in resumed.output
+    straight = load_file(str(trained[0] / "student.safetensors"))
+    again = load_file(str(out / "student.safetensors"))
+    assert straight.keys() == again.keys() and all(torch.equal(straight[k], again[k]) for k in straight)
+    stages = [json.loads((d / "student.json").read_text())["stages"] for d in (trained[0], out)]
+    assert [s["loss_history"] for s in stages[0]] == [s["loss_history"] for s in stages[1]]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--teacher-weights": "missing.safetensors"}, "missing.safetensors does not exist"),
+    ({"--teacher-weights": "{dir}"}, "is a directory, not a file"),
+    ({"--teacher-weights": None}, "needs its trained weights (--teacher-weights FILE)"),
+    ({"--data": "{empty}"}, "no class subfolders"),
+    ({"--data": "digits", "--val-fraction": None}, "for 10 classes (digits)"),
+    ({"--data": "digits"}, "val_fraction applies to folders"),
+    ({"--size": "30"}, "size 30 is not a multiple of 8"),
+    ({"--stage2": "ce"}, "accepted: ft, kd"),
+    ({"--batch-size": "64"}, "is less than one batch of 64"),
+    ({"--teacher": "zoo:cnn", "--teacher-weights": None}, "cannot inject a bottleneck into SmallResNet"),
+    ({"--out": "{file}"}, "is an existing file"),
+    ({"--json": "{dir}"}, "is a directory; give a file path"),
+    ({"--plot": "{dir}/loss.txt"}, "give a .png, .pdf, .svg file"),
+    ({"--out": "{trained}", "--channels": "3"}, "holds a run of another recipe (it differs in channels)"),
+])  # fmt: skip
+def test_split_train_refuses_bad_input_with_a_message(trained, teacher_file, photos, tmp_path, change,
+                                                      message) -> None:  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    places = {"dir": str(tmp_path), "empty": str(tmp_path / "empty"), "file": str(tmp_path / "file"),
+              "trained": str(trained[0])}  # fmt: skip
+    change = {k: None if v is None else v.format(**places) for k, v in change.items()}
+    result = CliRunner().invoke(app, _train_args(teacher_file, photos, tmp_path / "out", **change))
+    assert result.exit_code == 2 and message in _said(result), result.output
+    assert not (tmp_path / "out").exists()  # nothing is written before the input is checked
+
+
+def test_split_export_trained_refuses_an_unfinished_run_and_conflicting_options(trained, tmp_path) -> None:
+    runner = CliRunner()
+    (tmp_path / "unfinished").mkdir()
+    missing = runner.invoke(app, ["split", "export", "--trained", str(tmp_path / "unfinished"), "--out", str(tmp_path / "a")])
+    assert missing.exit_code == 2 and "has no student.json" in _said(missing)
+    both = runner.invoke(app, ["split", "export", "--trained", str(trained[0]), "--channels", "3", "--resolution", "64",
+                               "--out", str(tmp_path / "a")])  # fmt: skip
+    assert both.exit_code == 2 and "drop --channels, --resolution" in _said(both)
+    neither = runner.invoke(app, ["split", "export", "--random-init", "--out", str(tmp_path / "a")])
+    assert neither.exit_code == 2 and "--model and --channels are required" in _said(neither)

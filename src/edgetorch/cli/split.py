@@ -1,16 +1,17 @@
-"""``edgetorch split``: export a split model, serve its tail, run its head, plan a deployment."""
+"""``edgetorch split``: train a student, export it, serve its tail, run its head, plan a deployment."""
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from ._app import app, console, output_dir, output_file
+from ._app import app, console, device_option, output_dir, output_file
 
-split_app = typer.Typer(help="BottleFit split computing: export, serve, infer, plan.", no_args_is_help=True)
+split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, plan.", no_args_is_help=True)
 app.add_typer(split_app, name="split")
 
 
@@ -27,15 +28,96 @@ def _secret(env: str | None, what: str) -> str | None:
     return value
 
 
-NORMALISATIONS = {"none": ((0.0,), (1.0,)), "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+# Options that `split export --trained DIR` takes from the training record instead.
+_FROM_TRAINING = ("model", "channels", "split_point", "downsample", "resolution", "num_classes", "class_names",
+                  "color", "normalize")
+
+
+@split_app.command()
+def train(
+    teacher: str = typer.Option(..., help="teacher: torchvision:resnet18|50|152|densenet121|169|201, or package.module:factory returning one"),
+    teacher_weights: Path = typer.Option(None, help="the teacher's trained weights (.safetensors, or a .pt/.pth state dict read without unpickling code); required for torchvision: (nothing is downloaded)"),
+    data: str = typer.Option(..., help="an image folder (one subfolder per class, or a path,label .csv), or digits / fashion-mnist"),
+    out: Path = typer.Option(..., callback=output_dir, help="run directory: a checkpoint per stage (the same command resumes), then student.safetensors + student.json for `split export --trained`"),
+    size: int = typer.Option(224, min=8, help="input height = width (images are resized to it, as `split infer` does)"),
+    channels: int = typer.Option(12, min=1, help="bottleneck channels C"),
+    split_point: str = typer.Option("sp2", help="sp1 or sp2"),
+    downsample: bool = typer.Option(False, help="halve the bottleneck's height and width once more"),
+    stage2: str = typer.Option("ft", help="after GHND: ft (fine-tune with cross entropy) or kd (knowledge distillation)"),
+    freeze_encoder: bool = typer.Option(False, "--freeze-encoder", help="stage 2 trains only the tail (the paper's FE)"),
+    epochs: int = typer.Option(10, min=1, help="epochs per stage (paper: 10); the learning rate drops x0.1 after the first half"),
+    batch_size: int = typer.Option(32, min=1, help="images per step"),
+    lr: float = typer.Option(1e-3, help="learning rate of both stages (paper: 1e-3)"),
+    color: str = typer.Option(None, help="rgb or gray (default: rgb for a folder; the built-ins are gray)"),
+    normalize: str = typer.Option(None, help="imagenet or none (default: imagenet for a folder, none for the built-ins)"),
+    val_fraction: float = typer.Option(None, help="folder: share of each class held out for the evaluation (default 0.2)"),
+    train_limit: int = typer.Option(None, min=1, help="built-ins: train on the first N training images"),
+    val_limit: int = typer.Option(None, min=1, help="built-ins: evaluate on the first N test images"),
+    seed: int = typer.Option(0, help="seeds the new layers, the batch order and a folder's validation split"),
+    device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
+    json_path: Path = typer.Option(None, "--json", callback=output_file, help="also write the training record (student.json) here"),
+    plot: Path = typer.Option(None, callback=output_file, help="write the loss curves of both stages here (.png, .pdf, .svg)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+) -> None:
+    """Train a BottleFit student from a teacher: GHND, then FT or KD; evaluate it through the 8-bit payload."""
+    from ..split.recipe import BottleFitConfig, RecipeConfig, plot_losses, train_student
+
+    if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
+        raise typer.BadParameter(f"--plot {plot}: give a {', '.join(PLOT_SUFFIXES)} file")
+    try:
+        config = RecipeConfig(teacher=teacher, data=data, size=size, color=color, normalize=normalize,
+                              teacher_weights=None if teacher_weights is None else str(teacher_weights),
+                              val_fraction=val_fraction, train_limit=train_limit, val_limit=val_limit,
+                              bottlefit=BottleFitConfig(channels=channels, split_point=split_point, downsample=downsample,
+                                                        stage2=stage2, freeze_encoder=freeze_encoder, epochs=epochs,
+                                                        batch_size=batch_size, lr=lr, seed=seed))  # fmt: skip
+        record = train_student(config, out, device=device, progress=progress, log=console.print)
+    except ValueError as err:  # bad input, found before training starts (ImageFolderError, CheckpointError)
+        raise typer.BadParameter(str(err)) from None
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted: finished epochs are checkpointed under {out}; run the same command "
+                      "again to resume[/yellow]")
+        raise typer.Exit(130) from None
+    except (RuntimeError, FloatingPointError, OSError) as err:
+        console.print(f"[red]split train failed: {err}[/red]")
+        raise typer.Exit(1) from None
+    _print_evaluation(record)
+    if json_path is not None:
+        json_path.write_text(json.dumps(record, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+    if plot is not None:
+        plot_losses(record["stages"], plot, f"{teacher} -> C={channels} {split_point} student")
+        console.print(f"wrote {plot}")
+    artifact = out / "artifact"
+    console.print(f"student: {out / 'student.safetensors'}; export it with:\n"
+                  f"  edgetorch split export --trained {shlex.quote(str(out))} --out {shlex.quote(str(artifact))}")
+
+
+def _print_evaluation(record: dict) -> None:
+    """The evaluation of `split train` as a table: accuracy and bytes sent per image, per option."""
+    ev = record["evaluation"]
+    student, files = ev["student"], ev["offload"]
+    table = Table(title=f"validation: {ev['val_images']:,} images at {record['resolution']} px")
+    for col in ("option", "accuracy", "bytes per image"):
+        table.add_column(col, justify="left" if col == "option" else "right")
+    table.add_row("teacher (float input, no transfer)", f"{ev['teacher_accuracy']:.2%}", "-")
+    for name, label in (("png", "teacher on PNG files (full offload)"), ("jpeg90", "teacher on JPEG q90 files")):
+        table.add_row(label, f"{files[name]['accuracy']:.2%}", f"{files[name]['mean_bytes']:,.0f}")
+    shape = "x".join(map(str, student["bottleneck_shape"]))
+    table.add_row(f"student, float {shape} bottleneck", f"{student['float_accuracy']:.2%}", f"{student['float32_bytes']:,}")
+    table.add_row("student, 8-bit payload (deployed)", f"{student['quantized_accuracy']:.2%}", f"{student['payload_bytes']:,}")
+    console.print(table)
 
 
 @split_app.command()
 def export(
-    model: str = typer.Option(..., help="teacher: torchvision:resnet18|50|152 or torchvision:densenet121|169|201"),
-    channels: int = typer.Option(..., min=1, help="bottleneck channels C"),
+    ctx: typer.Context,
+    model: str = typer.Option(None, help="teacher: torchvision:resnet18|50|152 or torchvision:densenet121|169|201"),
+    channels: int = typer.Option(None, min=1, help="bottleneck channels C"),
     out: Path = typer.Option(..., callback=output_dir, help="artifact directory to write"),
     checkpoint: Path = typer.Option(None, help="trained BottleneckModel state dict (.safetensors), loaded strictly"),
+    trained: Path = typer.Option(None, help="a `split train --out` directory: the student, its architecture, resolution, classes and preprocessing all come from it"),
     random_init: bool = typer.Option(False, "--random-init", help="export untrained weights (timing, smoke tests)"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
     downsample: bool = typer.Option(False, help="halve the bottleneck's height and width once more"),
@@ -50,27 +132,39 @@ def export(
     """Write head.safetensors, tail.safetensors and manifest.json for a bottleneck-injected model."""
     from ..split.bottleneck import inject_bottleneck
     from ..split.export import Preprocess, SplitArtifactError, export_model
-    from ..zoo import CheckpointError, build_model, load_weights
+    from ..split.recipe import NORMALISATIONS, load_trained
+    from ..zoo import build_model, load_weights
 
-    if (checkpoint is None) == (not random_init):
-        raise typer.BadParameter("give exactly one of --checkpoint FILE or --random-init")
+    if sum((checkpoint is not None, trained is not None, random_init)) != 1:
+        raise typer.BadParameter("give exactly one of --checkpoint FILE, --trained DIR or --random-init")
+    if trained is not None:
+        # By the enum's name: typer may bring its own copy of click, whose ParameterSource is another class.
+        given = [name for name in _FROM_TRAINING if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+        if given:
+            raise typer.BadParameter(f"--trained takes the architecture and preprocessing from {trained}; drop "
+                                     + ", ".join("--" + name.replace("_", "-") for name in given))
+    elif model is None or channels is None:
+        raise typer.BadParameter("--model and --channels are required with --checkpoint or --random-init")
     if normalize not in NORMALISATIONS:
         raise typer.BadParameter(f"--normalize must be one of {', '.join(NORMALISATIONS)}, got {normalize!r}")
     key = _secret(key_env, "HMAC key")
-    mean, std = NORMALISATIONS[normalize]
     names = None if class_names is None else [n.strip() for n in class_names.split(",")]
     try:
-        student = inject_bottleneck(build_model(model, num_classes=num_classes), channels, split_point,
-                                    downsample=downsample)
-        if checkpoint is not None:
-            load_weights(student, checkpoint)
-        manifest = export_model(student, out, resolution, Preprocess((resolution, resolution), color, mean, std),
-                                class_names=names, key=key, onnx=onnx)
-    except (ValueError, TypeError, ImportError, CheckpointError, SplitArtifactError) as err:
+        if trained is not None:
+            run = load_trained(trained)
+            student, resolution, preprocess, names = run.model, run.resolution, run.preprocess, list(run.class_names)
+        else:
+            student = inject_bottleneck(build_model(model, num_classes=num_classes), channels, split_point,
+                                        downsample=downsample)
+            if checkpoint is not None:
+                load_weights(student, checkpoint)
+            preprocess = Preprocess((resolution, resolution), color, *NORMALISATIONS[normalize])
+        manifest = export_model(student, out, resolution, preprocess, class_names=names, key=key, onnx=onnx)
+    except (ValueError, TypeError, ImportError, SplitArtifactError) as err:  # CheckpointError is a ValueError
         raise typer.BadParameter(str(err)) from None
+    source = trained or checkpoint or "random init"
     console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
-                  f"{manifest.num_classes} logits ({'random init' if random_init else checkpoint}"
-                  f"{', signed' if key else ''}{', with head.onnx' if onnx else ''})")
+                  f"{manifest.num_classes} logits ({source}{', signed' if key else ''}{', with head.onnx' if onnx else ''})")
 
 
 @split_app.command()
