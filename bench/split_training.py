@@ -10,13 +10,16 @@ bottleneck channels, students are trained with
 * BottleFit (Table II): GHND stage 1 (eq. 4), then stage 2 in the four configurations FT or KD,
   with the encoder frozen ("FE") or not.
 
-Each is evaluated on held-out test images with the float bottleneck (``tail(head(x))``) and with
-the real 8-bit payload (``head -> encode -> bytes -> decode -> tail``), with its exact byte size.
-Fig. 5 (accuracy vs transferred bytes) adds full offload of the input image: the teacher on
-decoded PNG files (lossless) and on decoded JPEG files at several qualities, with their mean file
-sizes measured on the same test images at the model's resolution (gray, one channel, as the
-images are; see :func:`edgetorch.split.plan.image_file_bytes`). ``--extra-channels`` adds more
-bottleneck sizes to the figure, trained with GHND -> FT (FE) only (the paper's choice for them).
+The BottleFit rows are trained by the library's own recipe, :func:`edgetorch.split.train_bottlefit`
+(what ``edgetorch split train`` runs): its stage-1 checkpoint is shared by the four stage-2 rows.
+Each row is evaluated on held-out test images by :func:`edgetorch.split.evaluate_split`, with the
+float bottleneck (``tail(head(x))``) and with the real 8-bit payload (``head -> encode -> bytes ->
+decode -> tail``), with its exact byte size. Fig. 5 (accuracy vs transferred bytes) adds full
+offload of the input image (:func:`edgetorch.split.file_offload`): the teacher on decoded PNG files
+(lossless) and on decoded JPEG files at several qualities, with their mean file sizes measured on
+the same test images at the model's resolution (gray, one channel, as the images are).
+``--extra-channels`` adds more bottleneck sizes to the figure, trained with GHND -> FT (FE) only
+(the paper's choice for them).
 
 Scale, and why. The paper trains on ImageNet for 10 + 10 epochs. This machine is a shared 2-core
 CPU (other benchmarks run beside it) and the whole run must take about 45 minutes. A ``--dry-run``
@@ -51,8 +54,12 @@ baseline), batch 128::
 
 Run: ``.venv/bin/python bench/split_training.py`` (30 minutes measured on 2 shared CPU cores,
 teacher included). Every training stage is checkpointed under ``cache_dir()/split/bench-*``, so an
-interrupted run resumes and a finished one only re-evaluates (4 minutes). ``--dry-run`` times a few batches of
-every configuration with an untrained teacher, writes nothing, and prints the extrapolated time.
+interrupted run resumes and a finished one only re-evaluates (4 minutes). ``--dry-run`` times a
+few batches of every configuration with an untrained teacher, writes nothing, and prints the
+extrapolated time. Every SP2 student, baseline or BottleFit, starts from the same seeded encoder
+and decoder (:func:`edgetorch.split.recipe.build_student`). The committed results predate the
+library recipe (their students were seeded per C, and the cache layout differed): a rerun
+retrains every stage.
 """
 
 from __future__ import annotations
@@ -61,7 +68,6 @@ import argparse
 import copy
 import dataclasses
 import hashlib
-import io
 import json
 import math
 import time
@@ -72,7 +78,6 @@ import matplotlib
 import matplotlib.ticker
 import numpy as np
 import torch
-from PIL import Image
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -82,19 +87,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _common import RESULTS_DIR, table, write_results  # noqa: E402
 from edgetorch.data import cache_dir  # noqa: E402
 from edgetorch.split import (  # noqa: E402
+    BottleFitConfig,
     BottleneckModel,
     StageConfig,
     TeacherConfig,
-    decode,
-    encode,
+    evaluate_split,
+    file_offload,
     inject_autoencoder,
-    inject_bottleneck,
     load_rgb,
-    payload_size,
-    split,
+    train_bottlefit,
     train_stage,
     train_teacher,
 )
+from edgetorch.split.recipe import StageRun, build_student, lr_step, run_stage  # noqa: E402
 from edgetorch.split.teacher import teacher_paths  # noqa: E402
 from edgetorch.zoo import build_model, evaluate_accuracy  # noqa: E402
 
@@ -125,36 +130,49 @@ class Scale:
 
 @dataclass(frozen=True)
 class Method:
-    """One row of the tables: how the student is built and trained.
+    """A baseline row of Table I: one stage from the teacher's weights.
 
     Attributes:
         name: row label.
-        family: ``baseline`` (one stage from the teacher's weights) or ``bottlefit`` (stage 2
-            after the shared GHND stage 1; ``GHND (stage 1 only)`` is stage 1 itself).
         loss, trainable, optimizer: the :class:`StageConfig` fields.
         autoencoder: build the student with :func:`inject_autoencoder` instead of the SP2 bottleneck.
     """
 
     name: str
-    family: str
     loss: str
     trainable: str
     optimizer: str
     autoencoder: bool = False
+    family: str = "baseline"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A BottleFit row of Table II: the shared GHND stage 1, then ``stage2`` (None: stage 1 itself).
+
+    Attributes:
+        name: row label.
+        stage2, freeze_encoder: the :class:`BottleFitConfig` fields.
+    """
+
+    name: str
+    stage2: str | None
+    freeze_encoder: bool = False
+    family: str = "bottlefit"
 
 
 BASELINES = (
-    Method("Conventional (CE)", "baseline", "ce", "all", "sgd"),
-    Method("KD", "baseline", "kd", "all", "sgd"),
-    Method("HND", "baseline", "hnd", "bottleneck", "adam"),
-    Method("Autoencoder", "baseline", "hnd", "bottleneck", "adam", autoencoder=True),
+    Method("Conventional (CE)", "ce", "all", "sgd"),
+    Method("KD", "kd", "all", "sgd"),
+    Method("HND", "hnd", "bottleneck", "adam"),
+    Method("Autoencoder", "hnd", "bottleneck", "adam", autoencoder=True),
 )
-STAGE1 = Method("GHND (stage 1 only)", "bottlefit", "ghnd", "bottleneck", "adam")
+STAGE1 = Variant("GHND (stage 1 only)", None)
 STAGE2 = (
-    Method("GHND -> FT (FE)", "bottlefit", "ce", "tail", "sgd"),
-    Method("GHND -> KD (FE)", "bottlefit", "kd", "tail", "sgd"),
-    Method("GHND -> FT", "bottlefit", "ce", "all", "sgd"),
-    Method("GHND -> KD", "bottlefit", "kd", "all", "sgd"),
+    Variant("GHND -> FT (FE)", "ft", freeze_encoder=True),
+    Variant("GHND -> KD (FE)", "kd", freeze_encoder=True),
+    Variant("GHND -> FT", "ft"),
+    Variant("GHND -> KD", "kd"),
 )
 
 _START = time.perf_counter()
@@ -166,14 +184,14 @@ def log(message: str) -> None:
 
 
 def stage_config(method: Method, epochs: int, batch: int) -> StageConfig:
+    """A baseline's single stage, with the BottleFit stages' schedule (:func:`lr_step`)."""
     return StageConfig(loss=method.loss, trainable=method.trainable, epochs=epochs, optimizer=method.optimizer,
                        lr=1e-3, momentum=0.9, lr_step=lr_step(epochs), batch_size=batch)
 
 
-def lr_step(epochs: int) -> int:
-    # The paper decays the learning rate by 0.1 after the first half of a stage (5 of 10 epochs);
-    # a 1-epoch stage keeps it constant (StepLR steps after the last epoch).
-    return max(1, (epochs + 1) // 2)
+def bottlefit_config(variant: Variant, channels: int, epochs: int, batch: int) -> BottleFitConfig:
+    return BottleFitConfig(channels=channels, split_point=SPLIT_POINT, stage2=variant.stage2,
+                           freeze_encoder=variant.freeze_encoder, epochs=epochs, batch_size=batch, lr=1e-3)
 
 
 def teacher_config(scale: Scale) -> TeacherConfig:
@@ -183,134 +201,54 @@ def teacher_config(scale: Scale) -> TeacherConfig:
                                            batch_size=scale.batch))
 
 
-def build_student(teacher: nn.Module, channels: int, method: Method, seed: int = 0) -> BottleneckModel:
-    # Seeded so a rerun builds the same initial weights (a finished checkpoint overwrites them anyway).
-    torch.manual_seed(seed * 1000 + channels)
-    if method.autoencoder:
+def baseline_student(teacher: nn.Module, channels: int, method: Method) -> BottleneckModel:
+    """The SP2 student BottleFit starts from (same seeded layers), or the autoencoder baseline's."""
+    if not method.autoencoder:
+        return build_student(teacher, BottleFitConfig(channels=channels, split_point=SPLIT_POINT))
+    device = next(teacher.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
         return inject_autoencoder(teacher, channels)  # new layers are made on the teacher's device
-    return inject_bottleneck(teacher, channels, SPLIT_POINT)
 
 
-# ----------------------------------------------------------------------------- evaluation
-
-
-@torch.inference_mode()
-def evaluate_split(model: BottleneckModel, test: TensorDataset) -> dict:
-    """Float and 8-bit accuracy, and the exact bytes per image sent in each case.
-
-    The 8-bit path is the deployed one: the head's output is encoded to the payload bytes,
-    decoded, and fed to the tail. Payloads carry one scale/zero point per sample, so encoding a
-    batch gives every image the same values as encoding it alone.
-    """
-    head, tail = split(model.eval())
-    device = next(model.parameters()).device
-    images, labels = test.tensors
-    correct_float = correct_q = 0
-    shape = None
-    for x, y in zip(images.split(EVAL_BATCH), labels.split(EVAL_BATCH)):
-        z = head(x.to(device))
-        blob = encode(z)  # bytes are made on the CPU whatever the device, as on the wire
-        assert len(blob) == payload_size(z.shape)  # the size reported below is the size sent
-        correct_float += int((tail(z).argmax(1).cpu() == y).sum())
-        correct_q += int((tail(decode(blob).to(device)).argmax(1).cpu() == y).sum())
-        shape = tuple(z.shape[1:])
-    assert shape is not None
-    return {"float_accuracy": correct_float / len(labels), "quantized_accuracy": correct_q / len(labels),
-            "bottleneck_shape": list(shape), "float32_bytes": 4 * int(np.prod(shape)),
-            "payload_bytes": payload_size((1, *shape))}
-
-
-def to_gray_uint8(image: torch.Tensor) -> np.ndarray:
-    """A [3, H, W] image in [0, 1] (three equal channels) as the 8-bit gray picture a camera would store."""
-    return (image[0].numpy() * 255).round().astype(np.uint8)
-
-
-def offload(teacher: nn.Module, test: TensorDataset, qualities: tuple[int, ...]) -> dict:
-    """Full offload: mean PNG / JPEG file bytes of the test images, and the teacher on the decoded files."""
-    images, labels = test.tensors
-    formats = [("png", {"format": "PNG", "optimize": True})]
-    formats += [(f"jpeg{q}", {"format": "JPEG", "quality": q}) for q in qualities]
-    result = {}
-    for name, options in formats:
-        sizes, decoded = [], []
-        for image in images:
-            buffer = io.BytesIO()
-            Image.fromarray(to_gray_uint8(image), mode="L").save(buffer, **options)
-            sizes.append(buffer.tell())
-            buffer.seek(0)
-            pixels = np.asarray(Image.open(buffer).convert("L"), dtype=np.float32) / 255
-            decoded.append(torch.from_numpy(pixels))
-        inputs = torch.stack(decoded)[:, None].expand(-1, 3, -1, -1)
-        with torch.inference_mode():
-            acc = evaluate_accuracy(teacher, TensorDataset(inputs, labels), batch_size=EVAL_BATCH)
-        result[name] = {"mean_bytes": float(np.mean(sizes)), "accuracy": acc}
-        log(f"offload {name}: {np.mean(sizes):,.0f} B mean, teacher accuracy {100 * acc:.2f}%")
-    return result
+def row_info(stage: StageRun) -> dict:
+    """A row's training record: losses, training time of all runs and of this one, the stage config."""
+    return {"loss_history": stage.loss_history, "train_seconds": stage.seconds,
+            "seconds_this_run": stage.seconds_this_run, "config": dataclasses.asdict(stage.config)}
 
 
 # ----------------------------------------------------------------------------- training
 
 
-TIMING_FILE = "bench_train_seconds.json"
-
-
-def train_or_resume(student: nn.Module, train: TensorDataset, config: StageConfig, teacher: nn.Module,
-                    directory, label: str) -> dict:
-    """One stage, checkpointed in ``directory`` (a finished stage is just loaded).
-
-    The wall time of the run that trained the stage is kept next to the checkpoint, so a rerun
-    that only loads it still reports what training cost (epochs resumed in an interrupted run
-    add to it).
-    """
-    done = (directory / "state.pt").is_file()
-    epochs_before = torch.load(directory / "state.pt", weights_only=True)["epoch"] if done else 0
-    timing = directory / TIMING_FILE
-    before = json.loads(timing.read_text())["train_seconds"] if timing.is_file() else 0.0
-    start = time.perf_counter()
-    log(f"start {label}" + (" (checkpoint found: resuming/loading)" if done else ""))
-    history = train_stage(student, train, config, teacher=teacher, checkpoint_dir=directory, progress=False)
-    seconds = time.perf_counter() - start
-    if len(history) > epochs_before:  # this run trained (some of) the stage
-        timing.write_text(json.dumps({"train_seconds": before + seconds}) + "\n")
-    total = json.loads(timing.read_text())["train_seconds"] if timing.is_file() else float("nan")
-    log(f"done  {label}: {seconds:.0f} s now, {total:.0f} s training in all, "
-        f"loss per epoch {[round(h, 4) for h in history]}")
-    return {"loss_history": history, "train_seconds": total, "seconds_this_run": seconds,
-            "config": dataclasses.asdict(config)}
-
-
 def run_channels(teacher: nn.Module, train: TensorDataset, test: TensorDataset, scale: Scale, channels: int,
-                 methods: tuple[Method, ...], root) -> list[dict]:
-    """Train and evaluate ``methods`` (baselines and/or stage-2 configurations) at one C."""
+                 methods: tuple[Method | Variant, ...], root) -> list[dict]:
+    """Train and evaluate ``methods`` (baselines and/or stage-2 variants) at one C."""
     rows = []
 
-    def record(method: Method, model: BottleneckModel, info: dict) -> None:
-        result = evaluate_split(model, test)
+    def record(method: Method | Variant, model: BottleneckModel, info: dict) -> None:
+        result = dataclasses.asdict(evaluate_split(model, test, batch_size=EVAL_BATCH))
         rows.append({"method": method.name, "family": method.family, "channels": channels, **result, **info})
         log(f"C={channels} {method.name}: float {100 * result['float_accuracy']:.2f}%, "
             f"8-bit {100 * result['quantized_accuracy']:.2f}%, {result['payload_bytes']} B")
 
+    def at_c(line: str) -> None:
+        log(f"C={channels} {line}")
+
     base = root / f"C{channels}"
     for method in (m for m in methods if m.family == "baseline"):
-        student = build_student(teacher, channels, method)
+        student = baseline_student(teacher, channels, method)
         config = stage_config(method, 2 * scale.stage_epochs, scale.batch)
-        info = train_or_resume(student, train, config, teacher, base / slug(method.name), f"C={channels} {method.name}")
-        record(method, student, info)
-    stage2 = [m for m in methods if m.family == "bottlefit"]
-    if stage2:
-        student = build_student(teacher, channels, STAGE1)
-        config = stage_config(STAGE1, scale.stage_epochs, scale.batch)
-        stage1_dir = base / "ghnd"
-        info1 = train_or_resume(student, train, config, teacher, stage1_dir, f"C={channels} GHND stage 1")
-        record(STAGE1, student, info1)
-        for method in stage2:
-            # Every stage-2 configuration starts from the same stage-1 weights.
-            second = copy.deepcopy(student)
-            config = stage_config(method, scale.stage_epochs, scale.batch)
-            info = train_or_resume(second, train, config, teacher, stage1_dir / slug(method.name),
-                                   f"C={channels} {method.name}")
-            info["stage1_train_seconds"] = info1["train_seconds"]
-            record(method, second, info)
+        stage = run_stage(student, train, config, teacher, base / slug(method.name), progress=False, log=at_c)
+        record(method, student, row_info(stage))
+    variants = [m for m in methods if m.family == "bottlefit"]
+    # Stage 1 alone first: it trains the checkpoint every stage-2 variant then starts from.
+    for variant in [STAGE1, *variants] if variants else []:
+        config = bottlefit_config(variant, channels, scale.stage_epochs, scale.batch)
+        run = train_bottlefit(teacher, train, config, base, progress=False, log=at_c)
+        info = row_info(run.stages[-1])
+        if variant.stage2 is not None:
+            info["stage1_train_seconds"] = run.stages[0].seconds
+        record(variant, run.student, info)
     return rows
 
 
@@ -337,15 +275,19 @@ def dry_run(scale: Scale, extra: tuple[int, ...], device: torch.device, steps: i
         per_sample[label] = (time.perf_counter() - start) / (steps * scale.batch)
         log(f"{label}: {1e3 * per_sample[label]:.2f} ms per training sample")
 
-    one = lambda m: stage_config(m, 1, scale.batch)  # noqa: E731
+    def one(m: Method | Variant) -> StageConfig:  # one epoch of the row's (last) stage
+        if isinstance(m, Method):
+            return stage_config(m, 1, scale.batch)
+        return bottlefit_config(m, 12, 1, scale.batch).stages()[-1][1]
+
     timed("teacher", lambda: train_stage(copy.deepcopy(teacher), data, StageConfig(loss="ce", trainable="all",
                                          batch_size=scale.batch), progress=False))  # fmt: skip
     for m in (*BASELINES, STAGE1, *STAGE2):
-        student = build_student(teacher, 12, STAGE1 if m.family == "bottlefit" else m)
+        student = baseline_student(teacher, 12, m) if isinstance(m, Method) else build_student(teacher, BottleFitConfig(channels=12))
         timed(m.name, lambda m=m, s=student: train_stage(s, data, one(m), teacher=teacher, progress=False))
     test = load_rgb(DATASET, "test", scale.size, 500)
     start = time.perf_counter()
-    evaluate_split(build_student(teacher, 12, STAGE1), test)
+    evaluate_split(build_student(teacher, BottleFitConfig(channels=12)), test, batch_size=EVAL_BATCH)
     eval_per_sample = (time.perf_counter() - start) / 500
     n, e = scale.train, scale.stage_epochs
     total = per_sample["teacher"] * n * scale.teacher_epochs
@@ -471,7 +413,9 @@ def main() -> None:
         log(f"trained C in {sorted(only)} into {root}; rerun without --train-only to write the results")
         return
     teacher_float = evaluate_accuracy(teacher, test, batch_size=EVAL_BATCH)
-    files = offload(teacher, test, JPEG_QUALITIES)
+    files = file_offload(teacher, test, "gray", jpeg_qualities=JPEG_QUALITIES, batch_size=EVAL_BATCH)
+    for name, result in files.items():
+        log(f"offload {name}: {result['mean_bytes']:,.0f} B mean, teacher accuracy {100 * result['accuracy']:.2f}%")
     for r in rows:
         r["size"] = scale.size
 
