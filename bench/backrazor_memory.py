@@ -64,7 +64,7 @@ def vision(log) -> list[dict]:
         row = {"model": name, "frozen_bn": frozen, "ledger": ledger}
         log(f"{name}: ledger sweep {time.perf_counter() - start:.0f} s")
         if spec is not None:
-            measured = profile_policies(spec, BATCH, RESOLUTION, MEASURED + extra[:1], freeze_bn=frozen)
+            measured = profile_policies(spec, BATCH, RESOLUTION, MEASURED + extra[:1], freeze_batchnorm=frozen)
             row["measured"] = {r["policy"]: r for r in measured["results"]}
             log(f"{name}: measured {len(measured['results'])} fresh processes")
         rows.append(row)

@@ -41,7 +41,7 @@ class ProfileRequest:
     num_classes: int = 10
     device: str = "cpu"
     seed: int = 0
-    freeze_bn: bool = False  # the Back Razor paper's choice: BN statistics and affine frozen
+    freeze_batchnorm: bool = False  # the Back Razor paper's choice: BN statistics and affine frozen
 
 
 def profile_policies(
@@ -53,7 +53,7 @@ def profile_policies(
     channels: int | None = None,
     num_classes: int = 10,
     device: str = "cpu",
-    freeze_bn: bool = False,
+    freeze_batchnorm: bool = False,
     on_result: Callable[[dict], None] | None = None,
 ) -> dict:
     """Profile one training step of ``model`` under each policy, each in a fresh process.
@@ -65,7 +65,7 @@ def profile_policies(
         channels: input channels (None: inferred from the model's first convolution).
         num_classes: classifier outputs for builders that take it.
         device: ``cpu`` or ``cuda``.
-        freeze_bn: freeze every batch norm first (:func:`edgetorch.freeze_batchnorm`), for
+        freeze_batchnorm: freeze every batch norm first (:func:`edgetorch.freeze_batchnorm`), for
             every policy alike.
         on_result: called with each policy's result as it arrives (progress display).
 
@@ -81,7 +81,7 @@ def profile_policies(
     results = []
     for spec in policies:
         request = ProfileRequest(model, batch, resolution, spec, channels, num_classes, device,
-                                 freeze_bn=freeze_bn)
+                                 freeze_batchnorm=freeze_batchnorm)
         result = run_fresh("edgetorch.activations.profile", asdict(request))
         results.append(result)
         if on_result is not None:
@@ -91,7 +91,7 @@ def profile_policies(
         "batch": batch,
         "resolution": resolution,
         "device": device,
-        "freeze_bn": freeze_bn,
+        "freeze_batchnorm": freeze_batchnorm,
         "machine": machine_description(),
         "results": results,
     }
@@ -105,7 +105,7 @@ def profile_one(request: ProfileRequest) -> dict:
     device = torch.device(request.device)
     policy = parse_policy(request.policy)
     model = build_model(request.model, num_classes=request.num_classes).to(device).train()
-    if request.freeze_bn:
+    if request.freeze_batchnorm:
         freeze_batchnorm(model)
     channels = request.channels or input_channels(model)
     x = torch.randn(request.batch, channels, request.resolution, request.resolution, device=device)

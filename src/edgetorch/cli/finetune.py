@@ -32,7 +32,7 @@ def finetune(
     memory_budget: str = typer.Option(None, help="e.g. 600MiB: measure every candidate policy and batch size "
                                                  "first, and train with the safest one whose predicted peak fits"),
     scope: str = typer.Option("full", help="what trains: full, last, norm+last, bias (BitFit)"),
-    freeze_bn: bool = typer.Option(False, "--freeze-bn", help="batch norm frozen: running statistics, no affine "
+    freeze_batchnorm: bool = typer.Option(False, "--freeze-batchnorm", "--freeze-bn", help="batch norm frozen: running statistics, no affine "
                                                              "training (the Back Razor paper's transfer setting)"),
     epochs: int = typer.Option(3, min=1, help="passes over the training images"),
     batch: int = typer.Option(32, min=1, help="batch size (with --memory-budget: the largest tried)"),
@@ -64,7 +64,7 @@ def finetune(
         if memory_budget is None and len(policies) > 1:
             raise ValueError("several --policy values are candidates for --memory-budget; without a budget give one")
         budget = parse_bytes(memory_budget) if memory_budget is not None else None
-        config = FinetuneConfig(policy=policies[0] if policies else "dense", scope=scope, freeze_bn=freeze_bn,
+        config = FinetuneConfig(policy=policies[0] if policies else "dense", scope=scope, freeze_batchnorm=freeze_batchnorm,
                                 epochs=epochs, batch_size=batch, optimizer=optimizer, lr=lr,
                                 weight_decay=weight_decay, schedule=schedule, seed=seed)
         if not 0 < val_fraction < 1:

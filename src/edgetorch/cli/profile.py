@@ -23,7 +23,7 @@ def profile(
     channels: int = typer.Option(None, help="input channels (default: the first conv's)"),
     num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
     device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
-    freeze_bn: bool = typer.Option(False, "--freeze-bn", help="freeze batch norm first (the Back Razor paper's choice)"),
+    freeze_batchnorm: bool = typer.Option(False, "--freeze-batchnorm", "--freeze-bn", help="freeze batch norm first (the Back Razor paper's choice)"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the results as JSON here"),
     plot: Path = typer.Option(None, callback=output_file, help="write a PNG of the memory breakdown per policy here"),
 ) -> None:
@@ -48,7 +48,7 @@ def profile(
 
         status.update(f"profiling {policy[0]} (a fresh process per policy)")
         result = profile_policies(model, batch, resolution, policy, channels=channels,
-                                  num_classes=num_classes, device=device, freeze_bn=freeze_bn,
+                                  num_classes=num_classes, device=device, freeze_batchnorm=freeze_batchnorm,
                                   on_result=progress)
 
     table = Table(title=f"{model}  batch {batch}  {resolution}px  ({device})")

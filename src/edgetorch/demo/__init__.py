@@ -22,3 +22,18 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(width=110)
     for name in names:
         importlib.import_module(f"{__name__}.{name}").run(console)
+    console.rule("what next: the same on your own data")
+    console.print(WHAT_NEXT)
+
+
+WHAT_NEXT = """\
+  # fine-tune your model on a folder of images (one subfolder per class) within a memory budget
+  edgetorch finetune --model torchvision:resnet18 --weights resnet18.safetensors --data photos/ \\
+      --memory-budget 1GiB --epochs 5 --out runs/photos --plot runs/photos.png
+  # see what one training step saves and holds, per policy
+  edgetorch profile --model torchvision:resnet18 --batch 16 --policy dense --policy bitmap --policy backrazor:sparsity=0.9
+  # shrink a trained network to a multiplication budget
+  edgetorch reduce --model zoo:plaincnn --dataset fashion-mnist --alpha 0.5 --output small.safetensors
+  # train a BottleFit student from your teacher, then export and serve it
+  edgetorch split train --help
+README.md has each in full; docs/results/ has every measured number."""

@@ -57,7 +57,7 @@ class FinetuneConfig:
         policy: training policy spec: ``dense``, ``bitmap[:...]``, ``backrazor[:sparsity=...]``,
             each optionally ``+checkpoint`` (see :func:`edgetorch.activations.parse_training_policy`).
         scope: which parameters train: ``full``, ``last``, ``norm+last`` or ``bias``.
-        freeze_bn: batch norm uses its running statistics and its affine does not train (the
+        freeze_batchnorm: batch norm uses its running statistics and its affine does not train (the
             Back Razor paper's setting for CNN transfer).
         epochs: passes over the training images.
         batch_size: images per step; the last partial batch of an epoch is dropped.
@@ -71,7 +71,7 @@ class FinetuneConfig:
 
     policy: str = "dense"
     scope: str = "full"
-    freeze_bn: bool = False
+    freeze_batchnorm: bool = False
     epochs: int = 3
     batch_size: int = 32
     optimizer: str = "sgd"
@@ -94,8 +94,8 @@ class FinetuneConfig:
                 and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"need lr > 0, 0 <= momentum < 1 and weight_decay >= 0; got lr={self.lr}, "
                              f"momentum={self.momentum}, weight_decay={self.weight_decay}")
-        if self.freeze_bn and self.scope == "norm+last":
-            raise ValueError("scope norm+last trains the batch-norm affine, which freeze_bn freezes; drop one")
+        if self.freeze_batchnorm and self.scope == "norm+last":
+            raise ValueError("scope norm+last trains the batch-norm affine, which freeze_batchnorm freezes; drop one")
 
     @property
     def planner_optimizer(self) -> str:
@@ -135,11 +135,11 @@ def prepare(model: nn.Module, config: FinetuneConfig) -> list[nn.Parameter]:
     Call it before :func:`edgetorch.plan_memory` so the plan measures the model as it will train.
     """
     params = set_scope(model, config.scope)
-    if config.freeze_bn:
+    if config.freeze_batchnorm:
         freeze_batchnorm(model)  # after set_scope, which would turn the affine back on
         params = [p for p in params if p.requires_grad]
     if not params:
-        raise ValueError(f"scope {config.scope!r} with freeze_bn leaves nothing to train")
+        raise ValueError(f"scope {config.scope!r} with freeze_batchnorm leaves nothing to train")
     return params
 
 
