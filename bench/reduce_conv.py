@@ -34,13 +34,11 @@ from _common import RESULTS_DIR, table, write_results  # noqa: E402
 from torch import nn  # noqa: E402
 
 from edgetorch.data import load_dataset  # noqa: E402
-from edgetorch.reduce import compare_latency, count_macs, reduce_model  # noqa: E402
+from edgetorch.reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, reduce_model  # noqa: E402
 from edgetorch.zoo import default_config, evaluate_accuracy, load_pretrained, pretrain  # noqa: E402
 
 NAME = "reduce_conv"
 ALPHAS = (0.3, 0.5, 0.7, 0.8, 0.9)
-METHODS = ("prune", "prune-ls", "lowrank")
-ALLOCATIONS = ("uniform", "pso", "optimal")
 CALIBRATION = 2_000
 LATENCY_BATCH, LATENCY_ROUNDS = 256, 15
 

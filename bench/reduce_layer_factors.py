@@ -46,7 +46,6 @@ from torch import nn  # noqa: E402
 
 from edgetorch.data import load_dataset  # noqa: E402
 from edgetorch.reduce import (  # noqa: E402
-    ALLOCATIONS,
     Allocation,
     compare_latency,
     count_macs,
@@ -71,7 +70,7 @@ from edgetorch.zoo import evaluate_accuracy  # noqa: E402
 NAME = "reduce_layer_factors"
 DATASETS = ("digits", "fashion-mnist")  # the fast one first: a failure shows early
 ALPHAS = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
-METHODS = ("prune", "lowrank")  # the paper's two; "prune-ls" runs with the optimal allocation only
+PAPER_METHODS = ("prune", "lowrank")  # the paper's two; "prune-ls" runs with the optimal allocation only
 ALLOCATION_ORDER = ("uniform", "pso", "optimal")
 PSO_SEED = 0
 EXACT_TIME_LIMIT_S = 60.0  # the library default; a stop is recorded with its proven gap
@@ -126,8 +125,7 @@ class Reducer:
         self.seconds = time.perf_counter() - start
 
     def allocate(self, method: str, alpha: float, allocation: str):
-        cost_model = "lowrank" if method == "lowrank" else "prune"
-        return solve_allocation(self.curves[method], self.widths, alpha, cost_model, ALLOCATIONS[allocation],
+        return solve_allocation(self.curves[method], self.widths, alpha, method, allocation,
                                 seed=PSO_SEED, time_limit=EXACT_TIME_LIMIT_S)
 
     def build(self, method: str, theta: list[int]) -> nn.Module:
@@ -181,7 +179,7 @@ def solver_checks(points: list[dict]) -> tuple[list[dict], list[str]]:
     """Per (method, alpha): J and time of PSO vs exact, and any point where exact lost (a bug)."""
     by_key = {(p["method"], p["alpha"], p["allocation"]): p for p in points}
     rows, violations = [], []
-    for method in METHODS:
+    for method in PAPER_METHODS:
         for alpha in ALPHAS:
             pso, exact, uniform = (by_key[(method, alpha, a)] for a in ("pso", "optimal", "uniform"))
             # The exact solver only counts an improvement above 1e-9 relative (exact.py), so a
@@ -203,7 +201,7 @@ def solver_checks(points: list[dict]) -> tuple[list[dict], list[str]]:
 def cross_check(model: nn.Module, calibration: torch.Tensor, test, points: list[dict]) -> list[dict]:
     """The public ``reduce_model`` at one alpha per method: same allocation and accuracy as here."""
     out = []
-    for method in (*METHODS, "prune-ls"):
+    for method in (*PAPER_METHODS, "prune-ls"):
         ours = next(p for p in points if p["method"] == method and p["alpha"] == CROSS_CHECK_ALPHA
                     and p["allocation"] == "optimal")
         result = reduce_model(model, CROSS_CHECK_ALPHA, method, "optimal",
@@ -257,14 +255,14 @@ def run_dataset(dataset: str) -> dict:
     log(f"{dataset}: calibration statistics and curves from {len(calibration)} images in {reducer.seconds:.1f} s")
 
     points, latency_models = [], {}
-    for method in (*METHODS, "prune-ls"):
+    for method in (*PAPER_METHODS, "prune-ls"):
         allocations = {"prune": ALLOCATION_ORDER, "lowrank": (*ALLOCATION_ORDER, PAPER_UNIFORM),
                        "prune-ls": ("optimal",)}[method]
         for alpha in ALPHAS:
             for allocation in allocations:
                 point, reduced = run_point(reducer, test, method, alpha, allocation)
                 points.append(point)
-                if allocation == "optimal" and method in METHODS and alpha in LATENCY_ALPHAS:
+                if allocation == "optimal" and method in PAPER_METHODS and alpha in LATENCY_ALPHAS:
                     latency_models[(method, alpha)] = reduced
             accs = ", ".join(f"{p['allocation']} {p['accuracy']:.4f} (J {p['objective']:.3g}, "
                              f"{p['solver_seconds']:.2f} s)" for p in points[-len(allocations):])
@@ -292,7 +290,7 @@ def point(result: dict, method: str, alpha: float, allocation: str) -> dict:
 
 
 def accuracy_table(result: dict) -> str:
-    columns = [(m, a) for m in METHODS for a in ALLOCATION_ORDER] + [("lowrank", PAPER_UNIFORM),
+    columns = [(m, a) for m in PAPER_METHODS for a in ALLOCATION_ORDER] + [("lowrank", PAPER_UNIFORM),
                                                                     ("prune-ls", "optimal")]
     rows = [[alpha] + [f"{point(result, m, alpha, a)['accuracy']:.4f}" for m, a in columns] for alpha in ALPHAS]
     return table(["alpha_tot"] + [f"{m} {a}" for m, a in columns], rows)
@@ -348,7 +346,7 @@ def latency_table(results: dict) -> str:
 
 def plot(results: dict) -> None:
     """Top row: accuracy vs alpha_tot (Fig. 3); bottom row: optimal alpha_l vs alpha_tot (Fig. 2)."""
-    panels = [(d, m) for d in results for m in METHODS]
+    panels = [(d, m) for d in results for m in PAPER_METHODS]
     fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7.5))
     styles = {"uniform": ("tab:gray", "s"), "pso": ("tab:orange", "^"), "optimal": ("tab:blue", "o")}
     for col, (dataset, method) in enumerate(panels):

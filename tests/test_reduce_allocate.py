@@ -1,4 +1,4 @@
-"""reduce.allocate: every solver feasible; exact equals brute force on random small instances."""
+"""reduce.allocate: every allocation feasible; "optimal" equals brute force on random small instances."""
 
 from __future__ import annotations
 
@@ -66,13 +66,13 @@ def layered_instances(draw, method):
 def test_exact_matches_brute_force_and_heuristics_are_feasible(method, data):
     errors, widths, alpha = data.draw(instances(method))
     best, problem = brute_force(errors, widths, alpha, method)
-    exact = solve_allocation(errors, widths, alpha, method, "exact")
+    exact = solve_allocation(errors, widths, alpha, method, "optimal")
     assert exact.proven_gap == 0.0
     assert problem.feasible(exact.theta)
     assert exact.objective <= best + 1e-9 * max(1.0, best)
     assert exact.alpha >= alpha - 1e-12
-    for solver in ("uniform", "pso"):
-        other = solve_allocation(errors, widths, alpha, method, solver)
+    for allocation in ("uniform", "pso"):
+        other = solve_allocation(errors, widths, alpha, method, allocation)
         assert problem.feasible(other.theta)
         assert exact.objective <= other.objective + 1e-9 * max(1.0, other.objective)
 
@@ -83,12 +83,12 @@ def test_exact_matches_brute_force_and_heuristics_are_feasible(method, data):
 def test_exact_matches_brute_force_with_scales_and_shapes(method, data):
     errors, widths, alpha, layout = data.draw(layered_instances(method))
     best, problem = brute_force(errors, widths, alpha, method, **layout)
-    exact = solve_allocation(errors, widths, alpha, method, "exact", **layout)
+    exact = solve_allocation(errors, widths, alpha, method, "optimal", **layout)
     assert exact.proven_gap == 0.0 and problem.feasible(exact.theta)
     assert exact.objective <= best + 1e-9 * max(1.0, best)
     assert exact.total == problem.total == sum(s * a * b for s, (a, b) in zip(problem.scales, problem.shapes))
-    for solver in ("uniform", "pso"):
-        other = solve_allocation(errors, widths, alpha, method, solver, **layout)
+    for allocation in ("uniform", "pso"):
+        other = solve_allocation(errors, widths, alpha, method, allocation, **layout)
         assert problem.feasible(other.theta)
         assert exact.objective <= other.objective + 1e-9 * max(1.0, other.objective)
 
@@ -120,7 +120,7 @@ def test_paper_fig1_toy_problem_by_enumeration():
     errors = [eq14_curve(rng.gamma(1.0, size=10)), eq14_curve(rng.gamma(1.0, size=5))]
     widths = [10, 5, 5]
     best, problem = brute_force(errors, widths, 0.5, "prune")
-    theta = allocate(errors, widths, 0.5, "prune", "exact")
+    theta = allocate(errors, widths, 0.5, "prune", "optimal")
     assert problem.feasible(theta) and problem.objective(theta) == pytest.approx(best, rel=1e-12)
     assert problem.cost(theta) <= 37  # 75 multiplications in full, at most half kept
     pso = solve_allocation(errors, widths, 0.5, "prune", "pso")
@@ -148,7 +148,7 @@ def test_paper_network_exact_is_fast_and_proven():
     widths = [784, 2500, 2000, 1500, 1000, 500, 10]
     rng = np.random.default_rng(0)
     prune = [eq14_curve(rng.gamma(0.5, size=w)) for w in widths[:-1]]
-    result = solve_allocation(prune, widths, 0.7, "prune", "exact")
+    result = solve_allocation(prune, widths, 0.7, "prune", "optimal")
     assert result.proven_gap == 0.0 and result.alpha >= 0.7 and result.seconds < 20
     pso = solve_allocation(prune, widths, 0.7, "prune", "pso")
     assert result.objective <= pso.objective
@@ -158,7 +158,7 @@ def test_paper_network_exact_is_fast_and_proven():
     ("kwargs", "fragment"),
     [
         ({"method": "svd"}, "unknown method"),
-        ({"solver": "greedy"}, "unknown solver"),
+        ({"allocation": "greedy"}, "unknown allocation"),
         ({"alpha": 1.0}, "alpha must be"),
         ({"alpha": -0.1}, "alpha must be"),
         ({"alpha": 0.99}, "infeasible"),
@@ -171,6 +171,6 @@ def test_paper_network_exact_is_fast_and_proven():
 )
 def test_bad_input_is_rejected_clearly(kwargs, fragment):
     args = {"errors": [[0, 3, 2, 1, 0], [0, 1, 0]], "widths": [4, 2, 2], "alpha": 0.2,
-            "method": "prune", "solver": "exact", **kwargs}
+            "method": "prune", "allocation": "optimal", **kwargs}
     with pytest.raises(ValueError, match=fragment):
-        allocate(args["errors"], args["widths"], args["alpha"], args["method"], args["solver"])
+        allocate(args["errors"], args["widths"], args["alpha"], args["method"], args["allocation"])

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from edgetorch.cli import app
 from edgetorch.data import load_dataset
-from edgetorch.reduce import compare_latency, count_macs, load_reduced
+from edgetorch.reduce import compare_latency, count_macs, load
 from edgetorch.zoo import MLP, PlainCNN, save_weights
 
 
@@ -56,7 +56,7 @@ def test_reduce_command_writes_a_model_within_budget(mlp_weights, tmp_path):
         "--latency-batch", "4", "--output", str(out)])
     assert result.exit_code == 0, result.output
     assert "ratio" in result.output and "measured" in result.output
-    reduced, record = load_reduced(out)
+    reduced, record = load(out)
     x = load_dataset("digits", "test", size=8).tensors[0][:3]
     assert reduced(x).shape == full(x).shape
     assert 1 - count_macs(reduced, x[:1]) / count_macs(full, x[:1]) >= 0.6
@@ -67,8 +67,8 @@ def test_reduce_command_writes_a_model_within_budget(mlp_weights, tmp_path):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--method", "magic"], "accepted: prune, prune-ls, lowrank"),
-    (["--allocation", "best"], "accepted: optimal, uniform, pso"),
+    (["--method", "magic"], "unknown method 'magic'; accepted: prune, prune-ls, lowrank"),
+    (["--allocation", "exact"], "unknown allocation 'exact'; accepted: optimal, pso, uniform"),
     (["--alpha", "1.5"], "alpha"),
 ])
 def test_reduce_command_refuses_bad_arguments(mlp_weights, args, match):
@@ -89,7 +89,7 @@ def test_reduce_command_prunes_the_zoo_plain_cnn(tmp_path):
         "--method", "prune-ls", "--dataset", "digits", "--calibration", "100", "--latency-batch", "4",
         "--output", str(out)])
     assert result.exit_code == 0, result.output
-    reduced, record = load_reduced(out)
+    reduced, record = load(out)
     x = load_dataset("digits", "test", size=16).tensors[0][:3]
     assert reduced(x).shape == (3, 10)
     assert 1 - count_macs(reduced, x[:1]) / count_macs(full, x[:1]) >= 0.5

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetorch.reduce import KeepFeatures, count_macs, load_reduced, reduce, reduce_model, save_reduced
+from edgetorch.reduce import KeepFeatures, count_macs, load, reduce, reduce_model, save
 from edgetorch.reduce.curves import correlated_order, power_order
 from edgetorch.reduce.sequential import input_statistics, pruned, weight_layers
 
@@ -82,8 +82,8 @@ def test_pruned_input_channels_are_selected_on_dim_1_and_checkpoints_round_trip(
     for method in ("prune", "lowrank"):
         small = reduce(model, 0.8, method, calibration=x)
         path = tmp_path / f"{method}.safetensors"
-        save_reduced(small, path, {"alpha": 0.8})
-        loaded, record = load_reduced(path)
+        save(small, path, {"alpha": 0.8})
+        loaded, record = load(path)
         assert torch.equal(loaded(x), small(x))
         assert any(entry["type"] == ("BatchNorm2d" if method == "prune" else "Sequential")
                    for entry in record["modules"])
@@ -94,8 +94,8 @@ def test_pruned_input_channels_are_selected_on_dim_1_and_checkpoints_round_trip(
     assert isinstance(fewer[0], KeepFeatures) and fewer[0].dim == 1 and fewer[1].in_channels == 2
     kept = sorted(orders[0][0][:2].tolist())
     torch.testing.assert_close(fewer(x), fewer[1:](x[:, kept]))
-    save_reduced(fewer, tmp_path / "fewer.safetensors")
-    assert torch.equal(load_reduced(tmp_path / "fewer.safetensors")[0](x), fewer(x))
+    save(fewer, tmp_path / "fewer.safetensors")
+    assert torch.equal(load(tmp_path / "fewer.safetensors")[0](x), fewer(x))
 
 
 def test_unsupported_convolutional_networks_are_rejected_clearly(cnn_and_data):

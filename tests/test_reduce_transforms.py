@@ -12,10 +12,10 @@ from torch import nn
 from edgetorch.reduce import (
     KeepFeatures,
     count_macs,
-    load_reduced,
+    load,
     reduce,
     reduce_model,
-    save_reduced,
+    save,
 )
 from edgetorch.reduce.curves import correlated_order, power_order
 from edgetorch.reduce.sequential import input_statistics, pruned
@@ -145,21 +145,21 @@ def test_checkpoint_roundtrip_without_pickle(tmp_path, mlp_and_data, method):
     small = reduce(model, 0.85, method, calibration=x)
     if method == "prune":
         assert any(isinstance(m, KeepFeatures) for m in small)
-    json_path = save_reduced(small, tmp_path / "small.safetensors", {"alpha": 0.85})
-    loaded, record = load_reduced(tmp_path / "small.safetensors")
+    json_path = save(small, tmp_path / "small.safetensors", {"alpha": 0.85})
+    loaded, record = load(tmp_path / "small.safetensors")
     assert record["alpha"] == 0.85
     assert torch.equal(loaded(x), small(x))
     record["modules"][0] = {"type": "os.system", "args": {}}
     json_path.write_text(json.dumps(record))
     with pytest.raises(CheckpointError, match="unknown module type"):
-        load_reduced(tmp_path / "small.safetensors")
+        load(tmp_path / "small.safetensors")
 
 
 def test_bad_inputs_are_rejected(mlp_and_data):
     model, x = mlp_and_data
     with pytest.raises(ValueError, match="needs calibration"):
         reduce(model, 0.5, "prune")
-    with pytest.raises(ValueError, match="unknown reduction method"):
+    with pytest.raises(ValueError, match="unknown method"):
         reduce(model, 0.5, "svd")
     with pytest.raises(ValueError, match="unknown allocation"):
         reduce(model, 0.5, "lowrank", allocation="greedy")

@@ -50,14 +50,15 @@ def reduce(
     import torch
 
     from ..data import load_dataset
-    from ..reduce import (ALLOCATIONS, REDUCTIONS, compare_latency, count_macs, reduce_model,
-                          save_reduced)
+    from ..reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, reduce_model, save
+    from ..reduce.problem import check_choice
     from ..zoo import CheckpointError, evaluate_accuracy
 
-    if method not in REDUCTIONS:
-        raise typer.BadParameter(f"--method {method!r}; accepted: {', '.join(REDUCTIONS)}")
-    if allocation not in ALLOCATIONS:
-        raise typer.BadParameter(f"--allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
+    for name, value, accepted in (("method", method, METHODS), ("allocation", allocation, ALLOCATIONS)):
+        try:
+            check_choice(name, value, accepted)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint=f"'--{name}'") from None
     if output is not None and output.suffix != ".safetensors":
         raise typer.BadParameter("--output must end in .safetensors")
     try:
@@ -103,7 +104,7 @@ def reduce(
                   f"{timing.full_seconds * 1e3:.3f} ms -> {timing.reduced_seconds * 1e3:.3f} ms "
                   f"(ratio {timing.ratio:.2f}, measured)")
     if output is not None:
-        json_path = save_reduced(result.model, output, {"reduction": summary})
+        json_path = save(result.model, output, {"reduction": summary})
         console.print(f"wrote {output} and {json_path}")
     else:
         console.print_json(json.dumps({k: v for k, v in summary.items() if k != "layers"}))

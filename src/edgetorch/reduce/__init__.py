@@ -3,22 +3,23 @@
 ``allocate`` solves the allocation problem (eq. 15) on its own; ``reduce`` applies it to a
 trained MLP or plain CNN (an ``nn.Sequential`` chain, see ``edgetorch.reduce.sequential``) and
 returns a physically smaller network; ``count_macs`` counts multiplications
-the paper's way; ``save_reduced`` / ``load_reduced`` store a reduced network without pickle.
+the paper's way; ``save`` / ``load`` store a reduced network without pickle.
+
+One vocabulary throughout: every ``method=`` takes a word of :data:`METHODS` and every
+``allocation=`` a word of :data:`ALLOCATIONS`, as do ``edgetorch reduce --method/--allocation``.
 """
 
-from .allocate import SOLVERS, Allocation, allocate, solve_allocation
-from .api import ALLOCATIONS, REDUCTIONS, LayerFactor, Reduction, reduce, reduce_model
-from .checkpoint import architecture, load_reduced, save_reduced
+from .allocate import ALLOCATIONS, Allocation, allocate, solve_allocation
+from .api import LayerFactor, Reduction, reduce, reduce_model
+from .checkpoint import architecture, load, save
 from .latency import LatencyComparison, compare_latency
 from .macs import count_macs
-from .sequential import KeepFeatures
 from .problem import METHODS
+from .sequential import KeepFeatures
 
 __all__ = [
     "ALLOCATIONS",
     "METHODS",
-    "REDUCTIONS",
-    "SOLVERS",
     "Allocation",
     "KeepFeatures",
     "LatencyComparison",
@@ -28,9 +29,9 @@ __all__ = [
     "architecture",
     "compare_latency",
     "count_macs",
-    "load_reduced",
+    "load",
     "reduce",
     "reduce_model",
-    "save_reduced",
+    "save",
     "solve_allocation",
 ]

@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .exact import solve_exact
-from .problem import make_problem
+from .problem import check_choice, cost_model_of, make_problem
 from .pso import PSOConfig, solve_pso
 from .uniform import uniform_lowrank, uniform_prune
 
-SOLVERS = ("uniform", "pso", "exact")
+# What every ``allocation=`` of edgetorch.reduce (and ``edgetorch reduce --allocation``) takes.
+ALLOCATIONS = ("optimal", "pso", "uniform")
 
 
 @dataclass(frozen=True)
@@ -20,13 +21,13 @@ class Allocation:
 
     Attributes:
         theta: kept input neurons per layer (pruning) or ranks per layer (low-rank).
-        method: ``"prune"`` or ``"lowrank"``.
-        solver: ``"uniform"``, ``"pso"`` or ``"exact"``.
+        method: the reduction method the curves belong to, one of :data:`METHODS`.
+        solver: which allocation found ``theta``, one of :data:`ALLOCATIONS`.
         objective: ``J(theta)`` (eq. 12).
         cost: multiplications of the reduced network.
         total: multiplications of the full network.
         seconds: wall time of the solver.
-        proven_gap: for ``"exact"``, J minus the proven lower bound (0.0 = proven optimal);
+        proven_gap: for ``"optimal"``, J minus the proven lower bound (0.0 = proven optimal);
             ``None`` for the heuristics, which prove nothing.
     """
 
@@ -50,7 +51,7 @@ def solve_allocation(
     widths: Sequence[int] | None,
     alpha: float,
     method: str,
-    solver: str = "exact",
+    allocation: str = "optimal",
     *,
     seed: int = 0,
     time_limit: float = 60.0,
@@ -60,29 +61,34 @@ def solve_allocation(
     """Like :func:`allocate`, returning the full :class:`Allocation` record (J, cost, time, gap).
 
     Args:
-        errors, widths, alpha, method, solver, scales, shapes: see :func:`allocate`.
+        errors, widths, alpha, method, allocation, scales, shapes: see :func:`allocate`.
         seed: PSO seed.
-        time_limit: exact solver's time limit in seconds.
+        time_limit: the optimal allocation's time limit in seconds (past it, the best choice
+            found so far is returned with its proven gap).
 
     Returns:
         The allocation record.
+
+    Example:
+        >>> solve_allocation([[0, 3, 1, 0], [0, 5, 0]], [3, 2, 2], 0.3, "prune", "pso").solver
+        'pso'
     """
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; accepted: {', '.join(SOLVERS)}")
-    problem = make_problem(errors, widths, alpha, method, scales=scales, shapes=shapes)
+    check_choice("allocation", allocation, ALLOCATIONS)
+    model = cost_model_of(method)
+    problem = make_problem(errors, widths, alpha, model, scales=scales, shapes=shapes)
     start = time.perf_counter()
     gap = None
-    if solver == "uniform":
-        theta = uniform_prune(problem) if method == "prune" else uniform_lowrank(problem)
-    elif solver == "pso":
+    if allocation == "uniform":
+        theta = uniform_prune(problem) if model == "prune" else uniform_lowrank(problem)
+    elif allocation == "pso":
         theta = solve_pso(problem, PSOConfig(seed=seed))
     else:
         result = solve_exact(problem, time_limit)
         theta, gap = result.theta, result.proven_gap
     seconds = time.perf_counter() - start
     if not problem.feasible(theta):  # every solver must return a feasible point; never ship one that is not
-        raise AssertionError(f"{solver} returned an infeasible allocation {theta}")
-    return Allocation(theta, method, solver, problem.objective(theta), problem.cost(theta),
+        raise AssertionError(f"the {allocation} allocation returned an infeasible choice {theta}")
+    return Allocation(theta, method, allocation, problem.objective(theta), problem.cost(theta),
                       problem.total, seconds, gap)
 
 
@@ -91,7 +97,7 @@ def allocate(
     widths: Sequence[int] | None,
     alpha: float,
     method: str,
-    solver: str = "exact",
+    allocation: str = "optimal",
     *,
     seed: int = 0,
     scales: Sequence[int] | None = None,
@@ -105,9 +111,11 @@ def allocate(
             rank keeps the layer dense). Index 0 is never chosen.
         widths: ``[M_0, ..., M_L]``, input first.
         alpha: the minimum total reduction factor, in [0, 1).
-        method: ``"prune"`` or ``"lowrank"`` (which cost model, eq. 7 or 11).
-        solver: ``"uniform"`` (same factor everywhere), ``"pso"`` (the paper's particle swarm on
-            the relaxation, projected to a feasible integer point) or ``"exact"`` (the optimum).
+        method: one of :data:`METHODS`; it picks the cost model: ``"prune"`` and ``"prune-ls"``
+            count eq. 7, ``"lowrank"`` counts eq. 11.
+        allocation: one of :data:`ALLOCATIONS`: ``"optimal"`` (the exact optimum of eq. 15),
+            ``"pso"`` (the paper's particle swarm on the relaxation, projected to a feasible
+            integer point) or ``"uniform"`` (the same factor everywhere).
         seed: PSO seed.
         scales: per weight layer, multiplications per unit pair ``s_l`` (a convolution's kernel
             area x output positions when its units are channels); default all 1 (the paper's MLP).
@@ -118,11 +126,11 @@ def allocate(
         ``[M~_0, ..., M~_{L-1}]`` or ``[k_1, ..., k_L]``, meeting ``1 - cost/total >= alpha``.
 
     Raises:
-        ValueError: unknown method or solver, wrong curve lengths, NaN/negative errors, bad
+        ValueError: unknown method or allocation, wrong curve lengths, NaN/negative errors, bad
             widths/shapes/scales, or an alpha that even the smallest network misses.
 
     Example:
-        >>> allocate([[0, 3, 1, 0], [0, 5, 0]], [3, 2, 2], alpha=0.3, method="prune")
+        >>> allocate([[0, 3, 1, 0], [0, 5, 0]], [3, 2, 2], alpha=0.3, method="prune", allocation="optimal")
         [1, 2]
     """
-    return solve_allocation(errors, widths, alpha, method, solver, seed=seed, scales=scales, shapes=shapes).theta
+    return solve_allocation(errors, widths, alpha, method, allocation, seed=seed, scales=scales, shapes=shapes).theta

@@ -7,13 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .allocate import Allocation, solve_allocation
-from .problem import layer_lowrank_cost
+from .allocate import ALLOCATIONS, Allocation, solve_allocation
+from .problem import METHODS, check_choice, layer_lowrank_cost
 from .sequential import (WeightLayer, factorised, input_statistics, layer_svds, lowrank_curves, prune_orders,
                          pruned, weight_layers, widths_of)
-
-REDUCTIONS = ("prune", "prune-ls", "lowrank")
-ALLOCATIONS = {"optimal": "exact", "uniform": "uniform", "pso": "pso"}
 
 
 @dataclass(frozen=True)
@@ -61,14 +58,14 @@ def layer_factors(layers: list[WeightLayer], allocation: Allocation, curves) -> 
     """
     theta, rows = allocation.theta, []
     kept = theta + [layers[-1].units_out]
+    lowrank = allocation.method == "lowrank"  # "prune" and "prune-ls" share the pruning layout
     for l, layer in enumerate(layers):
-        if allocation.method == "prune":
-            macs, value = layer.scale * kept[l] * kept[l + 1], kept[l]
-        else:
+        if lowrank:
             macs, value = layer.positions * layer_lowrank_cost(*layer.matrix, theta[l]), theta[l]
+        else:
+            macs, value = layer.scale * kept[l] * kept[l + 1], kept[l]
         rows.append(LayerFactor(
-            l + 1, layer.units_in, layer.units_out, value if allocation.method == "prune" else None,
-            value if allocation.method == "lowrank" else None, macs,
+            l + 1, layer.units_in, layer.units_out, None if lowrank else value, value if lowrank else None, macs,
             1 - macs / (layer.scale * layer.units_in * layer.units_out), float(curves[l][value]),
         ))
     return rows
@@ -82,11 +79,23 @@ def reduce_model(
     calibration: torch.Tensor | None = None,
     seed: int = 0,
 ) -> Reduction:
-    """Like :func:`reduce`, also returning the allocation and the per-layer factor table."""
-    if method not in REDUCTIONS:
-        raise ValueError(f"unknown reduction method {method!r}; accepted: {', '.join(REDUCTIONS)}")
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"unknown allocation {allocation!r}; accepted: {', '.join(ALLOCATIONS)}")
+    """Like :func:`reduce`, also returning the allocation and the per-layer factor table.
+
+    Args:
+        model, alpha, method, allocation, calibration, seed: see :func:`reduce`.
+
+    Returns:
+        The :class:`Reduction`: the smaller model, the method, the :class:`Allocation` record
+        (J, cost, solver time, proven gap) and one :class:`LayerFactor` per weight layer.
+
+    Example:
+        >>> result = reduce_model(model, 0.5, "lowrank", allocation="optimal")
+        >>> result.allocation.alpha >= 0.5 and all(f.rank is not None for f in result.layers)
+        True
+    """
+    # Checked before the calibration pass, which can take a minute on a large network.
+    check_choice("method", method, METHODS)
+    check_choice("allocation", allocation, ALLOCATIONS)
     if method != "lowrank" and calibration is None:
         raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
     if method == "lowrank":
@@ -96,7 +105,7 @@ def reduce_model(
             raise ValueError(f"{exc}: pass calibration= (for low-rank only its shape is used)") from None
         svds = layer_svds(model)
         curves = lowrank_curves(svds)
-        chosen = solve_allocation(curves, None, alpha, "lowrank", ALLOCATIONS[allocation], seed=seed,
+        chosen = solve_allocation(curves, None, alpha, method, allocation, seed=seed,
                                   shapes=[layer.matrix for layer in layers],
                                   scales=[layer.positions for layer in layers])
         reduced = factorised(model, chosen.theta, svds)
@@ -105,7 +114,7 @@ def reduce_model(
         layers = stats.layers
         orders = prune_orders(stats, correlated=method == "prune-ls")
         curves = [curve for _, curve in orders]
-        chosen = solve_allocation(curves, widths_of(layers), alpha, "prune", ALLOCATIONS[allocation], seed=seed,
+        chosen = solve_allocation(curves, widths_of(layers), alpha, method, allocation, seed=seed,
                                   scales=[layer.scale for layer in layers])
         reduced = pruned(model, chosen.theta, orders, stats, refit=method == "prune-ls")
     return Reduction(reduced.eval(), method, chosen, layer_factors(layers, chosen, curves))
@@ -128,11 +137,11 @@ def reduce(
             (see :mod:`edgetorch.reduce.sequential`). Convolutions lose output channels (pruning)
             or become a thin convolution + 1x1 convolution (low-rank).
         alpha: total reduction factor in [0, 1) (eq. 7 / 11).
-        method: ``"prune"`` (the paper's naive pruning: keep the highest-power neurons),
-            ``"prune-ls"`` (correlation-aware: pivoted-Cholesky selection and least-squares refit
-            of the next layer) or ``"lowrank"`` (SVD, no data needed).
-        allocation: ``"optimal"`` (exact solution of eq. 15), ``"pso"`` (the paper's solver) or
-            ``"uniform"`` (the same factor in every layer).
+        method: one of :data:`METHODS`: ``"prune"`` (the paper's naive pruning: keep the
+            highest-power neurons), ``"prune-ls"`` (correlation-aware: pivoted-Cholesky selection
+            and least-squares refit of the next layer) or ``"lowrank"`` (SVD, no data needed).
+        allocation: one of :data:`ALLOCATIONS`: ``"optimal"`` (exact solution of eq. 15),
+            ``"pso"`` (the paper's solver) or ``"uniform"`` (the same factor in every layer).
         calibration: unlabeled input samples ``[N, ...]`` (pruning; low-rank on a convolutional
             network reads only their shape, to count output positions).
         seed: PSO seed.

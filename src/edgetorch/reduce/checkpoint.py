@@ -1,9 +1,11 @@
 """Reduced networks on disk without pickle: safetensors weights + a JSON layer list.
 
-``save_reduced(model, "small.safetensors")`` writes the weights and ``small.json``, which lists
-every module of the ``nn.Sequential`` with its sizes (widths, channels, kernels, ranks, kept input
-units) and the few constructor arguments of activations and pooling. ``load_reduced`` rebuilds the modules from the JSON and
-loads the weights with a strict key/shape check: nothing in either file is ever executed.
+``edgetorch.reduce.save(model, "small.safetensors")`` writes the weights and ``small.json``, which
+lists every module of the ``nn.Sequential`` with its sizes (widths, channels, kernels, ranks, kept
+input units) and the few constructor arguments of activations and pooling.
+``edgetorch.reduce.load`` rebuilds the modules from the JSON and loads the weights with a strict
+key/shape check: nothing in either file is ever executed. (Plain state dicts, whose architecture
+the caller builds, use ``edgetorch.zoo.save_weights`` / ``load_weights``.)
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def _modules(entries: list[Any]) -> nn.Sequential:
     return nn.Sequential(*modules)
 
 
-def save_reduced(model: nn.Sequential, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+def save(model: nn.Sequential, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """Write ``model`` as ``PATH`` (safetensors) and ``PATH`` with ``.json`` (architecture).
 
     Args:
@@ -170,6 +172,14 @@ def save_reduced(model: nn.Sequential, path: str | Path, extra: dict[str, Any] |
 
     Returns:
         The JSON path.
+
+    Raises:
+        ValueError: ``path`` does not end in ``.safetensors``.
+        TypeError: a module that the JSON architecture cannot describe.
+
+    Example:
+        >>> save(reduce(model, 0.5, "lowrank"), "small.safetensors", {"alpha": 0.5})
+        PosixPath('small.json')
     """
     path = Path(path)
     if path.suffix != ".safetensors":
@@ -181,8 +191,8 @@ def save_reduced(model: nn.Sequential, path: str | Path, extra: dict[str, Any] |
     return json_path
 
 
-def load_reduced(path: str | Path) -> tuple[nn.Sequential, dict[str, Any]]:
-    """Rebuild a network written by :func:`save_reduced` (weights checked strictly).
+def load(path: str | Path) -> tuple[nn.Sequential, dict[str, Any]]:
+    """Rebuild a network written by :func:`save` (weights checked strictly).
 
     Args:
         path: the ``.safetensors`` file; its ``.json`` must sit next to it.
@@ -192,6 +202,11 @@ def load_reduced(path: str | Path) -> tuple[nn.Sequential, dict[str, Any]]:
 
     Raises:
         CheckpointError: missing or malformed JSON, or weights that do not fit it.
+
+    Example:
+        >>> small, record = load("small.safetensors")
+        >>> record["alpha"]
+        0.5
     """
     path = Path(path)
     json_path = path.with_suffix(".json")

@@ -55,7 +55,7 @@ class _Chain:
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
-        self.coupled = problem.method == "prune"
+        self.coupled = problem.cost_model == "prune"
         self.values = [np.arange(1, t + 1, dtype=np.float64) for t in self._tops()]
         self.J = [problem.errors[l][1 : len(v) + 1] for l, v in enumerate(self.values)]
         self.scales = [float(s) for s in problem.scales]

@@ -19,6 +19,10 @@ units are channels, ``s_l`` = kernel area x output positions; for a Linear after
 ``C x H x W``, the units are the ``C`` channels and ``s_l = H W``. Low-rank layers need not chain
 (a convolution's matrix is ``C_out x C_in k_h k_w``), so they are given as per-layer ``shapes``
 ``(m_in, m_out)``; pruning derives its shapes from the chain of widths.
+
+The problem knows only a *cost model*: ``"prune"`` (eq. 7) or ``"lowrank"`` (eq. 11). The public
+``method=`` takes any of :data:`METHODS`; ``"prune-ls"`` is counted like ``"prune"``, since it
+removes the same units and differs only in which it keeps and how it refits the next layer.
 """
 
 from __future__ import annotations
@@ -30,7 +34,35 @@ from dataclasses import dataclass
 
 import numpy as np
 
-METHODS = ("prune", "lowrank")
+METHODS = ("prune", "prune-ls", "lowrank")  # what every ``method=`` of edgetorch.reduce takes
+COST_MODELS = ("prune", "lowrank")  # what a Problem counts multiplications with
+
+
+def check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming ``value`` and the accepted words unless ``value`` is one of them.
+
+    Args:
+        name: the argument's name, e.g. ``"allocation"``.
+        value: what the caller passed.
+        accepted: the argument's word set (:data:`METHODS`, ``ALLOCATIONS``).
+
+    Example:
+        >>> check_choice("method", "svd", METHODS)
+        Traceback (most recent call last):
+        ValueError: unknown method 'svd'; accepted: prune, prune-ls, lowrank
+    """
+    if value not in accepted:
+        raise ValueError(f"unknown {name} {value!r}; accepted: {', '.join(accepted)}")
+
+
+def cost_model_of(method: str) -> str:
+    """The cost model (one of :data:`COST_MODELS`) a reduction ``method`` is counted with.
+
+    Raises:
+        ValueError: ``method`` is not one of :data:`METHODS`.
+    """
+    check_choice("method", method, METHODS)
+    return "lowrank" if method == "lowrank" else "prune"
 
 
 @dataclass(frozen=True)
@@ -38,7 +70,7 @@ class Problem:
     """A validated allocation problem.
 
     Attributes:
-        method: ``"prune"`` or ``"lowrank"``.
+        cost_model: ``"prune"`` or ``"lowrank"`` (:data:`COST_MODELS`).
         shapes: per weight layer ``(m_in, m_out)`` (pruning: ``(M_{l-1}, M_l)``, a chain).
         scales: per weight layer, the multiplications per unit pair ``s_l`` (1 for an MLP).
         errors: one float array per weight layer, ``errors[l][v] = J_{l+1}(v)``; entry 0 is inf.
@@ -46,7 +78,7 @@ class Problem:
         budget: the most multiplications a feasible choice may cost.
     """
 
-    method: str
+    cost_model: str
     shapes: tuple[tuple[int, int], ...]
     scales: tuple[int, ...]
     errors: tuple[np.ndarray, ...]
@@ -75,7 +107,7 @@ class Problem:
 
     def cost(self, theta: Sequence[int]) -> int:
         """Multiplications of the reduced network for an integer choice (eq. 7 or 11)."""
-        if self.method == "prune":
+        if self.cost_model == "prune":
             return prune_cost(self.widths, theta, self.scales)
         return sum(s * layer_lowrank_cost(a, b, int(k)) for (a, b), s, k in zip(self.shapes, self.scales, theta))
 
@@ -133,7 +165,7 @@ def make_problem(
     errors: Sequence[Sequence[float]],
     widths: Sequence[int] | None,
     alpha: float,
-    method: str,
+    cost_model: str,
     *,
     scales: Sequence[int] | None = None,
     shapes: Sequence[tuple[int, int]] | None = None,
@@ -144,7 +176,7 @@ def make_problem(
         errors: per weight layer, ``J_l(v)`` for ``v = 0..upper_l`` (see the module docstring).
         widths: ``[M_0, ..., M_L]``, at least two positive ints; ``None`` when ``shapes`` is given.
         alpha: minimum total reduction factor in [0, 1).
-        method: ``"prune"`` or ``"lowrank"``.
+        cost_model: ``"prune"`` or ``"lowrank"`` (:data:`COST_MODELS`; see :func:`cost_model_of`).
         scales: per weight layer, positive int multiplications per unit pair (default all 1).
         shapes: low-rank only, instead of ``widths``: per weight layer ``(m_in, m_out)``.
 
@@ -152,16 +184,15 @@ def make_problem(
         The validated :class:`Problem`.
 
     Raises:
-        ValueError: unknown method, bad widths/shapes/scales, alpha outside [0, 1), wrong number
+        ValueError: unknown cost model, bad widths/shapes/scales, alpha outside [0, 1), wrong number
             or length of error curves, NaN/inf/negative errors at valid indices, or an alpha no
             choice reaches.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; accepted: {', '.join(METHODS)}")
+    check_choice("cost model", cost_model, COST_MODELS)
     if (widths is None) == (shapes is None):
         raise ValueError("give exactly one of widths (a chain [M_0, ..., M_L]) and shapes (low-rank only)")
     if shapes is not None:
-        if method != "lowrank":
+        if cost_model != "lowrank":
             raise ValueError("per-layer shapes are for low-rank; pruning couples neighbours, give widths")
         pairs = [_positive_ints("each shape", pair, 2, "(m_in, m_out)") for pair in shapes]
         if not pairs or any(len(pair) != 2 for pair in pairs):
@@ -181,10 +212,10 @@ def make_problem(
     curves = []
     for l, curve in enumerate(errors, start=1):
         m_in, m_out = shape_list[l - 1]
-        upper = m_in if method == "prune" else min(m_in, m_out)
+        upper = m_in if cost_model == "prune" else min(m_in, m_out)
         values = np.asarray(curve, dtype=np.float64)
         if values.shape != (upper + 1,):
-            what = "M_{l-1}" if method == "prune" else "K_l = min(M_{l-1}, M_l)"
+            what = "M_{l-1}" if cost_model == "prune" else "K_l = min(M_{l-1}, M_l)"
             raise ValueError(
                 f"errors[{l - 1}] must hold J_{l}(v) for v = 0..{what} = {upper}, "
                 f"i.e. {upper + 1} values, got shape {values.shape}"
@@ -198,7 +229,7 @@ def make_problem(
         values = values.copy()
         values[0] = np.inf  # choosing nothing is never allowed
         curves.append(values)
-    problem = Problem(method, shape_list, scale_list, tuple(curves), float(alpha), 0)
+    problem = Problem(cost_model, shape_list, scale_list, tuple(curves), float(alpha), 0)
     total = problem.total
     budget = budget_for(float(alpha), total)
     cheapest = problem.cost([1] * layers)
@@ -206,7 +237,7 @@ def make_problem(
         best = 1 - cheapest / total
         where = f"widths {list(problem.widths)}" if shapes is None else f"shapes {list(shape_list)}"
         raise ValueError(
-            f"alpha={alpha} is infeasible for {method} on {where}: even one "
+            f"alpha={alpha} is infeasible for {cost_model} on {where}: even one "
             f"neuron/rank per layer keeps {cheapest} of {total} multiplications "
             f"(largest reachable alpha {best:.6f})"
         )
