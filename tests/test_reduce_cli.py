@@ -49,12 +49,13 @@ def mlp_weights(tmp_path):
 
 def test_reduce_command_writes_a_model_within_budget(mlp_weights, tmp_path):
     full, weights = mlp_weights
-    out = tmp_path / "reduced.safetensors"
+    out, summary_json, plot = tmp_path / "reduced.safetensors", tmp_path / "summary.json", tmp_path / "factors.png"
     result = CliRunner().invoke(app, [
         "reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8", "--alpha", "0.6",
         "--method", "lowrank", "--allocation", "optimal", "--dataset", "digits", "--calibration", "50",
-        "--latency-batch", "4", "--output", str(out)])
+        "--latency-batch", "4", "--output", str(out), "--json", str(summary_json), "--plot", str(plot)])
     assert result.exit_code == 0, result.output
+    assert plot.read_bytes().startswith(b"\x89PNG")
     assert "ratio" in result.output and "measured" in result.output
     reduced, record = load(out)
     x = load_dataset("digits", "test", size=8).tensors[0][:3]
@@ -64,19 +65,39 @@ def test_reduce_command_writes_a_model_within_budget(mlp_weights, tmp_path):
     assert summary["macs_reduced"] == count_macs(reduced, x[:1])
     assert summary["latency_ratio"] > 0 and 0 <= summary["accuracy_reduced"] <= 1
     assert json.loads(json.dumps(summary)) == summary  # JSON-able as written
+    assert json.loads(summary_json.read_text()) == summary  # --json: the same summary, layers included
 
 
 @pytest.mark.parametrize("args, match", [
     (["--method", "magic"], "unknown method 'magic'; accepted: prune, prune-ls, lowrank"),
     (["--allocation", "exact"], "unknown allocation 'exact'; accepted: optimal, pso, uniform"),
     (["--alpha", "1.5"], "alpha"),
+    (["--size", "10"], "shape mismatch"),
+    (["--output", "small.pt"], "must end in .safetensors"),
+    (["--plot", "factors.txt"], "give a .png, .pdf, .svg file"),
+    (["--json", "missing/summary.json"], "does not exist"),
 ])
 def test_reduce_command_refuses_bad_arguments(mlp_weights, args, match):
     _, weights = mlp_weights
     base = ["reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8", "--alpha", "0.5"]
     result = CliRunner().invoke(app, base + args)
-    assert result.exit_code != 0
+    assert result.exit_code == 2, result.output  # a usage error, reported without a traceback
     assert match in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+def test_reduce_command_exits_1_when_it_cannot_write(mlp_weights, tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("edgetorch.reduce.save", full_disk)
+    _, weights = mlp_weights
+    result = CliRunner().invoke(app, [
+        "reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8", "--alpha", "0.5",
+        "--method", "lowrank", "--no-accuracy", "--latency-batch", "2", "--output", str(tmp_path / "small.safetensors")])
+    assert result.exit_code == 1, result.output
+    assert "could not write its outputs" in result.output and "No space left" in result.output
+    assert not isinstance(result.exception, OSError)  # handled, not raised
 
 
 def test_reduce_command_prunes_the_zoo_plain_cnn(tmp_path):

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
 from ._app import app, console, output_file
+from .split import PLOT_SUFFIXES
+
+if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
+    from ..reduce import Reduction
 
 
 def _load_model(model: str, weights: Path | None, dataset: str, size: int):
@@ -31,6 +36,19 @@ def _load_model(model: str, weights: Path | None, dataset: str, size: int):
                        **({"image_size": size} if sized else {}))
 
 
+def _print_layers(result: Reduction, title: str) -> None:
+    """The per-layer table of a :class:`~edgetorch.reduce.Reduction`: sizes, kept units or rank, MACs, alpha_l, J_l."""
+    table = Table(title=title)
+    for col in ("layer", "M_in x M_out", "kept inputs" if result.method != "lowrank" else "rank",
+                "MACs", "alpha_l", "J_l"):
+        table.add_column(col, justify="right")
+    for f in result.layers:
+        value = f.kept_inputs if f.kept_inputs is not None else f.rank
+        table.add_row(str(f.layer), f"{f.in_features} x {f.out_features}", str(value),
+                      f"{f.macs:,}", f"{f.alpha:.3f}", f"{f.error:.4g}")
+    console.print(table)
+
+
 @app.command()
 def reduce(
     model: str = typer.Option("zoo:mlp", help="zoo:NAME (pretrained on --dataset unless --weights), or any spec with --weights"),
@@ -45,14 +63,16 @@ def reduce(
     latency_batch: int = typer.Option(64, min=1, help="batch size of the CPU latency comparison"),
     seed: int = typer.Option(0, help="PSO seed"),
     output: Path = typer.Option(None, callback=output_file, help="write the reduced network here (.safetensors + .json)"),
+    json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the summary, per-layer factors included, as JSON here"),
+    plot: Path = typer.Option(None, callback=output_file, help="write a bar chart of the per-layer factors alpha_l here (.png, .pdf, .svg)"),
 ) -> None:
     """Reduce a trained MLP or plain CNN: per-layer factors, MACs, accuracy and measured CPU latency ratio."""
     import torch
 
-    from ..data import load_dataset
+    from ..data import DatasetNotFoundError, load_dataset
     from ..reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, reduce_model, save
     from ..reduce.problem import check_choice
-    from ..zoo import CheckpointError, evaluate_accuracy
+    from ..zoo import evaluate_accuracy
 
     for name, value, accepted in (("method", method, METHODS), ("allocation", allocation, ALLOCATIONS)):
         try:
@@ -60,27 +80,25 @@ def reduce(
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint=f"'--{name}'") from None
     if output is not None and output.suffix != ".safetensors":
-        raise typer.BadParameter("--output must end in .safetensors")
+        raise typer.BadParameter(f"{output} must end in .safetensors", param_hint="'--output'")
+    if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
+        raise typer.BadParameter(f"{plot}: give a {', '.join(PLOT_SUFFIXES)} file", param_hint="'--plot'")
     try:
         full = _load_model(model, weights, dataset, size).eval()
         train = load_dataset(dataset, "train", size=size)
         test = load_dataset(dataset, "test", size=size)
         calib = train.tensors[0][: min(calibration, len(train))]
         result = reduce_model(full, alpha, method, allocation, calibration=calib, seed=seed)
-    except (ValueError, TypeError, CheckpointError) as err:
+    except (ValueError, TypeError, DatasetNotFoundError) as err:  # CheckpointError is a ValueError
         raise typer.BadParameter(str(err)) from None
+    except RuntimeError as err:  # torch refusing the data, e.g. images that do not fit the model
+        console.print(f"[red]reduce failed: {err}[/red]")
+        raise typer.Exit(1) from None
 
     one = test.tensors[0][:1]
     full_macs, reduced_macs = count_macs(full, one), count_macs(result.model, one)
-    table = Table(title=f"{model} on {dataset}: {method}, {allocation} allocation, alpha >= {alpha}")
-    for col in ("layer", "M_in x M_out", "kept inputs" if method != "lowrank" else "rank",
-                "MACs", "alpha_l", "J_l"):
-        table.add_column(col, justify="right")
-    for f in result.layers:
-        value = f.kept_inputs if f.kept_inputs is not None else f.rank
-        table.add_row(str(f.layer), f"{f.in_features} x {f.out_features}", str(value),
-                      f"{f.macs:,}", f"{f.alpha:.3f}", f"{f.error:.4g}")
-    console.print(table)
+    title = f"{model} on {dataset}: {method}, {allocation} allocation, alpha >= {alpha}"
+    _print_layers(result, title)
     a = result.allocation
     summary = {"model": model, "dataset": dataset, "method": method, "allocation": allocation,
                "alpha": alpha, "achieved_alpha": a.alpha, "objective_J": a.objective,
@@ -103,8 +121,17 @@ def reduce(
     console.print(f"CPU latency, batch {len(batch)} (median of {timing.rounds} interleaved rounds): "
                   f"{timing.full_seconds * 1e3:.3f} ms -> {timing.reduced_seconds * 1e3:.3f} ms "
                   f"(ratio {timing.ratio:.2f}, measured)")
-    if output is not None:
-        json_path = save(result.model, output, {"reduction": summary})
-        console.print(f"wrote {output} and {json_path}")
-    else:
-        console.print_json(json.dumps({k: v for k, v in summary.items() if k != "layers"}))
+    console.print_json(json.dumps({k: v for k, v in summary.items() if k != "layers"}))  # the table has them
+    try:
+        if output is not None:
+            console.print(f"wrote {output} and {save(result.model, output, {'reduction': summary})}")
+        if json_path is not None:
+            json_path.write_text(json.dumps(summary, indent=2) + "\n")
+            console.print(f"wrote {json_path}")
+        if plot is not None:
+            from ..reduce.plots import plot_layer_factors
+
+            console.print(f"wrote {plot_layer_factors(result.layers, a.alpha, plot, title)}")
+    except OSError as err:  # the disk filled up, a directory vanished mid-run
+        console.print(f"[red]reduce could not write its outputs: {err}[/red]")
+        raise typer.Exit(1) from None
