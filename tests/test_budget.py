@@ -50,22 +50,39 @@ def test_the_model_is_left_as_it_was(small):
 def test_the_choice_follows_exactness_then_sparsity_then_batch(small):
     model, batch = small
     policies = ["dense", "bitmap", "backrazor:sparsity=0.8", "backrazor:sparsity=0.95"]
-    roomy = plan_memory(model, batch, "100GiB", policies=policies)
-    assert roomy.chosen.exact and roomy.chosen.batch == 8
+    roomy = plan_memory(model, batch, "100GiB", policies=policies, min_batch=1)
+    assert roomy.chosen.policy == "dense" and roomy.chosen.batch == 8  # among equals, the least machinery
     assert "exact policy" in roomy.reason and "requested batch" in roomy.reason
     assert sorted({c.batch for c in roomy.candidates}) == [1, 2, 4, 8]
-    keys = [(not c.exact, c.sparsity, -c.batch, c.step_time_ratio) for c in roomy.candidates]
+    keys = [(not c.exact, c.sparsity, -c.batch, c.policy != "dense") for c in roomy.candidates]
     assert keys == sorted(keys)
+    default = plan_memory(model, batch, "100GiB", policies=["dense"])
+    assert sorted({c.batch for c in default.candidates}) == [8]  # min_batch 8: no batch-1 training
     for c in roomy.candidates:
         assert c.predicted_peak_bytes > roomy.held_bytes * 0.9
     # A budget between the smallest and the largest prediction: the chosen candidate fits, and
     # every candidate preferred to it does not.
     peaks = sorted(c.predicted_peak_bytes for c in roomy.candidates)
-    tight = plan_memory(model, batch, int((peaks[0] + peaks[-1]) / 2 * 1.05), policies=policies)
+    tight = plan_memory(model, batch, int((peaks[0] + peaks[-1]) / 2 * 1.05), policies=policies, min_batch=1)
     index = tight.candidates.index(tight.chosen)
     assert tight.chosen.fits and not any(c.fits for c in tight.candidates[:index])
     none = plan_memory(model, batch, "1MiB", policies=["dense"])
     assert none.chosen is None and "nothing fits 1 MiB" in none.reason
+
+
+def test_checkpointed_candidates_are_measured_and_ranked_after_their_plain_policy(small):
+    model, batch = small
+    plan = plan_memory(model, batch, "100GiB")  # the defaults include +checkpoint for a model with stages
+    specs = [c.policy for c in plan.candidates if c.batch == 8]
+    assert specs.index("dense") < specs.index("bitmap") < specs.index("dense+checkpoint") < specs.index(
+        "bitmap+checkpoint") < specs.index("backrazor:sparsity=0.8")
+    by_spec = {c.policy: c for c in plan.candidates if c.batch == 8}
+    assert by_spec["dense+checkpoint"].saved_bytes > 0
+    mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    flat = plan_memory(mlp, torch.randn(8, 12), "100GiB")
+    assert not any(c.policy.endswith("+checkpoint") for c in flat.candidates)  # nothing to checkpoint
+    with pytest.raises(ValueError, match="no nn.Sequential of blocks to checkpoint"):
+        plan_memory(mlp, torch.randn(8, 12), "100GiB", policies=["dense+checkpoint"])
 
 
 def test_bad_arguments_say_what_is_accepted(small):
@@ -76,6 +93,8 @@ def test_bad_arguments_say_what_is_accepted(small):
         plan_memory(model, batch, "1GiB", policies=["zip"])
     with pytest.raises(ValueError, match="memory size"):
         plan_memory(model, batch, "lots")
+    with pytest.raises(ValueError, match="min_batch must be a positive int"):
+        plan_memory(model, batch, "1GiB", min_batch=0)
 
 
 _RUN = """

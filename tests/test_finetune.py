@@ -181,3 +181,12 @@ def test_cli_usage_errors_are_messages(folder, tmp_path, extra, message):
 def test_cli_rejects_a_source_that_is_neither_builtin_nor_a_path(tmp_path):
     result, text = _run(["--model", "zoo:cnn", "--data", tmp_path / "nowhere", "--out", tmp_path / "run"])
     assert result.exit_code == 2 and "neither a built-in dataset (digits, fashion-mnist)" in text
+
+
+def test_checkpointed_stages_are_the_sequences_of_parameterised_blocks():
+    from edgetorch.activations import find_stages
+
+    names = lambda model: [f"{type(parent).__name__}.{attr}" for parent, attr, _ in find_stages(model)]  # noqa: E731
+    assert names(torchvision.models.resnet18()) == [f"ResNet.layer{i}" for i in range(1, 5)]
+    assert names(torchvision.models.mobilenet_v2()) == ["MobileNetV2.features"]  # not (Dropout, Linear)
+    assert names(start_model("zoo:cnn", None)[0]) == ["SmallResNet.features"]  # not (pool, Flatten)

@@ -133,7 +133,7 @@ class MemoryPlan:
 def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 budget: str | int, *, policies: Sequence[str] = DEFAULT_POLICIES, optimizer: str = "sgd",
                 weight_decay: float = 0.0, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                margin: float = 0.05) -> MemoryPlan:
+                margin: float = 0.05, min_batch: int = 8) -> MemoryPlan:
     """Measure one step per policy, predict the peak at every batch size, and choose.
 
     ``model`` must be set up as it will train: trainable parameters marked, batch norm frozen or
@@ -145,7 +145,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         model: the model to train.
         example_batch: ``(inputs, labels)`` at the requested batch size (labels default to
             class 0 when only inputs are given); the candidates are this batch size and its
-            halvings down to 1.
+            halvings down to ``min_batch``.
         budget: e.g. ``"600MiB"`` or a byte count: the most the process may hold (CPU: peak
             resident memory; CUDA: the allocator's peak).
         policies: candidate training policy specs (``POLICY`` or ``POLICY+checkpoint``); by
@@ -155,6 +155,9 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         weight_decay: as the run will use it (SGD's decay copies every gradient during the step).
         loss_fn: ``loss_fn(outputs, labels)``; default cross-entropy.
         margin: headroom a candidate must leave (0.05: predicted peak + 5% <= budget).
+        min_batch: the smallest batch considered (capped at the requested one). Below about 8,
+            batch-norm statistics and gradient noise put accuracy at more risk than a sparser
+            Back Razor does, and the exact-first order would otherwise pick dense at batch 1.
 
     Returns:
         A :class:`MemoryPlan`.
@@ -177,6 +180,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     x, y = example_batch if isinstance(example_batch, (tuple, list)) else (example_batch, None)
+    if isinstance(min_batch, bool) or not isinstance(min_batch, int) or min_batch < 1:
+        raise ValueError(f"min_batch must be a positive int, got {min_batch!r}")
     if x.dim() < 1 or x.shape[0] < 1:
         raise ValueError(f"example_batch needs a batch dimension, got inputs of shape {list(x.shape)}")
     requested = x.shape[0]
@@ -214,7 +219,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         del step  # its state goes with it
     dense_seconds = lines.get("dense", next(iter(lines.values())))[2]
     sample_bytes = (x[0].numel() * x.element_size()) + y[:1].numel() * y.element_size()
-    batches = sorted({max(1, requested >> k) for k in range(requested.bit_length())}, reverse=True)
+    floor = max(1, min(min_batch, requested))
+    batches = sorted({b for k in range(requested.bit_length()) if (b := requested >> k) >= floor}, reverse=True)
     candidates = []
     for policy in parsed:
         slope, intercept, seconds, saved = lines[policy.spec()]
@@ -246,7 +252,7 @@ def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, 
         least = min(candidates, key=lambda c: c.predicted_peak_bytes)
         return (f"nothing fits {budget / mib:,.0f} MiB: the smallest prediction is {least.policy} at batch "
                 f"{least.batch}, {least.predicted_peak_bytes / mib:,.0f} MiB; raise the budget, train fewer "
-                "parameters, or use a smaller input size")
+                "parameters, use a smaller input size, or allow smaller batches (min_batch)")
     why = "an exact policy" if chosen.exact else (
         f"no exact policy fits at any batch, and {chosen.sparsity:g} is the lowest sparsity that does")
     batch = "the requested batch" if chosen.batch == requested else f"the largest batch that fits (requested {requested})"

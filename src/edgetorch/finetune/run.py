@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..activations import freeze_batchnorm, parse_training_policy
 from ..activations.step import forward_backward
-from ..measure.process import peak_bytes, peak_kind, reset_peak
+from ..measure.process import peak_bytes, peak_kind, process_peak_rss_bytes, reset_peak
 from ..zoo import CheckpointError, evaluate_accuracy, load_weights, save_weights
 from ..zoo.weights import file_sha256
 from .model import SCOPES, set_scope
@@ -114,6 +114,9 @@ class FinetuneResult:
         peak_bytes: the measured peak over the epochs run in this call (peak RSS on a CPU,
             the CUDA allocator's peak on a GPU; see ``peak_kind``).
         peak_kind: ``"peak_rss"`` or ``"cuda_max_allocated"``.
+        process_peak_bytes: on a CPU, the process's peak resident memory since it started
+            (loading, any planning, every epoch, validation and checkpoints; what a memory
+            limit sees); None on a GPU, where ``peak_bytes`` is the allocator's.
         resumed_from: the epoch a checkpoint was resumed after (0: a fresh run).
         weights: the final ``model.safetensors`` (None without ``out``).
     """
@@ -122,6 +125,7 @@ class FinetuneResult:
     val_accuracy: float = float("nan")
     peak_bytes: int = 0
     peak_kind: str = "peak_rss"
+    process_peak_bytes: int | None = None
     resumed_from: int = 0
     weights: Path | None = None
 
@@ -202,6 +206,8 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
         result.weights = out / "model.safetensors"
         save_weights(model, result.weights)
         _write_json(out / "model.json", {**meta, "val_accuracy": result.val_accuracy})
+    if device.type != "cuda":
+        result.process_peak_bytes = process_peak_rss_bytes()
     return result
 
 

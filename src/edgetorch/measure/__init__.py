@@ -2,7 +2,7 @@
 
 from .ledger import SavedRecord, SavedTensorLedger, Totals, model_memory, tensor_bytes
 from .machine import machine_description
-from .process import peak_rss_bytes, reset_peak_rss, rss_bytes, run_fresh, uss_bytes
+from .process import peak_rss_bytes, process_peak_rss_bytes, reset_peak_rss, rss_bytes, run_fresh, uss_bytes
 
 __all__ = [
     "SavedRecord",
@@ -11,6 +11,7 @@ __all__ = [
     "machine_description",
     "model_memory",
     "peak_rss_bytes",
+    "process_peak_rss_bytes",
     "reset_peak_rss",
     "rss_bytes",
     "run_fresh",
