@@ -48,6 +48,17 @@ def output_file(path: Path | None) -> Path | None:
     return path
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def plot_file(path: Path | None) -> Path | None:
+    """Typer callback for ``--plot``: a writable file (see :func:`output_file`) matplotlib can save by suffix."""
+    path = output_file(path)
+    if path is not None and path.suffix.lower() not in PLOT_SUFFIXES:
+        raise typer.BadParameter(f"{path}: give a {', '.join(PLOT_SUFFIXES)} file")
+    return path
+
+
 def output_dir(path: Path | None) -> Path | None:
     """Typer callback for an option naming a directory to write into (created if missing)."""
     if path is not None and path.exists() and not path.is_dir():

@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._app import app, console, device_option, mib, output_dir, output_file
+from ._app import app, console, device_option, mib, output_dir, output_file, plot_file
 
 _POLICY_HELP = ("repeatable: dense, bitmap[:threshold=..,value_dtype=..], backrazor[:sparsity=0.9], each optionally "
                 "+checkpoint. Without --memory-budget give one; with it, these are the candidates (default: "
@@ -48,7 +48,7 @@ def finetune(
     limit: int = typer.Option(None, min=1, help="built-in datasets: use the first N training (and test) images"),
     device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the run's summary as JSON here"),
-    plot: Path = typer.Option(None, callback=output_file, help="write a PNG of loss and validation accuracy here"),
+    plot: Path = typer.Option(None, callback=plot_file, help="write loss and validation accuracy per epoch here (.png, .pdf, .svg)"),
 ) -> None:
     """Fine-tune a model on your images: per-epoch validation accuracy, measured peak memory, resumable."""
     import torch

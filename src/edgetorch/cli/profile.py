@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ._app import app, console, device_option, mib, output_file
+from ._app import app, console, device_option, mib, output_file, plot_file
 
 
 @app.command()
@@ -25,7 +25,7 @@ def profile(
     device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
     freeze_batchnorm: bool = typer.Option(False, "--freeze-batchnorm", "--freeze-bn", help="freeze batch norm first (the Back Razor paper's choice)"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the results as JSON here"),
-    plot: Path = typer.Option(None, callback=output_file, help="write a PNG of the memory breakdown per policy here"),
+    plot: Path = typer.Option(None, callback=plot_file, help="write the memory breakdown per policy here (.png, .pdf, .svg)"),
 ) -> None:
     """Profile one training step per policy: saved-activation bytes (ledger) and measured peak memory."""
     from ..activations import parse_policy

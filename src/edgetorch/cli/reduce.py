@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from ._app import app, console, output_file
-from .split import PLOT_SUFFIXES
+from ._app import app, console, output_file, plot_file
 
 if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
     from ..reduce import Reduction
@@ -64,7 +63,7 @@ def reduce(
     seed: int = typer.Option(0, help="PSO seed"),
     output: Path = typer.Option(None, callback=output_file, help="write the reduced network here (.safetensors + .json)"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the summary, per-layer factors included, as JSON here"),
-    plot: Path = typer.Option(None, callback=output_file, help="write a bar chart of the per-layer factors alpha_l here (.png, .pdf, .svg)"),
+    plot: Path = typer.Option(None, callback=plot_file, help="write a bar chart of the per-layer factors alpha_l here (.png, .pdf, .svg)"),
 ) -> None:
     """Reduce a trained MLP or plain CNN: per-layer factors, MACs, accuracy and measured CPU latency ratio."""
     import torch
@@ -81,8 +80,6 @@ def reduce(
             raise typer.BadParameter(str(err), param_hint=f"'--{name}'") from None
     if output is not None and output.suffix != ".safetensors":
         raise typer.BadParameter(f"{output} must end in .safetensors", param_hint="'--output'")
-    if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
-        raise typer.BadParameter(f"{plot}: give a {', '.join(PLOT_SUFFIXES)} file", param_hint="'--plot'")
     try:
         full = _load_model(model, weights, dataset, size).eval()
         train = load_dataset(dataset, "train", size=size)

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ._app import app, console, device_option, output_dir, output_file
+from ._app import app, console, device_option, output_dir, output_file, plot_file
 
 split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, plan.", no_args_is_help=True)
 app.add_typer(split_app, name="split")
@@ -28,7 +28,6 @@ def _secret(env: str | None, what: str) -> str | None:
     return value
 
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 # Options that `split export --trained DIR` takes from the training record instead.
 _FROM_TRAINING = ("model", "channels", "split_point", "downsample", "resolution", "num_classes", "class_names",
                   "color", "normalize")
@@ -57,14 +56,12 @@ def train(
     seed: int = typer.Option(0, help="seeds the new layers, the batch order and a folder's validation split"),
     device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="also write the training record (student.json) here"),
-    plot: Path = typer.Option(None, callback=output_file, help="write the loss curves of both stages here (.png, .pdf, .svg)"),
+    plot: Path = typer.Option(None, callback=plot_file, help="write the loss curves of both stages here (.png, .pdf, .svg)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Train a BottleFit student from a teacher: GHND, then FT or KD; evaluate it through the 8-bit payload."""
     from ..split.recipe import BottleFitConfig, RecipeConfig, plot_losses, train_student
 
-    if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
-        raise typer.BadParameter(f"--plot {plot}: give a {', '.join(PLOT_SUFFIXES)} file")
     try:
         config = RecipeConfig(teacher=teacher, data=data, size=size, color=color, normalize=normalize,
                               teacher_weights=None if teacher_weights is None else str(teacher_weights),
