@@ -42,7 +42,7 @@ import torch
 
 from _common import table, write_results
 from edgetorch.split.bottleneck import inject_bottleneck
-from edgetorch.split.export import export_model
+from edgetorch.split.export import save
 from edgetorch.split.payload import encode, payload_size
 from edgetorch.zoo import build_model
 
@@ -411,7 +411,7 @@ def main() -> None:
     torch.manual_seed(0)
     student = inject_bottleneck(build_model(ARCH, num_classes=10), CHANNELS, "sp2").eval()
     with tempfile.TemporaryDirectory() as artifacts:
-        manifest = export_model(student, artifacts, RESOLUTION)
+        manifest = save(student, artifacts, RESOLUTION)
         shape = tuple(manifest.bottleneck_shape)
         body = encode(torch.randn(1, *shape))
         port = free_port()

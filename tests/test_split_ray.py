@@ -59,7 +59,7 @@ def artifact(tmp_path_factory) -> Path:
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("ray_artifact") / "r18_c2"
-    es.export_model(es.inject_bottleneck(torchvision.models.resnet18(num_classes=10), 2), out, 32)
+    es.save(es.inject_bottleneck(torchvision.models.resnet18(num_classes=10), 2), out, 32)
     return out
 
 

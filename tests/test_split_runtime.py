@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from edgetorch.split import SplitArtifactError, export_model, inject_bottleneck, load, load_onnx_head
+from edgetorch.split import SplitArtifactError, save, inject_bottleneck, load, load_onnx_head
 from edgetorch.split.client import SplitClient, SplitClientError, preprocess_images
 from edgetorch.split.export import Preprocess, load_part, read_manifest
 from edgetorch.split.payload import decode, encode
@@ -45,14 +45,14 @@ def model():
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory, model):
     out = tmp_path_factory.mktemp("artifact")
-    export_model(model, out, 32)
+    save(model, out, 32)
     return out
 
 
 @pytest.fixture(scope="module")
 def signed(tmp_path_factory, model):
     out = tmp_path_factory.mktemp("signed")
-    export_model(model, out, 32, key=KEY)
+    save(model, out, 32, key=KEY)
     return out
 
 
@@ -234,14 +234,14 @@ def test_a_signed_artifact_loads_only_with_its_key(signed, artifact, tmp_path):
 
 def test_export_refuses_what_it_cannot_write_faithfully(model, tmp_path):
     with pytest.raises(ValueError, match="multiple of 8"):
-        export_model(model, tmp_path / "a", 36)
+        save(model, tmp_path / "a", 36)
     with pytest.raises(TypeError, match="BottleneckModel"):
-        export_model(torchvision.models.resnet18(), tmp_path / "a", 32)
+        save(torchvision.models.resnet18(), tmp_path / "a", 32)
     (tmp_path / "file").write_text("x")
     with pytest.raises(SplitArtifactError, match="is a file"):
-        export_model(model, tmp_path / "file", 32)
+        save(model, tmp_path / "file", 32)
     with pytest.raises(ValueError, match="std must be > 0"):
-        export_model(model, tmp_path / "a", 32, Preprocess(size=(32, 32), std=(0.0,)))
+        save(model, tmp_path / "a", 32, Preprocess(size=(32, 32), std=(0.0,)))
 
 
 def test_export_replaces_a_planted_symlink_instead_of_writing_through_it(model, tmp_path):
@@ -249,7 +249,7 @@ def test_export_replaces_a_planted_symlink_instead_of_writing_through_it(model, 
     out.mkdir()
     victim.write_text("keep me")
     (out / "tail.safetensors").symlink_to(victim)
-    export_model(model, out, 32)
+    save(model, out, 32)
     assert victim.read_text() == "keep me" and not (out / "tail.safetensors").is_symlink()
 
 
@@ -335,7 +335,7 @@ def test_onnx_head_matches_the_torch_head_and_serves_the_client(model, tmp_path)
     pytest.importorskip("onnxscript")
     pytest.importorskip("onnxruntime")
     out = tmp_path / "onnx"
-    manifest = export_model(model, out, 32, onnx=True, key=KEY)
+    manifest = save(model, out, 32, onnx=True, key=KEY)
     assert manifest.files["head_onnx"]["path"] == "head.onnx"
     onnx_head, _ = load_onnx_head(out, key=KEY)
     head, tail = load(out, key=KEY)
@@ -354,7 +354,7 @@ def test_onnx_head_matches_the_torch_head_and_serves_the_client(model, tmp_path)
     (out / "head.onnx").write_bytes((out / "head.onnx").read_bytes()[:-1])
     with pytest.raises(SplitArtifactError, match="SHA-256"):
         load_onnx_head(out, key=KEY)
-    export_model(model, out, 32)  # without --onnx the old head.onnx goes, so the manifest tells the truth
+    save(model, out, 32)  # without --onnx the old head.onnx goes, so the manifest tells the truth
     assert not (out / "head.onnx").exists()
     with pytest.raises(SplitArtifactError, match="no head.onnx"):
         load_onnx_head(out)

@@ -383,20 +383,24 @@ def test_split_train_then_export_serve_and_infer_a_real_image(trained, photos, t
     command = shlex.split(result.output.split("export it with:")[1].strip())
     assert command[:3] == ["edgetorch", "split", "export"]
     runner = CliRunner()
-    exported = runner.invoke(app, command[1:])
+    exported = runner.invoke(app, [*command[1:], "--json", str(out / "export.json")])
     assert exported.exit_code == 0, exported.output
     artifact = out / "artifact"
     manifest = read_manifest(artifact)
+    assert json.loads((out / "export.json").read_text())["manifest"]["num_classes"] == len(CLASSES)
     assert manifest.class_names == CLASSES and manifest.input_shape == (3, 32, 32)
     assert (manifest.preprocess.color, manifest.preprocess.mean) == ("rgb", NORMALISATIONS["imagenet"][0])
 
     image = photos / "cross" / "1.png"
     tail, manifest = load_part(artifact, "tail")
     with serve_in_background(create_app(tail, manifest)) as url:
-        answer = runner.invoke(app, ["split", "infer", str(artifact), str(image), "--server", url, "--top-k", "1"])
+        answer = runner.invoke(app, ["split", "infer", str(artifact), str(image), "--server", url, "--top-k", "1",
+                                     "--json", str(out / "infer.json")])
     assert answer.exit_code == 0, answer.output
     predicted = re.search(r"1\.png: (\w+) \d+\.\d%", _said(answer))
     assert predicted and predicted.group(1) in CLASSES, answer.output
+    record = json.loads((out / "infer.json").read_text())
+    assert record["images"][0]["top"][0]["class"] == predicted.group(1) and record["payload_bytes"] > 0
 
 
 def test_an_interrupted_split_train_resumes_to_the_same_weights(trained, teacher_file, photos, tmp_path,

@@ -125,10 +125,11 @@ def export(
     normalize: str = typer.Option("none", help="pixel normalisation after scaling to [0, 1]: none or imagenet"),
     key_env: str = typer.Option(None, help="sign the manifest with HMAC-SHA256, the key (>= 16 bytes) read from this environment variable"),
     onnx: bool = typer.Option(False, "--onnx", help="also write head.onnx for devices that run onnxruntime (needs edgetorch[onnx])"),
+    json_path: Path = typer.Option(None, "--json", callback=output_file, help="write what was exported (shapes, files, SHA-256) here"),
 ) -> None:
     """Write head.safetensors, tail.safetensors and manifest.json for a bottleneck-injected model."""
     from ..split.bottleneck import inject_bottleneck
-    from ..split.export import Preprocess, SplitArtifactError, export_model
+    from ..split.export import Preprocess, SplitArtifactError, save
     from ..split.recipe import NORMALISATIONS, load_trained
     from ..zoo import build_model, load_weights
 
@@ -156,12 +157,17 @@ def export(
             if checkpoint is not None:
                 load_weights(student, checkpoint)
             preprocess = Preprocess((resolution, resolution), color, *NORMALISATIONS[normalize])
-        manifest = export_model(student, out, resolution, preprocess, class_names=names, key=key, onnx=onnx)
+        manifest = save(student, out, resolution, preprocess, class_names=names, key=key, onnx=onnx)
     except (ValueError, TypeError, ImportError, SplitArtifactError) as err:  # CheckpointError is a ValueError
         raise typer.BadParameter(str(err)) from None
     source = trained or checkpoint or "random init"
     console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
                   f"{manifest.num_classes} logits ({source}{', signed' if key else ''}{', with head.onnx' if onnx else ''})")
+    if json_path is not None:
+        record = {"artifact": str(out), "source": str(source), "signed": key is not None,
+                  "manifest": json.loads((out / "manifest.json").read_text())}
+        json_path.write_text(json.dumps(record, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
 
 
 @split_app.command()
@@ -217,6 +223,7 @@ def infer(
     key_env: str = typer.Option(None, help="refuse the artifact unless signed with the HMAC key in this environment variable"),
     runtime: str = typer.Option("torch", help="run the head with torch (safetensors) or onnx (head.onnx, needs onnxruntime)"),
     top_k: int = typer.Option(3, min=1, help="print this many most probable classes per image"),
+    json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the predictions, payload bytes and stage times here"),
 ) -> None:
     """Run the head here, send the 8-bit payload, print predictions and each stage's time."""
     import httpx
@@ -234,10 +241,17 @@ def infer(
     except (SplitClientError, httpx.HTTPError) as err:
         console.print(f"[red]request failed: {err}[/red]")
         raise typer.Exit(1) from None
-    for path, ranked in zip(images, result.top(top_k, client.manifest.class_names)):
+    predictions = result.top(top_k, client.manifest.class_names)
+    for path, ranked in zip(images, predictions):
         console.print(f"{path}: " + ", ".join(f"{name} {p:.1%}" for name, p in ranked))
     stages = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     console.print(f"payload {result.payload_bytes:,} bytes for {len(images)} image(s); {stages}")
+    if json_path is not None:
+        record = {"images": [{"path": str(path), "top": [{"class": name, "probability": p} for name, p in ranked]}
+                             for path, ranked in zip(images, predictions)],
+                  "payload_bytes": result.payload_bytes, "seconds": result.seconds}
+        json_path.write_text(json.dumps(record, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
 
 
 TRAINING_RESULTS = Path("docs/results/split_training.json")

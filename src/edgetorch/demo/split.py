@@ -22,7 +22,7 @@ from rich.table import Table
 from ..data import load_dataset
 from ..split.bottleneck import inject_bottleneck
 from ..split.client import SplitClient, preprocess_images
-from ..split.export import export_model
+from ..split.export import save
 from ..split.server import app_from_dir, serve_in_background
 from ..zoo import build_model
 
@@ -36,7 +36,7 @@ def run(console: Console) -> None:
     student = inject_bottleneck(build_model(ARCH, num_classes=10), CHANNELS, "sp2").eval()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        manifest = export_model(student, root / "artifact", RESOLUTION)
+        manifest = save(student, root / "artifact", RESOLUTION)
         console.print(f"exported {ARCH} (SP2, C={CHANNELS}) at {RESOLUTION}px: head -> "
                       f"{list(manifest.bottleneck_shape)}, tail -> {manifest.num_classes} logits")
         test = load_dataset("fashion-mnist", "test", limit=IMAGES)

@@ -11,7 +11,7 @@ Example:
 """
 
 from .bottleneck import ACCEPTED_ARCHS, SPLIT_POINTS, BottleneckModel, inject_autoencoder, inject_bottleneck, split
-from .export import SplitArtifactError, export_model, load, load_onnx_head
+from .export import SplitArtifactError, load, load_onnx_head, save
 from .links import parse_link
 from .losses import ghnd_loss, kd_loss
 from .payload import PayloadError, decode, encode, payload_size
@@ -32,12 +32,12 @@ from .train import StageConfig, train_stage
 
 __all__ = [
     "ACCEPTED_ARCHS",
-    "SPLIT_POINTS",
     "BottleFitConfig",
     "BottleneckModel",
     "DeviceProfile",
     "PayloadError",
     "RecipeConfig",
+    "SPLIT_POINTS",
     "SplitAccuracy",
     "SplitArtifactError",
     "StageConfig",
@@ -46,7 +46,6 @@ __all__ = [
     "decode",
     "encode",
     "evaluate_split",
-    "export_model",
     "file_offload",
     "ghnd_loss",
     "inject_autoencoder",
@@ -59,6 +58,7 @@ __all__ = [
     "load_trained",
     "parse_link",
     "payload_size",
+    "save",
     "split",
     "train_bottlefit",
     "train_stage",

@@ -125,7 +125,7 @@ class SplitClient:
         """Load the verified head from an artifact directory (the device needs no tail).
 
         Args:
-            artifact_dir: a directory written by :func:`~edgetorch.split.export_model`.
+            artifact_dir: a directory written by :func:`~edgetorch.split.save`.
             server: the tail server's base URL.
             key: the HMAC key, if the artifact was signed.
             runtime: ``"torch"`` (the safetensors head) or ``"onnx"`` (``head.onnx`` under

@@ -33,7 +33,7 @@ error that names both, and the client resizes images to it.
 Example:
     >>> import torchvision, edgetorch.split as es
     >>> student = es.inject_bottleneck(torchvision.models.resnet18(num_classes=10), channels=3)
-    >>> manifest = es.export_model(student, "artifact", resolution=224)  # doctest: +SKIP
+    >>> manifest = es.save(student, "artifact", resolution=224)  # doctest: +SKIP
     >>> head, tail = es.load("artifact")  # doctest: +SKIP
 """
 
@@ -313,7 +313,7 @@ class CheckedInput(nn.Module):
         return self.module(x)
 
 
-def export_model(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
+def save(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
                  preprocess: Preprocess | None = None, *, class_names: Sequence[str] | None = None,
                  key: bytes | str | None = None, onnx: bool = False) -> SplitManifest:
     """Write a student's head and tail as safetensors plus a verified manifest.
@@ -342,12 +342,12 @@ def export_model(model: BottleneckModel, out_dir: str | Path, resolution: int = 
         SplitArtifactError: ``out_dir`` is a file, or the loaded split disagrees with the model.
 
     Example:
-        >>> export_model(student, "r18_c12", 224, key=os.environ["SPLIT_KEY"])  # doctest: +SKIP
+        >>> save(student, "r18_c12", 224, key=os.environ["SPLIT_KEY"])  # doctest: +SKIP
     """
-    from safetensors.torch import save
+    from safetensors.torch import save as serialize
 
     if not isinstance(model, BottleneckModel):
-        raise TypeError(f"export_model takes a BottleneckModel (see inject_bottleneck), got {type(model).__name__}")
+        raise TypeError(f"save takes a BottleneckModel (see inject_bottleneck), got {type(model).__name__}")
     if isinstance(resolution, bool) or not isinstance(resolution, int) or not \
             0 < resolution <= MAX_RESOLUTION or resolution % model.input_multiple:
         raise ValueError(f"resolution must be a multiple of {model.input_multiple} for this model, "
@@ -371,7 +371,7 @@ def export_model(model: BottleneckModel, out_dir: str | Path, resolution: int = 
         with torch.no_grad():
             bottleneck = model.head(example)
             expected = model.tail(bottleneck)
-        blobs = {part: save(_state(getattr(model, part)), metadata={"part": part, "format": FORMAT})
+        blobs = {part: serialize(_state(getattr(model, part)), metadata={"part": part, "format": FORMAT})
                  for part in _PARTS}
         if onnx:
             blobs[_ONNX] = _onnx_bytes(model.head, example)
@@ -440,7 +440,7 @@ def read_manifest(artifact_dir: str | Path, key: bytes | str | None = None) -> S
     """Read and validate ``DIR/manifest.json``, its signature when a key is given, and every file's hash.
 
     Args:
-        artifact_dir: a directory written by :func:`export_model`.
+        artifact_dir: a directory written by :func:`save`.
         key: the HMAC key the artifact was signed with; when given, an unsigned or altered
             manifest is refused.
 
@@ -550,7 +550,7 @@ def load_part(artifact_dir: str | Path, part: str, key: bytes | str | None = Non
     Only that side's file is read (a device needs no tail file) and only its weights allocated.
 
     Args:
-        artifact_dir: a directory written by :func:`export_model`.
+        artifact_dir: a directory written by :func:`save`.
         part: ``"head"`` or ``"tail"``.
         key: the HMAC key, if the artifact was signed (see :func:`read_manifest`).
 
@@ -572,7 +572,7 @@ def load(artifact_dir: str | Path, key: bytes | str | None = None) -> tuple[nn.M
     """Load a verified head and tail from an artifact directory.
 
     Args:
-        artifact_dir: a directory written by :func:`export_model` / ``edgetorch split export``.
+        artifact_dir: a directory written by :func:`save` / ``edgetorch split export``.
         key: the HMAC key, if the artifact was signed (see :func:`read_manifest`).
 
     Returns:

@@ -53,7 +53,7 @@ def ray_app(artifact_dir: str | Path, config: ServerConfig = ServerConfig(), rep
     app-level limits (body size, batch, body deadline).
 
     Args:
-        artifact_dir: an artifact directory written by :func:`~edgetorch.split.export_model`. It
+        artifact_dir: an artifact directory written by :func:`~edgetorch.split.save`. It
             is made absolute here, and must exist at that path on every node that runs a replica.
         config: limits and token, as for ``edgetorch split serve``. Its protocol-level limits
             (header deadline, connection cap, header size, keep-alive) belong to the HTTP server,

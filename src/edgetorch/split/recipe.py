@@ -650,7 +650,7 @@ def load_trained(directory: str | Path) -> TrainedStudent:
 
     Example:
         >>> trained = load_trained("runs/c12")  # doctest: +SKIP
-        >>> export_model(trained.model, "artifact", trained.resolution, trained.preprocess)  # doctest: +SKIP
+        >>> save(trained.model, "artifact", trained.resolution, trained.preprocess)  # doctest: +SKIP
     """
     root = Path(directory)
     path = root / RECORD_NAME

@@ -459,7 +459,7 @@ def app_from_dir(artifact_dir: str | Path, config: ServerConfig = ServerConfig()
     """Load a verified tail from an artifact directory and build the app (see :func:`create_app`).
 
     Args:
-        artifact_dir: a directory written by :func:`~edgetorch.split.export_model`.
+        artifact_dir: a directory written by :func:`~edgetorch.split.save`.
         config: limits and token.
         key: the HMAC key, if the artifact was signed.
     """
