@@ -10,10 +10,12 @@ and stores both the stage inputs and the recomputed segments under the policy.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..measure import SavedTensorLedger
@@ -74,3 +76,18 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: Tr
         loss = loss_fn(model(x), y)
     loss.backward()
     return loss.detach()
+
+
+def step_ledger(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: TrainingPolicy | str,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy) -> SavedTensorLedger:
+    """What one training step of ``model`` under ``how`` saves for backward, run on a copy.
+
+    The model itself, its batch-norm statistics and its gradients are left as they are.
+
+    Example:
+        >>> step_ledger(model, x, y, "backrazor:sparsity=0.9").total().stored_bytes  # doctest: +SKIP
+    """
+    how = parse_training_policy(how) if isinstance(how, str) else how
+    ledger = SavedTensorLedger()
+    forward_backward(copy.deepcopy(model), x, y, how, loss_fn, ledger)
+    return ledger

@@ -22,8 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     console = Console(width=110)
     for name in names:
         importlib.import_module(f"{__name__}.{name}").run(console)
-    console.rule("what next: the same on your own data")
-    console.print(WHAT_NEXT)
+    if names == list(SECTIONS):
+        console.rule("what next: the same on your own data")
+        console.print(WHAT_NEXT)
 
 
 WHAT_NEXT = """\
@@ -31,7 +32,7 @@ WHAT_NEXT = """\
   edgetorch finetune --model torchvision:resnet18 --weights resnet18.safetensors --data photos/ \\
       --memory-budget 1GiB --epochs 5 --out runs/photos --plot runs/photos.png
   # see what one training step saves and holds, per policy
-  edgetorch profile --model torchvision:resnet18 --batch 16 --policy dense --policy bitmap --policy backrazor:sparsity=0.9
+  edgetorch profile --model torchvision:resnet18 --policy dense --policy bitmap --policy backrazor
   # shrink a trained network to a multiplication budget
   edgetorch reduce --model zoo:plaincnn --dataset fashion-mnist --alpha 0.5 --output small.safetensors
   # train a BottleFit student from your teacher, then export and serve it

@@ -14,15 +14,12 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
-from torch import nn
 
-from ..activations import forward_backward, parse_training_policy
+from ..activations import step_ledger
 from ..data import DatasetNotFoundError, load_dataset
 from ..finetune import FinetuneConfig, finetune, replace_classifier
-from ..measure import SavedTensorLedger
 from ..zoo import pretrained
 
 # Two epochs of 62 Adam steps: long enough for full fine-tuning to pull ahead of the linear probe.
@@ -46,14 +43,6 @@ def target_task() -> tuple[str, torch.utils.data.TensorDataset, torch.utils.data
         return "inverted digits (Fashion-MNIST not installed)", invert(train), invert(test)
 
 
-def saved_bytes(model: nn.Module, config: FinetuneConfig, x: torch.Tensor, y: torch.Tensor) -> int:
-    """What one training step of ``config`` saves for backward (ledger), on a throwaway copy."""
-    probe = copy.deepcopy(model)
-    ledger = SavedTensorLedger()
-    forward_backward(probe, x, y, parse_training_policy(config.policy), F.cross_entropy, ledger)
-    return ledger.total().stored_bytes
-
-
 def run(console: Console) -> None:
     """Print the Back Razor section; exits non-zero if Back Razor failed to learn the target."""
     console.rule("edgetorch demo: Back Razor transfer (zoo CNN pretrained on digits)")
@@ -74,7 +63,7 @@ def run(console: Console) -> None:
         replace_classifier(model, 10)
         with console.status(f"fine-tuning {method}"):
             result = finetune(model, train, test, config)
-        results[method] = (config, result.val_accuracy, saved_bytes(model, config, x, y),
+        results[method] = (config, result.val_accuracy, step_ledger(model, x, y, config.policy).total().stored_bytes,
                            result.history[-1]["train_loss"])
     full = results["FT-Full"][2]
     for method, (config, acc, stored, loss) in results.items():
