@@ -93,8 +93,7 @@ def finetune(
             plan = plan_memory(net, (x.to(device), y.to(device)), budget, policies=policies or DEFAULT_POLICIES,
                                optimizer=config.planner_optimizer, weight_decay=weight_decay, min_batch=min_batch)
         _print_plan(plan)
-        if plan.chosen is None:
-            console.print(f"[red]{plan.reason}[/red]")
+        if plan.chosen is None:  # the table's "why" line said what to change
             raise typer.Exit(1)
         config = dataclasses.replace(config, policy=plan.chosen.policy, batch_size=plan.chosen.batch)
         del x, y
