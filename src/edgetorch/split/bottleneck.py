@@ -31,6 +31,28 @@ is ``conv3x3 C->w, BN, ReLU``, one resampling step per factor of two between the
 the front's resolution (deconvolution up, strided conv down), then ``conv3x3 w->Ct`` and, for
 ResNet, BN + ReLU (``layer2``'s output is post-ReLU; a DenseNet transition's output is not).
 
+``architecture="released"`` builds the authors' published design instead of the one above, read
+from their code: ``Bottleneck4ResNet152`` in the BottleFit repository's ``custom/model.py``
+(``bottleneck_ver`` "2" with ``bottleneck_idx`` 7 is SP1, "3" with index 10 is SP2, per the
+``config/ghnd_vanilla-finetune/custom_resnet152_from_resnet152-*.yaml`` files) and
+torchdistill's ``models/custom/bottleneck/classification/densenet.py`` ``Bottleneck4DenseNet``
+(DenseNet-169/201, index 7). It differs from the paper's text in every layer after the stem:
+
+* encoder: conv 7x7/2, BN, ReLU, max-pool, then a *second* BN + ReLU; SP1: conv 2x2/2 (padding 1)
+  to ``C``; SP2: conv 2x2/2 (padding 1) to 512 channels, BN, ReLU, then the bottleneck conv 2x2 to
+  ``C``. Every convolution is 2x2 and bias-free, and all layers start fresh (the authors' student
+  takes only the later blocks from the pretrained model);
+* decoder: BN + ReLU on the bottleneck, then four 2x2 convolutions ``C -> 512 -> 512 -> Ct -> Ct``
+  with padding 1, 1, 0, 0 (BN + ReLU between them; none after the last), then an average pool
+  2x2: stride 1 trims ResNet's ``H/8 + 1`` to ``H/8``, stride 2 halves to DenseNet's ``H/16``.
+
+The authors released SP2 only downsampled (ver 3: a 2x2/2 bottleneck conv, ``C x 15 x 15`` at
+224 px, and a 2x2/2 deconvolution as the decoder's first layer); that is ``sp2`` with
+``downsample=True`` here. Plain ``sp2`` keeps the paper's ``C x H/8`` (12 x 28 x 28): its
+bottleneck conv is 2x2/1 without padding and, with no ``+1`` to trim, a ResNet decoder ends
+without the pool. ``sp1`` with ``downsample=True`` uses stride 4 and the same deconvolution.
+No released configuration covers ResNet-18/50 or DenseNet-121; they follow the same rules.
+
 The paper's autoencoder baseline (:func:`inject_autoencoder`) instead keeps the teacher's front on
 the device and inserts 4 convolutions + 4 deconvolutions with BN/ReLU between ``front`` and the
 blocks.
@@ -60,7 +82,9 @@ RESNETS = ("resnet18", "resnet50", "resnet152")
 DENSENETS = ("densenet121", "densenet169", "densenet201")
 ACCEPTED_ARCHS = RESNETS + DENSENETS
 SPLIT_POINTS = ("sp1", "sp2")
+ARCHITECTURES = ("paper", "released")
 _STEM_CHANNELS = 64  # every accepted architecture's stem conv has 64 output channels
+_RELEASED_WIDTH = 512  # the released encoder's SP2 middle layer and the decoder's first two convs
 
 
 def detect_arch(model: nn.Module) -> str:
@@ -243,10 +267,11 @@ class BottleneckModel(nn.Module):
         split_point: ``"sp1"``, ``"sp2"`` or ``"ae"`` (autoencoder baseline).
         arch: the teacher's torchvision architecture, e.g. ``"resnet18"``.
         downsample: whether the bottleneck was spatially halved once more.
+        architecture: the encoder/decoder design, ``"paper"`` or ``"released"`` (see the module docstring).
     """
 
     def __init__(self, head: Head, tail: Tail, channels: int, split_point: str, arch: str,
-                 downsample: bool):  # fmt: skip
+                 downsample: bool, architecture: str = "paper"):  # fmt: skip
         super().__init__()
         self.head = head
         self.tail = tail
@@ -254,6 +279,7 @@ class BottleneckModel(nn.Module):
         self.split_point = split_point
         self.arch = arch
         self.downsample = downsample
+        self.architecture = architecture
 
     @property
     def input_multiple(self) -> int:
@@ -264,11 +290,12 @@ class BottleneckModel(nn.Module):
         """What :func:`rebuild` needs to build this student's layers again (as plain JSON data).
 
         Returns:
-            ``{"arch", "channels", "split_point", "downsample", "num_classes"}``.
+            ``{"arch", "channels", "split_point", "downsample", "num_classes", "architecture"}``.
         """
         linear = self.tail.classifier[-1]
         return {"arch": self.arch, "channels": self.channels, "split_point": self.split_point,
-                "downsample": self.downsample, "num_classes": int(linear.out_features)}
+                "downsample": self.downsample, "num_classes": int(linear.out_features),
+                "architecture": self.architecture}
 
     def bottleneck_parts(self) -> list[nn.Module]:
         """The layers bottleneck training (HND/GHND/AE reconstruction) updates: encoder and decoder.
@@ -310,56 +337,111 @@ def _decoder(channels: int, width: int, target: int, steps: int, final_relu: boo
     return nn.Sequential(*layers)
 
 
-def inject_bottleneck(model: nn.Module, channels: int, split_point: str = "sp2",
-                      downsample: bool = False) -> BottleneckModel:  # fmt: skip
+def _paper_layers(model: nn.Module, arch: str, channels: int, split_point: str,
+                  downsample: bool) -> tuple[list[nn.Module], nn.Sequential]:  # fmt: skip
+    """Encoder layers and decoder of the paper's design (the module docstring's first part)."""
+    target, front_stride = _front_geometry(arch)
+    width = max(_STEM_CHANNELS, target // 2)
+    stride = 2 if downsample else 1
+    encoder = _copied_stem(model, arch) + [nn.MaxPool2d(3, 2, 1)]
+    if split_point == "sp1":
+        encoder.append(nn.Conv2d(_STEM_CHANNELS, channels, 2, 2 * stride, 1))  # H/(8 stride) + 1
+    else:
+        encoder += _conv_bn_relu(_STEM_CHANNELS, width, 2)
+        encoder.append(nn.Conv2d(width, channels, 3, stride, 1))
+    # log2(bottleneck stride / front stride): positive means the decoder must upsample.
+    steps = (8 * stride).bit_length() - front_stride.bit_length()
+    return encoder, _decoder(channels, width, target, steps, final_relu=arch in RESNETS, trim=split_point == "sp1")
+
+
+def _conv2x2(cin: int, cout: int, stride: int = 1, padding: int = 0) -> nn.Conv2d:
+    # Every released convolution after the stem is 2x2 and bias-free (BottleFit custom/model.py).
+    return nn.Conv2d(cin, cout, 2, stride, padding, bias=False)
+
+
+def _bn_relu(channels: int) -> list[nn.Module]:
+    return [nn.BatchNorm2d(channels), nn.ReLU(inplace=True)]
+
+
+def _released_layers(arch: str, channels: int, split_point: str,
+                     downsample: bool) -> tuple[list[nn.Module], nn.Sequential]:  # fmt: skip
+    """Encoder layers and decoder of the authors' released design (the module docstring's second part).
+
+    Sizes at 224 px for ResNet: SP1 56 -> 29, decoder 30, 31, 30, 29, pool 28; downsampled
+    (both split points) 15, deconvolution 30, then 31, 30, 29, pool 28; plain SP2 29 -> 28,
+    decoder 29, 30, 29, 28 and no pool.
+    """
+    target, front_stride = _front_geometry(arch)
+    stride = 2 if downsample else 1
+    # Stem, then BN + ReLU once more after the max-pool, as in Bottleneck4ResNet152 / Bottleneck4DenseNet.
+    encoder = [nn.Conv2d(3, _STEM_CHANNELS, 7, 2, 3, bias=False), *_bn_relu(_STEM_CHANNELS),
+               nn.MaxPool2d(3, 2, 1), *_bn_relu(_STEM_CHANNELS)]  # fmt: skip
+    if split_point == "sp1":  # ver 2: conv 2x2/2, padding 1 -> H/8 + 1
+        encoder.append(_conv2x2(_STEM_CHANNELS, channels, 2 * stride, 1))
+    else:  # ver 3: conv 2x2/2 to 512 (H/8 + 1), then the bottleneck conv
+        encoder += [_conv2x2(_STEM_CHANNELS, _RELEASED_WIDTH, 2, 1), *_bn_relu(_RELEASED_WIDTH)]
+        # ver 3's 2x2/2 with padding 1 gives H/16 + 1; undownsampled (no released config) a 2x2/1
+        # conv without padding gives the paper's H/8.
+        encoder.append(_conv2x2(_RELEASED_WIDTH, channels, stride, 1 if downsample else 0))
+    # The released split puts the bottleneck conv's BN + ReLU on the server side (bottleneck_idx).
+    first = (nn.ConvTranspose2d(channels, _RELEASED_WIDTH, 2, 2, bias=False) if downsample  # ver 3
+             else _conv2x2(channels, _RELEASED_WIDTH, 1, 1))
+    decoder = [*_bn_relu(channels), first, *_bn_relu(_RELEASED_WIDTH),
+               _conv2x2(_RELEASED_WIDTH, _RELEASED_WIDTH, 1, 1), *_bn_relu(_RELEASED_WIDTH),
+               _conv2x2(_RELEASED_WIDTH, target), *_bn_relu(target), _conv2x2(target, target)]  # fmt: skip
+    # The encoder's padding leaves H/8 + 1 except on plain SP2; the pool trims it (ResNet: 2x2/1)
+    # or halves to the front's H/16 (DenseNet: 2x2/2, which floors either size to H/16).
+    if front_stride > 8 or split_point == "sp1" or downsample:
+        decoder.append(nn.AvgPool2d(2, front_stride // 8))
+    return encoder, nn.Sequential(*decoder)
+
+
+def inject_bottleneck(model: nn.Module, channels: int, split_point: str = "sp2", downsample: bool = False,
+                      architecture: str = "paper") -> BottleneckModel:  # fmt: skip
     """Build a BottleFit student from a (pretrained) torchvision ResNet or DenseNet.
 
     ``model`` itself is not modified: the student's tail holds copies of its later blocks and
-    classifier, and its encoder starts from a copy of its stem (see the module docstring for the
-    exact encoder/decoder design).
+    classifier; the paper design's encoder starts from a copy of its stem (see the module
+    docstring for the exact encoder/decoder designs).
 
     Args:
         model: the teacher, one of :data:`ACCEPTED_ARCHS` (any ``num_classes``).
         channels: bottleneck channels ``C`` (the paper uses 1, 2, 3, 6, 9, 12; any positive int).
         split_point: ``"sp1"`` (bottleneck ``C x (H/8 + 1)``) or ``"sp2"`` (``C x H/8``).
         downsample: halve the bottleneck's height and width once more; the decoder deconvolves back.
+        architecture: ``"paper"`` (the paper's text, edgetorch's default) or ``"released"`` (the
+            authors' code: 2x2 convolutions, a heavier decoder).
 
     Returns:
         The student; ``student.head`` outputs the bottleneck, ``student.tail`` maps it to logits.
 
     Raises:
-        ValueError: unsupported architecture, split point, or channel count.
+        ValueError: unsupported architecture (teacher or design), split point, or channel count.
 
     Example:
         >>> from edgetorch.zoo import build_model
         >>> s = inject_bottleneck(build_model("torchvision:densenet121"), 12, "sp1", downsample=True)
         >>> s.head(torch.zeros(1, 3, 64, 64)).shape
         torch.Size([1, 12, 5, 5])
+        >>> r = inject_bottleneck(build_model("torchvision:resnet18"), 12, "sp2", architecture="released")
+        >>> r.head(torch.zeros(1, 3, 224, 224)).shape
+        torch.Size([1, 12, 28, 28])
     """
     _check_channels(channels)
     if split_point not in SPLIT_POINTS:
         raise ValueError(f"unknown split point {split_point!r}; accepted: {', '.join(SPLIT_POINTS)}")
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown bottleneck architecture {architecture!r}; accepted: {', '.join(ARCHITECTURES)}")
     arch = detect_arch(model)
-    target, front_stride = _front_geometry(arch)
-    width = max(_STEM_CHANNELS, target // 2)
-    stride = 2 if downsample else 1
     with torch.device(_device_of(model)):
-        if split_point == "sp1":
-            encoder = _copied_stem(model, arch) + [nn.MaxPool2d(3, 2, 1)]
-            encoder.append(nn.Conv2d(_STEM_CHANNELS, channels, 2, 2 * stride, 1))  # H/(8 stride) + 1
-            bottleneck_stride = 8 * stride
+        if architecture == "paper":
+            encoder, decoder = _paper_layers(model, arch, channels, split_point, downsample)
         else:
-            encoder = _copied_stem(model, arch) + [nn.MaxPool2d(3, 2, 1)]
-            encoder += _conv_bn_relu(_STEM_CHANNELS, width, 2)
-            encoder.append(nn.Conv2d(width, channels, 3, stride, 1))
-            bottleneck_stride = 8 * stride
-        # log2(bottleneck_stride / front_stride): positive means the decoder must upsample.
-        steps = bottleneck_stride.bit_length() - front_stride.bit_length()
-        decoder = _decoder(channels, width, target, steps, final_relu=arch in RESNETS, trim=split_point == "sp1")
+            encoder, decoder = _released_layers(arch, channels, split_point, downsample)
     stages = copy.deepcopy(decompose(model))
-    multiple = max(bottleneck_stride, front_stride)
+    multiple = max(8 * (2 if downsample else 1), _front_geometry(arch)[1])
     return BottleneckModel(Head(nn.Sequential(*encoder), multiple), Tail(decoder, stages),
-                           channels, split_point, arch, downsample)  # fmt: skip
+                           channels, split_point, arch, downsample, architecture)  # fmt: skip
 
 
 def inject_autoencoder(model: nn.Module, channels: int) -> BottleneckModel:
@@ -398,7 +480,7 @@ def inject_autoencoder(model: nn.Module, channels: int) -> BottleneckModel:
     return BottleneckModel(head, Tail(nn.Sequential(*decoder), stages), channels, "ae", arch, True)
 
 
-_SPEC_KEYS = ("arch", "channels", "split_point", "downsample", "num_classes")
+_SPEC_KEYS = ("arch", "channels", "split_point", "downsample", "num_classes", "architecture")
 
 
 def rebuild(spec: dict[str, Any]) -> BottleneckModel:
@@ -409,8 +491,10 @@ def rebuild(spec: dict[str, Any]) -> BottleneckModel:
     Load the weights afterwards (strictly), e.g. from safetensors.
 
     Args:
-        spec: ``{"arch", "channels", "split_point", "downsample", "num_classes"}``; ``split_point``
-            may also be ``"ae"`` (:func:`inject_autoencoder`).
+        spec: ``{"arch", "channels", "split_point", "downsample", "num_classes", "architecture"}``;
+            ``split_point`` may also be ``"ae"`` (:func:`inject_autoencoder`, whose architecture
+            is ``"paper"``). A spec without ``"architecture"`` (written before the key existed)
+            means ``"paper"``.
 
     Returns:
         The student, in training mode, with random weights.
@@ -420,6 +504,8 @@ def rebuild(spec: dict[str, Any]) -> BottleneckModel:
     """
     import torchvision.models as tvm
 
+    if isinstance(spec, dict) and "architecture" not in spec:
+        spec = {**spec, "architecture": "paper"}
     if not isinstance(spec, dict) or set(spec) != set(_SPEC_KEYS):
         keys = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
         raise ValueError(f"a bottleneck spec needs exactly the keys {', '.join(_SPEC_KEYS)}; got {keys}")
@@ -432,8 +518,10 @@ def rebuild(spec: dict[str, Any]) -> BottleneckModel:
         raise ValueError(f"downsample must be true or false, got {downsample!r}")
     teacher = getattr(tvm, arch)(num_classes=classes)
     if spec["split_point"] == "ae":
+        if spec["architecture"] != "paper":
+            raise ValueError(f"the autoencoder baseline has only the paper's architecture, got {spec['architecture']!r}")
         return inject_autoencoder(teacher, spec["channels"])
-    return inject_bottleneck(teacher, spec["channels"], spec["split_point"], downsample)
+    return inject_bottleneck(teacher, spec["channels"], spec["split_point"], downsample, spec["architecture"])
 
 
 def split(model: BottleneckModel) -> tuple[nn.Module, nn.Module]:
