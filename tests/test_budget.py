@@ -129,3 +129,12 @@ def test_predictions_are_within_10_percent_of_a_measured_run(arch, batch, res, s
     result = json.loads(out.strip().splitlines()[-1])
     error = (result["predicted"] - result["measured"]) / result["measured"]
     assert abs(error) <= 0.10, result
+
+
+def test_calibration_never_measures_a_batch_the_budget_cannot_hold():
+    from edgetorch.activations.budget import _second_batch
+
+    # 8 samples added 80 MB: at most 10 MB a sample, so 100 MB of room takes a batch of 10.
+    assert _second_batch(8, 80_000_000, wanted=16, room=100_000_000) == 10
+    assert _second_batch(8, 80_000_000, wanted=16, room=1e12) == 16  # roomy: 1/4 of the request
+    assert _second_batch(8, 80_000_000, wanted=16, room=0) == 9  # still a line: one sample more

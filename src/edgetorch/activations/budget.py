@@ -92,7 +92,7 @@ class Candidate:
         fits: ``predicted_peak_bytes * (1 + margin) <= budget``.
         exact: the policy gives exact gradients (dense, lossless bitmap).
         sparsity: Back Razor's sparsity (0 for exact policies).
-        step_time_ratio: the policy's measured step time over dense's, at the larger
+        step_time_ratio: the policy's measured step time per sample over dense's, at the larger
             calibration batch.
         saved_bytes: the ledger's stored activation bytes at that batch, scaled to ``batch``.
     """
@@ -117,7 +117,7 @@ class MemoryPlan:
         chosen: the first candidate that fits, or None.
         reason: one sentence on why it was chosen (or why nothing fits).
         held_bytes: memory held before training (measured) plus the optimizer's state (computed).
-        calibration_batches: the two batch sizes each policy was measured at.
+        calibration_batches: the two batch sizes each policy was measured at, by policy spec.
         memory_kind: ``"peak_rss"`` or ``"cuda_max_allocated"``.
     """
 
@@ -126,7 +126,7 @@ class MemoryPlan:
     chosen: Candidate | None
     reason: str
     held_bytes: int
-    calibration_batches: tuple[int, int]
+    calibration_batches: dict[str, tuple[int, int]]
     memory_kind: str
 
 
@@ -188,10 +188,13 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     y = torch.zeros(requested, dtype=torch.long, device=x.device) if y is None else y
     loss_fn = loss_fn or F.cross_entropy
     device = x.device
-    # Two small batches, at least 2 where the request allows (batch norm cannot train on one
-    # sample of a 1x1 feature map); the lines are extrapolated from them.
-    small = max(min(2, requested), requested // 8)
-    calibration = (small, max(small + 1, requested // 4))
+    floor = max(1, min(min_batch, requested))
+    # Two small batches per policy, at least 2 where the request allows (batch norm cannot train
+    # on one sample of a 1x1 feature map); the lines are extrapolated from them. The first is at
+    # most the smallest candidate; the second is 1/4 of the request unless that step alone could
+    # break the budget (see _second_batch): planning must not exceed what it plans for.
+    small = max(min(2, requested), min(requested // 8, floor))
+    limit = budget_bytes / (1 + margin)
 
     def sample(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.arange(batch, device=device) % requested
@@ -201,39 +204,51 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         honest_malloc()
     trainable = [p for p in model.parameters() if p.requires_grad]
     state_bytes = OPTIMIZER_STATES[optimizer] * sum(p.numel() * p.element_size() for p in trainable)
-    lines: dict[str, tuple[float, float, float, int]] = {}  # spec -> (slope, intercept, seconds, saved at c2)
+    lines: dict[str, tuple[float, float, float, int, int]] = {}  # spec -> (slope, intercept, s/sample, saved, c2)
     with _restored(model):
         step = _zero_lr_optimizer(optimizer, trainable, weight_decay)
-        _measure(model, *sample(calibration[0]), TrainingPolicy(Dense()), loss_fn, None, None)  # warm-up: pools, first calls
+        _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, None)  # warm-up: pools, first calls
         release_freed()
         held = held_bytes(device)
         # One step creates the optimizer's state, so the measured steps hold it as training does
         # (it is added below from the parameter count, exactly).
-        _measure(model, *sample(calibration[0]), TrainingPolicy(Dense()), loss_fn, None, step)
+        _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, step)
         for policy in parsed:
             ledger = SavedTensorLedger()
-            first, _ = _measure(model, *sample(calibration[0]), policy, loss_fn, None, step)
-            second, seconds = _measure(model, *sample(calibration[1]), policy, loss_fn, ledger, step)
-            slope = (second - first) / (calibration[1] - calibration[0])
-            lines[policy.spec()] = (slope, second - slope * calibration[1], seconds, ledger.total().stored_bytes)
+            first, _ = _measure(model, *sample(small), policy, loss_fn, None, step)
+            second_batch = _second_batch(small, first, max(small + 1, requested // 4), limit - held - state_bytes)
+            second, seconds = _measure(model, *sample(second_batch), policy, loss_fn, ledger, step)
+            slope = (second - first) / (second_batch - small)
+            lines[policy.spec()] = (slope, second - slope * second_batch, seconds / second_batch,
+                                    ledger.total().stored_bytes, second_batch)
         del step  # its state goes with it
     dense_seconds = lines.get("dense", next(iter(lines.values())))[2]
     sample_bytes = (x[0].numel() * x.element_size()) + y[:1].numel() * y.element_size()
-    floor = max(1, min(min_batch, requested))
     batches = sorted({b for k in range(requested.bit_length()) if (b := requested >> k) >= floor}, reverse=True)
     candidates = []
     for policy in parsed:
-        slope, intercept, seconds, saved = lines[policy.spec()]
+        slope, intercept, seconds, saved, second_batch = lines[policy.spec()]
         for batch in batches:
             peak = held + state_bytes + max(0.0, intercept + slope * batch) + batch * sample_bytes
             candidates.append(Candidate(policy.spec(), batch, int(peak), peak * (1 + margin) <= budget_bytes,
                                         _exact(policy), _sparsity(policy), seconds / dense_seconds,
-                                        int(saved * batch / calibration[1])))
+                                        int(saved * batch / second_batch)))
     candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, c.policy.endswith(CHECKPOINT_SUFFIX),
                                    not c.policy.startswith("dense"), c.step_time_ratio))
     chosen = next((c for c in candidates if c.fits), None)
     return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested),
-                      held + state_bytes, calibration, peak_kind(device))
+                      held + state_bytes, {spec: (small, line[4]) for spec, line in lines.items()}, peak_kind(device))
+
+
+def _second_batch(first_batch: int, first_increase: int, wanted: int, room: float) -> int:
+    """The second calibration batch: ``wanted``, or less where its step could exceed ``room``.
+
+    The step's increase is ``intercept + slope * batch`` with a non-negative intercept, so
+    scaling the first step's increase by ``batch / first_batch`` over-predicts it: a batch that
+    fits under that scaling fits. At least ``first_batch + 1``, to have a line.
+    """
+    per_sample = max(first_increase, 1) / first_batch
+    return max(first_batch + 1, min(wanted, int(room / per_sample)))
 
 
 def _exact(how: TrainingPolicy) -> bool:

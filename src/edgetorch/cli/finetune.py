@@ -172,7 +172,7 @@ class _Display:
 def _plan_dict(plan) -> dict:
     return {"budget_bytes": plan.budget_bytes, "chosen": dataclasses.asdict(plan.chosen) if plan.chosen else None,
             "reason": plan.reason, "held_bytes": plan.held_bytes, "memory_kind": plan.memory_kind,
-            "calibration_batches": list(plan.calibration_batches),
+            "calibration_batches": plan.calibration_batches,
             "candidates": [dataclasses.asdict(c) for c in plan.candidates]}
 
 
