@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from edgetorch.split import SplitArtifactError, load, save
+from edgetorch.split.export import read_manifest
 from edgetorch.split.bottleneck import (
     ACCEPTED_ARCHS,
     BottleneckModel,
@@ -367,3 +368,44 @@ def test_a_manifest_naming_another_architecture_is_refused(released_artifact, tm
     (copy / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(SplitArtifactError, match=match):
         load(copy)
+
+
+def test_split_train_and_export_carry_the_architecture(tmp_path) -> None:
+    """`split train --architecture released` trains that design; `split export --trained` keeps it."""
+    from typer.testing import CliRunner
+
+    from edgetorch.cli import app
+
+    torch.manual_seed(0)
+    save_weights(build_model("torchvision:resnet18", num_classes=10), tmp_path / "teacher.safetensors")
+    runner, out = CliRunner(), tmp_path / "run"
+    train = ["split", "train", "--no-progress", "--teacher", "torchvision:resnet18", "--teacher-weights",
+             str(tmp_path / "teacher.safetensors"), "--data", "digits", "--train-limit", "16", "--val-limit", "8",
+             "--size", "32", "--channels", "2", "--split-point", "sp1", "--epochs", "1", "--batch-size", "8",
+             "--out", str(out)]  # fmt: skip
+    bad = runner.invoke(app, [*train, "--architecture", "authors"])
+    assert bad.exit_code == 2 and "accepted: paper, released" in bad.output
+    done = runner.invoke(app, [*train, "--architecture", "released"])
+    assert done.exit_code == 0, done.output
+    assert json.loads((out / "student.json").read_text())["model"]["architecture"] == "released"
+    assert json.loads((out / "recipe.json").read_text())["architecture"] == "released"
+    conflicting = runner.invoke(app, ["split", "export", "--trained", str(out), "--architecture", "paper",
+                                      "--out", str(tmp_path / "a")])  # fmt: skip
+    assert conflicting.exit_code == 2 and "--architecture" in conflicting.output
+    exported = runner.invoke(app, ["split", "export", "--trained", str(out), "--out", str(tmp_path / "artifact")])
+    assert exported.exit_code == 0, exported.output
+    assert read_manifest(tmp_path / "artifact").model["architecture"] == "released"
+    fresh = runner.invoke(app, ["split", "export", "--model", "torchvision:resnet18", "--channels", "2",
+                                "--architecture", "released", "--random-init", "--resolution", "32",
+                                "--out", str(tmp_path / "random")])  # fmt: skip
+    assert fresh.exit_code == 0, fresh.output
+    assert read_manifest(tmp_path / "random").model["architecture"] == "released"
+
+
+def test_a_run_directory_from_before_the_option_resumes_as_the_paper_design(tmp_path) -> None:
+    from edgetorch.split.recipe import _claim
+
+    (tmp_path / "recipe.json").write_text(json.dumps({"channels": 2}))  # no "architecture" key
+    _claim(tmp_path, {"channels": 2, "architecture": "paper"})
+    with pytest.raises(CheckpointError, match="differs in architecture"):
+        _claim(tmp_path, {"channels": 2, "architecture": "released"})

@@ -29,8 +29,9 @@ def _secret(env: str | None, what: str) -> str | None:
 
 
 # Options that `split export --trained DIR` takes from the training record instead.
-_FROM_TRAINING = ("model", "channels", "split_point", "downsample", "resolution", "num_classes", "class_names",
-                  "color", "normalize")
+_FROM_TRAINING = ("model", "channels", "split_point", "downsample", "architecture", "resolution", "num_classes",
+                  "class_names", "color", "normalize")
+_ARCHITECTURE_HELP = "bottleneck design: paper (the paper's text) or released (the authors' code: 2x2 convs, heavier decoder)"
 
 
 @split_app.command()
@@ -43,6 +44,7 @@ def train(
     channels: int = typer.Option(12, min=1, help="bottleneck channels C"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
     downsample: bool = typer.Option(False, help="halve the bottleneck's height and width once more"),
+    architecture: str = typer.Option("paper", help=_ARCHITECTURE_HELP),
     stage2: str = typer.Option("ft", help="after GHND: ft (fine-tune with cross entropy) or kd (knowledge distillation)"),
     freeze_encoder: bool = typer.Option(False, "--freeze-encoder", help="stage 2 trains only the tail (the paper's FE)"),
     epochs: int = typer.Option(10, min=1, help="epochs per stage (paper: 10); the learning rate drops x0.1 after the first half"),
@@ -67,7 +69,7 @@ def train(
                               teacher_weights=None if teacher_weights is None else str(teacher_weights),
                               val_fraction=val_fraction, train_limit=train_limit, val_limit=val_limit,
                               bottlefit=BottleFitConfig(channels=channels, split_point=split_point, downsample=downsample,
-                                                        stage2=stage2, freeze_encoder=freeze_encoder, epochs=epochs,
+                                                        architecture=architecture, stage2=stage2, freeze_encoder=freeze_encoder, epochs=epochs,
                                                         batch_size=batch_size, lr=lr, seed=seed))  # fmt: skip
         record = train_student(config, out, device=device, progress=progress, log=console.print)
     except ValueError as err:  # bad input, found before training starts (ImageFolderError, CheckpointError)
@@ -118,6 +120,7 @@ def export(
     random_init: bool = typer.Option(False, "--random-init", help="export untrained weights (timing, smoke tests)"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
     downsample: bool = typer.Option(False, help="halve the bottleneck's height and width once more"),
+    architecture: str = typer.Option("paper", help=_ARCHITECTURE_HELP),
     resolution: int = typer.Option(224, min=8, help="input height = width the head is exported for"),
     num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
     class_names: str = typer.Option(None, help="comma-separated class names, in label order, for `split infer` to print"),
@@ -153,7 +156,7 @@ def export(
             student, resolution, preprocess, names = run.model, run.resolution, run.preprocess, list(run.class_names)
         else:
             student = inject_bottleneck(build_model(model, num_classes=num_classes), channels, split_point,
-                                        downsample=downsample)
+                                        downsample=downsample, architecture=architecture)
             if checkpoint is not None:
                 load_weights(student, checkpoint)
             preprocess = Preprocess((resolution, resolution), color, *NORMALISATIONS[normalize])

@@ -49,7 +49,7 @@ from ..data import DATASETS, DatasetNotFoundError, ImageFolderDataset, dataset_i
 from ..data.folder import IMAGENET_MEAN, IMAGENET_STD
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
 from ..zoo.weights import file_sha256
-from .bottleneck import SPLIT_POINTS, BottleneckModel, inject_bottleneck, rebuild, split
+from .bottleneck import ARCHITECTURES, SPLIT_POINTS, BottleneckModel, inject_bottleneck, rebuild, split
 from .export import Preprocess
 from .payload import decode, encode, payload_size
 from .teacher import load_rgb
@@ -93,6 +93,8 @@ class BottleFitConfig:
         channels: bottleneck channels C (the paper: 1, 2, 3, 6, 9, 12).
         split_point: ``"sp1"`` or ``"sp2"`` (:func:`~edgetorch.split.inject_bottleneck`).
         downsample: halve the bottleneck's height and width once more.
+        architecture: the encoder/decoder design: ``"paper"`` (the paper's text) or ``"released"``
+            (the authors' code; :func:`~edgetorch.split.inject_bottleneck`).
         stage2: ``"ft"`` (cross entropy, eq. 5), ``"kd"`` (eq. 6-7), or ``None``: stage 1 only.
         freeze_encoder: stage 2 trains only the tail ("FE" in the paper's Table II).
         epochs: per stage (the paper: 10).
@@ -104,6 +106,7 @@ class BottleFitConfig:
     channels: int = 12
     split_point: str = "sp2"
     downsample: bool = False
+    architecture: str = "paper"
     stage2: str | None = "ft"
     freeze_encoder: bool = False
     epochs: int = 10
@@ -116,6 +119,8 @@ class BottleFitConfig:
             raise ValueError(f"stage2={self.stage2!r}; accepted: {', '.join(STAGE2)} (or None: stage 1 only)")
         if self.split_point not in SPLIT_POINTS:
             raise ValueError(f"split_point={self.split_point!r}; accepted: {', '.join(SPLIT_POINTS)}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r}; accepted: {', '.join(ARCHITECTURES)}")
         if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
             raise ValueError(f"channels must be a positive int, got {self.channels!r}")
         self.stages()  # StageConfig checks epochs, batch size, learning rate and seed
@@ -209,7 +214,7 @@ def build_student(teacher: nn.Module, config: BottleFitConfig) -> BottleneckMode
 
     Args:
         teacher: a torchvision ResNet/DenseNet (copied, never changed).
-        config: channels, split point, downsampling and seed.
+        config: channels, split point, downsampling, architecture and seed.
 
     Returns:
         The student on the teacher's device (the caller's random state is left as it was).
@@ -217,7 +222,7 @@ def build_student(teacher: nn.Module, config: BottleFitConfig) -> BottleneckMode
     device = next(teacher.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.seed)
-        return inject_bottleneck(teacher, config.channels, config.split_point, config.downsample)
+        return inject_bottleneck(teacher, config.channels, config.split_point, config.downsample, config.architecture)
 
 
 def train_bottlefit(teacher: nn.Module, train: TensorDataset, config: BottleFitConfig, out_dir: str | Path,
@@ -534,7 +539,8 @@ def _claim(out: Path, identity: dict[str, Any]) -> None:
     """Make ``out`` this recipe's run directory, or refuse one that holds another run or other files."""
     recorded = out / RECIPE_NAME
     if recorded.is_file():
-        before = json.loads(recorded.read_text())
+        # A recipe.json from before the architecture option ran the paper design.
+        before = {"architecture": "paper", **json.loads(recorded.read_text())}
         differs = sorted(k for k in set(before) | set(identity) if before.get(k) != identity.get(k))
         if differs:
             raise CheckpointError(f"{out} holds a run of another recipe (it differs in {', '.join(differs)}); "
