@@ -81,11 +81,15 @@ def reduce(
     if output is not None and output.suffix != ".safetensors":
         raise typer.BadParameter(f"{output} must end in .safetensors", param_hint="'--output'")
     try:
-        full = _load_model(model, weights, dataset, size).eval()
-        train = load_dataset(dataset, "train", size=size)
-        test = load_dataset(dataset, "test", size=size)
+        with console.status(f"loading {model} (a zoo model without --weights is pretrained on first use: minutes "
+                            "on a CPU, then cached)"):
+            full = _load_model(model, weights, dataset, size).eval()
+            train = load_dataset(dataset, "train", size=size)
+            test = load_dataset(dataset, "test", size=size)
         calib = train.tensors[0][: min(calibration, len(train))]
-        result = reduce_model(full, alpha, method, allocation, calibration=calib, seed=seed)
+        with console.status(f"measuring each layer's error curve on {len(calib)} samples, then the {allocation} "
+                            "allocation"):
+            result = reduce_model(full, alpha, method, allocation, calibration=calib, seed=seed)
     except (ValueError, TypeError, DatasetNotFoundError) as err:  # CheckpointError is a ValueError
         raise typer.BadParameter(str(err)) from None
     except RuntimeError as err:  # torch refusing the data, e.g. images that do not fit the model
