@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import replace
 
@@ -16,9 +17,21 @@ from edgetorch.split.plan import (
     compare_deployments,
     image_file_bytes,
     load_accuracy,
+    measure_host_times,
+    measure_server,
     plan_record,
+    server_times,
 )
-from edgetorch.split.power import PROFILES, DeviceProfile, load_profile, profile_json
+from edgetorch.split.power import (
+    DEFAULT_SERVER,
+    PROFILES,
+    SERVERS,
+    DeviceProfile,
+    ServerProfile,
+    load_profile,
+    load_server,
+    profile_json,
+)
 
 
 @pytest.mark.parametrize("sf, phy_bytes, ms", [
@@ -96,9 +109,9 @@ def test_profiles_are_labelled_assumptions_and_replaceable(tmp_path):
     path.write_text(profile_json(replace(PROFILES["jetson-nano"], name="mine", idle_watts=0.5)))
     assert load_profile(str(path)).idle_watts == 0.5
     path.write_text(json.dumps({"name": "x"}))
-    with pytest.raises(ValueError, match="exactly the keys"):
+    with pytest.raises(ValueError, match="exactly the keys .*accepted: jetson-nano, raspberry-pi-4, raspberry-pi-4-lora or a .json"):
         load_profile(str(path))
-    with pytest.raises(ValueError, match="unknown device"):
+    with pytest.raises(ValueError, match="unknown device 'iphone'; accepted: jetson-nano"):
         load_profile("iphone")
     with pytest.raises(ValueError, match="compute_watts must be > 0"):
         replace(PROFILES["jetson-nano"], compute_watts=0)
@@ -109,13 +122,14 @@ TIMES = HostTimes("torchvision:resnet18", 96, full_s=0.2, head_s={3: 0.02, 12: 0
                   reference_s=1.0)
 DEVICE = DeviceProfile("dev", "torchvision:resnet18", 96, 2.0, compute_watts=5.0, transmit_watts=2.0,
                        idle_watts=1.0, source="ASSUMPTION: test")
+SERVER = ServerProfile("fast", "torchvision:resnet18", 96, 0.5, "ASSUMPTION: test")  # twice this host's speed
 FILES = {"png": 20_000.0, "jpeg": 8_000.0}
 
 
 def test_plan_follows_the_delay_and_energy_model():
     link = RateLink("test", 1e6, 0.01)
     accuracy = Accuracy(0.9, 0.88, {3: 0.85}, "test.json")
-    rows = {r.option: r for r in compare_deployments(TIMES, FILES, link, DEVICE, accuracy, server_speedup=2.0)}
+    rows = {r.option: r for r in compare_deployments(TIMES, FILES, link, DEVICE, accuracy, server=SERVER)}
     assert list(rows) == ["local", "offload png", "offload jpeg", "split C=3", "split C=12"]
     local = rows["local"]
     assert (local.head_s, local.network_s, local.tail_s, local.sent_bytes) == (0.4, 0.0, 0.0, 0)
@@ -130,17 +144,18 @@ def test_plan_follows_the_delay_and_energy_model():
     assert split.energy_j == pytest.approx(5.0 * 0.04 + 2.0 * uplink + 1.0 * (network - uplink + 0.095))
     assert (rows["offload png"].accuracy, rows["offload jpeg"].accuracy, split.accuracy) == (0.9, 0.88, 0.85)
     assert rows["split C=12"].accuracy is None
-    record = plan_record(list(rows.values()), link, DEVICE, TIMES, accuracy, 2.0)
+    record = plan_record(list(rows.values()), link, DEVICE, TIMES, accuracy, SERVER)
     assert record["best_delay"] == min(rows.values(), key=lambda r: r.e2e_s).option
     assert record["accuracy_source"] == "test.json" and record["device_slowdown_vs_host"] == 2.0
+    assert record["server"]["source"] == "ASSUMPTION: test" and record["server_times_from"].startswith("this machine's times x 0.5")
     json.dumps(record)
 
 
 def test_slow_links_favour_split_over_offload_and_trace_gives_a_tail():
-    rows = {r.option: r for r in compare_deployments(TIMES, FILES, LoRaLink(bandwidth_hz=500e3), DEVICE)}
+    rows = {r.option: r for r in compare_deployments(TIMES, FILES, LoRaLink(bandwidth_hz=500e3), DEVICE, server=SERVER)}
     assert rows["split C=3"].e2e_s < rows["offload jpeg"].e2e_s < rows["offload png"].e2e_s
     trace = TraceLink("t", (1e5, 1e6, 1e7), 0.0)
-    row = compare_deployments(TIMES, FILES, trace, DEVICE)[1]
+    row = compare_deployments(TIMES, FILES, trace, DEVICE, server=SERVER)[1]
     assert row.network_p95_s > row.network_s
     assert row.network_s == pytest.approx(float(np.mean(trace.delays(20_000))))
 
@@ -180,27 +195,38 @@ def test_image_file_bytes_from_real_images(tmp_path, bomb_png):
 def test_the_device_pays_for_encoding_what_it_sends():
     times = replace(TIMES, payload_encode_s={3: 0.001, 12: 0.002})
     files = {**FILES, "png_encode_s": 0.003, "jpeg_encode_s": 0.004}
-    rows = {r.option: r for r in compare_deployments(times, files, RateLink("test", 1e6, 0.01), DEVICE)}
+    link = RateLink("test", 1e6, 0.01)
+    rows = {r.option: r for r in compare_deployments(times, files, link, DEVICE, server=SERVER)}
     assert rows["split C=3"].head_s == pytest.approx((0.02 + 0.001) * 2)  # device = 2x this host
     assert rows["offload png"].head_s == pytest.approx(0.003 * 2)
     assert rows["offload jpeg"].head_s == pytest.approx(0.004 * 2)
-    assert rows["offload jpeg"].energy_j > compare_deployments(TIMES, FILES, RateLink("test", 1e6, 0.01), DEVICE)[2].energy_j
+    assert rows["offload jpeg"].energy_j > compare_deployments(TIMES, FILES, link, DEVICE, server=SERVER)[2].energy_j
+
+
+def _cli():
+    """``edgetorch split ...`` in-process: ``_cli()("split", "plan", ...)``."""
+    from typer.testing import CliRunner
+
+    from edgetorch.cli import app
+
+    importlib.import_module("edgetorch.cli.split")  # registers `edgetorch split`
+    return lambda *args: CliRunner().invoke(app, list(args))
+
+
+def _flat(output: str) -> str:
+    return " ".join(output.replace("│", " ").split())  # rich wraps error panels
 
 
 def test_cli_plan_prints_every_option_and_writes_json(tmp_path):
-    from typer.testing import CliRunner
-
-    import edgetorch.cli.split  # noqa: F401  (registers `edgetorch split`)
-    from edgetorch.cli import app
-
+    run = _cli()
     device = tmp_path / "board.json"  # a cheap reference model keeps the test fast
     device.write_text(profile_json(DeviceProfile("board", "torchvision:resnet18", 32, 0.5, 3.0, 1.5, 1.0, "ASSUMPTION: test")))
     accuracy = tmp_path / "acc.json"
     accuracy.write_text(json.dumps({"teacher": 0.9, "split": {"3": 0.87}}))
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(app, ["split", "plan", "--link", "wifi:5", "--link", "lora:sf=6,bw=500",
-                                      "--device", str(device), "--resolution", "32", "--channels", "3",
-                                      "--channels", "12", "--accuracy", str(accuracy), "--json", str(out)])
+    result = run("split", "plan", "--link", "wifi:5", "--link", "lora:sf=6,bw=500", "--device", str(device),
+                 "--server", "this-machine", "--resolution", "32", "--channels", "3", "--channels", "12",
+                 "--accuracy", str(accuracy), "--json", str(out))
     assert result.exit_code == 0, result.output
     for option in ("local", "offload png", "offload jpeg", "split C=3", "split C=12"):
         assert option in result.output
@@ -209,12 +235,14 @@ def test_cli_plan_prints_every_option_and_writes_json(tmp_path):
     assert [r["link"] for r in records] == ["wifi 5 Mbit/s", "LoRa SF6 BW500 CR4/5"]
     split3 = next(r for r in records[0]["rows"] if r["option"] == "split C=3")
     assert split3["sent_bytes"] == payload_size((1, 3, 4, 4)) and split3["accuracy"] == 0.87
-    bad = CliRunner().invoke(app, ["split", "plan", "--link", "carrier-pigeon:1"])
+    assert records[0]["server"]["name"] == "this-machine"
+    assert records[0]["server_times_from"] == "this machine's times, unscaled"
+    bad = run("split", "plan", "--link", "carrier-pigeon:1")
     assert bad.exit_code != 0 and "unknown link kind" in bad.output
     (tmp_path / "empty").mkdir()
-    no_images = CliRunner().invoke(app, ["split", "plan", "--link", "wifi:5", "--device", str(device), "--resolution",
-                                         "32", "--channels", "3", "--images", str(tmp_path / "empty")])
-    assert no_images.exit_code == 2 and "images found" in " ".join(no_images.output.replace("│", " ").split())
+    no_images = run("split", "plan", "--link", "wifi:5", "--device", str(device), "--server", "this-machine",
+                    "--resolution", "32", "--channels", "3", "--images", str(tmp_path / "empty"))
+    assert no_images.exit_code == 2 and "images found" in _flat(no_images.output)
 
 
 def test_accuracy_file_without_accuracies_is_refused(tmp_path):
@@ -243,3 +271,150 @@ def test_time_modules_takes_the_fastest_interleaved_round():
     seconds = time_modules({"a": (Recorder("a"), torch.zeros(1)), "b": (Recorder("b"), torch.zeros(1))}, rounds=3)
     assert seen == ["a", "b"] * 4  # one warm-up each, then round-robin
     assert set(seconds) == {"a", "b"} and all(0 <= s < 1 for s in seconds.values())
+
+
+def test_server_profiles_built_in_and_json(tmp_path):
+    p600 = load_server("quadro-p600")
+    assert p600.source.startswith("ASSUMPTION") and "P600" in p600.source
+    # The Jetson Nano's ResNet-152 time over the GPUs' peak FP32 ratio (cores x clock, paper Sec. V-A).
+    assert p600.reference_seconds == pytest.approx(0.53 * (128 * 0.95) / (384 * 1.45)) == pytest.approx(0.1157, abs=1e-4)
+    assert load_server("this-machine").reference_seconds is None
+    path = tmp_path / "mine.json"
+    path.write_text(profile_json(replace(p600, name="mine", reference_seconds=0.05)))
+    assert load_server(str(path)) == replace(p600, name="mine", reference_seconds=0.05)
+    with pytest.raises(ValueError, match="unknown server 'gpu'; accepted: quadro-p600, this-machine or a .json file"):
+        load_server("gpu")
+    with pytest.raises(ValueError, match="not a valid server profile .*No such file"):
+        load_server(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json", "Expecting property name"),
+    ("[1, 2]", "exactly the keys"),
+    ('{"name": "x", "source": "y"}', r"the keys \['name', 'reference_model', .*optionally \['measured'\]"),
+    ('{"name": "x", "reference_model": "torchvision:resnet152", "reference_resolution": 224, '
+     '"reference_seconds": 0.1, "source": "y", "speedup": 2}', "exactly the keys"),
+    ('{"name": "x", "reference_model": "torchvision:resnet152", "reference_resolution": null, '
+     '"reference_seconds": 0.1, "source": "y"}', "together, or none of them"),
+    ('{"name": "x", "reference_model": "torchvision:resnet152", "reference_resolution": 224, '
+     '"reference_seconds": -1, "source": "y"}', "reference_seconds must be > 0"),
+    ('{"name": "x", "reference_model": null, "reference_resolution": null, "reference_seconds": null, '
+     '"source": "y", "measured": {"arch": "torchvision:resnet18"}}',
+     r"measured must be null or an object with exactly the keys \['arch', 'resolution', 'split_point', 'full_s', 'tail_s'\]"),
+    ('{"name": "x", "reference_model": null, "reference_resolution": null, "reference_seconds": null, '
+     '"source": "y", "measured": {"arch": "a", "resolution": 32, "split_point": "sp2", "full_s": 0.1, "tail_s": {}}}',
+     "tail_s {C: seconds > 0}"),
+    ('{"name": "x", "reference_model": null, "reference_resolution": null, "reference_seconds": null, '
+     '"source": "y", "measured": 3}', "measured must be null or"),
+])
+def test_malformed_server_json_is_a_clear_error(tmp_path, content, match):
+    path = tmp_path / "server.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"server.json: not a valid server profile .*{match}.*; accepted: quadro-p600, "
+                                         "this-machine or a .json file"):
+        load_server(str(path))
+
+
+def test_measured_server_round_trip_and_use(tmp_path):
+    measured = measure_server("torchvision:resnet18", [3, 12], 32, rounds=1, name="box")
+    assert measured.name == "box" and measured.source.startswith("MEASURED on ")
+    assert measured.reference_model == "torchvision:resnet152" and measured.reference_seconds > 0
+    assert (measured.measured.arch, measured.measured.resolution, measured.measured.split_point) == (
+        "torchvision:resnet18", 32, "sp2")
+    path = tmp_path / "server.json"
+    path.write_text(profile_json(measured))
+    loaded = load_server(str(path))
+    assert loaded == measured and set(loaded.measured.tail_s) == {3, 12}  # JSON's "3" is C = 3 again
+    times = replace(TIMES, arch="torchvision:resnet18", resolution=32, head_s={3: 0.02}, tail_s={3: 0.19})
+    device = replace(DEVICE, reference_model=loaded.reference_model, reference_resolution=loaded.reference_resolution)
+    used = server_times(times, device, loaded)
+    assert used.basis == "measured on the server"
+    assert (used.full_s, used.tail_s) == (loaded.measured.full_s, {3: loaded.measured.tail_s[3]})
+    other = server_times(replace(times, tail_s={6: 0.19}), device, loaded)  # C = 6 was not measured: scaled
+    assert other.tail_s == {6: pytest.approx(0.19 * loaded.reference_seconds / times.reference_s)}
+    assert "its measured times are of torchvision:resnet18 32 px sp2 C=3,12, not of this plan" in other.basis
+
+
+def test_the_server_reference_is_timed_when_it_is_not_the_devices():
+    device = replace(DEVICE, reference_model="torchvision:resnet18", reference_resolution=32)
+    server = replace(SERVER, reference_resolution=64)
+    times = measure_host_times("torchvision:resnet18", [3], 32, device, rounds=1, server=server)
+    assert times.split_point == "sp2" and times.server_reference_s > 0
+    assert server_times(times, device, server).full_s == pytest.approx(times.full_s * 0.5 / times.server_reference_s)
+    same = measure_host_times("torchvision:resnet18", [3], 32, device, rounds=1, server=replace(server, reference_resolution=32))
+    assert same.server_reference_s is None  # one timing of the shared reference serves both
+    with pytest.raises(ValueError, match="which was not timed here: pass server= to measure_host_times"):
+        server_times(same, device, server)
+
+
+# A host twice as slow as the Jetson Nano running the paper's ResNet-152 at 224 px (the reference
+# model itself: local = 0.53 s), SP2 heads a tenth of the model; the Jetson on the paper's WiFi.
+PAPER_TIMES = HostTimes("torchvision:resnet152", 224, full_s=1.06, head_s={3: 0.1, 12: 0.1},
+                        tail_s={3: 0.96, 12: 0.96}, bottleneck_shapes={3: (3, 28, 28), 12: (12, 28, 28)},
+                        reference_s=1.06)
+PAPER_FILES = {"png": 100_000.0, "jpeg": 15_000.0}
+
+
+def test_default_server_is_an_edge_gpu_not_this_machine():
+    import inspect
+
+    from edgetorch.cli.split import plan
+
+    assert DEFAULT_SERVER == "quadro-p600" != "this-machine"
+    assert inspect.signature(compare_deployments).parameters["server"].default == SERVERS[DEFAULT_SERVER]
+    assert inspect.signature(plan_record).parameters["server"].default == SERVERS[DEFAULT_SERVER]
+    assert inspect.signature(plan).parameters["server"].default.default == DEFAULT_SERVER
+    jetson = PROFILES["jetson-nano"]
+    for mbps in (50, 20, 5, 1):  # BottleFit Fig. 9: offload or split wins, never local
+        wifi = parse_link(f"wifi:{mbps}")
+        rows = {r.option: r for r in compare_deployments(PAPER_TIMES, PAPER_FILES, wifi, jetson)}
+        assert rows["local"].e2e_s == pytest.approx(0.53)
+        assert plan_record(list(rows.values()), wifi, jetson, PAPER_TIMES, None)["best_delay"] != "local"
+        # The issue's finding: a server as slow as this host makes local win.
+        slow = compare_deployments(PAPER_TIMES, PAPER_FILES, wifi, jetson, server=SERVERS["this-machine"])
+        assert min(slow, key=lambda r: r.e2e_s).option == "local"
+
+
+def test_cli_measure_server_then_plan_with_it(tmp_path):
+    run = _cli()
+    server = tmp_path / "server.json"
+    result = run("split", "measure-server", "--out", str(server), "--resolution", "32", "--channels", "3",
+                 "--name", "edge-box")
+    assert result.exit_code == 0, result.output
+    assert load_server(str(server)).measured.tail_s.keys() == {3}
+    device = tmp_path / "board.json"
+    device.write_text(profile_json(DeviceProfile("board", "torchvision:resnet18", 32, 0.5, 3.0, 1.5, 1.0, "ASSUMPTION: test")))
+    out = tmp_path / "plan.json"
+    result = run("split", "plan", "--link", "wifi:5", "--device", str(device), "--server", str(server),
+                 "--resolution", "32", "--channels", "3", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert "server: edge-box (MEASURED on" in _flat(result.output)
+    record = json.loads(out.read_text())[0]
+    assert record["server"]["name"] == "edge-box" and record["server_times_from"] == "measured on the server"
+    split3 = next(r for r in record["rows"] if r["option"] == "split C=3")
+    assert split3["tail_s"] == record["server"]["measured"]["tail_s"]["3"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "--link", "wifi:5", "--server", "gpu"], "unknown server 'gpu'; accepted: quadro-p600, this-machine or a .json"),
+    (["plan", "--link", "wifi:5", "--server-speedup", "4"], "No such option: --server-speedup"),
+    (["plan", "--link", "wifi:5", "--server", "this-machine", "--model", "torchvision:vgg11", "--resolution", "32",
+      "--channels", "3"], "cannot inject a bottleneck into VGG"),
+    (["measure-server", "--out", "server.json", "--channels", "0"], "--channels must be positive"),
+    (["measure-server", "--out", "server.json", "--split-point", "sp9"], "unknown split point 'sp9'; accepted: sp1, sp2"),
+    (["measure-server", "--out", "no/such/dir/server.json"], "does not exist; create it first"),
+    (["measure-server", "--out", "server.json", "--device", "tpu"], "not a device; accepted: cpu, cuda, cuda:N"),
+    (["measure-server"], "Missing option '--out'"),
+])
+def test_cli_server_usage_errors_exit_2(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    result = _cli()("split", *args)
+    assert result.exit_code == 2 and message in _flat(result.output), result.output
+    assert not (tmp_path / "server.json").exists()
+
+
+def test_malformed_server_file_on_the_command_line(tmp_path):
+    path = tmp_path / "server.json"
+    path.write_text('{"name": "x"}')
+    result = _cli()("split", "plan", "--link", "wifi:5", "--server", str(path))
+    assert result.exit_code == 2 and "not a valid server profile" in _flat(result.output)

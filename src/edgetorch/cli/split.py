@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ._app import app, console, device_option, output_dir, output_file, plot_file
 
-split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, plan.", no_args_is_help=True)
+split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, plan (measure-server for the planner).", no_args_is_help=True)
 app.add_typer(split_app, name="split")
 
 
@@ -273,29 +273,40 @@ def _training_results_accuracy():
         return None
 
 
+# `split plan` and `split measure-server` share these defaults, so a server measured with its
+# defaults covers a default plan.
+PLAN_MODEL, PLAN_CHANNELS, PLAN_RESOLUTION = "torchvision:resnet18", [1, 2, 3, 6, 9, 12], 96
+
+
+def _check_channels(channels: list[int]) -> None:
+    if any(c < 1 for c in channels):
+        raise typer.BadParameter(f"--channels must be positive bottleneck channel counts, got {channels}")
+
+
 @split_app.command()
 def plan(
     link: list[str] = typer.Option(..., help="repeatable: wifi:MBPS, lte:MBPS, trace:FILE, lora:sf=6,bw=125,cr=1[,model=rate]"),
     device: str = typer.Option("jetson-nano", help="jetson-nano, raspberry-pi-4, raspberry-pi-4-lora or a profile .json"),
-    model: str = typer.Option("torchvision:resnet18", help="teacher architecture"),
-    channels: list[int] = typer.Option([1, 2, 3, 6, 9, 12], help="repeatable: bottleneck channels to compare"),
+    model: str = typer.Option(PLAN_MODEL, help="teacher architecture"),
+    channels: list[int] = typer.Option(PLAN_CHANNELS, help="repeatable: bottleneck channels to compare"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
-    resolution: int = typer.Option(96, min=8, help="input height = width"),
+    resolution: int = typer.Option(PLAN_RESOLUTION, min=8, help="input height = width"),
     accuracy: Path = typer.Option(None, help="accuracy JSON {teacher, jpeg, split: {C: acc}} (default: docs/results/split_training.json if it holds them)"),
-    server_speedup: float = typer.Option(1.0, help="assumed server speed relative to this machine"),
+    server: str = typer.Option("quadro-p600", help="quadro-p600 (the paper's edge server, speed assumed), this-machine, or a .json (e.g. from `split measure-server` run on the server)"),
     images: Path = typer.Option(None, help="offload file sizes from your own images under this folder (default: Fashion-MNIST test images)"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the plan(s) as JSON here"),
 ) -> None:
     """Local vs full offload (PNG/JPEG) vs split at each C: delay, device energy, accuracy."""
     from ..split.links import parse_link
-    from ..split.plan import compare_deployments, image_file_bytes, load_accuracy, measure_host_times, plan_record
-    from ..split.power import load_profile
+    from ..split.plan import (compare_deployments, image_file_bytes, load_accuracy, measure_host_times, plan_record,
+                              server_times)
+    from ..split.power import load_profile, load_server
 
-    if any(c < 1 for c in channels):
-        raise typer.BadParameter(f"--channels must be positive bottleneck channel counts, got {channels}")
+    _check_channels(channels)
     try:
         links = [parse_link(spec) for spec in link]
         profile = load_profile(device)
+        server_profile = load_server(server)
         known = load_accuracy(accuracy) if accuracy is not None else _training_results_accuracy()
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
@@ -303,19 +314,25 @@ def plan(
         files = image_file_bytes(resolution, images_dir=images)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
-    with console.status("timing the head/tail per C and the device's reference model on this machine"):
-        times = measure_host_times(model, sorted(set(channels)), resolution, profile, split_point)
+    with console.status("timing the head/tail per C and the profiles' reference models on this machine"):
+        try:
+            times = measure_host_times(model, sorted(set(channels)), resolution, profile, split_point,
+                                       server=server_profile)
+        except ValueError as err:  # a model or split point inject_bottleneck does not accept
+            raise typer.BadParameter(str(err)) from None
     console.print(f"device: {profile.name} ({profile.source}); device/host speed ratio "
-                  f"{profile.reference_seconds / times.reference_s:.3g}; server = this machine / {server_speedup:g}")
+                  f"{profile.reference_seconds / times.reference_s:.3g}")
+    console.print(f"server: {server_profile.name} ({server_profile.source}); its times: "
+                  f"{server_times(times, profile, server_profile).basis}")
     console.print(f"accuracy: {known.source if known else 'none given (pass --accuracy FILE)'}; offload files: "
                   f"{images or 'Fashion-MNIST test images'} at {resolution}px (PNG {files['png']:,.0f} B, "
                   f"JPEG {files['jpeg']:,.0f} B; device-side encoding is counted)")
     records = []
     for one in links:
-        rows = compare_deployments(times, files, one, profile, known, server_speedup=server_speedup)
-        record = plan_record(rows, one, profile, times, known, server_speedup)
+        rows = compare_deployments(times, files, one, profile, known, server=server_profile)
+        record = plan_record(rows, one, profile, times, known, server_profile)
         records.append(record)
-        table = Table(title=f"{model} {resolution}px on {profile.name} over {one.name}")
+        table = Table(title=f"{model} {resolution}px on {profile.name} over {one.name}, server {server_profile.name}")
         for col in ("option", "bytes sent", "D_head ms", "D_net ms (p95)", "D_tail ms", "D_e2e ms",
                     "energy mJ", "power W", "accuracy"):
             table.add_column(col, justify="left" if col == "option" else "right")
@@ -326,8 +343,35 @@ def plan(
                           f"{r.e2e_s * 1e3:.1f}", f"{r.energy_j * 1e3:.0f}", f"{r.power_w:.2f}",
                           "-" if r.accuracy is None else f"{r.accuracy:.3f}")
         console.print(table)
-    console.print("*d = lowest delay, *e = lowest device energy. Times measured on this machine, "
-                  "scaled by the profile's assumed speed; links and power are assumptions.")
+    console.print("*d = lowest delay, *e = lowest device energy. Times measured on this machine, scaled by the "
+                  "device and server profiles' speeds (unless measured on the server); links and power are assumptions.")
     if json_path is not None:
         json_path.write_text(json.dumps(records, indent=2))
         console.print(f"wrote {json_path}")
+
+
+@split_app.command("measure-server")
+def measure_server(
+    out: Path = typer.Option(..., callback=output_file, help="the server profile JSON to write, for `split plan --server FILE`"),
+    model: str = typer.Option(PLAN_MODEL, help="teacher architecture (as `split plan --model`)"),
+    channels: list[int] = typer.Option(PLAN_CHANNELS, help="repeatable: bottleneck channels whose tails to time"),
+    split_point: str = typer.Option("sp2", help="sp1 or sp2"),
+    resolution: int = typer.Option(PLAN_RESOLUTION, min=8, help="input height = width"),
+    device: str = typer.Option("cpu", callback=device_option, help="where the server runs the tail: cpu, cuda or cuda:N"),
+    name: str = typer.Option(None, help="the profile's name (default: this machine's host name and --device)"),
+) -> None:
+    """Run on the edge server: time the full model, each C's tail and the reference model there, for `split plan --server`."""
+    from ..split.plan import measure_server as measure
+    from ..split.power import profile_json
+
+    _check_channels(channels)
+    with console.status(f"timing the full model, the tails and the reference model on {device}"):
+        try:
+            profile = measure(model, sorted(set(channels)), resolution, split_point, device, name)
+        except ValueError as err:  # a model or split point inject_bottleneck does not accept
+            raise typer.BadParameter(str(err)) from None
+    out.write_text(profile_json(profile))
+    tails = ", ".join(f"C={c} {s * 1e3:.1f}" for c, s in profile.measured.tail_s.items())
+    console.print(f"{profile.name}: full model {profile.measured.full_s * 1e3:.1f} ms, tails (ms) {tails}, "
+                  f"{profile.reference_model} {profile.reference_resolution}px {profile.reference_seconds * 1e3:.1f} ms\n"
+                  f"wrote {out}; on the planning machine: edgetorch split plan --server {shlex.quote(str(out))} ...")

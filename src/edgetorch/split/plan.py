@@ -9,8 +9,10 @@ BottleFit's model (Sec. III-D): D_e2e = D_H + D_N + D_T and P_md = P_H + P_N. He
 * D_N: the link model (:mod:`edgetorch.split.links`) for the true payload bytes: the 8-bit
   bottleneck payload (:func:`edgetorch.split.payload.payload_size`) for split computing, the
   mean PNG or JPEG file size of real test images at the model's resolution for full offload;
-* D_T (server): the tail (or the whole model for offload) timed on this host, divided by an
-  assumed ``server_speedup`` (1 = the server is this host; an edge server with a GPU is faster).
+* D_T (server): the tail (or the whole model for offload) from a server profile
+  (:class:`~edgetorch.split.power.ServerProfile`): this host's times scaled by the profile's speed
+  ratio (default ``quadro-p600``, the paper's edge server, speed assumed), this host's own times
+  (``this-machine``), or times measured on the real server (:func:`measure_server`).
 
 Accuracy is not measured by the planner: it comes from a JSON file (part A's training results or
 the user's), and the plan says which; options without a known accuracy show none.
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import io
 import json
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +36,15 @@ from torch import nn
 
 from .links import Link
 from .payload import encode, payload_size
-from .power import DeviceProfile
+from .power import (
+    DEFAULT_SERVER,
+    REFERENCE_MODEL,
+    REFERENCE_RESOLUTION,
+    SERVERS,
+    DeviceProfile,
+    MeasuredTimes,
+    ServerProfile,
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,9 @@ class HostTimes:
         bottleneck_shapes: per C, one sample's bottleneck shape.
         reference_s: the device profile's reference model, for the speed ratio.
         payload_encode_s: per C, encoding one bottleneck as the 8-bit payload.
+        split_point: where the bottleneck sits (``"sp1"`` or ``"sp2"``).
+        server_reference_s: the server profile's reference model, when it is not the device's
+            (else None: ``reference_s`` serves both).
     """
 
     arch: str
@@ -57,6 +72,8 @@ class HostTimes:
     bottleneck_shapes: dict[int, tuple[int, ...]]
     reference_s: float
     payload_encode_s: dict[int, float] = field(default_factory=dict)
+    split_point: str = "sp2"
+    server_reference_s: float | None = None
 
 
 def time_modules(calls: dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]],
@@ -65,7 +82,8 @@ def time_modules(calls: dict[str, tuple[Callable[[torch.Tensor], Any], torch.Ten
 
     On a shared machine other jobs only ever add time, so the minimum estimates the module's own
     cost; interleaving puts every module under the same drifting load instead of timing one module
-    in a quiet minute and the next in a busy one. One untimed warm-up call each comes first.
+    in a quiet minute and the next in a busy one. One untimed warm-up call each comes first. With
+    a CUDA input each call waits for the GPU to finish (kernels launch asynchronously).
 
     Args:
         calls: name -> (module or function, input); modules are put in eval mode.
@@ -78,17 +96,25 @@ def time_modules(calls: dict[str, tuple[Callable[[torch.Tensor], Any], torch.Ten
     with torch.inference_mode():
         for module, x in calls.values():
             (module.eval() if isinstance(module, nn.Module) else module)(x)
+            _wait(x)
         for _ in range(rounds):
             for name, (module, x) in calls.items():
                 start = time.perf_counter()
                 module(x)
+                _wait(x)
                 best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
+def _wait(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
 def measure_host_times(arch: str, channels: list[int], resolution: int, reference: DeviceProfile,
-                       split_point: str = "sp2", num_classes: int = 10, rounds: int = 5) -> HostTimes:
-    """Time the full model, each C's head and tail, and the profile's reference model on this host.
+                       split_point: str = "sp2", num_classes: int = 10, rounds: int = 5,
+                       server: ServerProfile | None = None) -> HostTimes:
+    """Time the full model, each C's head and tail, and the profiles' reference models on this host.
 
     Weights do not change the time of a dense CNN, so randomly initialised models are timed.
 
@@ -96,34 +122,93 @@ def measure_host_times(arch: str, channels: list[int], resolution: int, referenc
         arch: ``torchvision:NAME`` of a ResNet/DenseNet accepted by ``inject_bottleneck``.
         channels: bottleneck channel counts to plan for.
         resolution: input height = width (must suit the bottleneck's stride, e.g. a multiple of 32).
-        reference: the device profile whose reference model sets the speed ratio.
+        reference: the device profile whose reference model sets the device's speed ratio.
         split_point: ``"sp1"`` or ``"sp2"``.
+        num_classes: classifier outputs.
+        rounds: timed calls per module (the fastest counts, see :func:`time_modules`).
+        server: the server profile, whose reference model is timed too when it is not the device's.
+
+    Returns:
+        :class:`HostTimes`.
+
+    Example:
+        >>> times = measure_host_times("torchvision:resnet18", [3, 12], 96, PROFILES["jetson-nano"])
+    """
+    references = {"reference": _reference(reference)}
+    if server is not None and server.reference_model is not None and _reference(server) != references["reference"]:
+        references["server_reference"] = _reference(server)
+    calls = _timing_calls(arch, channels, resolution, split_point, num_classes, references)
+    seconds = time_modules(calls, rounds)
+    return HostTimes(arch, resolution, seconds["full"], {c: seconds[f"head{c}"] for c in channels},
+                     {c: seconds[f"tail{c}"] for c in channels},
+                     {c: tuple(calls[f"tail{c}"][1].shape[1:]) for c in channels}, seconds["reference"],
+                     {c: seconds[f"encode{c}"] for c in channels}, split_point, seconds.get("server_reference"))
+
+
+def measure_server(arch: str, channels: list[int], resolution: int, split_point: str = "sp2",
+                   device: str = "cpu", name: str | None = None, num_classes: int = 10,
+                   rounds: int = 5) -> ServerProfile:
+    """Time the full model, each C's tail and the reference model here, as a server profile.
+
+    Run it on the edge server (``edgetorch split measure-server`` does) and give the profile's JSON
+    (:func:`~edgetorch.split.power.profile_json`) to ``edgetorch split plan --server FILE``: a plan
+    of the same model uses these times, any other model is scaled by the reference model's.
+
+    Args:
+        arch: ``torchvision:NAME`` of a ResNet/DenseNet accepted by ``inject_bottleneck``.
+        channels: bottleneck channel counts.
+        resolution: input height = width.
+        split_point: ``"sp1"`` or ``"sp2"``.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``: where the server runs the tail.
+        name: the profile's label (default: this machine's host name and ``device``).
         num_classes: classifier outputs.
         rounds: timed calls per module (the fastest counts, see :func:`time_modules`).
 
     Returns:
-        :class:`HostTimes`.
+        A :class:`~edgetorch.split.power.ServerProfile` whose ``source`` says where and when it was measured.
+
+    Example:
+        >>> profile = measure_server("torchvision:resnet18", [3, 12], 96, device="cuda")
+        >>> Path("server.json").write_text(profile_json(profile))
     """
+    reference = (REFERENCE_MODEL, REFERENCE_RESOLUTION)
+    calls = _timing_calls(arch, channels, resolution, split_point, num_classes, {"reference": reference}, device)
+    # The device runs the heads and encodes the payload; the server needs neither.
+    seconds = time_modules({k: v for k, v in calls.items() if not k.startswith(("head", "encode"))}, rounds)
+    host = platform.node() or "server"
+    where = (torch.cuda.get_device_name(device) if device.startswith("cuda")
+             else f"CPU, torch threads {torch.get_num_threads()}")
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return ServerProfile(name or f"{host} {device}", *reference, seconds["reference"],
+                         f"MEASURED on {host} ({where}), torch {torch.__version__}, {when}: batch 1, fastest of {rounds}",
+                         MeasuredTimes(arch, resolution, split_point, seconds["full"],
+                                       {c: seconds[f"tail{c}"] for c in channels}))
+
+
+def _reference(profile: DeviceProfile | ServerProfile) -> tuple[str | None, int | None]:
+    return profile.reference_model, profile.reference_resolution
+
+
+def _timing_calls(arch: str, channels: list[int], resolution: int, split_point: str, num_classes: int,
+                  references: dict[str, tuple[str, int]],
+                  device: str = "cpu") -> dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]]:
+    """What :func:`time_modules` times: ``full``, per C ``head{c}``, ``tail{c}`` and ``encode{c}``, and each
+    reference model under its key, with batch-1 inputs on ``device`` (random weights: see callers)."""
     from ..zoo import build_model
     from .bottleneck import inject_bottleneck
 
     torch.manual_seed(0)
-    teacher = build_model(arch, num_classes=num_classes)
-    x = torch.rand(1, 3, resolution, resolution)
-    calls: dict[str, tuple[nn.Module, torch.Tensor]] = {"full": (teacher, x)}
-    shapes = {}
+    teacher = build_model(arch, num_classes=num_classes).to(device)
+    x = torch.rand(1, 3, resolution, resolution, device=device)
+    calls: dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]] = {"full": (teacher, x)}
     for c in channels:
-        student = inject_bottleneck(teacher, c, split_point).eval()
+        student = inject_bottleneck(teacher, c, split_point).to(device).eval()
         with torch.inference_mode():
             z = student.head(x)
         calls[f"head{c}"], calls[f"tail{c}"], calls[f"encode{c}"] = (student.head, x), (student.tail, z), (encode, z)
-        shapes[c] = tuple(z.shape[1:])
-    side = reference.reference_resolution
-    calls["reference"] = (build_model(reference.reference_model, num_classes=1000), torch.rand(1, 3, side, side))
-    seconds = time_modules(calls, rounds)
-    return HostTimes(arch, resolution, seconds["full"], {c: seconds[f"head{c}"] for c in channels},
-                     {c: seconds[f"tail{c}"] for c in channels}, shapes, seconds["reference"],
-                     {c: seconds[f"encode{c}"] for c in channels})
+    for key, (model, side) in references.items():
+        calls[key] = (build_model(model, num_classes=1000).to(device), torch.rand(1, 3, side, side, device=device))
+    return calls
 
 
 def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
@@ -278,10 +363,69 @@ def _row(option: str, nbytes: int, head_s: float, tail_s: float, link: Link | No
                    energy, energy / e2e, accuracy)
 
 
+@dataclass(frozen=True)
+class ServerTimes:
+    """The server's seconds per batch-1 inference, and how they were obtained.
+
+    Attributes:
+        full_s: the unsplit model (full offload).
+        tail_s: per C, the tail (split computing).
+        basis: where the numbers come from, in words (printed and recorded in plans).
+    """
+
+    full_s: float
+    tail_s: dict[int, float]
+    basis: str
+
+
+def server_times(times: HostTimes, device: DeviceProfile, server: ServerProfile) -> ServerTimes:
+    """The server's time for the full model and each C's tail under a server profile.
+
+    Times measured on the server when the profile holds them for this model (same architecture,
+    resolution, split point, every C); otherwise this host's times, unscaled for ``this-machine``,
+    else scaled by the server's reference seconds over this host's.
+
+    Args:
+        times: this host's timings (:func:`measure_host_times`, given ``server=`` when the server
+            profile's reference model is not the device's).
+        device: the device profile (its reference timing serves when both name the same model).
+        server: the server profile.
+
+    Returns:
+        :class:`ServerTimes`.
+
+    Raises:
+        ValueError: the server's reference model was not timed on this host.
+
+    Example:
+        >>> server_times(times, PROFILES["jetson-nano"], SERVERS["quadro-p600"]).basis  # on a 2-core VM
+        "this machine's times x 0.364 (torchvision:resnet152 224 px: 0.116 s there, 0.318 s here)"
+    """
+    measured = server.measured
+    if measured is not None and measured.covers(times.arch, times.resolution, times.split_point, set(times.tail_s)):
+        return ServerTimes(measured.full_s, {c: measured.tail_s[c] for c in times.tail_s}, "measured on the server")
+    if server.reference_seconds is None:
+        return ServerTimes(times.full_s, dict(times.tail_s), "this machine's times, unscaled")
+    if _reference(server) == _reference(device):
+        here = times.reference_s
+    elif times.server_reference_s is not None:
+        here = times.server_reference_s
+    else:
+        raise ValueError(f"server profile {server.name!r} is scaled by {server.reference_model} at "
+                         f"{server.reference_resolution} px, which was not timed here: pass server= to measure_host_times")
+    ratio = server.reference_seconds / here
+    basis = (f"this machine's times x {ratio:.3g} ({server.reference_model} {server.reference_resolution} px: "
+             f"{server.reference_seconds:.3g} s there, {here:.3g} s here)")
+    if measured is not None:
+        basis += (f"; its measured times are of {measured.arch} {measured.resolution} px {measured.split_point} "
+                  f"C={','.join(map(str, sorted(measured.tail_s)))}, not of this plan")
+    return ServerTimes(times.full_s * ratio, {c: t * ratio for c, t in times.tail_s.items()}, basis)
+
+
 def compare_deployments(times: HostTimes, file_bytes: dict[str, float], link: Link, device: DeviceProfile,
          accuracy: Accuracy | None = None, per_sample: bool = True,
-         server_speedup: float = 1.0) -> list[PlanRow]:
-    """Every option's delay, energy and accuracy for one link and device.
+         server: ServerProfile = SERVERS[DEFAULT_SERVER]) -> list[PlanRow]:
+    """Every option's delay, energy and accuracy for one link, device and server.
 
     Args:
         times: host timings (:func:`measure_host_times`).
@@ -290,33 +434,35 @@ def compare_deployments(times: HostTimes, file_bytes: dict[str, float], link: Li
         device: the device profile.
         accuracy: known accuracies, or None.
         per_sample: payload scale mode (5 bytes more per sample when True).
-        server_speedup: how many times faster than this host the server runs (assumption).
+        server: the server profile (default ``quadro-p600``, the paper's edge server; see :func:`server_times`).
 
     Returns:
         Rows in the order local, offload png, offload jpeg, split C ascending.
+
+    Example:
+        >>> rows = compare_deployments(times, image_file_bytes(96), parse_link("wifi:5"), PROFILES["jetson-nano"])
     """
-    if not server_speedup > 0:
-        raise ValueError(f"server_speedup must be > 0, got {server_speedup}")
     slowdown = device.reference_seconds / times.reference_s
-    server_full, server_tail = times.full_s / server_speedup, {c: t / server_speedup for c, t in times.tail_s.items()}
+    on_server = server_times(times, device, server)
     acc = accuracy or Accuracy(None, None, {}, "none")
     rows = [_row("local", 0, times.full_s * slowdown, 0.0, None, device, acc.teacher)]
     for fmt, known in (("png", acc.teacher), ("jpeg", acc.jpeg)):
         encoding = file_bytes.get(f"{fmt}_encode_s", 0.0) * slowdown  # the device encodes the file it sends
-        rows.append(_row(f"offload {fmt}", round(file_bytes[fmt]), encoding, server_full, link, device, known))
+        rows.append(_row(f"offload {fmt}", round(file_bytes[fmt]), encoding, on_server.full_s, link, device, known))
     for c in sorted(times.head_s):
         nbytes = payload_size((1, *times.bottleneck_shapes[c]), per_sample)
         head = (times.head_s[c] + times.payload_encode_s.get(c, 0.0)) * slowdown
-        rows.append(_row(f"split C={c}", nbytes, head, server_tail[c], link, device, acc.split.get(c)))
+        rows.append(_row(f"split C={c}", nbytes, head, on_server.tail_s[c], link, device, acc.split.get(c)))
     return rows
 
 
 def plan_record(rows: list[PlanRow], link: Link, device: DeviceProfile, times: HostTimes,
-                accuracy: Accuracy | None, server_speedup: float = 1.0) -> dict:
-    """A JSON-ready record of a plan with every assumption it used."""
-    return {"link": link.name, "device": asdict(device), "host_times": asdict(times),
+                accuracy: Accuracy | None, server: ServerProfile = SERVERS[DEFAULT_SERVER]) -> dict:
+    """A JSON-ready record of a plan with every assumption it used: the device and server profiles
+    (each with its ``source``) and how the server's times were obtained (``server_times_from``)."""
+    return {"link": link.name, "device": asdict(device), "server": asdict(server),
+            "server_times_from": server_times(times, device, server).basis, "host_times": asdict(times),
             "device_slowdown_vs_host": device.reference_seconds / times.reference_s,
-            "server_speedup_vs_host": server_speedup,
             "accuracy_source": accuracy.source if accuracy else None,
             "rows": [asdict(r) for r in rows],
             "best_delay": min(rows, key=lambda r: r.e2e_s).option,
