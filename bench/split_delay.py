@@ -10,7 +10,8 @@ channels, LoRa is SF 6 / CR 4/5 as in the paper at its three bandwidths.
 
 Table 1 puts device and server on this CPU (so the options differ only by what crosses the
 network and by the encoder/decoder). Tables 2-3 scale device compute by the Jetson Nano and
-Raspberry Pi 4 profiles (assumed speed and power, see edgetorch.split.power) and add device energy.
+Raspberry Pi 4 profiles (assumed speed and power, see edgetorch.split.power) and add device energy;
+their server is the planner's default edge server (``quadro-p600``, an assumption stated there).
 
 Run: ``.venv/bin/python bench/split_delay.py``
 """
@@ -36,7 +37,7 @@ from edgetorch.split.plan import (  # noqa: E402
     measure_host_times,
     plan_record,
 )
-from edgetorch.split.power import PROFILES, DeviceProfile  # noqa: E402
+from edgetorch.split.power import PROFILES, SERVERS, DeviceProfile  # noqa: E402
 
 ARCH, DEFAULT_RESOLUTION, CHANNELS = "torchvision:resnet18", 96, [1, 2, 3, 6, 9, 12]
 LINKS = ["wifi:50", "wifi:20", "wifi:5", "wifi:1", "lte:20", "lte:5", "lte:1",
@@ -63,7 +64,9 @@ def main() -> None:
     files = image_file_bytes(resolution)
     links = [parse_link(s) for s in LINKS]
 
-    measured = {link.name: compare_deployments(times, files, link, as_measured(jetson, times), accuracy) for link in links}
+    here = SERVERS["this-machine"]  # Table 1: device and server are both this CPU
+    measured = {link.name: compare_deployments(times, files, link, as_measured(jetson, times), accuracy, server=here)
+                for link in links}
     options = [r.option for r in next(iter(measured.values()))]
     rows = []
     for i, option in enumerate(options):

@@ -15,8 +15,8 @@ from .export import SplitArtifactError, load, load_onnx_head, save
 from .links import parse_link
 from .losses import ghnd_loss, kd_loss
 from .payload import PayloadError, decode, encode, payload_size
-from .plan import compare_deployments
-from .power import DeviceProfile, load_profile
+from .plan import compare_deployments, measure_server
+from .power import DeviceProfile, ServerProfile, load_profile, load_server
 from .recipe import (
     BottleFitConfig,
     RecipeConfig,
@@ -38,6 +38,7 @@ __all__ = [
     "PayloadError",
     "RecipeConfig",
     "SPLIT_POINTS",
+    "ServerProfile",
     "SplitAccuracy",
     "SplitArtifactError",
     "StageConfig",
@@ -55,7 +56,9 @@ __all__ = [
     "load_onnx_head",
     "load_profile",
     "load_rgb",
+    "load_server",
     "load_trained",
+    "measure_server",
     "parse_link",
     "payload_size",
     "save",
