@@ -112,8 +112,10 @@ def test_an_interrupted_run_resumes_to_the_same_weights(folder, imagenet_weights
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     other = FinetuneConfig(policy="dense", epochs=2, batch_size=8, optimizer="adam", lr=1e-3)
-    with pytest.raises(CheckpointError, match="another config.*policy"):
+    with pytest.raises(CheckpointError, match="another run.*policy"):
         finetune(model, data.train, data.val, other, tmp_path / "split")
+    with pytest.raises(CheckpointError, match="another run.*train_samples: 24 -> 12"):  # other data, same config
+        finetune(model, torch.utils.data.Subset(data.train, range(12)), data.val, config, tmp_path / "split")
     optimizer_file = tmp_path / "split" / "checkpoint" / "optimizer.safetensors"
     damaged = bytearray(optimizer_file.read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF

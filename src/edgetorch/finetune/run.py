@@ -184,8 +184,11 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     out = Path(out) if out is not None else None
     result = FinetuneResult(peak_kind=peak_kind(device))
     start_epoch = 0
+    # What a checkpoint must match to be resumed: the config, and the model and data it trains.
+    identity = {**dataclasses.asdict(config), "train_samples": len(train),
+                **{k: (metadata or {}).get(k) for k in ("model", "weights", "data")}}
     if out is not None:
-        state = _resume(out / "checkpoint", model, optimizer, schedule, config)
+        state = _resume(out / "checkpoint", model, optimizer, schedule, identity)
         if state is not None:
             start_epoch = result.resumed_from = state["epoch"]
             result.history = state["history"]
@@ -195,7 +198,7 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
         record["val_accuracy"] = evaluate_accuracy(model, val, batch_size=config.batch_size)
         result.history.append(record)
         if out is not None:
-            _checkpoint(out / "checkpoint", model, optimizer, schedule, config, epoch + 1, result.history)
+            _checkpoint(out / "checkpoint", model, optimizer, schedule, identity, epoch + 1, result.history)
             _write_json(out / "log.json", {**meta, "epochs": result.history})
         if on_progress is not None:  # after the checkpoint: an interrupted display loses no epoch
             on_progress({"event": "epoch", **record})
@@ -252,8 +255,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule, config: FinetuneConfig,
-                epoch: int, history: list[dict[str, Any]]) -> None:
+def _checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule,
+                identity: dict[str, Any], epoch: int, history: list[dict[str, Any]]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     opt = optimizer.state_dict()
     tensors = {f"state.{index}.{name}": value.detach().cpu().contiguous()
@@ -265,27 +268,26 @@ def _checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimi
     # state.json is written last: it names the files of a finished epoch, so a run killed while
     # writing resumes from the previous epoch's consistent set.
     _write_json(directory / "state.json", {
-        "epoch": epoch, "config": dataclasses.asdict(config), "history": history,
-        "param_groups": opt["param_groups"], "schedule": schedule.state_dict() if config.schedule == "cosine" else None,
+        "epoch": epoch, "run": identity, "history": history,
+        "param_groups": opt["param_groups"], "schedule": schedule.state_dict(),
         "sha256": {"model.safetensors": save_weights(model, directory / "model.safetensors"),
                    "optimizer.safetensors": file_sha256(directory / "optimizer.safetensors")}})
 
 
 def _resume(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule,
-            config: FinetuneConfig) -> dict[str, Any] | None:
+            identity: dict[str, Any]) -> dict[str, Any] | None:
     state_path = directory / "state.json"
     if not state_path.is_file():
         return None
     try:
         state = json.loads(state_path.read_text())
-        recorded, epoch, digests = state["config"], int(state["epoch"]), state["sha256"]
+        recorded, epoch, digests = state["run"], int(state["epoch"]), state["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{state_path}: unreadable checkpoint state ({exc}); delete {directory} "
                               "to start over") from exc
-    if recorded != dataclasses.asdict(config):
-        changed = ", ".join(f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in dataclasses.asdict(config).items()
-                            if recorded.get(k) != v)
-        raise CheckpointError(f"{directory} holds a checkpoint of another config ({changed}); give another output "
+    if recorded != identity:
+        changed = ", ".join(f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in identity.items() if recorded.get(k) != v)
+        raise CheckpointError(f"{directory} holds a checkpoint of another run ({changed}); give another output "
                               "directory, or delete it to start over")
     for name in ("model.safetensors", "optimizer.safetensors"):
         path = directory / name
@@ -303,6 +305,5 @@ def _resume(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         _, index, name = key.split(".", 2)
         per_param.setdefault(int(index), {})[name] = value
     optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-    if config.schedule == "cosine":
-        schedule.load_state_dict(state["schedule"])
+    schedule.load_state_dict(state["schedule"])
     return {"epoch": epoch, "history": state["history"]}
