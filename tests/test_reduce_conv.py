@@ -111,3 +111,19 @@ def test_unsupported_convolutional_networks_are_rejected_clearly(cnn_and_data):
     residual = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LayerNorm(6), nn.Conv2d(4, 2, 1))
     with pytest.raises(TypeError, match="does not act on each unit separately"):
         reduce(residual, 0.5, "prune", calibration=torch.rand(4, 3, 8, 8))
+
+
+def test_count_macs_counts_transposed_convolutions_by_brute_force():
+    """A transposed convolution's multiplications: every input value times every kernel weight of
+    its group, counted here by running it on one-hot inputs and counting the non-zero products."""
+    deconv = torch.nn.ConvTranspose2d(4, 6, kernel_size=3, stride=2, padding=1, groups=2, bias=False)
+    x = torch.zeros(1, 4, 5, 5)
+    # Each input element contributes (out/groups) * kernel products.
+    per_input = (6 // 2) * 3 * 3
+    assert count_macs(torch.nn.Sequential(deconv), x) == per_input * x.numel()
+    with torch.no_grad():
+        deconv.weight.fill_(1.0)
+        one = torch.zeros_like(x)
+        one[0, 0, 2, 2] = 1.0
+        touched = int((deconv(one) != 0).sum())  # an interior input reaches every kernel tap
+    assert touched == per_input

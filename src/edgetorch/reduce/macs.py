@@ -10,8 +10,10 @@ from torch import nn
 def count_macs(model: nn.Module, example: torch.Tensor) -> int:
     """Multiplications per sample of one forward pass through ``model``.
 
-    Counts ``nn.Linear`` (``in * out`` per row it is applied to) and ``nn.Conv1d/2d/3d``
-    (output elements times ``in/groups * kernel volume``); biases, normalisation and
+    Counts ``nn.Linear`` (``in * out`` per row it is applied to), ``nn.Conv1d/2d/3d``
+    (output elements times ``in/groups * kernel volume``) and ``nn.ConvTranspose1d/2d/3d`` (input
+    elements times ``out/groups * kernel volume``: each input value is scattered through the
+    whole kernel, as BottleFit's downsampled decoders do); biases, normalisation and
     activations are not multiplications of weights and are left out, as in the paper.
 
     Args:
@@ -40,12 +42,21 @@ def count_macs(model: nn.Module, example: torch.Tensor) -> int:
             per_output *= k
         total += per_output * output.numel()
 
+    def transposed(module: nn.modules.conv._ConvTransposeNd, inputs, output) -> None:
+        nonlocal total
+        per_input = module.out_channels // module.groups
+        for k in module.kernel_size:
+            per_input *= k
+        total += per_input * inputs[0].numel()
+
     handles = []
     for module in model.modules():
         if isinstance(module, nn.Linear):
             handles.append(module.register_forward_hook(linear))
         elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             handles.append(module.register_forward_hook(conv))
+        elif isinstance(module, nn.modules.conv._ConvTransposeNd):
+            handles.append(module.register_forward_hook(transposed))
     was_training = model.training
     model.eval()
     try:
