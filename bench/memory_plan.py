@@ -22,7 +22,7 @@ from _common import mib, table, write_results
 
 RUNS = [("resnet18", 32, 160), ("resnet50", 16, 160), ("mobilenet_v2", 32, 160), ("vgg11", 16, 128),
         ("squeezenet1_1", 32, 160), ("densenet121", 8, 160)]
-POLICIES = ["dense", "bitmap", "backrazor:sparsity=0.9"]
+POLICIES = ["dense", "bitmap", "backrazor:sparsity=0.9", "bitmap+checkpoint"]
 TARGET = 0.10
 
 
@@ -31,7 +31,8 @@ def worker(arch: str, batch: int, resolution: int, spec: str) -> dict:
     import torch.nn.functional as F
     import torchvision
 
-    from edgetorch import compress_activations, parse_policy, plan_memory
+    from edgetorch import plan_memory
+    from edgetorch.activations import forward_backward, parse_training_policy
     from edgetorch.measure.process import peak_rss_bytes, release_freed, reset_peak_rss
 
     torch.manual_seed(0)
@@ -42,14 +43,12 @@ def worker(arch: str, batch: int, resolution: int, spec: str) -> dict:
     plan_seconds = time.perf_counter() - start
     predicted = next(c for c in plan.candidates if c.batch == batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    policy = parse_policy(spec)
+    how = parse_training_policy(spec)
     release_freed()
     reset_peak_rss()
     for _ in range(3):  # the standard loop: gradients are freed before the forward
         optimizer.zero_grad(set_to_none=True)
-        with compress_activations(model, policy):
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        forward_backward(model, x, y, how, F.cross_entropy)
         optimizer.step()
     measured = peak_rss_bytes()
     return {"model": arch, "batch": batch, "resolution": resolution, "policy": spec,
