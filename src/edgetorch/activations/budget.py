@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .._checks import check_positive_int
 from ..measure import SavedTensorLedger
 from ..measure.process import held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed, reset_peak
 from .checkpoint import find_stages
@@ -180,8 +181,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     x, y = example_batch if isinstance(example_batch, (tuple, list)) else (example_batch, None)
-    if isinstance(min_batch, bool) or not isinstance(min_batch, int) or min_batch < 1:
-        raise ValueError(f"min_batch must be a positive int, got {min_batch!r}")
+    check_positive_int("min_batch", min_batch)
     if x.dim() < 1 or x.shape[0] < 1:
         raise ValueError(f"example_batch needs a batch dimension, got inputs of shape {list(x.shape)}")
     requested = x.shape[0]

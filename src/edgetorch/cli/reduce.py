@@ -70,7 +70,7 @@ def reduce(
 
     from ..data import DatasetNotFoundError, load_dataset
     from ..reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, reduce_model, save
-    from ..reduce.problem import check_choice
+    from .._checks import check_choice
     from ..zoo import evaluate_accuracy
 
     for name, value, accepted in (("method", method, METHODS), ("allocation", allocation, ALLOCATIONS)):

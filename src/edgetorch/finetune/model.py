@@ -19,6 +19,8 @@ from pathlib import Path
 
 from torch import nn
 
+from .._checks import check_choice
+
 SCOPES = ("full", "last", "norm+last", "bias")
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
@@ -110,8 +112,7 @@ def set_scope(model: nn.Module, scope: str) -> list[nn.Parameter]:
     Raises:
         ValueError: an unknown scope.
     """
-    if scope not in SCOPES:
-        raise ValueError(f"scope {scope!r}; accepted: {', '.join(SCOPES)}")
+    check_choice("scope", scope, SCOPES)
     keep = set(model.get_submodule(classifier_name(model)).parameters())
     if scope == "full":
         keep = set(model.parameters())

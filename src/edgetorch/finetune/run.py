@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from .._checks import check_choice, check_positive_int
 from ..activations import freeze_batchnorm, parse_training_policy
 from ..activations.step import forward_backward
 from ..measure.process import peak_bytes, peak_kind, process_peak_rss_bytes, reset_peak
@@ -84,12 +85,9 @@ class FinetuneConfig:
     def __post_init__(self) -> None:
         parse_training_policy(self.policy)
         for name, accepted in (("scope", SCOPES), ("optimizer", OPTIMIZERS), ("schedule", SCHEDULES)):
-            if getattr(self, name) not in accepted:
-                raise ValueError(f"{name}={getattr(self, name)!r}; accepted: {', '.join(accepted)}")
+            check_choice(name, getattr(self, name), accepted)
         for name in ("epochs", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if not (math.isfinite(self.lr) and self.lr > 0 and 0 <= self.momentum < 1
                 and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"need lr > 0, 0 <= momentum < 1 and weight_decay >= 0; got lr={self.lr}, "

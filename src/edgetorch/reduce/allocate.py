@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .exact import solve_exact
-from .problem import check_choice, cost_model_of, make_problem
+from .._checks import check_choice
+from .problem import cost_model_of, make_problem
 from .pso import PSOConfig, solve_pso
 from .uniform import uniform_lowrank, uniform_prune
 

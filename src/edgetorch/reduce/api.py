@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from .allocate import ALLOCATIONS, Allocation, solve_allocation
-from .problem import METHODS, check_choice, layer_lowrank_cost
+from .._checks import check_choice
+from .problem import METHODS, layer_lowrank_cost
 from .sequential import (WeightLayer, factorised, input_statistics, layer_svds, lowrank_curves, prune_orders,
                          pruned, weight_layers, widths_of)
 

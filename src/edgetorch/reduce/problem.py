@@ -34,25 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._checks import check_choice
+
 METHODS = ("prune", "prune-ls", "lowrank")  # what every ``method=`` of edgetorch.reduce takes
 COST_MODELS = ("prune", "lowrank")  # what a Problem counts multiplications with
-
-
-def check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` naming ``value`` and the accepted words unless ``value`` is one of them.
-
-    Args:
-        name: the argument's name, e.g. ``"allocation"``.
-        value: what the caller passed.
-        accepted: the argument's word set (:data:`METHODS`, ``ALLOCATIONS``).
-
-    Example:
-        >>> check_choice("method", "svd", METHODS)
-        Traceback (most recent call last):
-        ValueError: unknown method 'svd'; accepted: prune, prune-ls, lowrank
-    """
-    if value not in accepted:
-        raise ValueError(f"unknown {name} {value!r}; accepted: {', '.join(accepted)}")
 
 
 def cost_model_of(method: str) -> str:

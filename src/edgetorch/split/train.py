@@ -44,6 +44,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from .._checks import check_choice, check_positive_int
 from ..zoo import CheckpointError, load_weights, save_weights
 from ..zoo.weights import file_sha256
 from .bottleneck import BottleneckModel, decompose
@@ -97,12 +98,9 @@ class StageConfig:
 
     def __post_init__(self) -> None:
         for name, accepted in (("loss", LOSSES), ("trainable", TRAINABLE), ("optimizer", OPTIMIZERS)):
-            if getattr(self, name) not in accepted:
-                raise ValueError(f"{name}={getattr(self, name)!r}; accepted: {', '.join(accepted)}")
+            check_choice(name, getattr(self, name), accepted)
         for name in ("epochs", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.lr_step is not None and (not isinstance(self.lr_step, int) or self.lr_step < 1):
             raise ValueError(f"lr_step must be None or a positive int, got {self.lr_step!r}")
         if self.weight_decay is not None and not self.weight_decay >= 0:

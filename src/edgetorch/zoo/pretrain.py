@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from .._checks import check_choice, check_positive_int
 from ..data import cache_dir, dataset_info, load_dataset
 from .registry import ZOO_MODELS, takes_image_size
 from .weights import CheckpointError, file_sha256, load_weights, save_weights
@@ -65,14 +66,11 @@ class PretrainConfig:
     weight_decay: float = 1e-4
 
     def __post_init__(self) -> None:
-        if self.model not in ZOO_MODELS:
-            raise ValueError(f"unknown zoo model {self.model!r}; accepted: {', '.join(ZOO_MODELS)}")
+        check_choice("zoo model", self.model, ZOO_MODELS)
         # Canonical dataset name, so "Fashion_MNIST" and "fashion-mnist" share one cache entry.
         object.__setattr__(self, "dataset", dataset_info(self.dataset).name)
         for name in ("epochs", "batch_size", "image_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.train_limit is not None and (
             isinstance(self.train_limit, bool)
             or not isinstance(self.train_limit, int)
