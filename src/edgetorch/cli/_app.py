@@ -82,6 +82,15 @@ def device_option(device: str) -> str:
     return device
 
 
+def write_json(path: Path | None, record: object) -> None:
+    """Write a command's ``--json`` record (when given) and say so."""
+    if path is not None:
+        import json
+
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        console.print(f"wrote {path}")
+
+
 def mib(n: int | None) -> str:
     """Bytes as MiB with one decimal, '-' for unknown."""
     return "-" if n is None else f"{n / 2**20:,.1f}"

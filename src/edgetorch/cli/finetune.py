@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ._app import app, console, device_option, mib, output_dir, output_file, plot_file
+from ._app import app, console, device_option, mib, output_dir, output_file, plot_file, write_json
 
 _POLICY_HELP = ("repeatable: dense, bitmap[:threshold=..,value_dtype=..], backrazor[:sparsity=0.9], each optionally "
                 "+checkpoint. Without --memory-budget give one; with it, these are the candidates (default: "
@@ -131,9 +130,7 @@ def finetune(
         console.print(f"resumed after epoch {result.resumed_from} from {out / 'checkpoint'}")
     console.print(f"validation accuracy {result.val_accuracy:.4f}; wrote {result.weights} and {out / 'model.json'} "
                   f"(a state_dict of {model} with num_classes={len(images.classes)})")
-    if json_path is not None:
-        json_path.write_text(json.dumps(summary, indent=2))
-        console.print(f"wrote {json_path}")
+    write_json(json_path, summary)
     if plot is not None:
         from ..measure.plots import plot_training
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from ._app import app, console, device_option, mib, output_file, plot_file
+from ._app import app, console, device_option, mib, output_file, plot_file, write_json
 
 
 @app.command()
@@ -66,9 +65,7 @@ def profile(
     console.print(table)
     console.print("ledger = exact tensor bytes autograd holds; measured = the process peak "
                   f"({result['results'][0]['peak_memory_kind']}); they are different quantities.")
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2))
-        console.print(f"wrote {json_path}")
+    write_json(json_path, result)
     if plot is not None:
         from ..measure.plots import plot_memory_breakdown
 

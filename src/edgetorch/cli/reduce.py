@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from ._app import app, console, output_file, plot_file
+from ._app import app, console, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
     from ..reduce import Reduction
@@ -126,9 +126,7 @@ def reduce(
     try:
         if output is not None:
             console.print(f"wrote {output} and {save(result.model, output, {'reduction': summary})}")
-        if json_path is not None:
-            json_path.write_text(json.dumps(summary, indent=2) + "\n")
-            console.print(f"wrote {json_path}")
+        write_json(json_path, summary)
         if plot is not None:
             from ..reduce.plots import plot_layer_factors
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ._app import app, console, device_option, output_dir, output_file, plot_file
+from ._app import app, console, device_option, output_dir, output_file, plot_file, write_json
 
 split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, plan (measure-server for the planner).", no_args_is_help=True)
 app.add_typer(split_app, name="split")
@@ -82,9 +82,7 @@ def train(
         console.print(f"[red]split train failed: {err}[/red]")
         raise typer.Exit(1) from None
     _print_evaluation(record)
-    if json_path is not None:
-        json_path.write_text(json.dumps(record, indent=2) + "\n")
-        console.print(f"wrote {json_path}")
+    write_json(json_path, record)
     if plot is not None:
         plot_losses(record["stages"], plot, f"{teacher} -> C={channels} {split_point} student")
         console.print(f"wrote {plot}")
@@ -166,11 +164,8 @@ def export(
     source = trained or checkpoint or "random init"
     console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
                   f"{manifest.num_classes} logits ({source}{', signed' if key else ''}{', with head.onnx' if onnx else ''})")
-    if json_path is not None:
-        record = {"artifact": str(out), "source": str(source), "signed": key is not None,
-                  "manifest": json.loads((out / "manifest.json").read_text())}
-        json_path.write_text(json.dumps(record, indent=2) + "\n")
-        console.print(f"wrote {json_path}")
+    write_json(json_path, {"artifact": str(out), "source": str(source), "signed": key is not None,
+                           "manifest": json.loads((out / "manifest.json").read_text())})
 
 
 @split_app.command()
@@ -249,12 +244,9 @@ def infer(
         console.print(f"{path}: " + ", ".join(f"{name} {p:.1%}" for name, p in ranked))
     stages = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     console.print(f"payload {result.payload_bytes:,} bytes for {len(images)} image(s); {stages}")
-    if json_path is not None:
-        record = {"images": [{"path": str(path), "top": [{"class": name, "probability": p} for name, p in ranked]}
-                             for path, ranked in zip(images, predictions)],
-                  "payload_bytes": result.payload_bytes, "seconds": result.seconds}
-        json_path.write_text(json.dumps(record, indent=2) + "\n")
-        console.print(f"wrote {json_path}")
+    write_json(json_path, {"images": [{"path": str(path), "top": [{"class": name, "probability": p} for name, p in ranked]}
+                                      for path, ranked in zip(images, predictions)],
+                           "payload_bytes": result.payload_bytes, "seconds": result.seconds})
 
 
 TRAINING_RESULTS = Path("docs/results/split_training.json")
@@ -345,9 +337,7 @@ def plan(
         console.print(table)
     console.print("*d = lowest delay, *e = lowest device energy. Times measured on this machine, scaled by the "
                   "device and server profiles' speeds (unless measured on the server); links and power are assumptions.")
-    if json_path is not None:
-        json_path.write_text(json.dumps(records, indent=2))
-        console.print(f"wrote {json_path}")
+    write_json(json_path, records)
 
 
 @split_app.command("measure-server")
