@@ -166,12 +166,18 @@ class SplitClient:
         answered = time.perf_counter()
         if response.status_code != 200:
             raise SplitClientError(f"server answered {response.status_code}: {response.text}")
-        answer = response.json()
-        logits = torch.tensor(answer["logits"], dtype=torch.float32)
+        # A 200 whose body is not the server's JSON (another service, a proxy page, a hostile
+        # server) raised KeyError/TypeError/JSONDecodeError here: a traceback, not this error.
+        try:
+            answer = response.json()
+            logits = torch.tensor(answer["logits"], dtype=torch.float32)
+            server_s = float(answer["timing"]["decode_s"]) + float(answer["timing"]["tail_s"])
+        except (ValueError, KeyError, TypeError, IndexError, OverflowError, RuntimeError) as exc:
+            raise SplitClientError(f"server answered 200 but not with {{logits, timing}} JSON "
+                                   f"({type(exc).__name__}: {exc}): {response.text[:200]!r}") from None
         if logits.shape != (images.shape[0], self.manifest.num_classes):
             raise SplitClientError(f"server returned logits of shape {list(logits.shape)}, expected "
                                    f"[{images.shape[0]}, {self.manifest.num_classes}]")
-        server_s = float(answer["timing"]["decode_s"]) + float(answer["timing"]["tail_s"])
         seconds = {"head": headed - start, "encode": encoded - headed,
                    "network": answered - encoded - server_s, "server": server_s,
                    "total": time.perf_counter() - start}

@@ -178,17 +178,19 @@ class SplitManifest:
         """
         try:
             raw = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
+        # ValueError, not only JSONDecodeError: an integer of over 4300 digits raises a plain one.
+        except (ValueError, RecursionError) as exc:
             raise SplitArtifactError(f"{MANIFEST_NAME} is not JSON ({exc})") from None
         if not isinstance(raw, dict):
             raise SplitArtifactError(f"{MANIFEST_NAME} must hold a JSON object, got {type(raw).__name__}")
         version = raw.get("manifest_version")
-        if version == 1:
+        integer = type(version) is int  # 2.0 == 2 and True == 1: only a JSON integer is a version
+        if integer and version == 1:
             raise SplitArtifactError(
                 f"{MANIFEST_NAME}: version 1 artifacts hold torch.export programs, whose loader "
                 "unpickles and can run code; they are no longer read. Export again with "
                 "`edgetorch split export` (same checkpoint) to get safetensors weights")
-        if version != MANIFEST_VERSION or raw.get("format") != FORMAT:
+        if not integer or version != MANIFEST_VERSION or raw.get("format") != FORMAT:
             raise SplitArtifactError(f"{MANIFEST_NAME}: format {raw.get('format')!r} version {version!r} is not "
                                      f"supported (expected {FORMAT!r} version {MANIFEST_VERSION})")
         expected = {f.name for f in cls.__dataclass_fields__.values()}
@@ -271,6 +273,9 @@ def _texts(value: object) -> tuple[str, ...]:
 def _text(value: object) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {value!r}")
+    # JSON's "\ud800" is a lone surrogate, not text: as a class name it made `split infer` die
+    # with UnicodeEncodeError when printing predictions. (UnicodeEncodeError is a ValueError.)
+    value.encode("utf-8")
     return value
 
 
@@ -445,15 +450,16 @@ def read_manifest(artifact_dir: str | Path, key: bytes | str | None = None) -> S
             manifest is refused.
 
     Returns:
-        The :class:`SplitManifest` (its shapes are checked against the layers by :func:`load`).
+        The :class:`SplitManifest`, its shapes checked against the layers it describes.
 
     Raises:
         SplitArtifactError: missing directory or file, a symlink, a malformed manifest, a bad
-            signature, or a hash mismatch.
+            signature, a file larger than the model's weights need, or a hash mismatch.
     """
     manifest = _signed_manifest(Path(artifact_dir), key)
+    model = _skeleton(manifest)  # meta layers: what bounds each file's size before it is read
     for part in manifest.files:
-        _verified_bytes(Path(artifact_dir), manifest, part)
+        _verified_bytes(Path(artifact_dir), manifest, part, model)
     return manifest
 
 
@@ -466,37 +472,63 @@ def _signed_manifest(root: Path, key: bytes | str | None) -> SplitManifest:
         if manifest.signature is None:
             raise SplitArtifactError(f"{root}: the manifest is not signed, but a key was given; export it "
                                      "again with the key (--key-env) or load it without one")
-        if not hmac.compare_digest(manifest.signature, _signature(manifest, key)):
+        # Bytes: compare_digest raises TypeError for a str signature with non-ASCII characters.
+        if not hmac.compare_digest(manifest.signature.encode("utf-8", "replace"), _signature(manifest, key).encode()):
             raise SplitArtifactError(f"{root}: the manifest's HMAC does not match this key (tampered, or "
                                      "signed with another key)")
     return manifest
 
 
-def _read_regular(path: Path, limit: int | None = None) -> bytes:
-    """A regular file's bytes, refusing symlinks (O_NOFOLLOW) and anything over ``limit``."""
+def _read_regular(path: Path, limit: int, why: str = "") -> bytes:
+    """A regular file's bytes, refusing symlinks (O_NOFOLLOW) and anything over ``limit`` (``why``
+    ends the message that says so)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: opening a FIFO planted under a file's name would otherwise block until some
+        # writer appears (the loader hangs); with it the open returns and fstat refuses it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
         raise SplitArtifactError(f"{path.parent}: {path.name} is missing") from None
     except OSError as exc:  # ELOOP: a symlink
         raise SplitArtifactError(f"{path}: cannot be opened as a regular file (symlinks are refused): "
                                  f"{exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
+    try:
+        info = os.fstat(fd)  # before fdopen, which raises IsADirectoryError for a directory
         if not stat.S_ISREG(info.st_mode):
             raise SplitArtifactError(f"{path} is not a regular file")
-        if limit is not None and info.st_size > limit:
-            raise SplitArtifactError(f"{path} is {info.st_size} bytes, over the {limit}-byte limit")
-        return f.read()
+        if info.st_size > limit:
+            raise SplitArtifactError(f"{path} is {info.st_size} bytes, over the {limit}-byte limit{why}")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)  # at most limit + 1 bytes, even if the file grew after fstat
+    if len(data) > limit:
+        raise SplitArtifactError(f"{path} grew past the {limit}-byte limit while it was read")
+    return data
 
 
-def _verified_bytes(root: Path, manifest: SplitManifest, part: str) -> bytes:
-    """A part's bytes, read once and checked against the manifest's SHA-256."""
+def _verified_bytes(root: Path, manifest: SplitManifest, part: str, model: BottleneckModel) -> bytes:
+    """A part's bytes, read once (at most what ``model``'s weights can take) and checked against
+    the manifest's SHA-256."""
     entry = manifest.files[part]
-    data = _read_regular(root / entry["path"])
-    if not hmac.compare_digest(hashlib.sha256(data).hexdigest(), entry["sha256"]):
+    data = _read_regular(root / entry["path"], _size_limit(model, part),
+                         f" for this manifest's model: the {part} weights do not fit the manifest's model "
+                         "(head and tail swapped, or another model)")
+    # Bytes, not str: compare_digest raises TypeError for a str with non-ASCII characters.
+    if not hmac.compare_digest(hashlib.sha256(data).hexdigest().encode(), entry["sha256"].encode("utf-8", "replace")):
         raise SplitArtifactError(f"{root / entry['path']}: SHA-256 does not match the manifest (modified or swapped)")
     return data
+
+
+def _size_limit(model: BottleneckModel, part: str) -> int:
+    """The most bytes ``part``'s file may have for this model: its weights plus room for the
+    header (safetensors) or graph (ONNX). Without it a sparse file of 1 TB beside a tiny
+    manifest was read into memory whole (MemoryError, or all of RAM) before any check."""
+    state = (model.tail if part == "tail" else model.head).state_dict()
+    weights = sum(t.numel() * t.element_size() for t in state.values())  # meta tensors: no memory
+    if part == _ONNX:
+        return 2 * weights + (16 << 20)
+    return weights + (1 << 20) + 1024 * len(state)
 
 
 def _skeleton(manifest: SplitManifest) -> BottleneckModel:
@@ -522,10 +554,12 @@ def _load_weights(root: Path, manifest: SplitManifest, model: BottleneckModel, p
     from safetensors import SafetensorError
     from safetensors.torch import load as load_safetensors
 
-    data = _verified_bytes(root, manifest, part)
+    data = _verified_bytes(root, manifest, part, model)
     try:
         tensors = load_safetensors(data)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
+    # KeyError: safetensors.torch has no torch dtype for some dtypes its parser accepts (F4,
+    # F6_E2M3, F8_E8M0), e.g. in a zero-element tensor.
+    except (SafetensorError, ValueError, RuntimeError, KeyError) as exc:
         raise SplitArtifactError(f"{root / manifest.files[part]['path']}: not a safetensors file ({exc})") from None
     module: nn.Module = getattr(model, part)
     wanted = module.state_dict()
@@ -596,16 +630,22 @@ class OnnxHead:
 
     Attributes:
         sample_shape: the per-sample input shape [3, H, W].
+        output_shape: the per-sample bottleneck shape each output is checked against (None: unchecked).
     """
 
-    def __init__(self, session: Any, sample_shape: tuple[int, ...]):
+    def __init__(self, session: Any, sample_shape: tuple[int, ...], output_shape: tuple[int, ...] | None = None):
         self._session, self.sample_shape = session, tuple(sample_shape)
+        self.output_shape = None if output_shape is None else tuple(output_shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[1:]) != self.sample_shape:
             raise ValueError(f"this head was exported for inputs [N, {', '.join(map(str, self.sample_shape))}], "
                              f"got {list(x.shape)}")
         out = self._session.run(None, {self._session.get_inputs()[0].name: x.detach().float().contiguous().numpy()})[0]
+        # Symbolic dims in the graph's declaration are not checked at load: check what it gave.
+        if self.output_shape is not None and tuple(out.shape) != (x.shape[0], *self.output_shape):
+            raise SplitArtifactError(f"head.onnx gave {list(out.shape)}, the manifest's bottleneck is "
+                                     f"[{x.shape[0]}, {', '.join(map(str, self.output_shape))}]")
         return torch.from_numpy(out)
 
 
@@ -625,7 +665,8 @@ def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> 
 
     Raises:
         ImportError: onnxruntime is not installed.
-        SplitArtifactError: no ``head.onnx`` in the artifact, or any check of :func:`read_manifest`.
+        SplitArtifactError: no ``head.onnx`` in the artifact, a graph whose input or output is not
+            the manifest's shape, or any check of :func:`read_manifest`.
     """
     try:
         import onnxruntime
@@ -634,13 +675,23 @@ def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> 
     manifest = _signed_manifest(Path(artifact_dir), key)
     if _ONNX not in manifest.files:
         raise SplitArtifactError(f"{artifact_dir}: no head.onnx; export with --onnx (onnx=True)")
-    data = _verified_bytes(Path(artifact_dir), manifest, _ONNX)
+    data = _verified_bytes(Path(artifact_dir), manifest, _ONNX, _skeleton(manifest))
     _refuse_external_data(data)
     try:
         session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types for a malformed model
         raise SplitArtifactError(f"{artifact_dir}: head.onnx does not load in onnxruntime ({exc})") from None
-    return OnnxHead(session, manifest.input_shape), manifest
+    # The graph's declared interface must be the manifest's: before this, a head.onnx giving
+    # another bottleneck shape loaded and only the server refused its payloads.
+    inputs, outputs = session.get_inputs(), session.get_outputs()
+    for what, args, shape in (("input", inputs, manifest.input_shape), ("output", outputs, manifest.bottleneck_shape)):
+        declared = list(args[0].shape) if len(args) == 1 else None
+        if declared is None or len(declared) != 1 + len(shape) or any(
+                isinstance(d, int) and d != want for d, want in zip(declared[1:], shape)):
+            raise SplitArtifactError(f"{artifact_dir}: head.onnx must have one {what} [N, "
+                                     f"{', '.join(map(str, shape))}] as the manifest says, got "
+                                     f"{[list(a.shape) for a in args]}")
+    return OnnxHead(session, manifest.input_shape, manifest.bottleneck_shape), manifest
 
 
 def _refuse_external_data(data: bytes) -> None:
@@ -653,5 +704,22 @@ def _refuse_external_data(data: bytes) -> None:
         model = onnx.load_from_string(data)
     except Exception as exc:  # protobuf's DecodeError and onnx's own errors
         raise SplitArtifactError(f"head.onnx is not an ONNX model ({exc})") from None
-    if any(uses_external_data(t) for t in model.graph.initializer):
+    nodes = [*model.graph.node, *(n for f in model.functions for n in f.node)]
+    if any(uses_external_data(t) for t in _onnx_tensors(model.graph.initializer, model.graph.sparse_initializer, nodes)):
         raise SplitArtifactError("head.onnx refers to external data files; an artifact's head must be self-contained")
+
+
+def _onnx_tensors(initializers: Any, sparse: Any, nodes: Any) -> Any:
+    """Every TensorProto of a graph: initializers and, what checking only those missed, sparse
+    initializers and node attributes (a Constant's value), in subgraphs (If, Loop) too."""
+    yield from initializers
+    for s in sparse:
+        yield from (s.values, s.indices)
+    for node in nodes:
+        for a in node.attribute:
+            yield from [a.t] if a.HasField("t") else []
+            yield from a.tensors
+            for s in [*([a.sparse_tensor] if a.HasField("sparse_tensor") else []), *a.sparse_tensors]:
+                yield from (s.values, s.indices)
+            for g in [*([a.g] if a.HasField("g") else []), *a.graphs]:
+                yield from _onnx_tensors(g.initializer, g.sparse_initializer, g.node)
