@@ -559,7 +559,8 @@ def test_reformatting_a_signed_manifest_keeps_its_meaning_and_its_signature(sign
 
 
 # --------------------------------------------------------------------------------------------
-# ONNX heads (built by hand: a slice and an average pool that give the manifest's [2, 4, 4])
+# ONNX heads (built by hand: a 1x1 convolution to 2 channels and an average pool that give the
+# manifest's [2, 4, 4], operators a bottleneck head uses)
 
 
 def _onnx_head(*, pool: int = 8, declared: list | None = None, extra_nodes=(), extra_inits=(),
@@ -569,8 +570,8 @@ def _onnx_head(*, pool: int = 8, declared: list | None = None, extra_nodes=(), e
 
     image = helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, px, px])
     out = helper.make_tensor_value_info("bottleneck", TensorProto.FLOAT, declared or ["batch", 2, px // pool, px // pool])
-    inits = [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in (("s", 0), ("e", 2), ("ax", 1))]
-    nodes = [helper.make_node("Slice", ["image", "s", "e", "ax"], ["sliced"]),
+    inits = [numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "w1x1")]
+    nodes = [helper.make_node("Conv", ["image", "w1x1"], ["sliced"], kernel_shape=[1, 1]),
              helper.make_node("AveragePool", ["sliced"], [final], kernel_shape=[pool] * 2, strides=[pool] * 2),
              *extra_nodes]
     opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(domain, 1)] if domain else [])
@@ -587,6 +588,13 @@ def _external(name: str, location: str):
     for key, value in (("location", location), ("offset", "0"), ("length", "128")):
         tensor.external_data.add(key=key, value=value)
     return tensor
+
+
+def _int64s(name: str, values: list[int]):
+    import numpy as np
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.array(values, np.int64), name)
 
 
 def _add(name: str) -> list:
@@ -622,10 +630,16 @@ def _onnx_attacks():
             helper.make_node("Constant", [], ["w"], value=_external("w", "secret.bin")), *_add("w")]), "external data"),
         "external data in an If branch": (_external_in_subgraph, "external data"),
         "custom op domain": (lambda: _onnx_head(final="pooled", domain="com.attacker", extra_nodes=[
-            helper.make_node("Evil", ["pooled"], ["bottleneck"], domain="com.attacker")]), "not a registered"),
+            helper.make_node("Evil", ["pooled"], ["bottleneck"], domain="com.attacker")]), "uses operator com.attacker.Evil"),
         "huge declared initializer": (lambda: _onnx_head(final="pooled", extra_inits=[huge], extra_nodes=[
             helper.make_node("ReduceSum", ["huge"], ["total"], keepdims=0), *_add("total")]),
-            "does not load in onnxruntime"),
+            "uses operator ai.onnx.ReduceSum"),
+        # 500 bytes that allocated 2 GB at inference before the operator allowlist.
+        "ConstantOfShape bomb": (lambda: _onnx_head(final="pooled", extra_inits=[_int64s("shape", [2**29])], extra_nodes=[
+            helper.make_node("ConstantOfShape", ["shape"], ["big"]), *_add("big")]), "uses operator ai.onnx.ConstantOfShape"),
+        "huge pads": (lambda: _onnx_head(final="pooled", extra_nodes=[
+            helper.make_node("MaxPool", ["pooled"], ["bottleneck"], kernel_shape=[1, 1], pads=[10**6] * 4)]),
+            r"pads \[1000000, 1000000, 1000000, 1000000\] exceeds 64"),
         "output shape not the manifest's": (lambda: _onnx_head(pool=4), r"one output \[N, 2, 4, 4\]"),
         "input shape not the manifest's": (lambda: _onnx_head(px=64, pool=16), r"one input \[N, 3, 32, 32\]"),
         "junk": (lambda: b"\x08\x07junk" * 8, "not an ONNX model"),
@@ -647,8 +661,8 @@ def test_a_well_formed_onnx_head_loads(copy_of):
 
 
 @pytest.mark.parametrize("attack", ["external initializer", "external Constant value", "external data in an If branch",
-                                    "custom op domain", "huge declared initializer", "output shape not the manifest's",
-                                    "input shape not the manifest's", "junk"])
+                                    "custom op domain", "huge declared initializer", "ConstantOfShape bomb", "huge pads",
+                                    "output shape not the manifest's", "input shape not the manifest's", "junk"])
 def test_onnx_attacks_are_refused(copy_of, attack):
     pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")

@@ -652,9 +652,10 @@ class OnnxHead:
 def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> tuple[OnnxHead, SplitManifest]:
     """The verified ``head.onnx`` as an ONNX Runtime session (for devices without PyTorch models).
 
-    The session is built from the bytes whose hash was checked, and, where the ``onnx`` package is
-    installed, a model that points at external data files is refused (they would be read from
-    outside the checked bytes).
+    The session is built from the bytes whose hash was checked. A model that points at external
+    data files is refused (they would be read from outside the checked bytes), and so is one with
+    an operator a bottleneck head does not use or an oversized window (an ONNX graph is a program
+    that could allocate without bound at inference).
 
     Args:
         artifact_dir: a directory exported with ``onnx=True`` (``--onnx``).
@@ -664,7 +665,7 @@ def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> 
         ``(head, manifest)``: call the :class:`OnnxHead` on a float [N, 3, H, W] tensor.
 
     Raises:
-        ImportError: onnxruntime is not installed.
+        ImportError: onnxruntime or onnx is not installed.
         SplitArtifactError: no ``head.onnx`` in the artifact, a graph whose input or output is not
             the manifest's shape, or any check of :func:`read_manifest`.
     """
@@ -694,12 +695,24 @@ def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> 
     return OnnxHead(session, manifest.input_shape, manifest.bottleneck_shape), manifest
 
 
+# An ONNX model is a program: a 500-byte graph with ConstantOfShape allocated 2 GB at inference
+# (found in review), and onnxruntime caps only load-time constant folding. So an unsigned head
+# may use only the operators the exporter writes for a bottleneck head (measured on resnet and
+# densenet heads, both architectures, SP1 and SP2: Conv, BatchNormalization, Relu, MaxPool; the
+# rest are their plain variants), with no subgraphs, and small window attributes.
+_ONNX_OPS = frozenset({"Conv", "BatchNormalization", "Relu", "MaxPool", "Identity", "Add", "AveragePool", "Clip"})
+_ONNX_WINDOW_ATTRS = frozenset({"kernel_shape", "pads", "strides", "dilations"})
+_ONNX_WINDOW_MAX = 64
+
+
 def _refuse_external_data(data: bytes) -> None:
+    """Refuse a head.onnx that reads other files, or that could compute more than a bottleneck head."""
     try:
         import onnx
         from onnx.external_data_helper import uses_external_data
-    except ImportError:
-        return
+    except ImportError:  # without the parser the graph cannot be checked, so it is not run
+        raise ImportError("loading head.onnx needs the onnx package to check its graph: pip install "
+                          "'edgetorch[onnx]'") from None
     try:
         model = onnx.load_from_string(data)
     except Exception as exc:  # protobuf's DecodeError and onnx's own errors
@@ -707,6 +720,14 @@ def _refuse_external_data(data: bytes) -> None:
     nodes = [*model.graph.node, *(n for f in model.functions for n in f.node)]
     if any(uses_external_data(t) for t in _onnx_tensors(model.graph.initializer, model.graph.sparse_initializer, nodes)):
         raise SplitArtifactError("head.onnx refers to external data files; an artifact's head must be self-contained")
+    for node in nodes:
+        if node.op_type not in _ONNX_OPS or node.domain not in ("", "ai.onnx"):
+            raise SplitArtifactError(f"head.onnx uses operator {node.domain or 'ai.onnx'}.{node.op_type}; a bottleneck "
+                                     f"head uses only {', '.join(sorted(_ONNX_OPS))}")
+        for attribute in node.attribute:
+            if attribute.name in _ONNX_WINDOW_ATTRS and any(abs(v) > _ONNX_WINDOW_MAX for v in attribute.ints):
+                raise SplitArtifactError(f"head.onnx: {node.op_type} {attribute.name} {list(attribute.ints)} exceeds "
+                                         f"{_ONNX_WINDOW_MAX}; a bottleneck head's windows are small")
 
 
 def _onnx_tensors(initializers: Any, sparse: Any, nodes: Any) -> Any:
