@@ -7,7 +7,6 @@ The artifact is a tiny ResNet-18 student at 32 px; ONNX heads are built by hand 
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import io
 import json
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _tamper import edit_manifest, rehash
 import torch
 import torchvision
 from hypothesis import HealthCheck, given, settings
@@ -56,25 +56,10 @@ def copy_of(artifact, tmp_path):
     return shutil.copytree(artifact, tmp_path / "copy")
 
 
-def _edit(directory: Path, edit) -> None:
-    path = directory / "manifest.json"
-    raw = json.loads(path.read_text())
-    edit(raw)
-    path.write_text(json.dumps(raw))
-
-
-def _rehash(directory: Path) -> None:
-    """What a tamperer without the key does: make the manifest's hashes fit the altered files."""
-    def edit(raw):
-        for entry in raw["files"].values():
-            entry["sha256"] = hashlib.sha256((directory / entry["path"]).read_bytes()).hexdigest()
-    _edit(directory, edit)
-
-
 def _put(directory: Path, name: str, data: bytes) -> None:
     (directory / name).unlink(missing_ok=True)
     (directory / name).write_bytes(data)
-    _rehash(directory)
+    rehash(directory)
 
 
 def _refused(directory: Path, match: str | None, loader=load) -> SplitArtifactError:
@@ -141,7 +126,7 @@ def test_planted_pickles_never_run_and_no_unpickler_is_called(copy_of, tmp_path,
     elif plant == "as_v1":  # the old torch.export format, whose loader unpickles
         (copy_of / "head.pt2").write_bytes(blob)
         (copy_of / "tail.pt2").write_bytes(blob)
-        _edit(copy_of, lambda m: m.update(manifest_version=1))
+        edit_manifest(copy_of, lambda m: m.update(manifest_version=1))
         _refused(copy_of, "no longer read. Export again")
     elif plant == "as_onnx":
         pytest.importorskip("onnxruntime")
@@ -280,12 +265,12 @@ def _huge_int(d: Path) -> None:
 
 
 def _resolution(d: Path, px: int) -> None:
-    _edit(d, lambda m: (m.update(input_shape=[3, px, px]), m["preprocess"].update(size=[px, px])))
+    edit_manifest(d, lambda m: (m.update(input_shape=[3, px, px]), m["preprocess"].update(size=[px, px])))
 
 
 MANIFEST_ATTACKS = {
     "deeply nested": (lambda d: (d / "manifest.json").write_text("[" * 100_000 + "]" * 100_000), "not JSON"),
-    "nested in a field": (lambda d: _edit(d, lambda m: m["model"].update(x="@")) or (d / "manifest.json").write_text(
+    "nested in a field": (lambda d: edit_manifest(d, lambda m: m["model"].update(x="@")) or (d / "manifest.json").write_text(
         (d / "manifest.json").read_text().replace('"@"', "[" * 50_000 + "]" * 50_000)), "not JSON"),
     # Python refuses to parse an int of > 4300 digits with a plain ValueError, not JSONDecodeError.
     "5000-digit integer (was ValueError)": (_huge_int, "not JSON .*4300 digits"),
@@ -293,48 +278,48 @@ MANIFEST_ATTACKS = {
     "not UTF-8": (lambda d: (d / "manifest.json").write_bytes(b"\xff\xfe" + (d / "manifest.json").read_bytes()),
                   "not JSON"),
     "a list": (lambda d: (d / "manifest.json").write_text("[]"), "must hold a JSON object"),
-    "10**30 channels": (lambda d: _edit(d, lambda m: m["model"].update(channels=10**30)), "cannot be built"),
+    "10**30 channels": (lambda d: edit_manifest(d, lambda m: m["model"].update(channels=10**30)), "cannot be built"),
     "10**30 px": (lambda d: _resolution(d, 10**30), "at most 4096 px"),
-    "10**30 input channels": (lambda d: _edit(d, lambda m: m.update(input_shape=[10**30, 32, 32])), "cannot be built"),
-    "10**30 classes": (lambda d: _edit(d, lambda m: m["model"].update(num_classes=10**30)), "num_classes must be"),
-    "negative channels": (lambda d: _edit(d, lambda m: m["model"].update(channels=-2)), "cannot be built"),
-    "zero classes": (lambda d: _edit(d, lambda m: m.update(num_classes=0)), "positive integer"),
-    "float shape": (lambda d: _edit(d, lambda m: m.update(bottleneck_shape=[2, 4.0, 4])), "positive integer"),
-    "bool channels": (lambda d: _edit(d, lambda m: m["model"].update(channels=True)), "cannot be built"),
-    "string channels": (lambda d: _edit(d, lambda m: m["model"].update(channels="2")), "cannot be built"),
-    "NaN mean": (lambda d: _edit(d, lambda m: m["preprocess"].update(mean=[float("nan")])), "mean must be finite"),
-    "unknown arch": (lambda d: _edit(d, lambda m: m["model"].update(arch="__import__('os')")), "unknown arch"),
-    "unknown split point": (lambda d: _edit(d, lambda m: m["model"].update(split_point="sp9")), "cannot be built"),
-    "unknown architecture": (lambda d: _edit(d, lambda m: m["model"].update(architecture="x")), "cannot be built"),
-    "another format": (lambda d: _edit(d, lambda m: m.update(format="torch-export")), "is not supported"),
-    "version 3": (lambda d: _edit(d, lambda m: m.update(manifest_version=3)), "version 3 is not supported"),
+    "10**30 input channels": (lambda d: edit_manifest(d, lambda m: m.update(input_shape=[10**30, 32, 32])), "cannot be built"),
+    "10**30 classes": (lambda d: edit_manifest(d, lambda m: m["model"].update(num_classes=10**30)), "num_classes must be"),
+    "negative channels": (lambda d: edit_manifest(d, lambda m: m["model"].update(channels=-2)), "cannot be built"),
+    "zero classes": (lambda d: edit_manifest(d, lambda m: m.update(num_classes=0)), "positive integer"),
+    "float shape": (lambda d: edit_manifest(d, lambda m: m.update(bottleneck_shape=[2, 4.0, 4])), "positive integer"),
+    "bool channels": (lambda d: edit_manifest(d, lambda m: m["model"].update(channels=True)), "cannot be built"),
+    "string channels": (lambda d: edit_manifest(d, lambda m: m["model"].update(channels="2")), "cannot be built"),
+    "NaN mean": (lambda d: edit_manifest(d, lambda m: m["preprocess"].update(mean=[float("nan")])), "mean must be finite"),
+    "unknown arch": (lambda d: edit_manifest(d, lambda m: m["model"].update(arch="__import__('os')")), "unknown arch"),
+    "unknown split point": (lambda d: edit_manifest(d, lambda m: m["model"].update(split_point="sp9")), "cannot be built"),
+    "unknown architecture": (lambda d: edit_manifest(d, lambda m: m["model"].update(architecture="x")), "cannot be built"),
+    "another format": (lambda d: edit_manifest(d, lambda m: m.update(format="torch-export")), "is not supported"),
+    "version 3": (lambda d: edit_manifest(d, lambda m: m.update(manifest_version=3)), "version 3 is not supported"),
     # 2.0 == 2 and True == 1 in Python: a float or bool version used to be taken for 2 (or 1).
-    "version 2.0 (was accepted)": (lambda d: _edit(d, lambda m: m.update(manifest_version=2.0)), "version 2.0 is not"),
-    "version true": (lambda d: _edit(d, lambda m: m.update(manifest_version=True)), "version True is not"),
-    "path traversal": (lambda d: _edit(d, lambda m: m["files"]["tail"].update(path="../tail.safetensors")),
+    "version 2.0 (was accepted)": (lambda d: edit_manifest(d, lambda m: m.update(manifest_version=2.0)), "version 2.0 is not"),
+    "version true": (lambda d: edit_manifest(d, lambda m: m.update(manifest_version=True)), "version True is not"),
+    "path traversal": (lambda d: edit_manifest(d, lambda m: m["files"]["tail"].update(path="../tail.safetensors")),
                        "tail must be tail.safetensors"),
-    "absolute path": (lambda d: _edit(d, lambda m: m["files"]["tail"].update(path="/etc/passwd")),
+    "absolute path": (lambda d: edit_manifest(d, lambda m: m["files"]["tail"].update(path="/etc/passwd")),
                       "tail must be tail.safetensors"),
-    "NUL in path": (lambda d: _edit(d, lambda m: m["files"]["head"].update(path="head.safetensors\x00.x")),
+    "NUL in path": (lambda d: edit_manifest(d, lambda m: m["files"]["head"].update(path="head.safetensors\x00.x")),
                     "head must be head.safetensors"),
-    "look-alike path": (lambda d: _edit(d, lambda m: m["files"]["head"].update(path="head\u2024safetensors")),
+    "look-alike path": (lambda d: edit_manifest(d, lambda m: m["files"]["head"].update(path="head\u2024safetensors")),
                         "head must be head.safetensors"),
-    "fullwidth path": (lambda d: _edit(d, lambda m: m["files"]["head"].update(path="ｈｅａｄ.safetensors")),
+    "fullwidth path": (lambda d: edit_manifest(d, lambda m: m["files"]["head"].update(path="ｈｅａｄ.safetensors")),
                        "head must be head.safetensors"),
-    "another format name": (lambda d: _edit(d, lambda m: m["files"]["head"].update(format="pickle")),
+    "another format name": (lambda d: edit_manifest(d, lambda m: m["files"]["head"].update(format="pickle")),
                             "head must be head.safetensors"),
-    "extra part": (lambda d: _edit(d, lambda m: m["files"].update(evil={"path": "x", "sha256": "", "format": "x"})),
+    "extra part": (lambda d: edit_manifest(d, lambda m: m["files"].update(evil={"path": "x", "sha256": "", "format": "x"})),
                    "files must list head and tail"),
     # compare_digest raises TypeError for str with non-ASCII characters.
-    "non-ASCII sha256 (was TypeError)": (lambda d: _edit(d, lambda m: m["files"]["head"].update(sha256="é" * 64)),
+    "non-ASCII sha256 (was TypeError)": (lambda d: edit_manifest(d, lambda m: m["files"]["head"].update(sha256="é" * 64)),
                                          "SHA-256 does not match"),
-    "lone surrogate sha256": (lambda d: _edit(d, lambda m: m["files"]["head"].update(sha256="\ud800" * 64)),
+    "lone surrogate sha256": (lambda d: edit_manifest(d, lambda m: m["files"]["head"].update(sha256="\ud800" * 64)),
                               "malformed field .*surrogates not allowed"),
     # A lone surrogate cannot be printed: `split infer` died with UnicodeEncodeError on the names.
-    "lone surrogate class name": (lambda d: _edit(d, lambda m: m.update(class_names=["a", "b", "c", "d", "\ud800"])),
+    "lone surrogate class name": (lambda d: edit_manifest(d, lambda m: m.update(class_names=["a", "b", "c", "d", "\ud800"])),
                                   "malformed field .*surrogates not allowed"),
-    "class names of another count": (lambda d: _edit(d, lambda m: m.update(class_names=["a"])), "class_names must be"),
-    "unknown field": (lambda d: _edit(d, lambda m: m.update(code="print(1)")), "missing or unknown"),
+    "class names of another count": (lambda d: edit_manifest(d, lambda m: m.update(class_names=["a"])), "class_names must be"),
+    "unknown field": (lambda d: edit_manifest(d, lambda m: m.update(code="print(1)")), "missing or unknown"),
 }
 
 
@@ -427,7 +412,7 @@ def test_a_sparse_terabyte_file_is_refused_before_it_is_read(copy_of, name):
     """The weight files had no size limit: a 1 TB sparse file (no disk used) was read whole,
     MemoryError at best. Now a file is refused when larger than the manifest's model needs."""
     if name == "head.onnx":
-        _edit(copy_of, lambda m: m["files"].update(head_onnx={"path": "head.onnx", "format": "onnx", "sha256": "0"}))
+        edit_manifest(copy_of, lambda m: m["files"].update(head_onnx={"path": "head.onnx", "format": "onnx", "sha256": "0"}))
     with open(copy_of / name, "ab") as f:
         f.truncate(1 << 40)
     before, start = _max_rss_bytes(), time.perf_counter()
@@ -440,10 +425,10 @@ def test_a_sparse_terabyte_file_is_refused_before_it_is_read(copy_of, name):
 def test_a_manifest_declaring_a_huge_model_allocates_nothing_before_refusing(copy_of):
     """A 10**6-class tail is 2 GB of float32; the manifest says so, the file is 0.5 MB. The layers
     are built on the meta device, so the refusal comes without allocating them."""
-    _edit(copy_of, lambda m: (m["model"].update(num_classes=10**6), m.update(num_classes=10**6)))
+    edit_manifest(copy_of, lambda m: (m["model"].update(num_classes=10**6), m.update(num_classes=10**6)))
     before, start = _max_rss_bytes(), time.perf_counter()
     _refused(copy_of, r"tail weight classifier.2.* needs torch.float32 \[1000000")
-    _edit(copy_of, lambda m: (m["model"].update(num_classes=5, channels=10**6), m.update(
+    edit_manifest(copy_of, lambda m: (m["model"].update(num_classes=5, channels=10**6), m.update(
         num_classes=5, bottleneck_shape=[10**6, 4, 4])))  # a 2.3 GB head
     _refused(copy_of, r"head weight encoder.* needs torch.float32 \[1000000")
     assert _max_rss_bytes() - before < 64 << 20 and time.perf_counter() - start < 10
@@ -510,7 +495,7 @@ def _sign_as(directory: Path, key: str) -> None:
 ], ids=["missing", "empty", "short", "not-hex", "non-ascii", "lone-surrogate", "10k-chars"])
 def test_bad_signatures_are_refused(signed, tmp_path, signature, match):
     directory = shutil.copytree(signed, tmp_path / "s")
-    _edit(directory, lambda m: m.update(signature=signature))
+    edit_manifest(directory, lambda m: m.update(signature=signature))
     _refused(directory, match, lambda d: load(d, key=KEY))
 
 
@@ -520,7 +505,7 @@ def test_a_signed_artifact_with_swapped_or_altered_files_is_refused(signed, tmp_
     (directory / "head.safetensors").write_bytes(tail)
     (directory / "tail.safetensors").write_bytes(head)
     _refused(directory, "SHA-256 does not match|do not fit", lambda d: load(d, key=KEY))  # hashes left alone
-    _rehash(directory)  # hashes fixed, signature not: only the key can tell
+    rehash(directory)  # hashes fixed, signature not: only the key can tell
     _refused(directory, "does not match this key", lambda d: load(d, key=KEY))
     _sign_as(directory, "another-key-of-16-bytes-or-more")  # re-signed with the attacker's own key
     _refused(directory, "does not match this key", lambda d: load(d, key=KEY))
@@ -554,7 +539,7 @@ def test_reformatting_a_signed_manifest_keeps_its_meaning_and_its_signature(sign
     raw = json.loads((directory / "manifest.json").read_text())
     (directory / "manifest.json").write_text(json.dumps(dict(reversed(list(raw.items())))))
     load(directory, key=KEY)
-    _edit(directory, lambda m: m.update(class_names=list("abcde")))
+    edit_manifest(directory, lambda m: m.update(class_names=list("abcde")))
     _refused(directory, "does not match this key", lambda d: load(d, key=KEY))
 
 
@@ -648,8 +633,8 @@ def _onnx_attacks():
 
 def _with_onnx(directory: Path, blob: bytes) -> Path:
     (directory / "head.onnx").write_bytes(blob)
-    _edit(directory, lambda m: m["files"].update(head_onnx={"path": "head.onnx", "format": "onnx", "sha256": ""}))
-    _rehash(directory)
+    edit_manifest(directory, lambda m: m["files"].update(head_onnx={"path": "head.onnx", "format": "onnx", "sha256": ""}))
+    rehash(directory)
     return directory
 
 

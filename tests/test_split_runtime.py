@@ -3,7 +3,6 @@ the device client; a loopback round trip through the CLI."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from _tamper import edit_manifest, rehash
 import torch
 import torchvision
 from hypothesis import HealthCheck, given, settings
@@ -102,26 +102,11 @@ def _edit_manifest(directory: Path, **fields) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
-def _edit(directory: Path, edit) -> None:
-    path = directory / "manifest.json"
-    raw = json.loads(path.read_text())
-    edit(raw)
-    path.write_text(json.dumps(raw))
-
-
-def _rehash(directory: Path) -> None:
-    """What a tamperer does: make the manifest's hashes match the altered files again."""
-    def edit(raw):
-        for entry in raw["files"].values():
-            entry["sha256"] = hashlib.sha256((directory / entry["path"]).read_bytes()).hexdigest()
-    _edit(directory, edit)
-
-
 def _swap_files(d: Path) -> None:
     head, tail = (d / "head.safetensors").read_bytes(), (d / "tail.safetensors").read_bytes()
     (d / "head.safetensors").write_bytes(tail)
     (d / "tail.safetensors").write_bytes(head)
-    _rehash(d)
+    rehash(d)
 
 
 def _with_nan(d: Path) -> None:
@@ -131,7 +116,7 @@ def _with_nan(d: Path) -> None:
     name = next(k for k, v in tensors.items() if v.is_floating_point())
     tensors[name][0] = float("nan")
     save_file(tensors, d / "head.safetensors")
-    _rehash(d)
+    rehash(d)
 
 
 def _symlinked_tail(d: Path) -> None:
@@ -148,22 +133,22 @@ def _symlinked_tail(d: Path) -> None:
     (lambda d: _edit_manifest(d, manifest_version=1), "no longer read. Export again"),
     (lambda d: _edit_manifest(d, manifest_version=3), "version 3 is not supported"),
     (lambda d: _edit_manifest(d, extra=1), r"\['extra'\] are missing or unknown"),
-    (lambda d: _edit(d, lambda m: m["model"].update(channels=-1)), "cannot be built"),
-    (lambda d: _edit(d, lambda m: m["model"].update(arch="os:system")), "unknown arch 'os:system'"),
-    (lambda d: _edit(d, lambda m: m["model"].update(channels=3)), "bottleneck_shape"),
+    (lambda d: edit_manifest(d, lambda m: m["model"].update(channels=-1)), "cannot be built"),
+    (lambda d: edit_manifest(d, lambda m: m["model"].update(arch="os:system")), "unknown arch 'os:system'"),
+    (lambda d: edit_manifest(d, lambda m: m["model"].update(channels=3)), "bottleneck_shape"),
     (lambda d: _edit_manifest(d, bottleneck_shape=[2, 10**30, 4]), "bottleneck_shape"),
     (lambda d: _edit_manifest(d, num_classes=7), "num_classes 7 is not the model's 5"),
-    (lambda d: _edit(d, lambda m: m["model"].update(num_classes=7)), "num_classes 5 is not the model's 7"),
-    (lambda d: _edit(d, lambda m: m["preprocess"].update(std=[0.0])), "std must be > 0"),
-    (lambda d: _edit(d, lambda m: m["preprocess"].update(mean=[0.1, 0.2])), "mean needs 1 or 3 values"),
-    (lambda d: _edit(d, lambda m: (m.update(input_shape=[3, 64, 64]), m["preprocess"].update(size=[64, 64]))),
+    (lambda d: edit_manifest(d, lambda m: m["model"].update(num_classes=7)), "num_classes 5 is not the model's 7"),
+    (lambda d: edit_manifest(d, lambda m: m["preprocess"].update(std=[0.0])), "std must be > 0"),
+    (lambda d: edit_manifest(d, lambda m: m["preprocess"].update(mean=[0.1, 0.2])), "mean needs 1 or 3 values"),
+    (lambda d: edit_manifest(d, lambda m: (m.update(input_shape=[3, 64, 64]), m["preprocess"].update(size=[64, 64]))),
      "bottleneck_shape"),
     (lambda d: _edit_manifest(d, input_shape=[3, 64, 64]), "must match preprocess.size"),
-    (lambda d: _edit(d, lambda m: m["files"]["head"].update(path="../x")), "head must be head.safetensors"),
-    (lambda d: _edit(d, lambda m: m["files"].update(extra={"path": "x", "sha256": "0", "format": "x"})),
+    (lambda d: edit_manifest(d, lambda m: m["files"]["head"].update(path="../x")), "head must be head.safetensors"),
+    (lambda d: edit_manifest(d, lambda m: m["files"].update(extra={"path": "x", "sha256": "0", "format": "x"})),
      "files must list head and tail"),
     (_swap_files, "weights do not fit the manifest's model"),
-    (lambda d: ((d / "head.safetensors").write_bytes(b"junk" * 100), _rehash(d)), "not a safetensors file"),
+    (lambda d: ((d / "head.safetensors").write_bytes(b"junk" * 100), rehash(d)), "not a safetensors file"),
     (_with_nan, "holds inf or NaN"),
     (_symlinked_tail, "symlinks are refused"),
 ])
@@ -195,7 +180,7 @@ def test_a_planted_pickle_never_runs(copy_of, tmp_path, monkeypatch):
     sentinel = tmp_path / "pwned"
     for name in ("head.safetensors", "tail.safetensors"):
         torch.save({"weight": _Plant(sentinel)}, copy_of / name)
-    _rehash(copy_of)
+    rehash(copy_of)
     # The plant is live: anything that unpickles the file runs it.
     torch.load(io.BytesIO((copy_of / "head.safetensors").read_bytes()), weights_only=False)
     assert sentinel.exists()
@@ -305,7 +290,7 @@ def test_fuzzed_weight_files_load_or_raise_split_artifact_error(artifact, tmp_pa
     (directory / "head.safetensors").write_bytes(bytes(blob))
     (directory / "manifest.json").unlink()  # a linked file: rewrite a copy, not the shared original
     (directory / "manifest.json").write_bytes((artifact / "manifest.json").read_bytes())
-    _rehash(directory)
+    rehash(directory)
     try:
         head, _ = load_part(directory, "head")
     except SplitArtifactError:
