@@ -12,6 +12,23 @@ _PARTS = [
 ]
 
 
+def save_figure(fig, path: str | Path, title: str = "") -> Path:
+    """Title, lay out, write (the format follows the suffix) and close a matplotlib figure.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_memory_breakdown(profile: dict, path: str | Path) -> Path:
     """Two panels per policy: the ledger's memory parts (stacked) and the measured increases.
 
@@ -50,12 +67,7 @@ def plot_memory_breakdown(profile: dict, path: str | Path) -> Path:
         ax.set_xticks(xs, names, rotation=15, fontsize=8)
         ax.set_ylabel("MiB")
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
-    fig.suptitle(f"{profile['model']}  batch {profile['batch']}  {profile['resolution']}px")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, f"{profile['model']}  batch {profile['batch']}  {profile['resolution']}px")
 
 
 def plot_training(history: list[dict], path: str | Path, title: str = "") -> Path:
@@ -84,9 +96,4 @@ def plot_training(history: list[dict], path: str | Path, title: str = "") -> Pat
     for ax in (loss_ax, acc_ax):
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)

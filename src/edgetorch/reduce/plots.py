@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..measure.plots import save_figure
 from .api import LayerFactor
 
 
@@ -39,9 +40,4 @@ def plot_layer_factors(layers: Sequence[LayerFactor], alpha: float, path: str | 
            ylim=(min(0.0, *alphas), 1))  # a factored layer near full rank costs more than dense: alpha_l < 0
     ax.legend(fontsize=8, loc="best")
     ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)

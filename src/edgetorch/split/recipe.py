@@ -47,6 +47,7 @@ from torch.utils.data import TensorDataset
 
 from ..data import DATASETS, DatasetNotFoundError, ImageFolderDataset, dataset_info, image_folder
 from ..data.folder import IMAGENET_MEAN, IMAGENET_STD
+from ..measure.plots import save_figure
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
 from ..zoo.weights import file_sha256
 from .bottleneck import ARCHITECTURES, SPLIT_POINTS, BottleneckModel, inject_bottleneck, rebuild, split
@@ -710,10 +711,4 @@ def plot_losses(stages: Sequence[dict[str, Any]], path: str | Path, title: str =
         ax.set_ylabel("mean training loss")
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
