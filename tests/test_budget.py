@@ -138,3 +138,26 @@ def test_calibration_never_measures_a_batch_the_budget_cannot_hold():
     assert _second_batch(8, 80_000_000, wanted=16, room=100_000_000) == 10
     assert _second_batch(8, 80_000_000, wanted=16, room=1e12) == 16  # roomy: 1/4 of the request
     assert _second_batch(8, 80_000_000, wanted=16, room=0) == 9  # still a line: one sample more
+
+
+def test_a_candidate_is_run_at_its_own_batch_before_it_is_chosen(small, monkeypatch):
+    """Predictions come from small batches: the first candidate that fits is measured at its batch,
+    and one whose measurement does not fit is passed over (simulated: bitmap at batch 8 holds 2 GiB
+    more than its line says)."""
+    import edgetorch.activations.budget as budget
+
+    real = budget._measure
+
+    def measure(model, x, y, how, *args):
+        increase, seconds = real(model, x, y, how, *args)
+        return increase + (2**31 if how.spec() == "bitmap" and len(x) == 8 else 0), seconds
+
+    monkeypatch.setattr(budget, "_measure", measure)
+    model, batch = small
+    plan = plan_memory(model, batch, "100GiB", policies=["bitmap", "backrazor:sparsity=0.9"], min_batch=4)
+    assert plan.chosen.measured_peak_bytes is not None
+    roomy = plan_memory(model, batch, "2.5GiB", policies=["bitmap", "backrazor:sparsity=0.9"], min_batch=4)
+    rejected = next(c for c in roomy.candidates if c.policy == "bitmap" and c.batch == 8)
+    assert rejected.measured_peak_bytes > 2**31 and not rejected.fits
+    assert (roomy.chosen.policy, roomy.chosen.batch) == ("bitmap", 4)  # the next exact candidate, measured
+    assert "did not when run" in roomy.reason

@@ -23,6 +23,11 @@ back (:func:`edgetorch.measure.process.honest_malloc`), so RSS follows what is l
 policy's freed memory cannot hide the next one's. The ledger of the larger calibration step is
 kept beside each line, for the table.
 
+The lines come from small batches, and what the lossless bitmap saves depends on how many
+activations are zero, so a prediction is checked before it is trusted: the first candidate that
+fits is run once at its own batch, and chosen only if that step's measured peak fits too;
+otherwise the next one is tried (up to ``VERIFY_ATTEMPTS``).
+
 The choice follows the least accuracy risk: exact policies (dense, lossless bitmap) first,
 then the lowest Back Razor sparsity, then the largest batch; among equals, the least machinery
 (no checkpointing before checkpointing, dense before an encoding policy), then the faster step.
@@ -37,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +60,7 @@ from .policies import BackRazor, Bitmap, Dense
 from .step import CHECKPOINT_SUFFIX, TrainingPolicy, forward_backward, parse_training_policy
 
 # Checkpointed candidates are dropped for a model with no stage to checkpoint.
+VERIFY_ATTEMPTS = 4  # candidates run at their own batch before giving up (each costs one step)
 DEFAULT_POLICIES = ("dense", "bitmap", "dense+checkpoint", "bitmap+checkpoint", "backrazor:sparsity=0.8",
                     "backrazor:sparsity=0.9", "backrazor:sparsity=0.95", "backrazor:sparsity=0.97",
                     "backrazor:sparsity=0.9+checkpoint", "backrazor:sparsity=0.97+checkpoint")
@@ -96,6 +103,9 @@ class Candidate:
         step_time_ratio: the policy's measured step time per sample over dense's, at the larger
             calibration batch.
         saved_bytes: the ledger's stored activation bytes at that batch, scaled to ``batch``.
+        measured_peak_bytes: for the candidates run once at their own batch before choosing
+            (the chosen one, and any preferred one whose measurement did not fit), the peak
+            that step reached; ``fits`` then follows it. None for the others.
     """
 
     policy: str
@@ -106,6 +116,7 @@ class Candidate:
     sparsity: float
     step_time_ratio: float
     saved_bytes: int
+    measured_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,7 +215,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         honest_malloc()
     trainable = [p for p in model.parameters() if p.requires_grad]
     state_bytes = OPTIMIZER_STATES[optimizer] * sum(p.numel() * p.element_size() for p in trainable)
-    lines: dict[str, tuple[float, float, float, int, int]] = {}  # spec -> (slope, intercept, s/sample, saved, c2)
+    # spec -> (slope, intercept, seconds per sample, saved bytes at c2, c1, c2)
+    lines: dict[str, tuple[float, float, float, int, int, int]] = {}
     with _restored(model):
         step = _zero_lr_optimizer(optimizer, trainable, weight_decay)
         _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, None)  # warm-up: pools, first calls
@@ -215,29 +227,51 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, step)
         for policy in parsed:
             ledger = SavedTensorLedger()
-            first, _ = _measure(model, *sample(small), policy, loss_fn, None, step)
-            second_batch = _second_batch(small, first, max(small + 1, requested // 4), limit - held - state_bytes)
+            first_batch = small
+            first, _ = _measure(model, *sample(first_batch), policy, loss_fn, None, step)
+            second_batch = _second_batch(first_batch, first, max(small + 1, requested // 4), limit - held - state_bytes)
+            if second_batch < 2 * first_batch:
+                # Less than twice the first batch leaves the slope to noise (measured: 4 -> 5
+                # samples gave resnet18's bitmap a third of its slope); move the first one down.
+                first_batch = max(min(2, requested), second_batch // 2)
+                second_batch = max(second_batch, first_batch + 1)
+                first, _ = _measure(model, *sample(first_batch), policy, loss_fn, None, step)
             second, seconds = _measure(model, *sample(second_batch), policy, loss_fn, ledger, step)
-            slope = (second - first) / (second_batch - small)
+            slope = (second - first) / (second_batch - first_batch)
             lines[policy.spec()] = (slope, second - slope * second_batch, seconds / second_batch,
-                                    ledger.total().stored_bytes, second_batch)
+                                    ledger.total().stored_bytes, first_batch, second_batch)
+        dense_seconds = lines.get("dense", next(iter(lines.values())))[2]
+        sample_bytes = (x[0].numel() * x.element_size()) + y[:1].numel() * y.element_size()
+        batches = sorted({b for k in range(requested.bit_length()) if (b := requested >> k) >= floor}, reverse=True)
+        candidates = []
+        for policy in parsed:
+            slope, intercept, seconds, saved, _, second_batch = lines[policy.spec()]
+            for batch in batches:
+                peak = held + state_bytes + max(0.0, intercept + slope * batch) + batch * sample_bytes
+                candidates.append(Candidate(policy.spec(), batch, int(peak), peak * (1 + margin) <= budget_bytes,
+                                            _exact(policy), _sparsity(policy), seconds / dense_seconds,
+                                            int(saved * batch / second_batch)))
+        candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, c.policy.endswith(CHECKPOINT_SUFFIX),
+                                       not c.policy.startswith("dense"), c.step_time_ratio))
+        # The lines come from small batches, and what a bitmap saves depends on the data; so the
+        # first candidate that fits is run once at its own batch before it is chosen (measured:
+        # resnet18 at 112 px, bitmap at batch 32 predicted 945 MiB, trained at 1,026 MiB).
+        chosen = None
+        for _ in range(VERIFY_ATTEMPTS):
+            index = next((i for i, c in enumerate(candidates) if c.fits and c.measured_peak_bytes is None), None)
+            if index is None:
+                break
+            c = candidates[index]
+            increase, _ = _measure(model, *sample(c.batch), parse_training_policy(c.policy), loss_fn, None, step)
+            measured = held + state_bytes + increase + c.batch * sample_bytes
+            candidates[index] = c = dataclasses.replace(c, measured_peak_bytes=int(measured),
+                                                        fits=measured * (1 + margin) <= budget_bytes)
+            if c.fits:
+                chosen = c
+                break
         del step  # its state goes with it
-    dense_seconds = lines.get("dense", next(iter(lines.values())))[2]
-    sample_bytes = (x[0].numel() * x.element_size()) + y[:1].numel() * y.element_size()
-    batches = sorted({b for k in range(requested.bit_length()) if (b := requested >> k) >= floor}, reverse=True)
-    candidates = []
-    for policy in parsed:
-        slope, intercept, seconds, saved, second_batch = lines[policy.spec()]
-        for batch in batches:
-            peak = held + state_bytes + max(0.0, intercept + slope * batch) + batch * sample_bytes
-            candidates.append(Candidate(policy.spec(), batch, int(peak), peak * (1 + margin) <= budget_bytes,
-                                        _exact(policy), _sparsity(policy), seconds / dense_seconds,
-                                        int(saved * batch / second_batch)))
-    candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, c.policy.endswith(CHECKPOINT_SUFFIX),
-                                   not c.policy.startswith("dense"), c.step_time_ratio))
-    chosen = next((c for c in candidates if c.fits), None)
     return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested),
-                      held + state_bytes, {spec: (small, line[4]) for spec, line in lines.items()}, peak_kind(device))
+                      held + state_bytes, {spec: line[4:] for spec, line in lines.items()}, peak_kind(device))
 
 
 def _second_batch(first_batch: int, first_increase: int, wanted: int, room: float) -> int:
@@ -264,15 +298,19 @@ def _sparsity(how: TrainingPolicy) -> float:
 def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, requested: int) -> str:
     mib = 2**20
     if chosen is None:
-        least = min(candidates, key=lambda c: c.predicted_peak_bytes)
-        return (f"nothing fits {budget / mib:,.0f} MiB: the smallest prediction is {least.policy} at batch "
-                f"{least.batch}, {least.predicted_peak_bytes / mib:,.0f} MiB; raise the budget, train fewer "
-                "parameters, use a smaller input size, or allow smaller batches (min_batch)")
+        least = min(candidates, key=lambda c: c.measured_peak_bytes or c.predicted_peak_bytes)
+        what = "measurement" if least.measured_peak_bytes else "prediction"
+        return (f"nothing fits {budget / mib:,.0f} MiB: the smallest {what} is {least.policy} at batch "
+                f"{least.batch}, {(least.measured_peak_bytes or least.predicted_peak_bytes) / mib:,.0f} MiB; raise "
+                "the budget, train fewer parameters, use a smaller input size, or allow smaller batches (min_batch)")
     why = "an exact policy" if chosen.exact else (
         f"no exact policy fits at any batch, and {chosen.sparsity:g} is the lowest sparsity that does")
     batch = "the requested batch" if chosen.batch == requested else f"the largest batch that fits (requested {requested})"
+    rejected = sum(c.measured_peak_bytes is not None and not c.fits for c in candidates)
+    also = f" ({rejected} preferred candidate(s) predicted to fit did not when run)" if rejected else ""
     return (f"{chosen.policy} at batch {chosen.batch}: {why}, at {batch}; predicted peak "
-            f"{chosen.predicted_peak_bytes / mib:,.0f} MiB of {budget / mib:,.0f} MiB")
+            f"{chosen.predicted_peak_bytes / mib:,.0f} MiB, measured {chosen.measured_peak_bytes / mib:,.0f} MiB in "
+            f"one step, of {budget / mib:,.0f} MiB{also}")
 
 
 def _zero_lr_optimizer(name: str, params: list[nn.Parameter], weight_decay: float) -> torch.optim.Optimizer | None:

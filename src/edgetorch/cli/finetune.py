@@ -176,18 +176,20 @@ def _plan_dict(plan) -> dict:
 def _print_plan(plan) -> None:
     table = Table(title=f"candidates for a {mib(plan.budget_bytes)} MiB budget ({plan.memory_kind}), "
                         "in order of preference")
-    for col in ("policy", "batch", "predicted peak MiB", "fits", "step time vs dense", "saved act. MiB (ledger)"):
+    for col in ("policy", "batch", "predicted peak MiB", "measured MiB (one step)", "fits", "step time vs dense",
+                "saved act. MiB (ledger)"):
         table.add_column(col, justify="right")
     # One row per policy: its largest batch that fits (or, if none does, its smallest), so the
-    # table answers "what does each policy allow" without listing every halving.
+    # table answers "what does each policy allow" without listing every halving; and every
+    # candidate that was run at its own batch before choosing.
     rows = {}
     for c in plan.candidates:
         if c.policy not in rows or (not rows[c.policy].fits and (c.fits or c.batch < rows[c.policy].batch)):
             rows[c.policy] = c
-    rows = list(rows.values())
-    for c in rows:
+    shown = {id(c) for c in rows.values()} | {id(c) for c in plan.candidates if c.measured_peak_bytes is not None}
+    for c in (c for c in plan.candidates if id(c) in shown):
         mark = "[green]chosen[/green]" if c == plan.chosen else ("yes" if c.fits else "no")
-        table.add_row(c.policy, str(c.batch), mib(c.predicted_peak_bytes), mark, f"{c.step_time_ratio:.2f}",
-                      mib(c.saved_bytes))
+        table.add_row(c.policy, str(c.batch), mib(c.predicted_peak_bytes), mib(c.measured_peak_bytes), mark,
+                      f"{c.step_time_ratio:.2f}", mib(c.saved_bytes))
     console.print(table)
     console.print(f"why: {plan.reason}")
