@@ -60,7 +60,7 @@ from .policies import BackRazor, Bitmap, Dense
 from .step import CHECKPOINT_SUFFIX, TrainingPolicy, forward_backward, parse_training_policy
 
 # Checkpointed candidates are dropped for a model with no stage to checkpoint.
-VERIFY_ATTEMPTS = 4  # candidates run at their own batch before giving up (each costs one step)
+VERIFY_ATTEMPTS = 6  # candidates run at their own batch before giving up (each costs one step)
 DEFAULT_POLICIES = ("dense", "bitmap", "dense+checkpoint", "bitmap+checkpoint", "backrazor:sparsity=0.8",
                     "backrazor:sparsity=0.9", "backrazor:sparsity=0.95", "backrazor:sparsity=0.97",
                     "backrazor:sparsity=0.9+checkpoint", "backrazor:sparsity=0.97+checkpoint")
@@ -217,6 +217,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     state_bytes = OPTIMIZER_STATES[optimizer] * sum(p.numel() * p.element_size() for p in trainable)
     # spec -> (slope, intercept, seconds per sample, saved bytes at c2, c1, c2)
     lines: dict[str, tuple[float, float, float, int, int, int]] = {}
+    firsts: dict[str, tuple[int, int]] = {}  # spec -> (first calibration batch, its measured increase)
     with _restored(model):
         step = _zero_lr_optimizer(optimizer, trainable, weight_decay)
         _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, None)  # warm-up: pools, first calls
@@ -240,16 +241,21 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             slope = (second - first) / (second_batch - first_batch)
             lines[policy.spec()] = (slope, second - slope * second_batch, seconds / second_batch,
                                     ledger.total().stored_bytes, first_batch, second_batch)
+            firsts[policy.spec()] = (first_batch, first)
         dense_seconds = lines.get("dense", next(iter(lines.values())))[2]
         sample_bytes = (x[0].numel() * x.element_size()) + y[:1].numel() * y.element_size()
         batches = sorted({b for k in range(requested.bit_length()) if (b := requested >> k) >= floor}, reverse=True)
         candidates = []
+
+        def predict(slope: float, intercept: float, batch: int) -> tuple[int, bool]:
+            peak = held + state_bytes + max(0.0, intercept + slope * batch) + batch * sample_bytes
+            return int(peak), peak * (1 + margin) <= budget_bytes
+
         for policy in parsed:
             slope, intercept, seconds, saved, _, second_batch = lines[policy.spec()]
             for batch in batches:
-                peak = held + state_bytes + max(0.0, intercept + slope * batch) + batch * sample_bytes
-                candidates.append(Candidate(policy.spec(), batch, int(peak), peak * (1 + margin) <= budget_bytes,
-                                            _exact(policy), _sparsity(policy), seconds / dense_seconds,
+                candidates.append(Candidate(policy.spec(), batch, *predict(slope, intercept, batch), _exact(policy),
+                                            _sparsity(policy), seconds / dense_seconds,
                                             int(saved * batch / second_batch)))
         candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, c.policy.endswith(CHECKPOINT_SUFFIX),
                                        not c.policy.startswith("dense"), c.step_time_ratio))
@@ -269,6 +275,15 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             if c.fits:
                 chosen = c
                 break
+            # A third point, far from the first: refit this policy's line through the first
+            # calibration step and this one, and predict its other batches again.
+            first_batch, first = firsts[c.policy]
+            if c.batch != first_batch:
+                slope = (increase - first) / (c.batch - first_batch)
+                intercept = increase - slope * c.batch
+                candidates = [dataclasses.replace(o, **dict(zip(("predicted_peak_bytes", "fits"),
+                                                                predict(slope, intercept, o.batch))))
+                              if o.policy == c.policy and o.measured_peak_bytes is None else o for o in candidates]
         del step  # its state goes with it
     return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested),
                       held + state_bytes, {spec: line[4:] for spec, line in lines.items()}, peak_kind(device))
@@ -297,6 +312,12 @@ def _sparsity(how: TrainingPolicy) -> float:
 
 def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, requested: int) -> str:
     mib = 2**20
+    untried = [c for c in candidates if c.fits and c.measured_peak_bytes is None]
+    if chosen is None and untried:
+        return (f"no choice: {VERIFY_ATTEMPTS} candidates predicted to fit {budget / mib:,.0f} MiB measured above it "
+                f"when run; the next, {untried[0].policy} at batch {untried[0].batch}, is predicted at "
+                f"{untried[0].predicted_peak_bytes / mib:,.0f} MiB but not measured; raise the budget or give it as "
+                "the only policy")
     if chosen is None:
         least = min(candidates, key=lambda c: c.measured_peak_bytes or c.predicted_peak_bytes)
         what = "measurement" if least.measured_peak_bytes else "prediction"
