@@ -37,7 +37,7 @@ from edgetorch.split.plan import (  # noqa: E402
     measure_host_times,
     plan_record,
 )
-from edgetorch.split.power import PROFILES, SERVERS, DeviceProfile  # noqa: E402
+from edgetorch.split.power import DEFAULT_SERVER, PROFILES, SERVERS, DeviceProfile  # noqa: E402
 
 ARCH, DEFAULT_RESOLUTION, CHANNELS = "torchvision:resnet18", 96, [1, 2, 3, 6, 9, 12]
 LINKS = ["wifi:50", "wifi:20", "wifi:5", "wifi:1", "lte:20", "lte:5", "lte:1",
@@ -117,7 +117,9 @@ def main() -> None:
         f"at {resolution} px, gray). {acc_note}\n\n"
         "## End-to-end delay D_e2e = D_H + D_N + D_T in ms, device = server = this CPU\n\n"
         + table1 + "\n\n![delay per link](split_delay.png)\n\n"
-        "## With device profiles (assumptions) and device energy\n\n" + "\n\n".join(device_tables)
+        "## With device profiles (assumptions) and device energy\n\n"
+        f"Server: the planner's default `{DEFAULT_SERVER}` profile ({SERVERS[DEFAULT_SERVER].source}).\n\n"
+        + "\n\n".join(device_tables)
     )
     write_results("split_delay", "Split computing: end-to-end delay over simulated links", body,
                   {"arch": ARCH, "resolution": resolution, "channels": CHANNELS,
