@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .._checks import check_choice, check_positive_int
+from .._files import write_json_atomically
 from ..activations import freeze_batchnorm, parse_training_policy
 from ..activations.step import forward_backward
 from ..measure.process import peak_bytes, peak_kind, process_peak_rss_bytes, reset_peak
@@ -197,7 +198,7 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
         result.history.append(record)
         if out is not None:
             _checkpoint(out / "checkpoint", model, optimizer, schedule, identity, epoch + 1, result.history)
-            _write_json(out / "log.json", {**meta, "epochs": result.history})
+            write_json_atomically(out / "log.json", {**meta, "epochs": result.history})
         if on_progress is not None:  # after the checkpoint: an interrupted display loses no epoch
             on_progress({"event": "epoch", **record})
     epochs_run = result.history[start_epoch:]
@@ -206,7 +207,7 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     if out is not None:
         result.weights = out / "model.safetensors"
         save_weights(model, result.weights)
-        _write_json(out / "model.json", {**meta, "val_accuracy": result.val_accuracy})
+        write_json_atomically(out / "model.json", {**meta, "val_accuracy": result.val_accuracy})
     if device.type != "cuda":
         result.process_peak_bytes = process_peak_rss_bytes()
     return result
@@ -246,13 +247,6 @@ def _epoch(model: nn.Module, train: Dataset, config: FinetuneConfig, how, optimi
             "images_per_second": seen / seconds, "peak_bytes": peak_bytes(device)}
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 def _checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule,
                 identity: dict[str, Any], epoch: int, history: list[dict[str, Any]]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
@@ -265,7 +259,7 @@ def _checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimi
     os.replace(tmp, directory / "optimizer.safetensors")
     # state.json is written last: it names the files of a finished epoch, so a run killed while
     # writing resumes from the previous epoch's consistent set.
-    _write_json(directory / "state.json", {
+    write_json_atomically(directory / "state.json", {
         "epoch": epoch, "run": identity, "history": history,
         "param_groups": opt["param_groups"], "schedule": schedule.state_dict(),
         "sha256": {"model.safetensors": save_weights(model, directory / "model.safetensors"),

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from .._files import write_json_atomically
 from ..data import DATASETS, DatasetNotFoundError, ImageFolderDataset, dataset_info, image_folder
 from ..data.folder import IMAGENET_MEAN, IMAGENET_STD
 from ..measure.plots import save_figure
@@ -551,13 +552,7 @@ def _claim(out: Path, identity: dict[str, Any]) -> None:
         raise CheckpointError(f"{out} is not empty and holds no {RECIPE_NAME}: not a `split train` directory; "
                               "give a new or empty one")
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(recorded, identity)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomically(recorded, identity)
 
 
 def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch.device = "cpu",
@@ -612,7 +607,7 @@ def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch
               "class_names": prepared.class_names, "recipe": dataclasses.asdict(config),
               "stages": [stage.to_json() for stage in run.stages], "evaluation": evaluation,
               "torch_version": torch.__version__}  # fmt: skip
-    _write_json(out / RECORD_NAME, record)
+    write_json_atomically(out / RECORD_NAME, record)
     return record
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from .._files import write_json_atomically
 from ..data import cache_dir, dataset_info, load_dataset
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
 from ..zoo.weights import file_sha256
@@ -137,7 +137,5 @@ def train_teacher(config: TeacherConfig = TeacherConfig(), cache: str | Path | N
     metadata = {"config": dataclasses.asdict(config), "test_accuracy": evaluate_accuracy(model, test),
                 "test_samples": len(test), "train_samples": len(train), "loss_history": history,
                 "torch_version": torch.__version__, "sha256": save_weights(model, weights)}  # fmt: skip
-    tmp = meta_path.with_name(f".{meta_path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(metadata, indent=2) + "\n")
-    os.replace(tmp, meta_path)  # written last: weights without a record count as absent
+    write_json_atomically(meta_path, metadata)  # written last: weights without a record count as absent
     return model.eval(), metadata

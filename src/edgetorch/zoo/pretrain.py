@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .._checks import check_choice, check_positive_int
+from .._files import write_json_atomically
 from ..data import cache_dir, dataset_info, load_dataset
 from .registry import ZOO_MODELS, takes_image_size
 from .weights import CheckpointError, file_sha256, load_weights, save_weights
@@ -263,9 +264,7 @@ def pretrain(
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "sha256": save_weights(model, weights_path),
     }
-    tmp = meta_path.with_name(f".{meta_path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(metadata, indent=2) + "\n")
-    os.replace(tmp, meta_path)
+    write_json_atomically(meta_path, metadata)
     log.info("%s/%s: test accuracy %.4f after %.1f s",
              config.model, config.dataset, accuracy, seconds)  # fmt: skip
     return model, metadata
