@@ -459,6 +459,21 @@ def test_split_train_refuses_bad_input_with_a_message(trained, teacher_file, pho
     assert not (tmp_path / "out").exists()  # nothing is written before the input is checked
 
 
+def test_split_train_refuses_a_folder_too_large_to_decode_into_memory(teacher_file, photos, tmp_path,
+                                                                     monkeypatch) -> None:  # fmt: skip
+    """Every image is decoded up front: a folder bigger than half the available memory is refused
+    before decoding (simulated: 36 images of 12 KiB each against 512 KiB available), not killed by the OOM killer part way."""
+    import collections
+
+    import edgetorch.split.recipe as recipe
+
+    memory = collections.namedtuple("memory", "available")
+    monkeypatch.setattr(recipe.psutil, "virtual_memory", lambda: memory(2**19))
+    result = CliRunner().invoke(app, _train_args(teacher_file, photos, tmp_path / "out"))
+    assert result.exit_code == 2 and "more than half the 0.0 GiB of memory available" in _said(result), result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_split_export_trained_refuses_an_unfinished_run_and_conflicting_options(trained, tmp_path) -> None:
     runner = CliRunner()
     (tmp_path / "unfinished").mkdir()

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -459,6 +460,14 @@ def _folder_tensors(config: RecipeConfig, parts: dict[str, ImageFolderDataset],
     listing = sorted((os.path.relpath(path, base), label, path.stat().st_size)
                      for part in parts.values() for path, label in part.samples)  # fmt: skip
     fingerprint = hashlib.sha256(json.dumps([parts["train"].classes, listing]).encode()).hexdigest()
+    # The recipe trains from tensors (KD targets are computed once per stage), so every image is
+    # decoded up front: a large folder must be refused here, not end in the OOM killer mid-decode.
+    needed = sum(len(part) for part in parts.values()) * 3 * config.size**2 * 4
+    available = psutil.virtual_memory().available
+    if needed > available // 2:
+        raise ValueError(f"{source}: {sum(len(p) for p in parts.values()):,} images at {config.size} px take "
+                         f"{needed / 2**30:.1f} GiB decoded, more than half the {available / 2**30:.1f} GiB "
+                         "of memory available; lower --size or train on fewer images")
     sets = []
     for part in parts.values():
         paths = [path for path, _ in part.samples]
