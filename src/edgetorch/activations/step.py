@@ -21,7 +21,7 @@ from torch import nn
 from ..measure import SavedTensorLedger
 from .checkpoint import checkpoint_stages
 from .engine import compress_activations
-from .policies import Policy, parse_policy
+from .policies import Dense, Policy, parse_policy
 
 CHECKPOINT_SUFFIX = "+checkpoint"
 
@@ -72,7 +72,11 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: Tr
     """
     # Stages are swapped in before the engine starts, so it sees (and names) the wrappers.
     stages = checkpoint_stages(model, how.policy, ledger) if how.checkpoint else contextlib.nullcontext()
-    with stages, compress_activations(model, how.policy, ledger=ledger):
+    # Dense with nothing to record stores every tensor as PyTorch does: run plain PyTorch, not
+    # the engine's hooks, on every step of a dense run.
+    plain = isinstance(how.policy, Dense) and ledger is None
+    engine = contextlib.nullcontext() if plain else compress_activations(model, how.policy, ledger=ledger)
+    with stages, engine:
         loss = loss_fn(model(x), y)
     loss.backward()
     return loss.detach()
