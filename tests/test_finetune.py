@@ -116,6 +116,14 @@ def test_an_interrupted_run_resumes_to_the_same_weights(folder, imagenet_weights
         finetune(model, data.train, data.val, other, tmp_path / "split")
     with pytest.raises(CheckpointError, match="another run.*train_samples: 24 -> 12"):  # other data, same config
         finetune(model, torch.utils.data.Subset(data.train, range(12)), data.val, config, tmp_path / "split")
+    state_file = tmp_path / "split" / "checkpoint" / "state.json"
+    edited = json.loads(state_file.read_text())
+    edited["param_groups"] = [{"lr": "fast"}]  # not hashed: an edit must be a CheckpointError too
+    original = state_file.read_text()
+    state_file.write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match="optimizer state does not fit this run"):
+        finetune(model, data.train, data.val, config, tmp_path / "split")
+    state_file.write_text(original)
     optimizer_file = tmp_path / "split" / "checkpoint" / "optimizer.safetensors"
     damaged = bytearray(optimizer_file.read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF

@@ -287,15 +287,19 @@ def _resume(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
             raise CheckpointError(f"{path} is missing or differs from the SHA-256 in {state_path}; delete "
                                   f"{directory} to start over")
     load_weights(model, directory / "model.safetensors")
+    # state.json is not covered by a hash (it holds them): an edited one must fail as a
+    # CheckpointError, not as whatever the optimizer or scheduler raises on bad fields.
     try:
         tensors = load_file(str(directory / "optimizer.safetensors"))
-    except SafetensorError as exc:
-        raise CheckpointError(f"{directory / 'optimizer.safetensors'}: unreadable ({exc})") from exc
-    torch.set_rng_state(tensors.pop("rng.torch"))
-    per_param: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        _, index, name = key.split(".", 2)
-        per_param.setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-    schedule.load_state_dict(state["schedule"])
-    return {"epoch": epoch, "history": state["history"]}
+        torch.set_rng_state(tensors.pop("rng.torch"))
+        per_param: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            _, index, name = key.split(".", 2)
+            per_param.setdefault(int(index), {})[name] = value
+        optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
+        schedule.load_state_dict(state["schedule"])
+        history = list(state["history"])
+    except (SafetensorError, KeyError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
+        raise CheckpointError(f"{directory}: the optimizer state does not fit this run ({exc!r}); delete "
+                              f"{directory} to start over") from None
+    return {"epoch": epoch, "history": history}
