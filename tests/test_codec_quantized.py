@@ -1,0 +1,202 @@
+"""The quantized codec (codecs/quantized.py): golden bytes, error bounds, unbiased stochastic
+rounding, non-finite groups, byte accounting and argument errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from edgetorch.codecs import BitmapTensor, pack_bitmap, pack_quantized, quantize_values
+from edgetorch.codecs.quantized import _hash_uniform
+
+HYPO = settings(max_examples=60, deadline=None)
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def expanded(per_group: torch.Tensor, group: int, n: int) -> torch.Tensor:
+    return per_group.repeat_interleave(group, dim=1)[:, :n]
+
+
+# --- golden bytes: the wire format the C and Triton kernels must also write ---------------------
+
+
+def test_golden_8bit_codes_and_ranges() -> None:
+    # Two groups in one row (8 elements, then a short one of 2); v = (x - lo) * 255 / d, rounded.
+    q = pack_quantized(torch.tensor([[-1.0, 0, 1, 2, 3, 4, 5, 6, 10, 12]]), 8, group=8)
+    assert q.codes.dtype == torch.uint8
+    assert q.codes.tolist() == [[0, 36, 73, 109, 146, 182, 219, 255, 0, 255]]
+    assert q.lo.tolist() == [[-1.0, 10.0]]
+    assert q.scale.tolist() == [[torch.tensor(7 / 255).item(), torch.tensor(2 / 255).item()]]
+    assert q.nbytes == 10 + 2 * 4 * 2
+
+
+def test_golden_2bit_packing_is_least_significant_first() -> None:
+    # lo 0, step 2.5: codes 0 0 1 1 2 2 2 3, four to a byte, element 0 in the low bits.
+    q = pack_quantized(torch.tensor([[0.0, 1, 2, 3, 4, 5, 6, 7.5]]), 2, group=8)
+    assert q.codes.tolist() == [[0b01010000, 0b11101010]]
+    assert q.unpack().tolist() == [[0, 0, 2.5, 2.5, 5, 5, 5, 7.5]]
+
+
+def test_golden_4bit_rows_pad_to_whole_bytes() -> None:
+    # 3 elements a row at 4 bits: 2 bytes a row, the last high nibble 0.
+    q = pack_quantized(torch.tensor([[0.0, 15.0, 5.0], [1.0, 1.0, 1.0]]), 4, group=8)
+    assert q.codes.tolist() == [[0xF0, 0x05], [0x00, 0x00]]
+    assert q.scale.tolist() == [[1.0], [0.0]] and q.lo.tolist() == [[0.0], [1.0]]
+
+
+def test_golden_stochastic_hash() -> None:
+    # The counter-based uniforms every kernel must reproduce, and one stochastic packing.
+    assert _hash_uniform(torch.arange(4), 12345).tolist() == [
+        0.0649571418762207, 0.9291001558303833, 0.1555212140083313, 0.41283518075942993]
+    q = pack_quantized(torch.linspace(0, 1, 16).view(1, 16), 4, group=8, seed=99)
+    assert q.codes.tolist() == [[48, 100, 184, 252, 48, 117, 169, 252]]
+
+
+# --- properties ----------------------------------------------------------------------------------
+
+
+finite = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False, width=32)
+
+
+@HYPO
+@given(
+    values=st.lists(finite, min_size=1, max_size=300),
+    rows=st.sampled_from([1, 2, 3]),
+    bits=st.sampled_from([8, 4, 2]),
+    group=st.sampled_from([8, 16, 64, 128]),
+    dtype=st.sampled_from(DTYPES),
+    stochastic=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_error_within_half_a_step_or_one_under_stochastic(values, rows, bits, group, dtype, stochastic, seed) -> None:
+    n = len(values) // rows
+    if n == 0:
+        return
+    x = torch.tensor(values[: rows * n], dtype=torch.float64).to(dtype).view(rows, n)
+    assume(bool(torch.isfinite(x).all()))  # float16 overflows beyond 65504 (non-finite: tested below)
+    q = pack_quantized(x, bits, group=group, seed=seed if stochastic else None)
+    assert q.unpack().dtype == dtype and q.unpack().shape == x.shape
+    assert q.codes.shape == (rows, math.ceil(n * bits / 8))
+    assert q.lo.shape == q.scale.shape == (rows, math.ceil(n / group))
+    assert q.nbytes == rows * math.ceil(n * bits / 8) + 8 * rows * math.ceil(n / group)
+    ref = x.float()
+    err = (q.unpack().float() - ref).abs()
+    step = expanded(q.scale, group, n)
+    # float32 arithmetic adds a few ulp; a 16-bit dtype adds its own rounding of the result
+    slack = 1e-5 * (ref.abs() + step * 2**bits) + 1e-30
+    if dtype in (torch.float16, torch.bfloat16):
+        slack = slack + ref.abs() * torch.finfo(dtype).eps
+    bound = step * (1.0 if stochastic else 0.5)
+    assert bool((err <= bound + slack).all()), (err - bound).max()
+    # a group's minimum and maximum come back exactly (codes 0 and L) under nearest rounding
+    if not stochastic and dtype == torch.float32:
+        assert torch.equal(q.unpack().amin(1), ref.amin(1))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_stochastic_rounding_is_unbiased(bits: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(4, 256, generator=g)
+    mean = sum(pack_quantized(x, bits, group=64, seed=s).unpack() for s in range(400)) / 400
+    step = pack_quantized(x, bits, group=64).scale.max().item()
+    # the mean of 400 draws of a value rounded up or down within one step: std <= step / 40
+    assert (mean - x).abs().mean().item() < step / 40
+    assert (pack_quantized(x, bits, group=64, seed=1).unpack() != pack_quantized(x, bits, group=64, seed=2).unpack()).any()
+    assert torch.equal(pack_quantized(x, bits, group=64, seed=5).codes, pack_quantized(x, bits, group=64, seed=5).codes)
+
+
+def test_nearest_rounding_is_the_best_code() -> None:
+    x = torch.randn(2, 1000, generator=torch.Generator().manual_seed(1))
+    q = pack_quantized(x, 4, group=128)
+    step = expanded(q.scale, 128, 1000)
+    lo = expanded(q.lo, 128, 1000)
+    best = torch.round((x - lo) / step).clamp(0, 15)
+    assert ((q.unpack() - x).abs() <= ((lo + best * step) - x).abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf")])
+def test_a_group_with_a_non_finite_value_decodes_to_nan(special: float) -> None:
+    x = torch.arange(24, dtype=torch.float32).view(1, 24)
+    x[0, 9] = special
+    out = pack_quantized(x, 8, group=8).unpack()
+    assert torch.isnan(out[0, 8:16]).all()  # the group that held it: visibly diverged
+    others = torch.cat([out[0, :8] - x[0, :8], out[0, 16:] - x[0, 16:]])
+    assert (others.abs() <= 7 / 255 / 2 * 1.0001).all()  # the other groups are untouched by it
+
+
+def test_a_range_that_overflows_float32_is_non_finite_not_clipped() -> None:
+    x = torch.tensor([[-3e38, 3e38] + [0.0] * 6])
+    assert torch.isnan(pack_quantized(x, 8, group=8).unpack()).all()
+
+
+def test_float64_is_rounded_to_float32_first() -> None:
+    x = torch.tensor([[1e300, 0.0] + [1.0] * 6], dtype=torch.float64)  # beyond float32: Inf
+    assert torch.isnan(pack_quantized(x, 8, group=8).unpack()).all()
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (0, 4), (5,), (2, 3, 4, 5)])
+def test_shapes_round_trip(shape) -> None:
+    x = torch.randn(shape)
+    q = pack_quantized(x, 8)
+    assert q.unpack().shape == x.shape
+    assert torch.allclose(q.unpack(), x, atol=q.scale.max().item() if q.scale.numel() else 0)
+
+
+def test_non_contiguous_input_is_read_in_logical_order() -> None:
+    x = torch.randn(16, 8).t()
+    assert torch.equal(pack_quantized(x, 8, group=8).codes, pack_quantized(x.contiguous(), 8, group=8).codes)
+
+
+def test_rows_keep_groups_apart() -> None:
+    x = torch.cat([torch.zeros(1, 8), torch.full((1, 8), 1000.0)]).view(16)
+    # one row of 16 with group 8 has the same groups as two rows: same ranges
+    a, b = pack_quantized(x, 8, group=8, rows=1), pack_quantized(x, 8, group=8, rows=2)
+    assert a.lo.flatten().tolist() == b.lo.flatten().tolist() == [0.0, 1000.0]
+
+
+def test_bytes_at_the_default_group() -> None:
+    x = torch.randn(8, 197, 768)
+    for bits, ratio in [(8, 0.265625), (4, 0.140625), (2, 0.078125)]:
+        assert pack_quantized(x, bits).nbytes / (4 * x.numel()) == ratio
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bits": 3}, "bits must be one of 8, 4, 2"),
+        ({"bits": True}, "bits must be one of"),
+        ({"group": 12}, "multiple of 8"),
+        ({"group": 0}, "multiple of 8"),
+        ({"rows": 5}, "rows must be a positive int dividing"),
+        ({"seed": -1}, "seed must be None"),
+        ({"seed": 2**32}, "seed must be None"),
+    ],
+)
+def test_bad_arguments_say_what_is_accepted(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        pack_quantized(torch.randn(4, 16), **kwargs)
+
+
+def test_integer_tensors_are_refused() -> None:
+    with pytest.raises(TypeError, match="floating-point"):
+        pack_quantized(torch.arange(10))
+
+
+# --- quantized values of another codec (Back Razor's "+ Mesa") ----------------------------------
+
+
+def test_quantized_values_of_a_bitmap() -> None:
+    x = torch.relu(torch.randn(4, 1000, generator=torch.Generator().manual_seed(3)))
+    packed = pack_bitmap(x)
+    held = quantize_values(packed, 8)
+    assert held.nnz == packed.nnz
+    assert held.nbytes == packed.bitmap.numel() + held.values.nbytes
+    assert held.nbytes < packed.nbytes / 3
+    out = held.unpack()
+    assert torch.equal(out == 0, x == 0)  # positions stay exact; only values are rounded
+    assert (out - x).abs().max() <= held.values.scale.max() / 2 * 1.001
+    assert isinstance(packed, BitmapTensor) and packed.values.numel() == packed.nnz  # input untouched
