@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # public name -> the submodule that defines it
 _EXPORTS = {
     "BackRazor": "activations", "Bitmap": "activations", "CheckpointEvery": "activations",
-    "Dense": "activations", "Policy": "activations", "compress_activations": "activations",
+    "Dense": "activations", "Policy": "activations", "Quantized": "activations", "compress_activations": "activations",
     "freeze_batchnorm": "activations", "parse_policy": "activations", "plan_memory": "activations",
     "BitmapTensor": "codecs", "pack_bitmap": "codecs",
     "load_dataset": "data",
@@ -26,7 +26,7 @@ __all__ = sorted(_EXPORTS)
 _SUBPACKAGES = ("activations", "codecs", "data", "integrations", "measure", "reduce", "split", "zoo")
 
 if TYPE_CHECKING:
-    from .activations import (BackRazor, Bitmap, CheckpointEvery, Dense, Policy, compress_activations,
+    from .activations import (BackRazor, Bitmap, CheckpointEvery, Dense, Policy, Quantized, compress_activations,
                               freeze_batchnorm, parse_policy, plan_memory)
     from .codecs import BitmapTensor, pack_bitmap
     from .data import load_dataset

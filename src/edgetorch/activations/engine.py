@@ -42,9 +42,10 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class _Entry:
     """One region of one storage, held in one or more stored forms.
 
-    ``reps`` maps a form (``exact``, ``prune``, ``mask ...``, ``shape``) to what holds it: a
-    codec object with ``.nbytes`` and ``.unpack()``. An ``exact`` form serves every view, so
-    adding one drops the others.
+    ``reps`` maps a form (``exact``, ``prune``, ``mask ...``, ``int8``, ``shape``) to what holds
+    it: a codec object with ``.nbytes`` and ``.unpack()``. A form the policy ranks above another
+    (an ``exact`` form above all; under Back Razor a quantized form above ``prune``) serves its
+    views too: adding it drops the other's copy, and the other form then maps to it.
     """
 
     __slots__ = (
@@ -67,15 +68,22 @@ class _Entry:
             return self.gathered == _geometry(t)
         return self.lo <= lo and hi <= self.hi
 
-    def serves(self, form: str) -> bool:
-        return form == "shape" or "exact" in self.reps or form in self.reps
+    def serves(self, form: str, covers) -> bool:
+        """Whether a held form stands in for ``form`` (``covers(held, wanted)``, the policy's
+        order); if so, ``form`` is from now on read from it."""
+        if form == "shape" or form in self.reps:
+            return True
+        held = next((h for h in self.reps if covers(h, form)), None)
+        if held is not None:
+            self.reps[form] = self.reps[held]
+        return held is not None
 
-    def add(self, form: str, rep) -> list[str]:
-        """Hold ``rep`` for ``form``; returns the forms it supersedes (an exact form serves all)."""
-        dropped = [f for f in self.reps if f != form] if form == "exact" else []
-        for f in dropped:
-            del self.reps[f]
-        self.reps[form] = rep
+    def add(self, form: str, rep, covers) -> list[str]:
+        """Hold ``rep`` for ``form``; returns the held forms it supersedes (those it covers:
+        an exact form covers all), which are read from ``rep`` from now on."""
+        dropped = [f for f in self.reps if f != form and covers(form, f)]
+        for f in (*dropped, form):
+            self.reps[f] = rep
         return dropped
 
     def view_of(self, t: torch.Tensor, form: str) -> _View:
@@ -103,7 +111,10 @@ class _Entry:
         dense = rep.unpack()
         if self.gathered is not None:
             dense = _restrided(dense, self.gathered)
-        self.reps[source] = _Decoded(dense)  # the packed copy is freed here, before backward allocates
+        decoded = _Decoded(dense)
+        for f, held in self.reps.items():  # the packed copy is freed here, before backward allocates
+            if held is rep:
+                self.reps[f] = decoded
         return dense
 
     def live(self) -> torch.Tensor | None:
@@ -403,7 +414,7 @@ class compress_activations(contextlib.ContextDecorator):
         for ref in self._table.get(key, ()):
             entry = ref()
             if entry is not None and entry.covers(t, lo, hi):
-                if entry.serves(form):
+                if entry.serves(form, self.policy.covers):
                     self._record(t, module, "shared", 0, 0, 0, need, form)
                 else:
                     self._encode(entry, t, d, need, form, module, dense_bytes=0)
@@ -431,7 +442,7 @@ class compress_activations(contextlib.ContextDecorator):
                 # Never worse than plain PyTorch: what does not compress is held as it is (a
                 # gathered view as itself, so that backward sees its own strides).
                 form, rep = "exact", _Region(d if entry.gathered is not None else region, d)
-        superseded = entry.add(form, rep)
+        superseded = entry.add(form, rep, self.policy.covers)
         storage = "dense" if isinstance(rep, _Region) else "stored"
         # A form added to an entry already counted adds bytes, not elements.
         if self.ledger is None:  # nnz can take a host sync on a GPU: only a ledger reads it

@@ -10,6 +10,7 @@ import torch
 from ..codecs import FLOAT_DTYPES, pack_bitmap
 from ..codecs.bitmap import BitmapTensor, pack_bitmap_if_smaller, zero_limit_bits
 from ..codecs.mask import pack_mask
+from ..codecs.quantized import DEFAULT_GROUP, QuantizedTensor, check_bits, pack_quantized, quantize_values
 from ..codecs.topk import check_sparsity, pack_topk
 from .roles import EXACT, Need
 
@@ -41,6 +42,11 @@ class Policy:
     def form(self, need: Need) -> str:
         """The stored form for ``need``; the default stores every tensor one (exact) way."""
         return "exact"
+
+    def covers(self, held: str, wanted: str) -> bool:
+        """Whether a tensor held in form ``held`` may serve an op that wants form ``wanted``
+        (then it is stored once, in ``held``). An exact form serves every need."""
+        return held == wanted or held == "exact"
 
     def spec(self) -> str:
         """The string :func:`parse_policy` turns back into this policy."""
@@ -124,6 +130,49 @@ class Bitmap(Policy):
 _SAMPLE = 4096  # elements looked at to estimate the kept fraction
 _WORTHWHILE = 0.97  # pack when the estimate is at least 3% below dense (sampling error ~1.5%)
 _SCOPES = ("weights", "all")
+_QUANTIZED = {"int8": 8, "int4": 4, "int2": 2}  # the words for quantized storage in BackRazor
+
+
+@dataclass(frozen=True)
+class Quantized(Policy):
+    """Every saved float tensor at ``bits`` bits, with a min and step per group of ``group``
+    elements (:func:`edgetorch.codecs.pack_quantized`): the ActNN / GACT-style baseline, and
+    BitTrain's float16 option generalised. Lossy everywhere, ReLU masks and batch-norm inputs
+    included; see :func:`edgetorch.measure.gradient_fidelity` for how far gradients move.
+
+    Args:
+        bits: 8, 4 or 2.
+        group: elements per min/step pair, a multiple of 8 (smaller: more exact, more bytes).
+        stochastic: round stochastically (unbiased gradients in expectation), drawing each
+            tensor's seed from torch's global generator (so ``torch.manual_seed`` repeats it).
+
+    Example:
+        >>> with edgetorch.compress_activations(model, edgetorch.Quantized(bits=8)):
+        ...     loss = criterion(model(x), y)
+        >>> loss.backward()
+    """
+
+    name = "quantized"
+    narrows_integers = True
+    bits: int = 8
+    group: int = DEFAULT_GROUP
+    stochastic: bool = False
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 8 or self.group % 8:
+            raise ValueError(f"group must be a positive multiple of 8, e.g. 64 or 128; got {self.group!r}")
+        if not isinstance(self.stochastic, bool):
+            raise ValueError(f"stochastic must be true or false; got {self.stochastic!r}")
+
+    def encode(self, t: torch.Tensor, need: Need = EXACT) -> QuantizedTensor:
+        return _quantize(t, self.bits, self.group, self.stochastic)
+
+
+def _quantize(t: torch.Tensor, bits: int, group: int = DEFAULT_GROUP, stochastic: bool = False) -> QuantizedTensor:
+    # The seed comes from the CPU generator even for a CUDA tensor: no device sync.
+    seed = int(torch.randint(0, 2**32, (), dtype=torch.int64)) if stochastic else None
+    return pack_quantized(t, bits, group=group, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -147,6 +196,13 @@ class BackRazor(Policy):
         scope: ``"weights"`` (default) prunes only what feeds weight gradients; ``"all"`` also
             prunes the saved inputs/outputs of GELU, softmax, LayerNorm and attention, as the
             paper does for ViTs: less memory, approximate input gradients.
+        exact: how the tensors kept exact by default are stored when their backward tolerates
+            rounding (GELU/SiLU, LayerNorm, softmax and attention inputs, training batch norm's
+            input: :attr:`~edgetorch.activations.roles.Need.quantizable`): None losslessly, or
+            ``"int8"`` / ``"int4"`` / ``"int2"`` quantized (8 bits: 0.27x of float32). ReLU keeps
+            its exact 1-bit mask; fused attention's q, k and logsumexp stay lossless.
+        values: ``"int8"`` (or int4/int2) stores the kept top-k values themselves quantized, the
+            paper's "Back Razor + Mesa" row; None keeps them in ``value_dtype``.
 
     Example:
         >>> with edgetorch.compress_activations(model, edgetorch.BackRazor(0.9)):
@@ -160,6 +216,8 @@ class BackRazor(Policy):
     sparsity: float = 0.9
     value_dtype: torch.dtype | None = None
     scope: str = "weights"
+    exact: str | None = None
+    values: str | None = None
 
     def __post_init__(self) -> None:
         check_sparsity(self.sparsity)
@@ -170,6 +228,12 @@ class BackRazor(Policy):
             )
         if self.scope not in _SCOPES:
             raise ValueError(f"scope must be one of {', '.join(_SCOPES)}; got {self.scope!r}")
+        for key in ("exact", "values"):
+            if getattr(self, key) is not None and getattr(self, key) not in _QUANTIZED:
+                raise ValueError(f"{key} must be None or one of {', '.join(_QUANTIZED)}; got {getattr(self, key)!r}")
+        if self.values is not None and self.value_dtype is not None:
+            raise ValueError(f"give values={self.values!r} or value_dtype={_fmt(self.value_dtype)}, not both: "
+                             "both say how the kept values are stored")
 
     def spec(self) -> str:
         """Always names the sparsity (``backrazor:sparsity=0.9``), the number every table needs."""
@@ -182,14 +246,25 @@ class BackRazor(Policy):
             return "prune"
         if need.kind == "mask":
             return f"mask({need.low:g},{need.high:g})"
+        if self.exact is not None and need.quantizable:
+            return self.exact
         return need.kind
+
+    def covers(self, held: str, wanted: str) -> bool:
+        """A quantized copy also serves the weight gradients that want a top-k copy: it is more
+        exact, and already held (the attention output that the next Linear also saves; a
+        top-k copy beside it cost ViT's out-projection a gradient cosine of 0.56)."""
+        return super().covers(held, wanted) or (held in _QUANTIZED and wanted == "prune")
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         form = self.form(need)
         if form == "prune":
-            return pack_topk(t, self.sparsity, value_dtype=self.value_dtype)
+            kept = pack_topk(t, self.sparsity, value_dtype=self.value_dtype)
+            return kept if self.values is None else quantize_values(kept, _QUANTIZED[self.values])
         if form.startswith("mask"):
             return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
+        if form in _QUANTIZED:
+            return _quantize(t, _QUANTIZED[form])
         if not t.is_cpu:
             # Finding out whether a bitmap would be smaller takes a host sync per tensor, which
             # stalls a GPU forward; what Back Razor keeps exact (batch-norm, GELU and softmax
@@ -200,7 +275,7 @@ class BackRazor(Policy):
 
 _LOSSLESS = Bitmap()
 
-POLICIES: dict[str, type[Policy]] = {"dense": Dense, "bitmap": Bitmap, "backrazor": BackRazor}
+POLICIES: dict[str, type[Policy]] = {"dense": Dense, "bitmap": Bitmap, "backrazor": BackRazor, "quantized": Quantized}
 _DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
@@ -212,7 +287,9 @@ def parse_policy(spec: str) -> Policy:
     Args:
         spec: e.g. ``dense``, ``bitmap``, ``bitmap:threshold=0.01``,
             ``bitmap:threshold=0.05,value_dtype=float16``, ``backrazor:sparsity=0.9``,
-            ``backrazor:sparsity=0.95,scope=all``.
+            ``backrazor:sparsity=0.95,scope=all``, ``backrazor:sparsity=0.9,exact=int8``,
+            ``backrazor:sparsity=0.8,exact=int8,values=int8``, ``quantized:bits=4``,
+            ``quantized:bits=8,group=64,stochastic=true``.
 
     Returns:
         The policy object.
@@ -242,6 +319,17 @@ def parse_policy(spec: str) -> Policy:
 def _parse_value(key: str, value: str):
     if key == "scope":
         return value
+    if key in ("exact", "values"):
+        return None if value.lower() in ("none", "lossless", "") else value.lower()
+    if key == "stochastic":
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"stochastic={value!r}: accepted are true or false")
+        return value.lower() in ("true", "1")
+    if key in ("bits", "group"):
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} is not a whole number") from None
     if key.endswith("dtype"):
         if value.lower() in ("none", ""):
             return None

@@ -30,10 +30,13 @@ anything else                             any                     ``exact``
 ========================================  ======================  ============================
 
 "prunable": exact by default; ``BackRazor(scope="all")`` prunes it too, as the paper does for
-ViTs, making input gradients approximate. Fused attention's q, k and logsumexp are never pruned:
-its backward recomputes the probabilities as exp(q k^T * scale - logsumexp), and a pruned
-operand that no longer matches the saved logsumexp makes that exponent blow up (relative
-weight-gradient errors of 2000x were measured before this rule).
+ViTs, making input gradients approximate. ``BackRazor(exact="int8")`` stores every prunable
+tensor, training batch norm's input and fused attention's q and k quantized instead
+(:attr:`Need.quantizable`). Fused attention's q, k and logsumexp are never pruned: its backward
+recomputes the probabilities as exp(q k^T * scale - logsumexp), and a pruned operand that no
+longer matches the saved logsumexp makes that exponent blow up (relative weight-gradient errors of
+2000x were measured before this rule). Rounded q and k move each score by at most a few steps,
+and the logsumexp stays exact.
 
 Identifying the op: autograd packs an op's inputs right before the op reaches the dispatcher
 below it, and its outputs right after; :class:`OpWatch`, a dispatch mode, sees those edges and
@@ -64,6 +67,7 @@ class Need:
         low, high: the interval of a ``mask`` need.
         inside, outside: stand-in values a mask reads back (see :func:`edgetorch.codecs.mask.pack_mask`).
         prunable: an ``exact`` need that ``BackRazor(scope="all")`` prunes anyway.
+        rounds: an ``exact`` need that tolerates rounding but not pruning (:attr:`quantizable`).
         op: the ATen op that saved the tensor, for the ledger.
         bound: for an integer tensor, a known bound on its values (max pooling's indices lie in
             [0, plane size)), so it can be narrowed without reading its range back.
@@ -77,6 +81,15 @@ class Need:
     prunable: bool = False
     op: str = "?"
     bound: int | None = None
+    rounds: bool = False
+
+    @property
+    def quantizable(self) -> bool:
+        """An ``exact`` need whose backward tolerates rounding, which ``BackRazor(exact="int8")``
+        stores at 8 bits: every prunable one, and those that tolerate rounding but not pruning
+        (``rounds``: a training batch norm's input, fused attention's q and k). Never the
+        logsumexp of fused attention, nor the tensors of ops this module does not know."""
+        return self.kind == "exact" and (self.prunable or self.rounds)
 
 
 EXACT = Need("exact")
@@ -92,11 +105,11 @@ _BATCH_NORMS = {
     "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
     "cudnn_batch_norm", "miopen_batch_norm",
 }
-_PRUNABLE_INPUTS = {
-    "native_layer_norm", "native_group_norm", "gelu", "silu", "elu", "softplus", "mish",
-    "hardswish", "hardsigmoid",
-}
-_PRUNABLE_OUTPUTS = {"sigmoid", "tanh", "_softmax", "_safe_softmax", "_log_softmax"}
+_SMOOTH = ("gelu", "silu", "elu", "softplus", "mish", "hardswish", "hardsigmoid")
+# In-place variants too (torchvision builds EfficientNet's SiLU with inplace=True): autograd saves
+# a clone of the input made just before the op, resolved with the op's own need.
+_PRUNABLE_INPUTS = {"native_layer_norm", "native_group_norm", *_SMOOTH, *(f"{op}_" for op in _SMOOTH)}
+_PRUNABLE_OUTPUTS = {"sigmoid", "tanh", "sigmoid_", "tanh_", "_softmax", "_safe_softmax", "_log_softmax"}
 _ATTENTION = {
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -166,14 +179,16 @@ def input_need(op: str, t: torch.Tensor, args: tuple, kwargs: dict, is_param: Ca
         training = op != "_native_batch_norm_legit_no_training" and _arg(args, kwargs, 5, "training", True)
         if training or (weight is not None and weight.requires_grad):
             # Batch statistics' gradients read every input value; so does the affine weight's
-            # gradient through (x - mean) / std, which top-k of x does not approximate.
-            return Need("exact", op=op)
+            # gradient through (x - mean) / std, which top-k of x does not approximate (rounding
+            # each value by a small step does).
+            return Need("exact", op=op, rounds=True)
         return Need("shape", op=op)  # frozen: grad_input = grad * weight / std reads no x
     if op in _ATTENTION:
         # Fused backward recomputes the probabilities as exp(q k^T * scale - logsumexp) with the
         # forward's logsumexp: a pruned q or k no longer matches it and the exponent can blow
-        # up. Only v (argument 2 of every fused kernel) may be pruned.
-        return Need("exact", prunable=len(args) > 2 and _same(args[2], t), op=op)
+        # up. Only v (argument 2 of every fused kernel) may be pruned. Rounding q and k by a
+        # small step moves each score by a bounded amount, so exp() moves by a bounded factor.
+        return Need("exact", prunable=len(args) > 2 and _same(args[2], t), op=op, rounds=True)
     if op in _PRUNABLE_INPUTS:
         return Need("exact", prunable=True, op=op)
     return Need("exact", op=op)

@@ -1,0 +1,178 @@
+"""Quantized activation storage as policies: Quantized(bits), BackRazor(exact="int8") and
+BackRazor(values="int8"): what each stores, where gradients stay exact, and the spec strings."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import edgetorch as et
+from edgetorch.codecs import QuantizedTensor, QuantizedValues
+
+from test_backrazor import CNN_INPUT, FusedAttention, SmallCNN, compare, tiny_vit
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def worst_cosine(reference: dict, other: dict, keys=None) -> float:
+    """Smallest gradient cosine over the parameters, leaving out gradients that are zero up to
+    rounding noise (a conv bias before batch norm: its exact gradient is 0, and cosine of noise
+    is meaningless)."""
+    scale = max(g.norm() for g in reference.values())
+    return min(cosine(reference[k], other[k]) for k in (keys or reference) if reference[k].norm() > 1e-5 * scale)
+
+
+def forms(ledger: et.SavedTensorLedger) -> set[tuple[str, str]]:
+    return {(r.op, r.form) for r in ledger.records if r.dense_bytes}
+
+
+class BnSiLU(nn.Module):
+    """Conv -> trained BN -> in-place SiLU (EfficientNet's block) -> conv -> head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.SiLU(inplace=True),
+                                  nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.SiLU(inplace=True))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(F.adaptive_avg_pool2d(self.body(x), 1).flatten(1))
+
+
+BN_INPUT = (torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3]))
+
+
+def test_quantized_8bit_stores_every_float_tensor_at_a_quarter_and_moves_gradients_little():
+    torch.manual_seed(0)
+    ledger = et.SavedTensorLedger()
+    (o0, dx0, g0), (o1, dx1, g1) = compare(BnSiLU(), *BN_INPUT, et.Quantized(8), ledger)
+    assert torch.equal(o0, o1)  # the forward never reads the stored copies
+    total = ledger.total()
+    assert 0.25 < total.stored_bytes / total.dense_bytes < 0.30
+    assert all(r.form == "exact" for r in ledger.records)  # one form: no roles needed
+    assert cosine(dx0, dx1) > 0.999
+    assert worst_cosine(g0, g1) > 0.99
+
+
+def test_fewer_bits_store_less_and_move_gradients_more():
+    torch.manual_seed(0)
+    results = {}
+    for bits in (8, 4, 2):
+        ledger = et.SavedTensorLedger()
+        (_, dx0, _), (_, dx1, _) = compare(BnSiLU(), *BN_INPUT, et.Quantized(bits), ledger)
+        results[bits] = (ledger.total().stored_bytes, cosine(dx0, dx1))
+    assert results[8][0] > results[4][0] > results[2][0]
+    assert results[8][1] > results[4][1] > results[2][1]
+
+
+def test_stochastic_rounding_repeats_under_the_same_seed():
+    model, (x, y) = BnSiLU(), BN_INPUT
+    policy = et.Quantized(4, stochastic=True)
+    torch.manual_seed(3)
+    a = compare(model, x, y, policy)[1][1]
+    torch.manual_seed(3)
+    b = compare(model, x, y, policy)[1][1]
+    nearest = compare(model, x, y, et.Quantized(4))[1][1]
+    assert torch.equal(a, b) and not torch.equal(a, nearest)
+
+
+def test_exact_int8_quantizes_batch_norm_and_silu_inputs_and_keeps_relu_masks_exact():
+    torch.manual_seed(0)
+    default, int8 = et.SavedTensorLedger(), et.SavedTensorLedger()
+    compare(BnSiLU(), *BN_INPUT, et.BackRazor(0.9), default)
+    (o0, dx0, g0), (o1, dx1, g1) = compare(BnSiLU(), *BN_INPUT, et.BackRazor(0.9, exact="int8"), int8)
+    assert ("native_batch_norm", "exact") in forms(default) and ("silu_", "exact") in forms(default)
+    assert {("native_batch_norm", "int8"), ("silu_", "int8"), ("convolution", "prune")} <= forms(int8)
+    assert int8.total().stored_bytes < 0.5 * default.total().stored_bytes
+    assert torch.equal(o0, o1) and cosine(dx0, dx1) > 0.999
+    # A ReLU network without batch norm has nothing to quantize: the same bytes and gradients.
+    plain, quantized = et.SavedTensorLedger(), et.SavedTensorLedger()
+    (_, dx2, g2), (_, dx3, g3) = compare(SmallCNN(), *CNN_INPUT, et.BackRazor(0.9), plain)
+    torch.manual_seed(0)
+    (_, dx4, g4) = compare(SmallCNN(), *CNN_INPUT, et.BackRazor(0.9, exact="int8"), quantized)[1]
+    assert torch.equal(dx3, dx4) and all(torch.equal(g3[k], g4[k]) for k in g3)
+    assert plain.total().stored_bytes == quantized.total().stored_bytes
+
+
+def test_exact_int8_on_a_vision_transformer():
+    torch.manual_seed(0)
+    vit, x, y = tiny_vit(), torch.randn(2, 3, 32, 32), torch.tensor([1, 4])
+    default, int8 = et.SavedTensorLedger(), et.SavedTensorLedger()
+    (o0, dx0, g0), (_, dx_default, g_default) = compare(vit, x, y, et.BackRazor(0.9), default)
+    (_, _, _), (o1, dx1, g1) = compare(vit, x, y, et.BackRazor(0.9, exact="int8"), int8)
+    assert torch.equal(o0, o1)
+    assert {("gelu", "int8"), ("native_layer_norm", "int8")} <= forms(int8)
+    assert int8.total().stored_bytes < 0.5 * default.total().stored_bytes
+    assert cosine(dx0, dx1) > 0.99
+    # the parameters default Back Razor leaves exact stay close under int8
+    exact_by_default = [k for k in g0 if torch.equal(g0[k], g_default[k])]
+    assert exact_by_default and worst_cosine(g0, g1, exact_by_default) > 0.99
+
+
+def test_fused_attention_q_and_k_are_rounded_but_the_logsumexp_stays_exact():
+    torch.manual_seed(0)
+    model, x, y = FusedAttention(), torch.randn(4, 64, 32), torch.tensor([0, 1, 2, 0])
+    ledger = et.SavedTensorLedger()
+    (_, dx0, g0), (_, dx1, g1) = compare(model, x, y, et.BackRazor(0.9, exact="int8"), ledger)
+    attention = sorted((len(r.shape), r.form) for r in ledger.records if "attention" in r.op and r.dense_bytes)
+    assert attention == [(3, "exact"), (4, "int8"), (4, "int8"), (4, "int8"), (4, "int8")]  # lse; q, k, v, out
+    assert cosine(dx0, dx1) > 0.99
+
+
+def test_values_int8_holds_the_kept_values_quantized():
+    torch.manual_seed(0)
+    full, quantized = et.SavedTensorLedger(), et.SavedTensorLedger()
+    (_, dx0, g0), (_, dx1, g1) = compare(SmallCNN(), *CNN_INPUT, et.BackRazor(0.8), full)
+    (_, dx2, g2) = compare(SmallCNN(), *CNN_INPUT, et.BackRazor(0.8, values="int8"), quantized)[1]
+    assert torch.equal(dx1, dx2)  # input gradients read the exact masks, not the values
+    pruned = lambda ledger: sum(r.stored_bytes for r in ledger.records if r.form == "prune")  # noqa: E731
+    assert pruned(quantized) < 0.6 * pruned(full)
+    assert {r.nnz for r in quantized.records if r.form == "prune"} == {r.nnz for r in full.records if r.form == "prune"}
+    assert worst_cosine(g1, g2) > 0.99
+
+
+def test_encode_returns_the_quantized_codecs():
+    x = torch.randn(4, 1000)
+    assert isinstance(et.Quantized(4).encode(x), QuantizedTensor)
+    kept = et.BackRazor(0.9, values="int8").encode(x, et.activations.roles.Need("prune"))
+    assert isinstance(kept, QuantizedValues) and kept.nnz == 4 * 100
+
+
+@pytest.mark.parametrize("spec", ["quantized", "quantized:bits=4", "quantized:bits=2,group=64,stochastic=true",
+                                  "backrazor:sparsity=0.9,exact=int8", "backrazor:sparsity=0.8,exact=int8,values=int8",
+                                  "backrazor:sparsity=0.95,scope=all,exact=int4"])
+def test_specs_round_trip(spec):
+    policy = et.parse_policy(spec)
+    assert et.parse_policy(policy.spec()) == policy
+
+
+def test_spec_words():
+    assert et.parse_policy("backrazor:exact=int8") == et.BackRazor(0.9, exact="int8")
+    assert et.parse_policy("backrazor:exact=lossless") == et.BackRazor(0.9)
+    assert et.parse_policy("quantized:bits=4,stochastic=true") == et.Quantized(4, stochastic=True)
+    assert et.BackRazor(0.8, exact="int8", values="int8").spec() == "backrazor:sparsity=0.8,exact=int8,values=int8"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("quantized:bits=3", "bits must be one of 8, 4, 2"),
+    ("quantized:bits=eight", "not a whole number"),
+    ("quantized:group=12", "multiple of 8"),
+    ("quantized:stochastic=maybe", "accepted are true or false"),
+    ("backrazor:exact=int3", "exact must be None or one of int8, int4, int2"),
+    ("backrazor:values=fp8", "values must be None or one of"),
+    ("backrazor:values=int8,value_dtype=float16", "not both"),
+    ("quantised", "accepted: dense, bitmap, backrazor, quantized"),
+])
+def test_bad_specs_say_what_is_accepted(spec, message):
+    with pytest.raises(ValueError, match=message):
+        et.parse_policy(spec)
+
+
+def test_retain_graph_decodes_the_same_gradients_twice():
+    x = BN_INPUT[0].clone().requires_grad_(True)
+    with et.compress_activations(model := BnSiLU(), et.BackRazor(0.9, exact="int8", values="int8")):
+        loss = model(x).sum()
+    first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    assert torch.equal(first, torch.autograd.grad(loss, x)[0])
