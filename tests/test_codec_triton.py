@@ -349,6 +349,17 @@ def compile_variants():
         yield kernel, {"src_ptr": "*u8"}, {"ABS_MASK": 0, "MODE": T._BITMAP}
     for last in (False, True):
         yield T._radix_select_kernel, {}, {"LAST": last}
+    ranges = {"codes_ptr": "*u8", "lo_ptr": "*fp32", "scale_ptr": "*fp32"}
+    for bits in (8, 4, 2):  # every width and rounding in float32; the other dtypes once each
+        for stochastic in (False, True):
+            yield T._quantize_kernel, {**ranges, "x_ptr": "*fp32"}, {"BITS": bits, "STOCHASTIC": stochastic,
+                                                                     "GROUPS": 8, "CHUNK": 128, "BF16": False}
+        yield T._dequantize_kernel, {**ranges, "out_ptr": "*fp32"}, {"BITS": bits, "BF16": False}
+    for half, bf16 in (("*fp16", False), ("*i16", True)):  # bfloat16 travels as int16 bits
+        yield T._quantize_kernel, {**ranges, "x_ptr": half}, {"BITS": 8, "STOCHASTIC": False, "GROUPS": 1,
+                                                              "CHUNK": 1024, "BF16": bf16}
+    for out, bf16 in (("*fp16", False), ("*i16", True), ("*fp64", False)):
+        yield T._dequantize_kernel, {**ranges, "out_ptr": out}, {"BITS": 4, "BF16": bf16}
 
 
 @parent_only("the interpreter does not compile")
@@ -480,3 +491,272 @@ def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(ref_grads, grads))
     assert any(r.form == "prune" for r in ledger.records)
     assert ledger.total().nnz == ref_ledger.total().nnz
+
+
+# --- quantized (codecs/quantized.py) ------------------------------------------------------------
+#
+# The kernels against the format's torch-ops reference, byte for byte: codes, the bits of lo and
+# scale, and the bits of the decoded tensor. One freedom is not compared: which zero a group's
+# minimum is when it holds both -0.0 and +0.0 (torch's aminmax and tl.min may pick either; codes
+# and decoded values do not depend on it), so lo is compared after adding +0.0.
+
+import triton.language as tl  # noqa: E402
+
+from edgetorch.codecs import quantized as Q  # noqa: E402
+
+# numpy warns about the IEEE specials these tests feed the interpreter (Inf * 0, overflow).
+quiet = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+QHYPO = settings(max_examples=30, deadline=None)  # the interpreter: ~0.1 s an example at these sizes
+QDTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def quant_sample(rows: int, n: int, dtype: torch.dtype, seed: int, kind: str, nonfinite: int) -> torch.Tensor:
+    """``[rows, n]`` values: "spread" (randn at a random scale and offset, some zeros and tiny
+    values), "halves" (multiples of 0.5 in [0, 15]: exact half-steps of a 4-bit step of 1) or
+    "flat" (a few distinct values: constant and near-constant groups); then ``nonfinite``
+    NaN/+-Inf at random places."""
+    g = torch.Generator().manual_seed(seed)
+    numel = rows * n
+    if kind == "halves":
+        x = torch.randint(0, 31, (numel,), generator=g).double() / 2
+        x[::7] = torch.tensor([0.0, 15.0]).repeat(numel)[: len(x[::7])]  # the ends present in most groups
+    elif kind == "flat":
+        x = torch.tensor([1.0, 1.0, 1.0, -2.5, 0.0, -0.0])[torch.randint(0, 6, (numel,), generator=g)].double()
+    else:
+        spread = 10.0 ** torch.randint(-4, 5, (), generator=g).item()
+        x = torch.randn(numel, generator=g, dtype=torch.float64) * spread + torch.randn((), generator=g).item()
+        where = torch.randint(0, numel, (max(1, numel // 10),), generator=g)
+        tiny = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 5e-8], dtype=torch.float64)
+        x[where] = tiny[torch.randint(0, 5, where.shape, generator=g)]
+    if nonfinite:
+        where = torch.randint(0, numel, (nonfinite,), generator=g)
+        x[where] = torch.tensor([NAN, INF, -INF])[torch.randint(0, 3, where.shape, generator=g)].double()
+    return x.to(dtype).view(rows, n)
+
+
+def same_decoded(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Equal bits, except that a NaN matches any NaN: the sign and payload of a NaN that
+    arithmetic makes (0 * Inf, NaN + NaN) differ between CPUs, numpy and GPUs, and so does
+    torch's own NaN in a bfloat16 cast (0x7FC0 or 0xFFFF)."""
+    nan = ref.isnan()
+    return torch.equal(out.isnan(), nan) and torch.equal(ints(out)[~nan], ints(ref)[~nan])
+
+
+def assert_same_quantized(x: torch.Tensor, bits: int, group: int, seed, block: int) -> None:
+    """T.quantize / T.dequantize give the reference's bytes and decoded bits for ``x``."""
+    rows, n = x.shape
+    ref_codes, ref_lo, ref_scale = Q._quantize_torch(x.float(), bits, group, seed)
+    codes, lo, scale = T.quantize(x, bits, group, seed, block=block)
+    assert codes.shape == ref_codes.shape and codes.dtype == torch.uint8
+    assert torch.equal(codes, ref_codes), (codes != ref_codes).nonzero()[:5]
+    assert torch.equal(ints(lo + 0.0), ints(ref_lo + 0.0)) and torch.equal(ints(scale), ints(ref_scale))
+    ref = Q._dequantize_torch(ref_codes, ref_lo, ref_scale, n, bits, group).to(x.dtype)
+    out = T.dequantize(codes, lo, scale, n, bits, group, x.dtype, block=block)
+    assert out.dtype == x.dtype and out.shape == (rows, n)
+    assert same_decoded(out, ref)
+
+
+@interpreted
+@quiet
+def test_golden_quantized_bytes() -> None:
+    # The inputs and bytes of tests/test_codec_quantized.py's golden tests.
+    codes, lo, scale = T.quantize(torch.tensor([[-1.0, 0, 1, 2, 3, 4, 5, 6, 10, 12]]), 8, 8)
+    assert codes.tolist() == [[0, 36, 73, 109, 146, 182, 219, 255, 0, 255]]
+    assert lo.tolist() == [[-1.0, 10.0]]
+    assert scale.tolist() == [[torch.tensor(7 / 255).item(), torch.tensor(2 / 255).item()]]
+    codes, lo, scale = T.quantize(torch.tensor([[0.0, 1, 2, 3, 4, 5, 6, 7.5]]), 2, 8)
+    assert codes.tolist() == [[0b01010000, 0b11101010]]
+    assert T.dequantize(codes, lo, scale, 8, 2, 8, torch.float32).tolist() == [[0, 0, 2.5, 2.5, 5, 5, 5, 7.5]]
+    codes, lo, scale = T.quantize(torch.tensor([[0.0, 15.0, 5.0], [1.0, 1.0, 1.0]]), 4, 8)
+    assert codes.tolist() == [[0xF0, 0x05], [0x00, 0x00]]
+    assert scale.tolist() == [[1.0], [0.0]] and lo.tolist() == [[0.0], [1.0]]
+    codes, _, _ = T.quantize(torch.linspace(0, 1, 16).view(1, 16), 4, 8, 99)
+    assert codes.tolist() == [[48, 100, 184, 252, 48, 117, 169, 252]]
+
+
+@triton.jit
+def _uniform_probe_kernel(idx_ptr, out_ptr, numel, seed_mix, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, T._uniform(tl.load(idx_ptr + i, mask=i < numel, other=0), seed_mix), mask=i < numel)
+
+
+@interpreted
+@quiet
+@pytest.mark.parametrize("seed", [0, 12345, 2**31 - 1, 2**31, 2**32 - 1])
+def test_stochastic_hash_matches_the_reference_beyond_32_bit_indices(seed) -> None:
+    # Indices past 2**32 (a tensor of 4G elements) wrap mod 2**32, as the reference's mask does.
+    idx = torch.tensor([0, 1, 2, 3, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 3 * 2**32 + 7, 2**40 + 1])
+    out = torch.empty(idx.numel(), dtype=torch.float32)
+    _uniform_probe_kernel[(1,)](idx, out, idx.numel(), Q._mix32_int(seed), BLOCK=16)
+    assert torch.equal(ints(out), ints(Q._hash_uniform(idx, seed)))
+
+
+@interpreted
+@quiet
+def test_quantize_divides_as_ieee_not_by_a_reciprocal() -> None:
+    # L / d rounded once (the format), not reciprocal(d) * L (what `255.0 / tensor` computes in
+    # torch): for this d they differ in the last bit, which moves x across a half-step.
+    d, x = 1.4554425477981567, 0.002853808691725135
+    row = torch.tensor([[0.0, d, x, x, 0.5, 1.0, 0.1, 0.2]])
+    inv = torch.tensor(255.0) / torch.tensor(d)
+    assert inv != torch.tensor(d).reciprocal() * 255.0
+    codes, _, _ = T.quantize(row, 8, 8)
+    assert codes[0, 2] == 0 == torch.floor(torch.tensor(x) * inv + 0.5)  # reciprocal * L would give 1
+    assert_same_quantized(row, 8, 8, None, 8)
+
+
+@interpreted
+@quiet
+@QHYPO
+@given(
+    dtype=st.sampled_from(QDTYPES),
+    rows=st.integers(1, 3),
+    n=st.integers(1, 150),
+    bits=st.sampled_from([8, 4, 2]),
+    group=st.sampled_from([8, 16, 24, 40, 64, 128]),
+    block=st.sampled_from([16, 64, 1024]),
+    kind=st.sampled_from(["spread", "spread", "halves", "flat"]),
+    nonfinite=st.sampled_from([0, 0, 1, 3]),
+    stochastic=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_quantize_matches_torch_reference(dtype, rows, n, bits, group, block, kind, nonfinite, stochastic,
+                                          seed) -> None:
+    x = quant_sample(rows, n, dtype, seed, kind, nonfinite)
+    assert_same_quantized(x, bits, group, seed if stochastic else None, block)
+
+
+@interpreted
+@quiet
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_non_finite_overflowing_and_tiny_groups(bits) -> None:
+    x = torch.zeros(2, 72)
+    x[0, :8] = torch.arange(8.0)
+    x[0, 9], x[0, 17], x[0, 26] = NAN, INF, -INF  # one group each
+    x[0, 24:32] = INF  # all-Inf group with a -Inf
+    x[0, 32], x[0, 33] = -3e38, 3e38  # a finite range that overflows float32
+    x[0, 40:48] = torch.tensor([1e-45, 3e-45, 0.0, 7e-45, 1e-45, 0.0, 0.0, 1e-45])  # subnormal range: L/d = Inf
+    x[0, 48:56] = -0.0
+    x[1] = torch.linspace(-1e-3, 1e-3, 72)
+    x[1, 71] = NAN  # the short tail group
+    for group in (8, 24):
+        assert_same_quantized(x[:, :70], bits, group, None, 16)
+        assert_same_quantized(x, bits, group, 7, 64)
+    big = torch.tensor([[1e300, 0.0] + [1.0] * 6], dtype=torch.float64)  # Inf once rounded to float32
+    assert_same_quantized(big, bits, 8, None, 16)
+    assert T.dequantize(*T.quantize(big, bits, 8), 8, bits, 8, torch.float64).isnan().all()
+
+
+@interpreted
+@quiet
+@QHYPO
+@given(
+    dtype=st.sampled_from(QDTYPES),
+    rows=st.integers(1, 3),
+    n=st.integers(1, 100),
+    bits=st.sampled_from([8, 4, 2]),
+    group=st.sampled_from([8, 16, 24, 128]),
+    block=st.sampled_from([8, 32, 2048]),
+    seed=st.integers(0, 2**31),
+)
+def test_dequantize_any_bytes_like_the_reference(dtype, rows, n, bits, group, block, seed) -> None:
+    # Arbitrary code bytes (padding bits set too) and ranges, including NaN and Inf ones.
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, (n * bits + 7) // 8), generator=g, dtype=torch.uint8)
+    groups = -(-n // group)
+    lo = torch.randn(rows, groups, generator=g) * 100
+    scale = torch.rand(rows, groups, generator=g)
+    lo.view(-1)[0], scale.view(-1)[-1] = NAN, INF
+    ref = Q._dequantize_torch(codes, lo, scale, n, bits, group).to(dtype)
+    assert same_decoded(T.dequantize(codes, lo, scale, n, bits, group, dtype, block=block), ref)
+
+
+@interpreted
+@quiet
+def test_quantized_codec_takes_the_kernel_path_with_the_same_results(monkeypatch) -> None:
+    from edgetorch.codecs import _cuda
+
+    g = torch.Generator().manual_seed(4)
+    cases = [(torch.randn(4, 3, 10, generator=g), {}), (torch.randn(2, 50, generator=g).double(), {"bits": 4}),
+             (torch.randn(16, 9, generator=g).t(), {"group": 16, "rows": 3, "seed": 11}),  # not contiguous
+             (torch.randn(5, generator=g).half(), {"bits": 2, "group": 8}), (torch.randn(()), {}),
+             (torch.randn(0, 4), {})]
+    refs = []
+    for x, kw in cases:
+        q = Q.pack_quantized(x, **kw)
+        refs.append((q, q.unpack()))
+    calls = []
+
+    def kernels(t):
+        calls.append(t.shape)
+        return T
+
+    monkeypatch.setattr(_cuda, "kernels", kernels)  # every tensor takes the GPU path
+    for (x, kw), (ref, ref_out) in zip(cases, refs):
+        q = Q.pack_quantized(x, **kw)
+        assert torch.equal(q.codes, ref.codes) and torch.equal(ints(q.lo + 0.0), ints(ref.lo + 0.0))
+        assert torch.equal(ints(q.scale), ints(ref.scale)) and q.nbytes == ref.nbytes
+        out = q.unpack()
+        assert out.shape == x.shape and out.dtype == x.dtype and same_decoded(out, ref_out)
+    assert len(calls) == 2 * (len(cases) - 1)  # pack and unpack of every non-empty case asked for kernels
+
+
+@interpreted
+@quiet
+def test_quantize_empty_inputs() -> None:
+    for rows, n, group in ((3, 0, 8), (0, 5, 8), (0, 0, 16)):
+        codes, lo, scale = T.quantize(torch.ones(rows, n), 4, group)
+        assert codes.shape == (rows, (n * 4 + 7) // 8) and lo.shape == scale.shape == (rows, -(-n // group))
+        out = T.dequantize(codes, lo, scale, n, 4, group, torch.bfloat16)
+        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+
+
+def test_quantize_bad_arguments_are_rejected_with_a_reason() -> None:
+    x = torch.ones(2, 16)
+    with pytest.raises(ValueError, match="2-D"):
+        T.quantize(torch.ones(16), 8, 8)
+    with pytest.raises(TypeError, match="float"):
+        T.quantize(torch.ones(2, 16, dtype=torch.int32), 8, 8)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        T.quantize(x, 3, 8)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        T.quantize(x, 8, 12)
+    with pytest.raises(ValueError, match="seed"):
+        T.quantize(x, 8, 8, 2**32)
+    with pytest.raises(ValueError, match="power of two"):
+        T.quantize(x, 8, 8, block=48)
+    codes, lo = torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 1)
+    with pytest.raises(ValueError, match="codes must be"):
+        T.dequantize(codes[:, :7], lo, lo, 16, 4, 16, torch.float32)
+    with pytest.raises(ValueError, match="scale must be"):
+        T.dequantize(codes, lo, torch.zeros(2, 2), 16, 4, 16, torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        T.dequantize(codes, lo, lo, 16, 4, 16, torch.int32)
+
+
+@parent_only("checks the compiled kernels, not the interpreter")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", QDTYPES)
+def test_cuda_quantize_matches_the_reference_without_syncs(dtype) -> None:
+    # Launched with enable_fp_fusion=False and div_rn, the compiled kernels round as the torch ops
+    # on the CPU do, so the bytes match; "halves" rows put values exactly on half-steps, where a
+    # fused multiply-add would round differently.
+    from edgetorch.codecs import _cuda
+
+    x = torch.cat([quant_sample(3, 5001, dtype, 5, "spread", 4), quant_sample(2, 5001, dtype, 6, "halves", 0)])
+    xc = x.cuda()
+    assert _cuda.kernels(xc) is T  # loads the kernels (a test launch that syncs) before syncs raise
+    for bits in (8, 4, 2):
+        for group, seed in ((128, None), (40, 3), (4096, None)):
+            torch.cuda.set_sync_debug_mode("error")  # any host sync below raises
+            try:
+                q = Q.pack_quantized(xc, bits, group=group, seed=seed)
+                out = q.unpack()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            ref_codes, ref_lo, ref_scale = Q._quantize_torch(x.float(), bits, group, seed)
+            assert torch.equal(q.codes.cpu(), ref_codes)
+            assert torch.equal(ints(q.lo.cpu() + 0.0), ints(ref_lo + 0.0))
+            assert torch.equal(ints(q.scale.cpu()), ints(ref_scale))
+            ref = Q._dequantize_torch(ref_codes, ref_lo, ref_scale, 5001, bits, group).to(dtype)
+            assert same_decoded(out.cpu(), ref)

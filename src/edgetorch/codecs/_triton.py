@@ -1,10 +1,12 @@
-"""Triton kernels for the bitmap, top-k and mask codecs on CUDA, byte-identical to the torch reference.
+"""Triton kernels for the bitmap, top-k, mask and quantized codecs on CUDA, byte-identical to the
+torch reference.
 
 This module imports ``triton`` at import time: import it only on the path that runs kernels
-(``import edgetorch`` must not pull triton in). All kernels work on the integer view of a float
-tensor (int16 for float16/bfloat16, int32 for float32, int64 for float64), so one compiled
-variant per width serves every float dtype and no kernel compares floats (no flush-to-zero or
-NaN subtleties on the device: zero, NaN and order are decided on bit patterns, as on the CPU).
+(``import edgetorch`` must not pull triton in). The bitmap, top-k and mask kernels work on the
+integer view of a float tensor (int16 for float16/bfloat16, int32 for float32, int64 for
+float64), so one compiled variant per width serves every float dtype and none of them compares
+floats (no flush-to-zero or NaN subtleties on the device: zero, NaN and order are decided on bit
+patterns, as on the CPU).
 
 Formats, shared with ``bitmap.pack_torch`` / ``topk.pack_topk`` / ``mask.pack_mask``: element
 ``i`` (row-major) is bit ``i % 8`` (least significant first) of byte ``i // 8``; unused high bits
@@ -22,6 +24,12 @@ Host synchronisation: :func:`pack_bitmap` reads one number back (the kept count,
 the values at their exact size); everything else here reads nothing back. Per-row top-k knows
 its output size in advance (at most ``keep`` values a row), so it is written into a
 ``[rows, min(keep, n)]`` buffer and needs no sync at all.
+
+The quantized codec (``quantized.py``'s format: codes of 8/4/2 bits, a float32 minimum and step
+per group) is float arithmetic by nature: :func:`quantize` runs one program per few groups of a
+row (a min/max pass, then a code pass that packs whole bytes: groups are multiples of 8 elements,
+so no two programs share a byte), :func:`dequantize` one program per block of a row. Neither reads
+anything back.
 
 The block size (``BLOCK``) is a guess for a GPU, not a measurement: this code was written and
 tested on a machine without one (Triton's interpreter, ``TRITON_INTERPRET=1``, runs the same
@@ -43,6 +51,7 @@ from .bitmap import _INT_VIEW as _INT_OF
 
 BLOCK = 2048  # elements per program: 256 bitmap bytes, 8 KiB of float32 read per program
 _RADIX_BITS = 8  # top-k threshold: 256-bin histogram per pass, 2/4/8 passes for 16/32/64 bits
+QBLOCK = 1024  # elements per quantize program: 8 groups of the default 128, or 1024 columns of one
 
 
 # Predicates of the flat kernels (constexpr MODE).
@@ -248,6 +257,148 @@ def _mask_unpack_kernel(bitmap_ptr, out_ptr, numel, in_bits, out_bits, BLOCK: tl
     keep = _flags(bitmap_ptr, idx, inb, 0, bitmap_ptr, bitmap_ptr, 1, 0, 2)
     v = tl.where(keep, in_bits, out_bits)
     tl.store(out_ptr + idx, v.to(out_ptr.dtype.element_ty), mask=inb)
+
+
+# Quantized codec (constexpr BITS = 8, 4 or 2). Float32 throughout, as ``quantized._quantize_torch``.
+# On a GPU the compiler may contract ``(x - lo) * inv + 0.5`` (or ``lo + code * scale``) into one
+# fused multiply-add, which rounds once instead of twice: a value exactly at a half-step could then
+# get the other code (still within the stated error bound, but not the reference's byte). The
+# launches pass ``enable_fp_fusion=False`` so the compiled kernels round every operation as the
+# torch ops do; the interpreter runs numpy ops, one rounding each, and matches the reference byte
+# for byte either way. Divisions use ``tl.math.div_rn`` (IEEE round-to-nearest): a plain ``/`` may
+# lower to an approximate division on the GPU. The compiled floor flushes subnormal inputs to 0
+# (``cvt.rmi.ftz``); its input ``v + offset`` is never negative (``x >= lo``), so that changes nothing.
+# Which zero a group's ``lo`` is when it holds both -0.0 and +0.0 is left to ``tl.min`` (torch's
+# own aminmax answer depends on its vectorisation); codes and decoded values do not depend on it.
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # |x| <= this: finite (false for NaN)
+
+
+@triton.jit
+def _mix32(h):
+    """``quantized._mix32`` on uint32: products wrap mod 2**32, as the reference's masks do."""
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x2C1B3C6D
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _uniform(idx, seed_mix):
+    """``quantized._hash_uniform``: a float32 in [0, 1) per int64 row-major index ``idx``, with
+    ``seed_mix = _mix32_int(seed)`` computed on the host (the cast keeps ``idx mod 2**32``)."""
+    h = _mix32(idx.to(tl.uint32) ^ seed_mix.to(tl.uint32))
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+
+
+# bfloat16 travels as its int16 bits and is converted here with integer ops: exact, the same as
+# the hardware's conversions and torch's, and independent of the interpreter, whose own
+# bfloat16 casts truncate and flush subnormals (Triton 3.8).
+@triton.jit
+def _bf16_to_f32(bits):
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_to_bf16(v):
+    """Round to nearest even (NaN: 0x7FC0), as ``torch.Tensor.to(torch.bfloat16)``; int16 bits."""
+    b = v.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return tl.where(v == v, r, 0x7FC0).to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _load_f32(ptr, mask, BF16: tl.constexpr):
+    if BF16:
+        x = _bf16_to_f32(tl.load(ptr, mask=mask, other=0))
+    else:
+        x = tl.load(ptr, mask=mask, other=0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, lo_ptr, scale_ptr, n, groups, blocks, row_bytes, group, seed_mix,
+                     BITS: tl.constexpr, STOCHASTIC: tl.constexpr, GROUPS: tl.constexpr, CHUNK: tl.constexpr,
+                     BF16: tl.constexpr):
+    """Codes, minimum and step of GROUPS consecutive groups of one row, CHUNK columns at a time.
+
+    Program ``pid`` holds row ``pid // blocks``; a group's columns are ``[start, start + size)``
+    (the row's last group may be short). Pass 1: min/max of the finite values and whether any
+    value is not finite; pass 2: codes, packed ``8 // BITS`` to a byte (whole bytes: ``group`` and
+    CHUNK are multiples of 8, so no byte holds two groups' codes). BF16: ``x`` is bfloat16 bits.
+    """
+    pid = tl.program_id(0)
+    row = pid // blocks
+    g = (pid - row * blocks) * GROUPS + tl.arange(0, GROUPS)
+    in_row = g < groups
+    start = g.to(tl.int64) * group
+    size = tl.minimum(n - start, group)
+    base = row.to(tl.int64) * n
+    cols = tl.arange(0, CHUNK)
+    lo = tl.full([GROUPS], float("inf"), tl.float32)
+    hi = tl.full([GROUPS], float("-inf"), tl.float32)
+    odd = tl.zeros([GROUPS], dtype=tl.int32)  # 1: the group holds a NaN or +-Inf
+    for k in range(0, group, CHUNK):
+        col = k + cols[None, :]
+        m = in_row[:, None] & (col < size[:, None])
+        x = _load_f32(x_ptr + base + start[:, None] + col, m, BF16)
+        finite = tl.abs(x) <= _FLT_MAX
+        lo = tl.minimum(lo, tl.min(tl.where(m & finite, x, float("inf")), axis=1))
+        hi = tl.maximum(hi, tl.max(tl.where(m & finite, x, float("-inf")), axis=1))
+        odd = tl.maximum(odd, tl.max((m & ~finite).to(tl.int32), axis=1))
+    d = hi - lo
+    bad = (odd != 0) | ~(tl.abs(d) <= _FLT_MAX)  # non-finite values, or a range that overflows
+    positive = (d > 0) & ~bad
+    levels = tl.full([GROUPS], (1 << BITS) - 1, tl.float32)
+    scale = tl.where(positive, tl.math.div_rn(d, levels), 0.0)
+    inv = tl.where(positive, tl.math.div_rn(levels, tl.where(positive, d, 1.0)), 0.0)
+    at = row.to(tl.int64) * groups + g
+    tl.store(lo_ptr + at, tl.where(bad, float("nan"), lo), mask=in_row)
+    tl.store(scale_ptr + at, tl.where(bad, float("nan"), scale), mask=in_row)
+    lo = tl.where(bad, 0.0, lo)
+    out = row.to(tl.int64) * row_bytes + (start * BITS) // 8  # each group's first byte
+    for k in range(0, group, CHUNK):
+        col = k + cols[None, :]
+        m = in_row[:, None] & (col < size[:, None])
+        x = _load_f32(x_ptr + base + start[:, None] + col, m, BF16)
+        v = (x - lo[:, None]) * inv[:, None]
+        if STOCHASTIC:
+            q = tl.floor(v + _uniform(base + start[:, None] + col, seed_mix))
+        else:
+            q = tl.floor(v + 0.5)
+        q = tl.minimum(tl.maximum(tl.where(q == q, q, 0.0), 0.0), (1 << BITS) - 1)  # NaN -> 0, +Inf -> L
+        code = tl.where(m & ~bad[:, None], q.to(tl.int32), 0)  # a non-finite group's codes are 0
+        if BITS == 8:
+            tl.store(codes_ptr + out[:, None] + col, code.to(tl.uint8), mask=m)
+        else:
+            per: tl.constexpr = 8 // BITS
+            shifts = tl.arange(0, per) * BITS
+            byte = tl.sum(tl.reshape(code, (GROUPS, CHUNK // per, per)) << shifts[None, None, :], axis=2)
+            b = tl.arange(0, CHUNK // per)[None, :]
+            keep = in_row[:, None] & (k + b * per < size[:, None])  # a byte holding any of the group
+            tl.store(codes_ptr + out[:, None] + k // per + b, byte.to(tl.uint8), mask=keep)
+
+
+@triton.jit
+def _dequantize_kernel(codes_ptr, lo_ptr, scale_ptr, out_ptr, n, groups, blocks, row_bytes, group,
+                       BITS: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """out = lo + code * scale in float32 (rounded to out's dtype; BF16: out holds bfloat16 bits)
+    for BLOCK columns of one row."""
+    pid = tl.program_id(0)
+    row = pid // blocks
+    r = row.to(tl.int64)
+    col = (pid - row * blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = col < n
+    byte = tl.load(codes_ptr + r * row_bytes + ((col * BITS) >> 3), mask=m, other=0).to(tl.int32)
+    code = (byte >> ((col * BITS) & 7).to(tl.int32)) & ((1 << BITS) - 1)
+    at = r * groups + col // group
+    lo = tl.load(lo_ptr + at, mask=m, other=0.0)
+    scale = tl.load(scale_ptr + at, mask=m, other=0.0)
+    v = lo + code.to(tl.float32) * scale
+    if BF16:
+        tl.store(out_ptr + r * n + col, _f32_to_bf16(v), mask=m)
+    else:
+        tl.store(out_ptr + r * n + col, v.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _on_its_device(fn):
@@ -514,6 +665,96 @@ def unpack_mask(
     out = torch.empty(numel, dtype=ints, device=bitmap.device)
     if numel:
         _mask_unpack_kernel[(triton.cdiv(numel, block),)](bitmap, out, numel, in_bits, out_bits, BLOCK=block)
+    return out.view(dtype)
+
+
+# --- quantized (ActNN / GACT / Mesa-style storage) -----------------------------------------------
+
+
+@_on_its_device
+def quantize(
+    x: torch.Tensor, bits: int, group: int, seed: int | None = None, *, block: int = QBLOCK
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantized._quantize_torch`` as a kernel: ``(codes, lo, scale)`` of a ``[rows, n]`` tensor. No sync.
+
+    Args:
+        x: 2-D float16/bfloat16/float32 tensor (float64 is rounded to float32 first, as the
+            reference does; any layout, read row-major).
+        bits: 8, 4 or 2. group: elements per group, a multiple of 8.
+        seed: None rounds to nearest; an int in [0, 2**32) rounds stochastically with the
+            reference's hash of the seed and each element's row-major index.
+        block: elements per program (a power of two >= 8): ``block // chunk`` groups of a row,
+            ``chunk = min(next_power_of_2(group), block)`` columns of each at a time.
+
+    Returns:
+        ``codes`` uint8 ``[rows, ceil(n * bits / 8)]``, ``lo`` and ``scale`` float32
+        ``[rows, ceil(n / group)]``: the bytes ``_quantize_torch`` writes for ``x.float()``.
+    """
+    from .quantized import _MASK32, _mix32_int, check_bits
+
+    if not isinstance(x, torch.Tensor) or x.dtype not in _INT_OF:
+        raise TypeError(f"x must be a float tensor ({_names()}); got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be a 2-D [rows, n] tensor; got shape {tuple(x.shape)}")
+    check_bits(bits)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 8 or group % 8:
+        raise ValueError(f"group must be a positive multiple of 8; got {group!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK32):
+        raise ValueError(f"seed must be None (nearest) or an int in [0, 2**32); got {seed!r}")
+    _check_block(block)
+    x = (x.float() if x.dtype == torch.float64 else x).contiguous()
+    bf16 = x.dtype == torch.bfloat16
+    rows, n = x.shape
+    groups, row_bytes = triton.cdiv(n, group), (n * bits + 7) // 8
+    codes = torch.empty((rows, row_bytes), dtype=torch.uint8, device=x.device)
+    lo = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows and n:
+        chunk = min(triton.next_power_of_2(group), block)
+        per = block // chunk
+        blocks = triton.cdiv(groups, per)
+        _quantize_kernel[(rows * blocks,)](x.view(torch.int16) if bf16 else x, codes, lo, scale, n, groups, blocks,
+                                           row_bytes, group, 0 if seed is None else _mix32_int(seed),
+                                           BITS=bits, STOCHASTIC=seed is not None, GROUPS=per, CHUNK=chunk,
+                                           BF16=bf16, enable_fp_fusion=False)
+    return codes, lo, scale
+
+
+@_on_its_device
+def dequantize(
+    codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: int, bits: int, group: int,
+    dtype: torch.dtype, *, block: int = BLOCK,
+) -> torch.Tensor:
+    """``[rows, n]`` tensor of ``dtype``: ``lo + code * scale`` in float32, rounded to ``dtype``
+    (``quantized._dequantize_torch(...).to(dtype)``). No sync."""
+    from .quantized import check_bits
+
+    check_bits(bits)
+    _check_block(block)
+    if dtype not in _INT_OF:
+        raise TypeError(f"dtype must be one of {_names()}; got {dtype}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0 (elements a row); got {n!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or group < 8 or group % 8:
+        raise ValueError(f"group must be a positive multiple of 8; got {group!r}")
+    if not all(isinstance(t, torch.Tensor) for t in (codes, lo, scale)):
+        raise TypeError("codes, lo and scale must be torch.Tensors (a QuantizedTensor's fields)")
+    rows = codes.shape[0] if codes.dim() == 2 else -1
+    groups, row_bytes = triton.cdiv(n, group), (n * bits + 7) // 8
+    if codes.dtype != torch.uint8 or codes.shape != (rows, row_bytes) or not codes.is_contiguous():
+        raise ValueError(f"codes must be contiguous uint8 [rows, ceil({n} * {bits} / 8) = {row_bytes}]; got "
+                         f"{codes.dtype} {tuple(codes.shape)}")
+    for name, t in (("lo", lo), ("scale", scale)):
+        if (t.dtype != torch.float32 or t.shape != (rows, groups) or not t.is_contiguous()
+                or t.device != codes.device):
+            raise ValueError(f"{name} must be contiguous float32 [rows={rows}, ceil({n} / {group}) = {groups}] on "
+                             f"{codes.device}; got {t.dtype} {tuple(t.shape)} on {t.device}")
+    bf16 = dtype == torch.bfloat16
+    out = torch.empty((rows, n), dtype=torch.int16 if bf16 else dtype, device=codes.device)
+    if rows and n:
+        blocks = triton.cdiv(n, block)
+        _dequantize_kernel[(rows * blocks,)](codes, lo, scale, out, n, groups, blocks, row_bytes, group,
+                                             BITS=bits, BLOCK=block, BF16=bf16, enable_fp_fusion=False)
     return out.view(dtype)
 
 

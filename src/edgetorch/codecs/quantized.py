@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _cuda
 from .bitmap import FLOAT_DTYPES, _names
 
 BITS = (8, 4, 2)
@@ -91,6 +92,9 @@ class QuantizedTensor:
         rows = self.lo.shape[0]
         if not rows:
             return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if (kernels := _cuda.kernels(self.codes)) is not None:
+            return kernels.dequantize(self.codes, self.lo, self.scale, self.numel // rows, self.bits, self.group,
+                                      self.dtype).view(self.shape)
         return _dequantize_torch(self.codes, self.lo, self.scale, self.numel // rows, self.bits, self.group).to(self.dtype).view(self.shape)
 
 
@@ -145,7 +149,10 @@ def pack_quantized(
         raise ValueError(f"seed must be None (round to nearest) or an int in [0, 2**32) (stochastic rounding); "
                          f"got {seed!r}")
     x = t.detach().reshape(rows, -1) if rows else t.detach().new_empty((0, 0))
-    codes, lo, scale = _quantize_torch(x.float(), bits, group, seed)
+    if rows and (kernels := _cuda.kernels(x)) is not None:  # CUDA: Triton, no host sync
+        codes, lo, scale = kernels.quantize(x, bits, group, seed)
+    else:
+        codes, lo, scale = _quantize_torch(x.float(), bits, group, seed)
     return QuantizedTensor(codes, lo, scale, t.shape, t.dtype, bits, group)
 
 
@@ -171,8 +178,11 @@ def _group_ranges(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor,
     d = hi - lo  # NaN or Inf for a group holding NaN/Inf, Inf when a finite range overflows
     bad = ~torch.isfinite(d)
     positive = d > 0
-    scale = torch.where(positive, d / levels, torch.zeros_like(d))
-    inv = torch.where(positive, levels / d, torch.zeros_like(d))
+    # Tensor by tensor: IEEE divisions. `levels / d` would be `d.reciprocal() * levels` (two
+    # roundings: Tensor.__rtruediv__), and on CUDA `d / levels` multiplies by 1 / levels.
+    levels_t = torch.full_like(d, levels)
+    scale = torch.where(positive, d / levels_t, torch.zeros_like(d))
+    inv = torch.where(positive, levels_t / d, torch.zeros_like(d))
     nan = torch.full_like(d, _NAN)
     lo, scale = torch.where(bad, nan, lo), torch.where(bad, nan, scale)
     return lo, scale, torch.where(bad, torch.zeros_like(d), inv)
