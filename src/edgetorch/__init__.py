@@ -17,6 +17,7 @@ _EXPORTS = {
     "BackRazor": "activations", "Bitmap": "activations", "CheckpointEvery": "activations",
     "Dense": "activations", "Policy": "activations", "Quantized": "activations", "compress_activations": "activations",
     "freeze_batchnorm": "activations", "parse_policy": "activations", "plan_memory": "activations",
+    "GradientFidelity": "activations", "gradient_fidelity": "activations",
     "BitmapTensor": "codecs", "pack_bitmap": "codecs",
     "load_dataset": "data",
     "SavedTensorLedger": "measure", "model_memory": "measure",

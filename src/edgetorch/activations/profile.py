@@ -9,6 +9,10 @@ more step is measured. ``peak_memory_bytes`` is that step's process peak RSS (CP
 allocator's peak. ``step_peak_increase_bytes`` and ``forward_increase_bytes`` subtract what was
 held before the step, in the same unit as the peak: resident memory on the CPU, the CUDA
 allocator's allocated bytes on a GPU (host RSS says nothing about GPU memory).
+
+With ``fidelity`` set, the worker then compares the policy's gradients with plain PyTorch's on
+the same batch (:func:`~edgetorch.activations.fidelity.gradient_fidelity`), after the measured
+step, so the measurement does not include it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ..measure import SavedTensorLedger, machine_description, model_memory, run_
 from ..measure.process import held_bytes, peak_bytes, peak_kind, reset_peak, rss_bytes, uss_bytes
 from .batchnorm import freeze_batchnorm
 from .engine import compress_activations
+from .fidelity import gradient_fidelity
 from .policies import parse_policy
 
 
@@ -42,6 +47,7 @@ class ProfileRequest:
     device: str = "cpu"
     seed: int = 0
     freeze_batchnorm: bool = False  # the Back Razor paper's choice: BN statistics and affine frozen
+    fidelity: bool = False  # also compare the gradients with plain PyTorch's (gradient_fidelity)
 
 
 def profile_policies(
@@ -54,6 +60,7 @@ def profile_policies(
     num_classes: int = 10,
     device: str = "cpu",
     freeze_batchnorm: bool = False,
+    fidelity: bool = False,
     on_result: Callable[[dict], None] | None = None,
 ) -> dict:
     """Profile one training step of ``model`` under each policy, each in a fresh process.
@@ -67,6 +74,8 @@ def profile_policies(
         device: ``cpu`` or ``cuda``.
         freeze_batchnorm: freeze every batch norm first (:func:`edgetorch.freeze_batchnorm`), for
             every policy alike.
+        fidelity: also compare each policy's gradients with plain PyTorch's on the same batch
+            (:func:`edgetorch.gradient_fidelity`); each result then has a ``fidelity`` record.
         on_result: called with each policy's result as it arrives (progress display).
 
     Returns:
@@ -81,7 +90,7 @@ def profile_policies(
     results = []
     for spec in policies:
         request = ProfileRequest(model, batch, resolution, spec, channels, num_classes, device,
-                                 freeze_batchnorm=freeze_batchnorm)
+                                 freeze_batchnorm=freeze_batchnorm, fidelity=fidelity)
         result = run_fresh("edgetorch.activations.profile", asdict(request))
         results.append(result)
         if on_result is not None:
@@ -135,7 +144,7 @@ def profile_one(request: ProfileRequest) -> dict:
     peak = peak_bytes(device)  # synchronises a GPU first
     seconds = time.perf_counter() - start
     total = ledger.total()
-    return {
+    result = {
         "policy": policy.spec(),
         "activation_bytes": total.stored_bytes,
         "dense_activation_bytes": total.dense_bytes,
@@ -154,6 +163,9 @@ def profile_one(request: ProfileRequest) -> dict:
         "by_form": {k: v.to_dict() for k, v in ledger.by_form().items()},
         "by_module_type": {k: v.to_dict() for k, v in ledger.by_module_type().items()},
     }
+    if request.fidelity:
+        result["fidelity"] = gradient_fidelity(model, (x, y), policy).to_dict()
+    return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,174 @@
+"""gradient_fidelity: every gradient under a policy against plain PyTorch's on the same batch, the
+model left as it was, and `edgetorch profile --fidelity`."""
+
+import copy
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+import edgetorch as et
+from edgetorch.activations import GradientComparison, GradientFidelity, TrainingPolicy
+from edgetorch.cli import app
+
+from test_backrazor import CNN_INPUT, SmallCNN
+
+
+def bn_dropout_cnn() -> nn.Module:
+    """Conv (with bias) -> training BN -> ReLU -> dropout, twice, then a head: BN statistics
+    that change in every step, random masks, and biases a batch norm cancels."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.3),
+        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    ).train()
+
+
+BN_BATCH = (torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3]))
+
+
+def assert_exact(fid: GradientFidelity) -> None:
+    for row in (*fid.parameters, fid.input):
+        assert (row.cosine, row.relative_error) == (1.0, 0.0), row
+    assert (fid.worst_cosine, fid.max_relative_error, fid.worst_parameter) == (1.0, 0.0, None)
+
+
+@pytest.mark.parametrize("policy", ["dense", et.Bitmap(), TrainingPolicy(et.Bitmap())])
+def test_exact_policies_give_cosine_one_and_error_zero(policy):
+    fid = et.gradient_fidelity(bn_dropout_cnn(), BN_BATCH, policy)
+    assert_exact(fid)  # the dropout masks are the same in both steps, or this would fail
+    assert fid.loss == fid.reference_loss
+    assert [r.name for r in fid.parameters] == [n for n, _ in bn_dropout_cnn().named_parameters()]
+
+
+def test_checkpointed_specs_compare_with_plain_pytorch():
+    torch.manual_seed(0)
+    model = et.build_model("zoo:cnn").train()
+    batch = (torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3]))
+    assert_exact(et.gradient_fidelity(model, batch, "bitmap+checkpoint"))
+    assert et.gradient_fidelity(model, batch, "backrazor:sparsity=0.9+checkpoint").policy == \
+        "backrazor:sparsity=0.9+checkpoint"
+
+
+def test_backrazor_keeps_the_input_gradient_and_moves_only_pruned_weights():
+    torch.manual_seed(0)
+    fid = et.gradient_fidelity(SmallCNN().train(), CNN_INPUT, et.BackRazor(0.9))
+    assert (fid.input.cosine, fid.input.relative_error) == (1.0, 0.0)  # no batch norm trains
+    rows = {r.name: r for r in fid.parameters}
+    # c2 and c3 read pruned copies of their inputs; c1 reads the model input (never encoded),
+    # fc a tensor below min_bytes, and every bias only the exact output gradient.
+    for name in ("c2.weight", "c3.weight"):
+        assert 0.3 < rows[name].cosine < 1 and rows[name].relative_error > 0
+    for name in ("c1.weight", "c1.bias", "c2.bias", "c3.bias", "fc.weight", "fc.bias"):
+        assert (rows[name].cosine, rows[name].relative_error) == (1.0, 0.0), name
+    assert fid.worst_cosine == min(rows[n].cosine for n in ("c2.weight", "c3.weight"))
+    assert fid.worst_parameter in ("c2.weight", "c3.weight")
+    assert fid.max_relative_error == max(r.relative_error for r in fid.parameters)
+
+
+def test_a_large_threshold_moves_gradients():
+    torch.manual_seed(0)
+    fid = et.gradient_fidelity(SmallCNN().train(), CNN_INPUT, "bitmap:threshold=0.5")
+    assert fid.worst_cosine < 1 and fid.max_relative_error > 0 and fid.input.cosine < 1
+
+
+def test_biases_a_training_batch_norm_cancels_are_listed_but_not_counted():
+    fid = et.gradient_fidelity(bn_dropout_cnn(), BN_BATCH, et.Quantized(bits=4))
+    negligible = {r.name for r in fid.parameters if r.negligible}
+    assert negligible == {"0.bias", "4.bias"}  # rounding noise around an exact zero
+    counted = [r for r in fid.parameters if not r.negligible]
+    assert fid.worst_cosine == min(r.cosine for r in counted) and 0.5 < fid.worst_cosine < 1
+
+
+def test_a_policy_that_draws_random_numbers_shifts_dropout_and_is_told():
+    with pytest.warns(UserWarning, match="random ops saw different numbers"):
+        fid = et.gradient_fidelity(bn_dropout_cnn(), BN_BATCH, "quantized:bits=8,stochastic=true")
+    assert fid.loss != fid.reference_loss
+
+
+def test_the_model_the_rng_and_existing_gradients_are_left_as_they_were():
+    model = bn_dropout_cnn()
+    model(BN_BATCH[0]).sum().backward()  # gradients the caller has accumulated
+    state = copy.deepcopy(model.state_dict())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    grad_values = {n: g.clone() for n, g in grads.items()}
+    rng = torch.get_rng_state()
+    x = BN_BATCH[0].clone()
+    for policy in ("dense", "backrazor:sparsity=0.9"):
+        et.gradient_fidelity(model, (x, BN_BATCH[1]), policy)
+    assert model.training and all(m.training for m in model.modules())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # BN statistics too
+    for n, p in model.named_parameters():
+        assert p.grad is grads[n] and torch.equal(p.grad, grad_values[n])
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(x, BN_BATCH[0]) and not x.requires_grad
+
+
+def test_integer_inputs_have_no_input_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 64), nn.Flatten(), nn.ReLU(), nn.Linear(16 * 64, 3))
+    batch = (torch.randint(0, 50, (8, 16)), torch.randint(0, 3, (8,)))
+    fid = et.gradient_fidelity(model, batch, "backrazor:sparsity=0.9")
+    assert fid.input is None and "torch.int64" in fid.no_input_gradient
+    assert fid.parameters[-2].name == "3.weight" and fid.parameters[-2].cosine < 1
+    record = fid.to_dict()
+    assert record["input"] is None and record["no_input_gradient"] == fid.no_input_gradient
+
+
+def test_summaries_and_json_at_the_edges():
+    rows = (GradientComparison("a", 0.9, 0.2, 1.0, 1.0), GradientComparison("b", 0.1, 5.0, 1e-9, 1e-9, True),
+            GradientComparison("c", 0.0, math.inf, 2.0, 0.0))
+    fid = GradientFidelity("x", rows, None, "inputs are torch.int64", 1.0, 1.0)
+    assert (fid.worst_cosine, fid.worst_parameter, fid.max_relative_error) == (0.0, "c", math.inf)
+    record = json.loads(json.dumps(fid.to_dict(), allow_nan=False))  # strict JSON: inf is null
+    assert record["max_relative_error"] is None and record["parameters"][2]["relative_error"] is None
+    rows = (*rows[:2], GradientComparison("d", math.nan, math.nan, math.nan, 1.0))
+    nan = GradientFidelity("x", rows, None, "", 1.0, 1.0)
+    assert math.isnan(nan.worst_cosine) and nan.worst_parameter == "d" and math.isnan(nan.max_relative_error)
+    empty = GradientFidelity("x", (), None, "", 1.0, 1.0)
+    assert (empty.worst_cosine, empty.worst_parameter, empty.max_relative_error) == (1.0, None, 0.0)
+
+
+def test_bad_arguments_say_what_is_accepted():
+    torch.manual_seed(0)
+    model = SmallCNN()
+    with pytest.raises(ValueError, match="unknown policy 'zip'; accepted: dense, bitmap"):
+        et.gradient_fidelity(model, CNN_INPUT, "zip")
+    with pytest.raises(ValueError, match="bad argument"):
+        et.gradient_fidelity(model, CNN_INPUT, "backrazor:spars=0.9")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        et.gradient_fidelity("resnet18", CNN_INPUT, "dense")
+    with pytest.raises(TypeError, match="spec string"):
+        et.gradient_fidelity(model, CNN_INPUT, 0.9)
+    with pytest.raises(ValueError, match=r"pair \(inputs, targets\), got 3 items"):
+        et.gradient_fidelity(model, (*CNN_INPUT, None), "dense")
+    with pytest.raises(TypeError, match="inputs must be a torch.Tensor"):
+        et.gradient_fidelity(model, ([1.0], CNN_INPUT[1]), "dense")
+
+
+def test_measure_names_it_without_importing_activations():
+    code = ("import sys, edgetorch, edgetorch.measure as m; assert 'edgetorch.activations' not in sys.modules; "
+            "assert m.gradient_fidelity is edgetorch.gradient_fidelity is edgetorch.activations.gradient_fidelity; "
+            "assert m.GradientFidelity is edgetorch.GradientFidelity")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_profile_fidelity_adds_the_numbers_to_the_table_and_json(tmp_path):
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(app, [
+        "profile", "--model", "zoo:cnn", "--batch", "8", "--resolution", "28",
+        "--policy", "backrazor:sparsity=0.9", "--fidelity", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    (r,) = json.loads(out.read_text())["results"]
+    f = r["fidelity"]
+    assert f["policy"] == r["policy"] == "backrazor:sparsity=0.9"
+    assert 0 < f["worst_cosine"] < 1 and f["max_relative_error"] > 0 and f["input"]["cosine"] == 1.0
+    assert f["loss"] == f["reference_loss"] and f["worst_parameter"] in {p["name"] for p in f["parameters"]}
+    assert "worst param" in result.output and f"{f['worst_cosine']:.4f}" in result.output
