@@ -14,8 +14,12 @@ if sys.platform == "win32":
     compile_args: list[str] = ["/O2"]  # POSIX threads are required: this build fails, which is allowed
     link_args: list[str] = []
 else:
-    compile_args = ["-O3", "-std=c99", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Wno-unused-function",
-                    "-Wno-missing-field-initializers", "-pthread"]
+    # -ffp-contract=off: the quantized codec's kernels must round every float operation as its
+    # torch reference does; a contracted (x - lo) * inv + 0.5 or lo + code * scale is one fused
+    # multiply-add, rounded once, and flips codes at half-steps (clang contracts by default, and
+    # its AVX-512 copy of the kernels may use FMA instructions).
+    compile_args = ["-O3", "-std=c99", "-fno-strict-aliasing", "-ffp-contract=off", "-Wall", "-Wextra",
+                    "-Wno-unused-function", "-Wno-missing-field-initializers", "-pthread"]
     link_args = ["-pthread"]
 
 setup(

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 
 _FORCED_OFF = os.environ.get("EDGETORCH_NO_NATIVE", "").strip() not in ("", "0")
+_ABI = 2  # _native.c's NATIVE_ABI: the functions this module calls
 
 
 def _load():
@@ -35,13 +36,15 @@ def _load():
         from . import _native
     except ImportError as exc:  # not built (no compiler at install time) or built for another Python
         return None, f"{type(exc).__name__}: {exc}"
+    if _native.ABI != _ABI:  # an editable install whose extension predates its source
+        return None, f"the built extension is ABI {_native.ABI}, this source needs {_ABI} (rebuild it)"
     return _native, None
 
 
 _native, UNAVAILABLE_REASON = _load()
 NATIVE = _native is not None
 CHUNK_ELEMS = _native.CHUNK_ELEMS if NATIVE else 8 * 4096  # elements per parallel chunk
-_U8, _I64, _BOOL = torch.uint8, torch.int64, torch.bool
+_U8, _I64, _BOOL, _F32 = torch.uint8, torch.int64, torch.bool, torch.float32
 _INF = float("inf")
 _INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
            torch.bfloat16: torch.int16}
@@ -60,7 +63,7 @@ def warn_fallback() -> None:
     _warned = True
     warnings.warn(
         f"edgetorch's compiled CPU codec kernels are not available ({UNAVAILABLE_REASON}); bitmap, "
-        "top-k, mask and integer-narrowing codecs run on torch ops instead, which gives the same "
+        "top-k, mask, integer-narrowing and quantized codecs run on torch ops instead, which gives the same "
         "bytes but packs and unpacks several times slower than copying the tensor. To fix it, "
         "install a C compiler (Debian/Ubuntu: apt install gcc python3-dev; macOS: xcode-select "
         "--install) and reinstall edgetorch (pip install --force-reinstall --no-deps edgetorch, "
@@ -229,4 +232,51 @@ def convert(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(size=t.shape, dtype=dtype)
     _native.convert(t.data_ptr(), t.numel(), t.element_size(), out.data_ptr(), out.element_size(),
                     torch.get_num_threads())
+    return out
+
+
+_BF16 = torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def _nan16(dtype: torch.dtype) -> int:
+    """The bits torch's ``.to(dtype)`` writes for the float32 NaN a non-finite group decodes to
+    (bfloat16: 0x7FC0 from torch's scalar rounding, 0xFFFF from its AVX2 loops; asked once)."""
+    return int(torch.full((64,), math.nan).to(dtype).view(torch.int16)[0]) & 0xFFFF
+
+
+def quantize(x: torch.Tensor, bits: int, group: int,
+             seed: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quantized codec's ``(codes, lo, scale)`` of a 2-D ``[rows, n]`` float CPU tensor
+    (float16, bfloat16, float32; float64 is read as float32, as the reference rounds it);
+    ``bits``, ``group`` and ``seed`` as ``quantized.pack_quantized`` checked them."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    rows, n = x.shape
+    groups = -(-n // group)
+    codes = torch.empty(size=(rows, (n * bits + 7) >> 3), dtype=_U8)
+    lo = torch.empty(size=(rows, groups), dtype=_F32)
+    scale = torch.empty(size=(rows, groups), dtype=_F32)
+    _native.quantize(x.data_ptr(), rows, n, x.element_size(), x.dtype is _BF16, bits, group,
+                     -1 if seed is None else seed, codes.data_ptr(), lo.data_ptr(), scale.data_ptr(),
+                     torch.get_num_threads())
+    return codes, lo, scale
+
+
+def dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: int, bits: int, group: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """``[rows, n]`` tensor of ``dtype``: ``lo + code * scale`` in float32, rounded to ``dtype`` as
+    ``.to(dtype)`` rounds (rows: ``lo.shape[0]``).
+
+    Raises:
+        ValueError: codes is not uint8, lo or scale not float32, or their sizes do not match.
+    """
+    if codes.dtype is not _U8 or lo.dtype is not _F32 or scale.dtype is not _F32:
+        raise ValueError(f"codes must be uint8 and lo, scale float32; got {codes.dtype}, {lo.dtype}, {scale.dtype}")
+    codes, lo, scale = codes.contiguous(), lo.contiguous(), scale.contiguous()
+    rows = lo.shape[0] if lo.dim() else 0
+    out = torch.empty(size=(rows, n), dtype=dtype)
+    _native.dequantize(codes.data_ptr(), codes.numel(), lo.data_ptr(), lo.numel(), scale.data_ptr(),
+                       scale.numel(), rows, n, bits, group, out.data_ptr(), out.element_size(), dtype is _BF16,
+                       _nan16(dtype) if out.element_size() == 2 else 0, torch.get_num_threads())
     return out

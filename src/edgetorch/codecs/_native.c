@@ -1,11 +1,12 @@
 /* edgetorch.codecs._native: the CPU kernels of the codecs (bitmap, per-row top-k, 1-bit mask,
- * integer narrowing) as a small CPython extension in C99 with POSIX threads.
+ * integer narrowing, quantized) as a small CPython extension in C99 with POSIX threads.
  *
  * Nothing here knows about torch: the Python side (codecs/_cpu_kernels.py) allocates every
  * buffer as a torch tensor and passes its address, length and element width as Python ints.
- * Every kernel works on the integer view of a float tensor (16, 32 or 64 bits), so one compiled
- * variant per width serves float16, bfloat16, float32 and float64, and no float is compared:
- * zero, NaN and order are decided on bit patterns (see _native_kernels.h).
+ * Every kernel but the quantized codec's works on the integer view of a float tensor (16, 32 or
+ * 64 bits), so one compiled variant per width serves float16, bfloat16, float32 and float64, and
+ * no float is compared: zero, NaN and order are decided on bit patterns (see _native_kernels.h).
+ * The quantized codec computes in float32 as its torch reference does (see its section below).
  *
  * Work is split into chunks of CHUNK_BYTES bitmap bytes (8 * CHUNK_BYTES elements). Packing
  * counts each chunk's kept elements first and compacts second, so the values buffer is
@@ -42,7 +43,7 @@
 #define HAVE_AVX2_KERNELS 0
 #endif
 
-#define NATIVE_ABI 1
+#define NATIVE_ABI 2 /* 2: quantize, dequantize */
 #define CHUNK_BYTES 4096                /* 32 Ki elements: a chunk's input stays in L2 while it is read twice */
 #define CHUNK_ELEMS (8 * CHUNK_BYTES)
 #define MIN_CHUNKS_PER_THREAD 2         /* below that, waking a worker costs what it saves */
@@ -118,6 +119,87 @@ static inline uint8_t flags_to_byte(const uint8_t *f) {
 #endif
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The quantized codec (quantized.py's module docstring is the format). Unlike the other codecs
+ * it is float arithmetic: float32, one IEEE rounding per operation in the reference's order, so
+ * the bytes equal the torch ops'. Hence -ffp-contract=off in setup.py (a fused multiply-add
+ * rounds once where the reference rounds twice) and no -ffast-math. Conversions between float32
+ * and the 16-bit formats are written out below: exact, and vectorisable on every instruction set
+ * (the portable build has no F16C).
+ */
+
+typedef struct {
+    int64_t n, group, groups; /* elements a row, per group, groups a row */
+    int64_t row_bytes;        /* ceil(n * bits / 8) */
+    int bits, bf16;           /* bf16: 16-bit elements are bfloat16, else float16 */
+    int stochastic;
+    uint32_t seed_mix;        /* mix32(seed) */
+    uint32_t nan16;           /* dequantize: the 16-bit NaN torch's .to() writes (it varies by build) */
+    uint8_t *codes;
+    float *lo, *scale;
+} quant_params;
+
+#define QBLOCK 256          /* the portable loops make (or unpack) 4- and 2-bit codes this many at a time */
+#define F32_NAN 0x7FC00000u /* what torch writes for float("nan"): a non-finite group's lo and scale */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+static inline float f32_from(uint32_t b) {
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* float16 bits -> float32, exact: a normal half is its bits with the exponent rebiased (+112),
+ * a subnormal half is its 10-bit mantissa times 2^-24 (an exact int -> float conversion and a
+ * power-of-two product: no subnormal float is touched, so DAZ/FTZ modes cannot change it). */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = h & 0x7C00, mag = (uint32_t)(h & 0x7FFF) << 13;
+    uint32_t normal = exp == 0x7C00 ? (mag | 0x7F800000u) : mag + (112u << 23);
+    uint32_t sub = f32_bits((float)(int32_t)(h & 0x3FF) * 0x1p-24f);
+    return f32_from((exp == 0 ? sub : normal) | sign);
+}
+
+/* float32 -> float16 bits, rounded to nearest even as F16C and torch do; NaN -> nan16. At or
+ * above 2^-14 (a normal half): rebias the exponent and round away 13 mantissa bits (a carry may
+ * step into the next exponent, up to Inf); below it, adding 0.5f leaves the value in units of
+ * 2^-24, the subnormal half's unit, rounded to nearest even by the addition itself. */
+static inline uint16_t f32_to_f16(float f, uint32_t nan16) {
+    uint32_t b = f32_bits(f), a = b & 0x7FFFFFFFu, sign = (b >> 16) & 0x8000u;
+    uint32_t t = a - (112u << 23);
+    uint32_t normal = (t + 0xFFFu + ((t >> 13) & 1u)) >> 13;
+    normal = normal < 0x7C00u ? normal : 0x7C00u;
+    uint32_t sub = f32_bits(f32_from(a) + 0.5f) - 0x3F000000u;
+    uint32_t h = (a >= 0x38800000u ? normal : sub) | sign;
+    return (uint16_t)(a > 0x7F800000u ? nan16 : h);
+}
+
+/* float32 -> bfloat16 bits, rounded to nearest even; NaN -> nan16. */
+static inline uint16_t f32_to_bf16(float f, uint32_t nan16) {
+    uint32_t b = f32_bits(f);
+    uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    return (uint16_t)((b & 0x7FFFFFFFu) > 0x7F800000u ? nan16 : r);
+}
+
+/* quantized._mix32: a 32-bit integer finaliser (products wrap mod 2^32 as the reference's masks) */
+static inline uint32_t mix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    return h ^ (h >> 16);
+}
+
+/* quantized._hash_uniform: a float32 in [0, 1) for the element of row-major index idx (mod 2^32) */
+static inline float hash_uniform(uint32_t idx, uint32_t seed_mix) {
+    return (float)(int32_t)(mix32(idx ^ seed_mix) >> 8) * 0x1p-24f;
+}
+
 /* Kernels that do not depend on the element width, compiled once per instruction set. */
 #define BYTE_KERNELS(ISA)                                                                          \
     static int64_t popcount_##ISA(const uint8_t *p, int64_t len) {                                 \
@@ -155,6 +237,8 @@ typedef struct {
     void (*minmax)(const void *x, int64_t s, int64_t e, int64_t *lo, int64_t *hi);
     void (*convert)(const void *x, int64_t s, int64_t e, void *y, int out_bits);
     int (*select_row)(const void *x, int64_t n, int64_t keep, int64_t *st);
+    void (*quantize)(const void *x, const quant_params *q, int64_t g0, int64_t g1);
+    void (*dequantize)(const quant_params *q, void *out, int64_t g0, int64_t g1);
 } width_ops;
 
 typedef struct {
@@ -167,7 +251,8 @@ typedef struct {
 #define OPS_OF(WBITS, ISA)                                                                          \
     {build_range_##WBITS##_##ISA, compact_##WBITS##_##ISA, scatter_##WBITS##_##ISA,                 \
      mask_pack_##WBITS##_##ISA,   mask_unpack_##WBITS##_##ISA, minmax_##WBITS##_##ISA,              \
-     convert_##WBITS##_##ISA,     select_row_##WBITS##_##ISA}
+     convert_##WBITS##_##ISA,     select_row_##WBITS##_##ISA,  quantize_##WBITS##_##ISA,                \
+     dequantize_##WBITS##_##ISA}
 
 BYTE_KERNELS(generic)
 #define ISA generic
@@ -842,6 +927,125 @@ static PyObject *convert(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * The quantized codec: tasks of whole groups, about a chunk of elements each
+ */
+
+typedef struct {
+    const width_ops *w;
+    const void *x; /* quantize: the input */
+    void *out;     /* dequantize: the output */
+    quant_params q;
+    int64_t per_task, total; /* groups a task, groups in all */
+    int64_t elems;
+} quant_ctx;
+
+static void quantize_task(void *p, int64_t t) {
+    quant_ctx *ctx = (quant_ctx *)p;
+    int64_t g0 = t * ctx->per_task, g1 = g0 + ctx->per_task < ctx->total ? g0 + ctx->per_task : ctx->total;
+    ctx->w->quantize(ctx->x, &ctx->q, g0, g1);
+}
+
+static void dequantize_task(void *p, int64_t t) {
+    quant_ctx *ctx = (quant_ctx *)p;
+    int64_t g0 = t * ctx->per_task, g1 = g0 + ctx->per_task < ctx->total ? g0 + ctx->per_task : ctx->total;
+    ctx->w->dequantize(&ctx->q, ctx->out, g0, g1);
+}
+
+/* Checks the layout arguments and fills the shape fields of ctx->q; -1 with an exception set. */
+static int quant_layout(quant_ctx *ctx, long long rows, long long n, long long bits, long long group, long long width) {
+    if (check_width(width) < 0) return -1;
+    if (rows < 0 || n < 0 || !(bits == 8 || bits == 4 || bits == 2) || group < 8 || group % 8) {
+        PyErr_Format(PyExc_ValueError,
+                     "rows and n must be >= 0, bits 8, 4 or 2, group a positive multiple of 8; got rows=%lld, "
+                     "n=%lld, bits=%lld, group=%lld", rows, n, bits, group);
+        return -1;
+    }
+    ctx->w = &ops->w[width_index(width)];
+    ctx->q.n = n;
+    ctx->q.group = group;
+    ctx->q.groups = (n + group - 1) / group;
+    ctx->q.row_bytes = (n * bits + 7) / 8;
+    ctx->q.bits = (int)bits;
+    ctx->total = rows * ctx->q.groups;
+    ctx->elems = rows * n;
+    /* a task: the groups of about one chunk (short rows make short groups) */
+    int64_t span = group < n ? group : n;
+    ctx->per_task = span > 0 && CHUNK_ELEMS / span > 0 ? CHUNK_ELEMS / span : 1;
+    return 0;
+}
+
+static void run_quant(quant_ctx *ctx, task_fn fn, long long threads) {
+    int64_t tasks = (ctx->total + ctx->per_task - 1) / ctx->per_task;
+    if (ctx->elems >= GIL_FREE_MIN_ELEMS) {
+        Py_BEGIN_ALLOW_THREADS parallel_for(tasks, threads, MIN_CHUNKS_PER_THREAD, fn, ctx);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (int64_t t = 0; t < tasks; t++) fn(ctx, t);
+    }
+}
+
+PyDoc_STRVAR(quantize_doc,
+             "quantize(x, rows, n, width, bf16, bits, group, seed, codes, lo, scale, threads)\n\n"
+             "The quantized codec's bytes of the row-major [rows, n] float tensor at x (width 2: float16,\n"
+             "or bfloat16 if bf16; 4: float32; 8: float64, read as float32): codes (uint8, ceil(n * bits\n"
+             "/ 8) bytes a row), lo and scale (float32, ceil(n / group) a row). seed -1 rounds to\n"
+             "nearest, 0 <= seed < 2**32 stochastically.");
+
+static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long a[12];
+    if (parse_ints("quantize", args, nargs, 12, a) < 0) return NULL;
+    quant_ctx ctx;
+    memset(&ctx, 0, sizeof(ctx));
+    if (quant_layout(&ctx, a[1], a[2], a[5], a[6], a[3]) < 0) return NULL;
+    if (a[7] < -1 || a[7] > 0xFFFFFFFFLL)
+        return PyErr_Format(PyExc_ValueError, "seed must be -1 (nearest) or in [0, 2**32); got %lld", a[7]);
+    ctx.x = PTR(a[0]);
+    ctx.q.bf16 = a[4] != 0;
+    ctx.q.stochastic = a[7] >= 0;
+    ctx.q.seed_mix = a[7] >= 0 ? mix32((uint32_t)a[7]) : 0;
+    ctx.q.codes = (uint8_t *)PTR(a[8]);
+    ctx.q.lo = (float *)PTR(a[9]);
+    ctx.q.scale = (float *)PTR(a[10]);
+    if (ctx.total == 0) Py_RETURN_NONE;
+    advise_hugepages(ctx.q.codes, a[1] * ctx.q.row_bytes);
+    run_quant(&ctx, quantize_task, a[11]);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(dequantize_doc,
+             "dequantize(codes, codes_len, lo, lo_len, scale, scale_len, rows, n, bits, group, out, width,\n"
+             "           bf16, nan16, threads)\n\n"
+             "out = lo + code * scale in float32, as [rows, n] elements of `width` bytes (2: float16, or\n"
+             "bfloat16 if bf16, rounded to nearest even, NaN written as nan16; 4: float32; 8: float64).\n"
+             "Raises ValueError unless codes has rows * ceil(n * bits / 8) bytes and lo and scale have\n"
+             "rows * ceil(n / group) elements.");
+
+static PyObject *dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long long a[15];
+    if (parse_ints("dequantize", args, nargs, 15, a) < 0) return NULL;
+    quant_ctx ctx;
+    memset(&ctx, 0, sizeof(ctx));
+    if (quant_layout(&ctx, a[6], a[7], a[8], a[9], a[11]) < 0) return NULL;
+    if (a[1] != a[6] * ctx.q.row_bytes || a[3] != ctx.total || a[5] != ctx.total)
+        return PyErr_Format(PyExc_ValueError,
+                            "%lld rows of %lld %lld-bit codes in groups of %lld need %lld code bytes and %lld "
+                            "lo and scale values; got %lld, %lld and %lld", a[6], a[7], a[8], a[9],
+                            a[6] * (long long)ctx.q.row_bytes, (long long)ctx.total, a[1], a[3], a[5]);
+    ctx.out = PTR(a[10]);
+    ctx.q.codes = (uint8_t *)PTR(a[0]);
+    ctx.q.lo = (float *)PTR(a[2]);
+    ctx.q.scale = (float *)PTR(a[4]);
+    ctx.q.bf16 = a[12] != 0;
+    ctx.q.nan16 = (uint32_t)a[13] & 0xFFFFu;
+    if (ctx.total == 0) Py_RETURN_NONE;
+    advise_hugepages(ctx.out, a[6] * a[7] * a[11]);
+    run_quant(&ctx, dequantize_task, a[14]);
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Introspection and switches (tests, benchmarks, the machine record)
  */
 
@@ -946,6 +1150,8 @@ static PyMethodDef methods[] = {
     {"bits_pack", (PyCFunction)(void (*)(void))bits_pack, METH_FASTCALL, bits_pack_doc},
     {"minmax", (PyCFunction)(void (*)(void))minmax, METH_FASTCALL, minmax_doc},
     {"convert", (PyCFunction)(void (*)(void))convert, METH_FASTCALL, convert_doc},
+    {"quantize", (PyCFunction)(void (*)(void))quantize, METH_FASTCALL, quantize_doc},
+    {"dequantize", (PyCFunction)(void (*)(void))dequantize, METH_FASTCALL, dequantize_doc},
     {"set_isa", set_isa, METH_O, "set_isa(name): use the 'generic', 'avx2' or 'avx512' kernels (tests)."},
     {"isa", get_isa, METH_NOARGS, "isa() -> the instruction set in use."},
     {"isa_available", isa_list, METH_NOARGS, "isa_available() -> instruction sets this CPU runs."},

@@ -820,6 +820,381 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The quantized codec: groups of a [rows, n] tensor, numbered row-major (group g is column block
+ * g % groups of row g / groups). A group starts on a code byte (group is a multiple of 8), so
+ * groups are independent tasks. The functions taking `bf16` are always inlined into callers that
+ * pass a constant, so each element format gets its own vectorised loops.
+ */
+
+#if ISA_AVX2 && WB != 64
+/* AVX2 loops for float32 and bfloat16 elements (float16 and float64 take the portable loops,
+ * which compilers vectorise too): each does a prefix of a group and returns where it stopped.
+ * The float operations are the portable loops' (no FMA: AVX2 regions are compiled without it). */
+
+/* 8 elements as float32 bit patterns (a bfloat16 is the top half of its float32) */
+static inline __m256i NAME(q_bits8)(const ELEM *x) {
+#if WB == 32
+    return _mm256_loadu_si256((const __m256i *)x);
+#else
+    return _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16);
+#endif
+}
+
+/* Pass 1 over x[0 .. j), j = m rounded down to 8, folded into the raw-bit extremes (see
+ * group_range): the largest as signed, the largest and smallest as unsigned 32-bit integers. Two
+ * sets of accumulators: with one, a 1024-element group took about twice as long. */
+static int64_t NAME(q_extremes_simd)(const ELEM *x, int64_t m, uint32_t *smax, uint32_t *umax, uint32_t *umin) {
+    __m256i sx = _mm256_set1_epi32(INT32_MIN), ux = _mm256_setzero_si256(), un = _mm256_set1_epi32(-1);
+    __m256i sx2 = sx, ux2 = ux, un2 = un;
+    int64_t j = 0;
+    for (; j + 16 <= m; j += 16) {
+        __m256i b = NAME(q_bits8)(x + j), b2 = NAME(q_bits8)(x + j + 8);
+        sx = _mm256_max_epi32(sx, b);
+        ux = _mm256_max_epu32(ux, b);
+        un = _mm256_min_epu32(un, b);
+        sx2 = _mm256_max_epi32(sx2, b2);
+        ux2 = _mm256_max_epu32(ux2, b2);
+        un2 = _mm256_min_epu32(un2, b2);
+    }
+    for (; j + 8 <= m; j += 8) {
+        __m256i b = NAME(q_bits8)(x + j);
+        sx = _mm256_max_epi32(sx, b);
+        ux = _mm256_max_epu32(ux, b);
+        un = _mm256_min_epu32(un, b);
+    }
+    sx = _mm256_max_epi32(sx, sx2);
+    ux = _mm256_max_epu32(ux, ux2);
+    un = _mm256_min_epu32(un, un2);
+    __m128i a = _mm_max_epi32(_mm256_castsi256_si128(sx), _mm256_extracti128_si256(sx, 1));
+    __m128i c = _mm_max_epu32(_mm256_castsi256_si128(ux), _mm256_extracti128_si256(ux, 1));
+    __m128i e = _mm_min_epu32(_mm256_castsi256_si128(un), _mm256_extracti128_si256(un, 1));
+    a = _mm_max_epi32(a, _mm_shuffle_epi32(a, 0x4E));
+    c = _mm_max_epu32(c, _mm_shuffle_epi32(c, 0x4E));
+    e = _mm_min_epu32(e, _mm_shuffle_epi32(e, 0x4E));
+    a = _mm_max_epi32(a, _mm_shuffle_epi32(a, 0xB1));
+    c = _mm_max_epu32(c, _mm_shuffle_epi32(c, 0xB1));
+    e = _mm_min_epu32(e, _mm_shuffle_epi32(e, 0xB1));
+    int32_t sa = _mm_cvtsi128_si32(a);
+    uint32_t uc = (uint32_t)_mm_cvtsi128_si32(c), ue = (uint32_t)_mm_cvtsi128_si32(e);
+    *smax = sa > (int32_t)*smax ? (uint32_t)sa : *smax;
+    *umax = uc > *umax ? uc : *umax;
+    *umin = ue < *umin ? ue : *umin;
+    return j;
+}
+
+/* Codes of x[0 .. j), j = m rounded down to 32, packed into out (see codes_of for the rules). */
+static int64_t NAME(q_codes_simd)(const ELEM *x, int64_t m, float lo, float inv, float levels,
+                                  const quant_params *q, uint32_t idx0, uint8_t *out) {
+    const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv), vlevels = _mm256_set1_ps(levels);
+    const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f), unit = _mm256_set1_ps(0x1p-24f);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), seed = _mm256_set1_epi32((int32_t)q->seed_mix);
+    const __m256i m1 = _mm256_set1_epi32(0x7FEB352D), m2 = _mm256_set1_epi32(0x2C1B3C6D);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), low8 = _mm256_set1_epi32(0xFF);
+    const int bits = q->bits, stochastic = q->stochastic;
+    /* Rounding to nearest with a finite inv needs no clamp: x - lo <= d, so v <= d * (L / d) up
+     * to two roundings, within 2^-15 of L, and floor(v + 0.5) <= L; v >= 0 and is never NaN. A
+     * stochastic offset can reach L + 1, and inv = Inf (d < L / FLT_MAX) gives Inf and NaN. */
+    const int clamp = stochastic || (f32_bits(inv) & 0x7F800000u) == 0x7F800000u;
+    int64_t j = 0;
+    for (; j + 32 <= m; j += 32) {
+        __m256i c[4];
+        for (int t = 0; t < 4; t++) {
+            __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_castsi256_ps(NAME(q_bits8)(x + j + 8 * t)), vlo), vinv);
+            __m256 off = half;
+            if (stochastic) {
+                __m256i h = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(idx0 + (uint32_t)(j + 8 * t))), lane);
+                h = _mm256_xor_si256(h, seed);
+                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+                h = _mm256_mullo_epi32(h, m1);
+                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+                h = _mm256_mullo_epi32(h, m2);
+                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+                off = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);
+            }
+            __m256 w = _mm256_add_ps(v, off);
+            if (clamp) /* max(w, 0) returns its second operand for a NaN w: NaN -> 0, as nan_to_num */
+                w = _mm256_min_ps(_mm256_max_ps(w, zero), vlevels);
+            c[t] = _mm256_cvttps_epi32(w);
+        }
+        /* 32 codes as bytes in order: the packs interleave 128-bit lanes, the permute undoes it */
+        __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+        b = _mm256_permutevar8x32_epi32(b, order);
+        if (bits == 8) {
+            _mm256_storeu_si256((__m256i *)(out + j), b);
+        } else if (bits == 4) { /* each 16-bit lane's low byte: even code | odd code << 4 */
+            __m256i p = _mm256_and_si256(_mm256_or_si256(b, _mm256_srli_epi16(b, 4)), _mm256_set1_epi16(0xFF));
+            p = _mm256_permute4x64_epi64(_mm256_packus_epi16(p, p), 0x08);
+            _mm_storeu_si128((__m128i *)(out + j / 2), _mm256_castsi256_si128(p));
+        } else { /* each 32-bit lane's low byte: its four codes, 2 bits each */
+            __m256i p = _mm256_or_si256(_mm256_or_si256(b, _mm256_srli_epi32(b, 6)),
+                                        _mm256_or_si256(_mm256_srli_epi32(b, 12), _mm256_srli_epi32(b, 18)));
+            p = _mm256_packus_epi32(_mm256_and_si256(p, low8), p);
+            p = _mm256_packus_epi16(p, p);
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+            _mm_storel_epi64((__m128i *)(out + j / 4), _mm256_castsi256_si128(p));
+        }
+    }
+    return j;
+}
+
+/* Elements [0, j) of a group, j = m rounded down to 8: lo + code * scale, as float32 or bfloat16. */
+static int64_t NAME(q_decode_simd)(const uint8_t *in, int64_t m, float lo, float scale, int bits, uint32_t nan16,
+                                   ELEM *out) {
+    const __m256 vlo = _mm256_set1_ps(lo), vscale = _mm256_set1_ps(scale);
+    const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                     : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i field = _mm256_set1_epi32((1 << bits) - 1);
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        __m256i c;
+        if (bits == 8) {
+            c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in + j)));
+        } else { /* the 8 codes' 4 or 2 bytes in every lane, each lane shifted to its field */
+            uint32_t w;
+            if (bits == 4) {
+                memcpy(&w, in + j / 2, 4);
+            } else {
+                uint16_t h;
+                memcpy(&h, in + j / 4, 2);
+                w = h;
+            }
+            c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int32_t)w), shifts), field);
+        }
+        __m256 v = _mm256_add_ps(vlo, _mm256_mul_ps(_mm256_cvtepi32_ps(c), vscale));
+#if WB == 32
+        (void)nan16;
+        _mm256_storeu_ps((float *)(out + j), v);
+#else /* bfloat16, rounded to nearest even as f32_to_bf16 */
+        __m256i b = _mm256_castps_si256(v);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+        __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32((int32_t)nan16), _mm256_castps_si256(nan));
+        __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128((__m128i *)(out + j), h);
+#endif
+    }
+    return j;
+}
+#endif /* ISA_AVX2 && WB != 64 */
+
+/* Element j as the float32 the reference computes with (x.float()): exact from float16 and
+ * bfloat16, rounded to nearest from float64. */
+ALWAYS_INLINE float NAME(load_f32)(const ELEM *x, int64_t j, int bf16) {
+#if WB == 16
+    return bf16 ? f32_from((uint32_t)x[j] << 16) : f16_to_f32(x[j]);
+#elif WB == 32
+    (void)bf16;
+    return f32_from(x[j]);
+#else
+    (void)bf16;
+    double d;
+    memcpy(&d, &x[j], 8);
+    return (float)d;
+#endif
+}
+
+/* A decoded float32 as this width's element: rounded to nearest even for 16 bits (torch's
+ * .to()), NaN as torch writes it (nan16); widened exactly to float64. */
+ALWAYS_INLINE ELEM NAME(store_f32)(float v, uint32_t nan16, int bf16) {
+#if WB == 16
+    return bf16 ? f32_to_bf16(v, nan16) : f32_to_f16(v, nan16);
+#elif WB == 32
+    (void)nan16, (void)bf16;
+    return f32_bits(v);
+#else
+    (void)nan16, (void)bf16;
+    double d = (double)v;
+    ELEM b;
+    memcpy(&b, &d, 8);
+    return b;
+#endif
+}
+
+/* One unpacked code byte per element of xs[0 .. m): v = (x - lo) * inv, then floor(v + 0.5) or
+ * floor(v + u) (u: the hash of the element's row-major index idx0 + j), clamped to [0, L]. The
+ * operations and their order are the reference's. v + offset is never negative (x >= lo), so
+ * truncation is floor; it is NaN only as 0 * Inf (x == lo where d is so small that L / d
+ * overflowed), which the reference's nan_to_num makes 0, as `w >= 0 ? w : 0` does here. */
+ALWAYS_INLINE void NAME(codes_of)(const ELEM *xs, int64_t m, float lo, float inv, float levels,
+                                  const quant_params *q, uint32_t idx0, int bf16, uint8_t *out) {
+    if (q->stochastic) {
+        const uint32_t seed_mix = q->seed_mix;
+        for (int64_t j = 0; j < m; j++) {
+            float v = (NAME(load_f32)(xs, j, bf16) - lo) * inv;
+            float w = v + hash_uniform(idx0 + (uint32_t)j, seed_mix);
+            w = w >= 0.0f ? w : 0.0f;
+            w = w < levels ? w : levels;
+            out[j] = (uint8_t)(int32_t)w;
+        }
+    } else {
+        for (int64_t j = 0; j < m; j++) {
+            float v = (NAME(load_f32)(xs, j, bf16) - lo) * inv;
+            float w = v + 0.5f;
+            w = w >= 0.0f ? w : 0.0f;
+            w = w < levels ? w : levels;
+            out[j] = (uint8_t)(int32_t)w;
+        }
+    }
+}
+
+/* len one-byte codes (c has room for a multiple of 4) as 4- or 2-bit fields, least significant
+ * first; the last byte's unused fields are 0. */
+static void NAME(pack_codes)(uint8_t *c, int64_t len, int bits, uint8_t *out) {
+    int64_t per = 8 / bits, nb = (len + per - 1) / per;
+    for (int64_t k = len; k < nb * per; k++) c[k] = 0;
+    if (bits == 4) {
+        for (int64_t b = 0; b < nb; b++) out[b] = (uint8_t)(c[2 * b] | c[2 * b + 1] << 4);
+    } else {
+        for (int64_t b = 0; b < nb; b++)
+            out[b] = (uint8_t)(c[4 * b] | c[4 * b + 1] << 2 | c[4 * b + 2] << 4 | c[4 * b + 3] << 6);
+    }
+}
+
+/* lo and d = hi - lo of the group xs[0 .. m), with d NaN for a group holding NaN or +-Inf
+ * (d = Inf: the range overflows). Pass 1 reduces raw float32 bits as integers, an exact reduction
+ * compilers vectorise (a float min/max loop they leave scalar: its NaN and signed-zero rules are
+ * not associative): unsigned, a larger negative float has larger bits, so the minimum is the
+ * largest unsigned bits if any sign bit is set, else the smallest; the maximum is the largest
+ * signed bits if any sign bit is clear, else the smallest unsigned. */
+ALWAYS_INLINE void NAME(group_range)(const ELEM *xs, int64_t m, int bf16, float *lo_out, float *d_out) {
+    uint32_t smax = (uint32_t)INT32_MIN, umax = 0, umin = UINT32_MAX;
+    int64_t j = 0;
+#if ISA_AVX2 && WB != 64
+    if (WB == 32 || bf16) j = NAME(q_extremes_simd)(xs, m, &smax, &umax, &umin); /* float32, bfloat16 */
+#endif
+    for (; j < m; j++) {
+        uint32_t b = f32_bits(NAME(load_f32)(xs, j, bf16));
+        smax = (int32_t)b > (int32_t)smax ? b : smax;
+        umax = b > umax ? b : umax;
+        umin = b < umin ? b : umin;
+    }
+    if ((int32_t)smax >= 0x7F800000 || umax >= 0xFF800000u) { /* +Inf/NaN, or -Inf/NaN */
+        *lo_out = 0.0f;
+        *d_out = f32_from(F32_NAN);
+        return;
+    }
+    uint32_t lo = umax >= 0x80000000u ? umax : umin, hi = (int32_t)smax >= 0 ? smax : umin;
+    if (lo == 0x80000000u) {
+        /* the minimum is zero and a -0.0 is there: torch's aminmax keeps the first zero it
+         * meets (ties never replace), and that zero's sign is lo's */
+        for (j = 0; j < m; j++) {
+            uint32_t b = f32_bits(NAME(load_f32)(xs, j, bf16));
+            if ((b & 0x7FFFFFFFu) == 0) {
+                lo = b;
+                break;
+            }
+        }
+    }
+    *lo_out = f32_from(lo);
+    *d_out = f32_from(hi) - f32_from(lo);
+}
+
+/* Per group two passes, the second while the group is in L1: its range, then its codes. (Finding
+ * the ranges of several groups before their codes, so that their divisions overlap, measured
+ * slower at the default group of 128.) */
+ALWAYS_INLINE void NAME(quantize_groups)(const ELEM *x, const quant_params *q, int64_t g0, int64_t g1, int bf16) {
+    const int bits = q->bits;
+    const float levels = (float)((1 << bits) - 1);
+    uint8_t block[QBLOCK];
+    int64_t r = g0 / q->groups, k = g0 - r * q->groups; /* stepped, not divided, per group */
+    for (int64_t g = g0; g < g1; g++, k++) {
+        if (k == q->groups) k = 0, r++;
+        const int64_t s = k * q->group, m = q->n - s < q->group ? q->n - s : q->group;
+        const ELEM *xs = x + r * q->n + s;
+        uint8_t *out = q->codes + r * q->row_bytes + s * bits / 8;
+        float lo, d;
+        NAME(group_range)(xs, m, bf16, &lo, &d);
+        if ((f32_bits(d) & 0x7F800000u) == 0x7F800000u) { /* non-finite: lo = scale = NaN, codes 0 */
+            q->lo[g] = q->scale[g] = f32_from(F32_NAN);
+            memset(out, 0, (size_t)((m * bits + 7) / 8));
+            continue;
+        }
+        q->lo[g] = lo;
+        if (!(d > 0.0f)) { /* constant: every code 0 (v = 0 whatever the offset) */
+            q->scale[g] = 0.0f;
+            memset(out, 0, (size_t)((m * bits + 7) / 8));
+            continue;
+        }
+        q->scale[g] = d / levels;
+        const float inv = levels / d;
+        const uint32_t idx0 = (uint32_t)(r * q->n + s); /* the hash reads the index mod 2^32 */
+        int64_t j = 0;
+#if ISA_AVX2 && WB != 64
+        if (WB == 32 || bf16) j = NAME(q_codes_simd)(xs, m, lo, inv, levels, q, idx0, out);
+#endif
+        if (bits == 8) {
+            NAME(codes_of)(xs + j, m - j, lo, inv, levels, q, idx0 + (uint32_t)j, bf16, out + j);
+            continue;
+        }
+        for (int64_t j0 = j; j0 < m; j0 += QBLOCK) {
+            int64_t n0 = m - j0 < QBLOCK ? m - j0 : QBLOCK;
+            NAME(codes_of)(xs + j0, n0, lo, inv, levels, q, idx0 + (uint32_t)j0, bf16, block);
+            NAME(pack_codes)(block, n0, bits, out + j0 * bits / 8);
+        }
+    }
+}
+
+/* Codes, lo and scale of groups [g0, g1) of the tensor at x. */
+static void NAME(quantize)(const void *x, const quant_params *q, int64_t g0, int64_t g1) {
+#if WB == 16
+    if (q->bf16) {
+        NAME(quantize_groups)((const ELEM *)x, q, g0, g1, 1);
+        return;
+    }
+#endif
+    NAME(quantize_groups)((const ELEM *)x, q, g0, g1, 0);
+}
+
+ALWAYS_INLINE void NAME(dequantize_groups)(const quant_params *q, ELEM *out, int64_t g0, int64_t g1, int bf16) {
+    const int bits = q->bits;
+    const uint32_t nan16 = q->nan16;
+    uint8_t block[QBLOCK];
+    int64_t r = g0 / q->groups, k = g0 - r * q->groups;
+    for (int64_t g = g0; g < g1; g++, k++) {
+        if (k == q->groups) k = 0, r++;
+        int64_t s = k * q->group, m = q->n - s < q->group ? q->n - s : q->group, j = 0;
+        const uint8_t *in = q->codes + r * q->row_bytes + s * bits / 8;
+        ELEM *o = out + r * q->n + s;
+        const float lo = q->lo[g], scale = q->scale[g];
+#if ISA_AVX2 && WB != 64
+        if (WB == 32 || bf16) j = NAME(q_decode_simd)(in, m, lo, scale, bits, nan16, o);
+#endif
+        for (int64_t j0 = j; j0 < m; j0 += QBLOCK) {
+            int64_t len = m - j0 < QBLOCK ? m - j0 : QBLOCK;
+            const uint8_t *c = in + j0;
+            if (bits != 8) { /* unpack the fields of the len codes' bytes */
+                const uint8_t *p = in + j0 * bits / 8;
+                int64_t nb = (len * bits + 7) / 8;
+                if (bits == 4) {
+                    for (int64_t b = 0; b < nb; b++) block[2 * b] = p[b] & 15, block[2 * b + 1] = p[b] >> 4;
+                } else {
+                    for (int64_t b = 0; b < nb; b++)
+                        block[4 * b] = p[b] & 3, block[4 * b + 1] = (p[b] >> 2) & 3,
+                        block[4 * b + 2] = (p[b] >> 4) & 3, block[4 * b + 3] = p[b] >> 6;
+                }
+                c = block;
+            }
+            for (int64_t i = 0; i < len; i++) {
+                float v = lo + (float)c[i] * scale;
+                o[j0 + i] = NAME(store_f32)(v, nan16, bf16);
+            }
+        }
+    }
+}
+
+/* out = lo + code * scale in float32, as this width's element, for groups [g0, g1). */
+static void NAME(dequantize)(const quant_params *q, void *out, int64_t g0, int64_t g1) {
+#if WB == 16
+    if (q->bf16) {
+        NAME(dequantize_groups)(q, (ELEM *)out, g0, g1, 1);
+        return;
+    }
+#endif
+    NAME(dequantize_groups)(q, (ELEM *)out, g0, g1, 0);
+}
+
 #undef ELEM
 #undef SELEM
 #undef ABSMASK

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _cuda
+from . import _cpu_kernels, _cuda
 from .bitmap import FLOAT_DTYPES, _names
 
 BITS = (8, 4, 2)
@@ -95,6 +95,11 @@ class QuantizedTensor:
         if (kernels := _cuda.kernels(self.codes)) is not None:
             return kernels.dequantize(self.codes, self.lo, self.scale, self.numel // rows, self.bits, self.group,
                                       self.dtype).view(self.shape)
+        if self.codes.is_cpu:
+            if _cpu_kernels.NATIVE:  # one pass, straight into the tensor's dtype
+                return _cpu_kernels.dequantize(self.codes, self.lo, self.scale, self.numel // rows, self.bits,
+                                               self.group, self.dtype).view(self.shape)
+            _cpu_kernels.warn_fallback()
         return _dequantize_torch(self.codes, self.lo, self.scale, self.numel // rows, self.bits, self.group).to(self.dtype).view(self.shape)
 
 
@@ -151,7 +156,11 @@ def pack_quantized(
     x = t.detach().reshape(rows, -1) if rows else t.detach().new_empty((0, 0))
     if rows and (kernels := _cuda.kernels(x)) is not None:  # CUDA: Triton, no host sync
         codes, lo, scale = kernels.quantize(x, bits, group, seed)
+    elif rows and x.is_cpu and _cpu_kernels.NATIVE:  # CPU: the C kernel, two passes over each group in cache
+        codes, lo, scale = _cpu_kernels.quantize(x, bits, group, seed)
     else:
+        if x.is_cpu and rows:
+            _cpu_kernels.warn_fallback()
         codes, lo, scale = _quantize_torch(x.float(), bits, group, seed)
     return QuantizedTensor(codes, lo, scale, t.shape, t.dtype, bits, group)
 

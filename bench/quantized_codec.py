@@ -1,0 +1,177 @@
+"""CPU speed of the quantized codec (``pack_quantized`` / ``QuantizedTensor.unpack``) against ``t.clone()``.
+
+The CPU kernels are the C extension ``edgetorch.codecs._native`` (``_cpu_kernels.NATIVE``);
+``torch`` columns are the torch-ops reference they replace where it is missing (also the
+fallback, and the bytes both must write).
+
+1. **Throughput**: float32 tensors of 2^16 .. 2^24 elements as rows of 1,024 (the default group of
+   128), ``pack_quantized`` at 8, 4 and 2 bits (rounding to nearest; 8 bits also stochastic) and
+   ``unpack`` of each, next to ``clone``. Every variant runs once per repeat, interleaved, so load
+   on the shared machine hits them alike; the table holds medians. The torch reference (8 bits)
+   runs in a round of its own after them, up to 2^22 elements.
+2. **Element types**: float16, bfloat16 and float64 at 2^22 elements, 8 bits, against ``clone``
+   of the same tensor (float16 and float64 run the portable C loops, compiler-vectorised; float32
+   and bfloat16 have AVX2 loops).
+
+Ratio = clone time / codec time (above 1 the codec is faster than copying the tensor), measured
+in the same run, with torch's default threads for both. Pack returns about a quarter of clone's
+bytes (8 bits: 1 byte per element + 8 bytes per group of 128); unpack writes as many as clone.
+
+Writes docs/results/quantized_codec.{json,md} and prints the tables.
+
+Usage: ``python bench/quantized_codec.py [--quick]`` (``--quick``: up to 2^20 elements, fewer repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+from _common import table, write_results
+
+from edgetorch.codecs import _cpu_kernels, pack_quantized
+from edgetorch.codecs._cpu_kernels import torch_ops
+
+SIZES = {2**16: 101, 2**18: 51, 2**20: 31, 2**22: 15, 2**24: 7}  # elements -> repeats
+QUICK_SIZES = {2**16: 31, 2**18: 15, 2**20: 9}
+ROW = 1024
+BITS = (8, 4, 2)
+TORCH_MAX_ELEMENTS = 2**22
+TORCH_MAX_REPEATS = 5
+DTYPE_ELEMENTS = 2**22
+TARGET_FROM = 2**20  # the goal: pack at least as fast as clone from 1M elements
+
+
+def _time(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _rounds(rounds: list[tuple[int, dict[str, Callable[[], object]]]]) -> dict[str, list[float]]:
+    """Seconds of every variant; within a round, variants interleaved in each repeat."""
+    times: dict[str, list[float]] = {}
+    for count, variants in rounds:
+        for _ in range(count):
+            for name, fn in variants.items():
+                times.setdefault(name, []).append(_time(fn))
+    return times
+
+
+def _on_torch_ops(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with torch_ops():
+            return fn()
+    return run
+
+
+def _cell(times: dict[str, list[float]], n: int, repeats: int) -> dict:
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return {
+        "elements": n,
+        "repeats": repeats,
+        "seconds": median,
+        "min_seconds": {name: min(ts) for name, ts in times.items()},
+        "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"},
+    }
+
+
+def throughput(n: int, repeats: int) -> dict:
+    """Median seconds of clone, pack and unpack at every width for n float32 elements."""
+    x = torch.randn(n // ROW, ROW, generator=torch.Generator().manual_seed(n))
+    packed = {bits: pack_quantized(x, bits) for bits in BITS}
+    variants: dict[str, Callable[[], object]] = {"clone": x.clone}
+    for bits in BITS:
+        variants[f"pack{bits}"] = lambda bits=bits: pack_quantized(x, bits)
+        variants[f"unpack{bits}"] = packed[bits].unpack
+    variants["pack8_stochastic"] = lambda: pack_quantized(x, 8, seed=1)
+    rounds = [(repeats, variants)]
+    if n <= TORCH_MAX_ELEMENTS:
+        with torch_ops():  # the reference writes the same bytes (tests pin it; checked once here)
+            ref = pack_quantized(x, 8)
+            assert torch.equal(ref.codes, packed[8].codes) and torch.equal(ref.unpack(), packed[8].unpack())
+        rounds.append((min(repeats, TORCH_MAX_REPEATS), {
+            "torch_pack8": _on_torch_ops(lambda: pack_quantized(x, 8)),
+            "torch_unpack8": _on_torch_ops(ref.unpack),
+        }))
+    return _cell(_rounds(rounds), n, repeats)
+
+
+def element_types(n: int, repeats: int) -> list[dict]:
+    """8-bit pack and unpack of float16, bfloat16 and float64 tensors against their clone."""
+    rows = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        x = torch.randn(n // ROW, ROW, generator=torch.Generator().manual_seed(1)).to(dtype)
+        packed = pack_quantized(x, 8)
+        times = _rounds([(repeats, {"clone": x.clone, "pack8": lambda x=x: pack_quantized(x, 8),
+                                    "unpack8": packed.unpack})])
+        rows.append({"dtype": str(dtype).removeprefix("torch."), **_cell(times, n, repeats)})
+    return rows
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f}" if seconds < 1e-2 else f"{seconds * 1e3:,.1f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="up to 2^20 elements, fewer repeats")
+    args = parser.parse_args()
+    if not _cpu_kernels.NATIVE:
+        sys.exit(f"the C extension is not available ({_cpu_kernels.UNAVAILABLE_REASON}): nothing to measure")
+    sizes = QUICK_SIZES if args.quick else SIZES
+    pack_quantized(torch.ones(4, 128)).unpack()  # load the extension before timing
+    load_start = os.getloadavg()[0]
+    rows = []
+    for n, repeats in sizes.items():
+        rows.append(throughput(n, repeats))
+        r = rows[-1]["ratio_to_clone"]
+        print(f"{n:>11,}: pack8 {r['pack8']:.2f}x unpack8 {r['unpack8']:.2f}x", file=sys.stderr, flush=True)
+    types = [] if args.quick else element_types(DTYPE_ELEMENTS, 15)
+    load_end = os.getloadavg()[0]
+
+    headers = ["elements", "clone us"] + [f"pack {b}-bit" for b in BITS] + [f"unpack {b}-bit" for b in BITS] + [
+        "pack 8-bit stochastic", "torch ops pack / unpack 8-bit"]
+    body_rows = []
+    for row in rows:
+        r, s = row["ratio_to_clone"], row["seconds"]
+        torch_cell = (f"{r['torch_pack8']:.2f}x / {r['torch_unpack8']:.2f}x" if "torch_pack8" in r else "-")
+        body_rows.append([f"{row['elements']:,}", _us(s["clone"])]
+                         + [f"{r[f'pack{b}']:.2f}x ({_us(s[f'pack{b}'])})" for b in BITS]
+                         + [f"{r[f'unpack{b}']:.2f}x ({_us(s[f'unpack{b}'])})" for b in BITS]
+                         + [f"{r['pack8_stochastic']:.2f}x", torch_cell])
+    gate = [row for row in rows if row["elements"] >= TARGET_FROM]
+    worst = min(gate, key=lambda row: row["ratio_to_clone"]["pack8"]) if gate else None
+    body = (
+        f"1-min load average {load_start:.2f} at start, {load_end:.2f} at end (shared machine). Codec kernels: "
+        f"`{_cpu_kernels.build_description()}`; {torch.get_num_threads()} torch threads for clone and the kernels.\n\n"
+        "## Throughput (float32, rows of 1,024, groups of 128)\n\n"
+        "Ratio = `x.clone()` time / codec time, medians of interleaved repeats in this run (higher is faster; "
+        "1.00x = as fast as copying the tensor); median time in brackets, microseconds. Pack includes the "
+        "Python wrapper and its three allocations; `torch ops`: the reference / fallback.\n\n"
+        + table(headers, body_rows)
+    )
+    if worst is not None:
+        ratio = worst["ratio_to_clone"]["pack8"]
+        body += (f"\n\nTarget: pack (8 bits) at least as fast as `clone` from {TARGET_FROM:,} elements. Lowest ratio "
+                 f"from there: {ratio:.2f}x at {worst['elements']:,} elements "
+                 f"({'met' if ratio >= 1.0 else f'missed by {1 / ratio:.1f}x'}).")
+    if types:
+        trows = [[t["dtype"], _us(t["seconds"]["clone"]), f"{t['ratio_to_clone']['pack8']:.2f}x",
+                  f"{t['ratio_to_clone']['unpack8']:.2f}x"] for t in types]
+        body += (f"\n\n## Element types ({DTYPE_ELEMENTS:,} elements, 8 bits)\n\n"
+                 "Against `clone` of the same tensor (float16 and bfloat16 copy half the bytes of float32; float64 "
+                 "twice). float16 and float64 run the portable C loops, float32 and bfloat16 AVX2 loops where the "
+                 "CPU has AVX2.\n\n" + table(["dtype", "clone us", "pack", "unpack"], trows))
+    write_results("quantized_codec", "CPU speed of the quantized codec (pack / unpack vs clone)", body,
+                  {"load_average": [load_start, load_end], "row": ROW, "group": 128, "throughput": rows,
+                   "element_types": types, "codec_kernels": _cpu_kernels.build_description()})
+
+
+if __name__ == "__main__":
+    main()
