@@ -4,7 +4,7 @@
  *   WB        16, 32 or 64: bits per element (the integer view of float16/bfloat16, float32, float64)
  *   ISA         generic, avx2 or avx512: the suffix of every function defined here
  *   ISA_AVX2    0 or 1: whether explicit SIMD loops are compiled in (x86-64 only, inside a region
- *               compiled for AVX2; the dispatcher uses them only where the CPU has AVX2)
+ *               compiled for AVX2 and F16C; the dispatcher uses them only where the CPU has both)
  *   ISA_AVX512  0 or 1: the 32- and 64-bit loops use AVX-512F/BW instead (compress and expand
  *               instructions; 16-bit elements keep the AVX2 loops); implies ISA_AVX2
  * Every function name gets the suffix _<WB>_<ISA> (NAME(build_range) -> build_range_32_avx2).
@@ -828,28 +828,32 @@ static int NAME(select_row)(const void *xv, int64_t n, int64_t keep, int64_t *st
  */
 
 #if ISA_AVX2 && WB != 64
-/* AVX2 loops for float32 and bfloat16 elements (float16 and float64 take the portable loops,
- * which compilers vectorise too): each does a prefix of a group and returns where it stopped.
- * The float operations are the portable loops' (no FMA: AVX2 regions are compiled without it). */
+/* AVX2 loops for float32, float16 and bfloat16 elements (float64 takes the portable loops, which
+ * compilers vectorise too): each does a prefix of a group and returns where it stopped. The
+ * float operations are the portable loops' (no FMA: AVX2 regions are compiled without it). */
 
-/* 8 elements as float32 bit patterns (a bfloat16 is the top half of its float32) */
-static inline __m256i NAME(q_bits8)(const ELEM *x) {
+/* 8 elements as float32 bit patterns (a bfloat16 is the top half of its float32; F16C widens a
+ * float16 exactly) */
+ALWAYS_INLINE __m256i NAME(q_bits8)(const ELEM *x, int bf16) {
 #if WB == 32
+    (void)bf16;
     return _mm256_loadu_si256((const __m256i *)x);
 #else
-    return _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x)), 16);
+    __m128i h = _mm_loadu_si128((const __m128i *)x);
+    return bf16 ? _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16) : _mm256_castps_si256(_mm256_cvtph_ps(h));
 #endif
 }
 
 /* Pass 1 over x[0 .. j), j = m rounded down to 8, folded into the raw-bit extremes (see
  * group_range): the largest as signed, the largest and smallest as unsigned 32-bit integers. Two
  * sets of accumulators: with one, a 1024-element group took about twice as long. */
-static int64_t NAME(q_extremes_simd)(const ELEM *x, int64_t m, uint32_t *smax, uint32_t *umax, uint32_t *umin) {
+ALWAYS_INLINE int64_t NAME(q_extremes_simd)(const ELEM *x, int64_t m, int bf16, uint32_t *smax, uint32_t *umax,
+                                            uint32_t *umin) {
     __m256i sx = _mm256_set1_epi32(INT32_MIN), ux = _mm256_setzero_si256(), un = _mm256_set1_epi32(-1);
     __m256i sx2 = sx, ux2 = ux, un2 = un;
     int64_t j = 0;
     for (; j + 16 <= m; j += 16) {
-        __m256i b = NAME(q_bits8)(x + j), b2 = NAME(q_bits8)(x + j + 8);
+        __m256i b = NAME(q_bits8)(x + j, bf16), b2 = NAME(q_bits8)(x + j + 8, bf16);
         sx = _mm256_max_epi32(sx, b);
         ux = _mm256_max_epu32(ux, b);
         un = _mm256_min_epu32(un, b);
@@ -858,7 +862,7 @@ static int64_t NAME(q_extremes_simd)(const ELEM *x, int64_t m, uint32_t *smax, u
         un2 = _mm256_min_epu32(un2, b2);
     }
     for (; j + 8 <= m; j += 8) {
-        __m256i b = NAME(q_bits8)(x + j);
+        __m256i b = NAME(q_bits8)(x + j, bf16);
         sx = _mm256_max_epi32(sx, b);
         ux = _mm256_max_epu32(ux, b);
         un = _mm256_min_epu32(un, b);
@@ -884,8 +888,8 @@ static int64_t NAME(q_extremes_simd)(const ELEM *x, int64_t m, uint32_t *smax, u
 }
 
 /* Codes of x[0 .. j), j = m rounded down to 32, packed into out (see codes_of for the rules). */
-static int64_t NAME(q_codes_simd)(const ELEM *x, int64_t m, float lo, float inv, float levels,
-                                  const quant_params *q, uint32_t idx0, uint8_t *out) {
+ALWAYS_INLINE int64_t NAME(q_codes_simd)(const ELEM *x, int64_t m, float lo, float inv, float levels,
+                                         const quant_params *q, uint32_t idx0, int bf16, uint8_t *out) {
     const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv), vlevels = _mm256_set1_ps(levels);
     const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f), unit = _mm256_set1_ps(0x1p-24f);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), seed = _mm256_set1_epi32((int32_t)q->seed_mix);
@@ -900,7 +904,8 @@ static int64_t NAME(q_codes_simd)(const ELEM *x, int64_t m, float lo, float inv,
     for (; j + 32 <= m; j += 32) {
         __m256i c[4];
         for (int t = 0; t < 4; t++) {
-            __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_castsi256_ps(NAME(q_bits8)(x + j + 8 * t)), vlo), vinv);
+            __m256 xv = _mm256_castsi256_ps(NAME(q_bits8)(x + j + 8 * t, bf16));
+            __m256 v = _mm256_mul_ps(_mm256_sub_ps(xv, vlo), vinv);
             __m256 off = half;
             if (stochastic) {
                 __m256i h = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(idx0 + (uint32_t)(j + 8 * t))), lane);
@@ -938,9 +943,9 @@ static int64_t NAME(q_codes_simd)(const ELEM *x, int64_t m, float lo, float inv,
     return j;
 }
 
-/* Elements [0, j) of a group, j = m rounded down to 8: lo + code * scale, as float32 or bfloat16. */
-static int64_t NAME(q_decode_simd)(const uint8_t *in, int64_t m, float lo, float scale, int bits, uint32_t nan16,
-                                   ELEM *out) {
+/* Elements [0, j) of a group, j = m rounded down to 8: lo + code * scale, as this width's element. */
+ALWAYS_INLINE int64_t NAME(q_decode_simd)(const uint8_t *in, int64_t m, float lo, float scale, int bits,
+                                          uint32_t nan16, int bf16, ELEM *out) {
     const __m256 vlo = _mm256_set1_ps(lo), vscale = _mm256_set1_ps(scale);
     const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
                                      : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
@@ -963,13 +968,21 @@ static int64_t NAME(q_decode_simd)(const uint8_t *in, int64_t m, float lo, float
         }
         __m256 v = _mm256_add_ps(vlo, _mm256_mul_ps(_mm256_cvtepi32_ps(c), vscale));
 #if WB == 32
-        (void)nan16;
+        (void)nan16, (void)bf16;
         _mm256_storeu_ps((float *)(out + j), v);
-#else /* bfloat16, rounded to nearest even as f32_to_bf16 */
+#else
+        __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+        if (!bf16) { /* F16C rounds to nearest even as f32_to_f16; NaN lanes get nan16 */
+            __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_castps_si256(nan)),
+                                          _mm256_extracti128_si256(_mm256_castps_si256(nan), 1));
+            _mm_storeu_si128((__m128i *)(out + j), _mm_blendv_epi8(h, _mm_set1_epi16((int16_t)nan16), n16));
+            continue;
+        }
+        /* bfloat16, rounded to nearest even as f32_to_bf16 */
         __m256i b = _mm256_castps_si256(v);
         __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
         __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
-        __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
         r = _mm256_blendv_epi8(r, _mm256_set1_epi32((int32_t)nan16), _mm256_castps_si256(nan));
         __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storeu_si128((__m128i *)(out + j), h);
@@ -1062,7 +1075,7 @@ ALWAYS_INLINE void NAME(group_range)(const ELEM *xs, int64_t m, int bf16, float 
     uint32_t smax = (uint32_t)INT32_MIN, umax = 0, umin = UINT32_MAX;
     int64_t j = 0;
 #if ISA_AVX2 && WB != 64
-    if (WB == 32 || bf16) j = NAME(q_extremes_simd)(xs, m, &smax, &umax, &umin); /* float32, bfloat16 */
+    j = NAME(q_extremes_simd)(xs, m, bf16, &smax, &umax, &umin);
 #endif
     for (; j < m; j++) {
         uint32_t b = f32_bits(NAME(load_f32)(xs, j, bf16));
@@ -1122,7 +1135,7 @@ ALWAYS_INLINE void NAME(quantize_groups)(const ELEM *x, const quant_params *q, i
         const uint32_t idx0 = (uint32_t)(r * q->n + s); /* the hash reads the index mod 2^32 */
         int64_t j = 0;
 #if ISA_AVX2 && WB != 64
-        if (WB == 32 || bf16) j = NAME(q_codes_simd)(xs, m, lo, inv, levels, q, idx0, out);
+        j = NAME(q_codes_simd)(xs, m, lo, inv, levels, q, idx0, bf16, out);
 #endif
         if (bits == 8) {
             NAME(codes_of)(xs + j, m - j, lo, inv, levels, q, idx0 + (uint32_t)j, bf16, out + j);
@@ -1159,7 +1172,7 @@ ALWAYS_INLINE void NAME(dequantize_groups)(const quant_params *q, ELEM *out, int
         ELEM *o = out + r * q->n + s;
         const float lo = q->lo[g], scale = q->scale[g];
 #if ISA_AVX2 && WB != 64
-        if (WB == 32 || bf16) j = NAME(q_decode_simd)(in, m, lo, scale, bits, nan16, o);
+        j = NAME(q_decode_simd)(in, m, lo, scale, bits, nan16, bf16, o);
 #endif
         for (int64_t j0 = j; j0 < m; j0 += QBLOCK) {
             int64_t len = m - j0 < QBLOCK ? m - j0 : QBLOCK;
