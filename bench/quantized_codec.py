@@ -10,8 +10,8 @@ fallback, and the bytes both must write).
    on the shared machine hits them alike; the table holds medians. The torch reference (8 bits)
    runs in a round of its own after them, up to 2^22 elements.
 2. **Element types**: float16, bfloat16 and float64 at 2^22 elements, 8 bits, against ``clone``
-   of the same tensor (float16 and float64 run the portable C loops, compiler-vectorised; float32
-   and bfloat16 have AVX2 loops).
+   and ``copy_`` of the same tensor (float64 runs the portable C loops, compiler-vectorised;
+   float32, float16 and bfloat16 have AVX2 loops, float16 converted with F16C).
 
 Ratio = clone time / codec time (above 1 the codec is faster than copying the tensor), measured
 in the same run, with torch's default threads for both. Pack returns about a quarter of clone's
@@ -41,7 +41,7 @@ from _common import table, write_results
 from edgetorch.codecs import _cpu_kernels, pack_quantized
 from edgetorch.codecs._cpu_kernels import torch_ops
 
-SIZES = {2**16: 101, 2**18: 51, 2**20: 31, 2**22: 15, 2**24: 7}  # elements -> repeats
+SIZES = {2**16: 201, 2**18: 101, 2**20: 101, 2**22: 41, 2**24: 15}  # elements -> repeats (a noisy shared VM)
 QUICK_SIZES = {2**16: 31, 2**18: 15, 2**20: 9}
 ROW = 1024
 BITS = (8, 4, 2)
@@ -112,9 +112,9 @@ def element_types(n: int, repeats: int) -> list[dict]:
     rows = []
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
         x = torch.randn(n // ROW, ROW, generator=torch.Generator().manual_seed(1)).to(dtype)
-        packed = pack_quantized(x, 8)
-        times = _rounds([(repeats, {"clone": x.clone, "pack8": lambda x=x: pack_quantized(x, 8),
-                                    "unpack8": packed.unpack})])
+        packed, into = pack_quantized(x, 8), torch.empty_like(x)
+        times = _rounds([(repeats, {"clone": x.clone, "copy": lambda x=x, into=into: into.copy_(x),
+                                    "pack8": lambda x=x: pack_quantized(x, 8), "unpack8": packed.unpack})])
         rows.append({"dtype": str(dtype).removeprefix("torch."), **_cell(times, n, repeats)})
     return rows
 
@@ -137,7 +137,7 @@ def main() -> None:
         rows.append(throughput(n, repeats))
         r = rows[-1]["ratio_to_clone"]
         print(f"{n:>11,}: pack8 {r['pack8']:.2f}x unpack8 {r['unpack8']:.2f}x", file=sys.stderr, flush=True)
-    types = [] if args.quick else element_types(DTYPE_ELEMENTS, 15)
+    types = [] if args.quick else element_types(DTYPE_ELEMENTS, 41)
     load_end = os.getloadavg()[0]
 
     headers = ["elements", "clone us"] + [f"pack {b}-bit" for b in BITS] + [f"unpack {b}-bit" for b in BITS] + [
@@ -171,11 +171,15 @@ def main() -> None:
                  f"({'met' if ratio >= 1.0 else f'missed by {1 / ratio:.1f}x'}).")
     if types:
         trows = [[t["dtype"], _us(t["seconds"]["clone"]), f"{t['ratio_to_clone']['pack8']:.2f}x",
-                  f"{t['ratio_to_clone']['unpack8']:.2f}x"] for t in types]
+                  f"{t['ratio_to_clone']['unpack8']:.2f}x", _us(t["seconds"]["copy"]),
+                  f"{t['seconds']['copy'] / t['seconds']['pack8']:.2f}x",
+                  f"{t['seconds']['copy'] / t['seconds']['unpack8']:.2f}x"] for t in types]
         body += (f"\n\n## Element types ({DTYPE_ELEMENTS:,} elements, 8 bits)\n\n"
-                 "Against `clone` of the same tensor (float16 and bfloat16 copy half the bytes of float32; float64 "
-                 "twice). float16 and float64 run the portable C loops, float32 and bfloat16 AVX2 loops where the "
-                 "CPU has AVX2.\n\n" + table(["dtype", "clone us", "pack", "unpack"], trows))
+                 "Against `clone` and `copy_` of the same tensor (float16 and bfloat16 copy half the bytes of "
+                 "float32; float64 twice, 32 MiB here: a fresh mapping for every clone). float64 runs the portable "
+                 "C loops; float32, float16 and bfloat16 AVX2 loops (float16 converted with F16C) where the CPU "
+                 "has them.\n\n" + table(["dtype", "clone us", "pack vs clone", "unpack vs clone", "copy_ us",
+                                          "pack vs copy_", "unpack vs copy_"], trows))
     write_results("quantized_codec", "CPU speed of the quantized codec (pack / unpack vs clone)", body,
                   {"load_average": [load_start, load_end], "row": ROW, "group": 128, "throughput": rows,
                    "element_types": types, "codec_kernels": _cpu_kernels.build_description()})
