@@ -285,7 +285,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                                                                 predict(slope, intercept, o.batch))))
                               if o.policy == c.policy and o.measured_peak_bytes is None else o for o in candidates]
         del step  # its state goes with it
-    return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested),
+    return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested, margin),
                       held + state_bytes, {spec: line[4:] for spec, line in lines.items()}, peak_kind(device))
 
 
@@ -310,7 +310,7 @@ def _sparsity(how: TrainingPolicy) -> float:
     return float(how.policy.sparsity) if isinstance(how.policy, BackRazor) else 0.0
 
 
-def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, requested: int) -> str:
+def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, requested: int, margin: float) -> str:
     mib = 2**20
     untried = [c for c in candidates if c.fits and c.measured_peak_bytes is None]
     if chosen is None and untried:
@@ -321,8 +321,10 @@ def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, 
     if chosen is None:
         least = min(candidates, key=lambda c: c.measured_peak_bytes or c.predicted_peak_bytes)
         what = "measurement" if least.measured_peak_bytes else "prediction"
-        return (f"nothing fits {budget / mib:,.0f} MiB: the smallest {what} is {least.policy} at batch "
-                f"{least.batch}, {(least.measured_peak_bytes or least.predicted_peak_bytes) / mib:,.0f} MiB; raise "
+        # Say the headroom: "the smallest is 1,172 MiB" under a 1,230 MiB budget reads as a bug.
+        return (f"nothing fits {budget / mib:,.0f} MiB with {margin:.0%} headroom: the smallest {what} is "
+                f"{least.policy} at batch {least.batch}, "
+                f"{(least.measured_peak_bytes or least.predicted_peak_bytes) / mib:,.0f} MiB; raise "
                 "the budget, train fewer parameters, use a smaller input size, or allow smaller batches (min_batch)")
     why = "an exact policy" if chosen.exact else (
         f"no exact policy fits at any batch, and {chosen.sparsity:g} is the lowest sparsity that does")
