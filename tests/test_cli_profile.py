@@ -32,14 +32,17 @@ def test_profile_writes_json_and_plot(tmp_path):
     assert "measured" in result.output and "ledger" in result.output
 
 
-def test_profile_accepts_a_python_path_factory(tmp_path):
+def test_profile_accepts_a_python_path_factory_and_checkpointing(tmp_path):
     out = tmp_path / "p.json"
     result = runner.invoke(app, [
         "profile", "--model", "torchvision.models:resnet18", "--batch", "2", "--resolution", "32",
-        "--policy", "bitmap", "--json", str(out),
+        "--policy", "bitmap", "--policy", "bitmap+checkpoint", "--json", str(out),
     ])
     assert result.exit_code == 0, result.output
-    assert json.loads(out.read_text())["results"][0]["activation_bytes"] > 0
+    plain, checkpointed = json.loads(out.read_text())["results"]
+    assert plain["activation_bytes"] > 0 and checkpointed["policy"] == "bitmap+checkpoint"
+    # recomputing the stages in backward keeps fewer saved bytes alive at once
+    assert checkpointed["peak_live_activation_bytes"] < plain["peak_live_activation_bytes"]
 
 
 def test_profile_rejects_bad_names():

@@ -27,8 +27,8 @@ __all__ = sorted(_EXPORTS)
 _SUBPACKAGES = ("activations", "codecs", "data", "integrations", "measure", "reduce", "split", "zoo")
 
 if TYPE_CHECKING:
-    from .activations import (BackRazor, Bitmap, CheckpointEvery, Dense, Policy, Quantized, compress_activations,
-                              freeze_batchnorm, parse_policy, plan_memory)
+    from .activations import (BackRazor, Bitmap, CheckpointEvery, Dense, GradientFidelity, Policy, Quantized,
+                              compress_activations, freeze_batchnorm, gradient_fidelity, parse_policy, plan_memory)
     from .codecs import BitmapTensor, pack_bitmap
     from .data import load_dataset
     from .measure import SavedTensorLedger, model_memory

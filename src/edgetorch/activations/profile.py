@@ -29,14 +29,14 @@ from torch.nn import functional as F
 from ..measure import SavedTensorLedger, machine_description, model_memory, run_fresh
 from ..measure.process import held_bytes, peak_bytes, peak_kind, reset_peak, rss_bytes, uss_bytes
 from .batchnorm import freeze_batchnorm
-from .engine import compress_activations
 from .fidelity import gradient_fidelity
-from .policies import parse_policy
+from .step import parse_training_policy, storing
 
 
 @dataclass(frozen=True)
 class ProfileRequest:
-    """What to profile: a model spec, an input size, one policy spec, a device."""
+    """What to profile: a model spec, an input size, one policy spec (``POLICY`` or
+    ``POLICY+checkpoint``), a device."""
 
     model: str
     batch: int
@@ -68,7 +68,8 @@ def profile_policies(
     Args:
         model: ``torchvision:NAME``, ``zoo:NAME`` or ``pkg.module:factory``.
         batch: batch size; resolution: input height = width.
-        policies: policy specs, e.g. ``["dense", "bitmap", "bitmap:threshold=0.01"]``.
+        policies: policy specs, e.g. ``["dense", "bitmap", "bitmap:threshold=0.01"]``, each with an
+            optional ``+checkpoint`` (checkpoint the model's stages, as ``edgetorch finetune`` does).
         channels: input channels (None: inferred from the model's first convolution).
         num_classes: classifier outputs for builders that take it.
         device: ``cpu`` or ``cuda``.
@@ -86,7 +87,7 @@ def profile_policies(
     if batch < 1 or resolution < 1:
         raise ValueError(f"batch and resolution must be >= 1, got batch={batch}, resolution={resolution}")
     for spec in policies:
-        parse_policy(spec)  # fail before starting any worker
+        parse_training_policy(spec)  # fail before starting any worker
     results = []
     for spec in policies:
         request = ProfileRequest(model, batch, resolution, spec, channels, num_classes, device,
@@ -112,7 +113,7 @@ def profile_one(request: ProfileRequest) -> dict:
 
     torch.manual_seed(request.seed)
     device = torch.device(request.device)
-    policy = parse_policy(request.policy)
+    how = parse_training_policy(request.policy)
     model = build_model(request.model, num_classes=request.num_classes).to(device).train()
     if request.freeze_batchnorm:
         freeze_batchnorm(model)
@@ -122,7 +123,7 @@ def profile_one(request: ProfileRequest) -> dict:
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
 
     def train_step(ledger: SavedTensorLedger | None) -> dict:
-        with compress_activations(model, policy, ledger=ledger):
+        with storing(model, how, ledger):
             loss = F.cross_entropy(model(x), y)
         measured = {"held_after_forward_bytes": held_bytes(device), "rss_after_forward_bytes": rss_bytes(),
                     "uss_after_forward_bytes": uss_bytes()}
@@ -145,7 +146,7 @@ def profile_one(request: ProfileRequest) -> dict:
     seconds = time.perf_counter() - start
     total = ledger.total()
     result = {
-        "policy": policy.spec(),
+        "policy": how.spec(),
         "activation_bytes": total.stored_bytes,
         "dense_activation_bytes": total.dense_bytes,
         "peak_live_activation_bytes": ledger.peak_live_bytes,
@@ -164,7 +165,7 @@ def profile_one(request: ProfileRequest) -> dict:
         "by_module_type": {k: v.to_dict() for k, v in ledger.by_module_type().items()},
     }
     if request.fidelity:
-        result["fidelity"] = gradient_fidelity(model, (x, y), policy).to_dict()
+        result["fidelity"] = gradient_fidelity(model, (x, y), how).to_dict()
     return result
 
 

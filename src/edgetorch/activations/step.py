@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +70,21 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: Tr
         loss_fn: ``loss_fn(outputs, labels)``.
         ledger: optional ledger of what the forward (and any recomputation) saved.
     """
+    with storing(model, how, ledger):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+@contextlib.contextmanager
+def storing(model: nn.Module, how: TrainingPolicy, ledger: SavedTensorLedger | None = None) -> Iterator[None]:
+    """Run the forward inside this block and it saves for backward as ``how`` says.
+
+    Example:
+        >>> with storing(model, parse_training_policy("bitmap+checkpoint")):  # doctest: +SKIP
+        ...     loss = F.cross_entropy(model(x), y)
+        >>> loss.backward()  # doctest: +SKIP
+    """
     # Stages are swapped in before the engine starts, so it sees (and names) the wrappers.
     stages = checkpoint_stages(model, how.policy, ledger) if how.checkpoint else contextlib.nullcontext()
     # Dense with nothing to record stores every tensor as PyTorch does: run plain PyTorch, not
@@ -77,9 +92,7 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: Tr
     plain = isinstance(how.policy, Dense) and ledger is None
     engine = contextlib.nullcontext() if plain else compress_activations(model, how.policy, ledger=ledger)
     with stages, engine:
-        loss = loss_fn(model(x), y)
-    loss.backward()
-    return loss.detach()
+        yield
 
 
 def step_ledger(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: TrainingPolicy | str,

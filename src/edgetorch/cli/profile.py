@@ -18,7 +18,8 @@ def profile(
     resolution: int = typer.Option(224, min=1, help="input height and width"),
     policy: list[str] = typer.Option(
         ["dense", "bitmap"],
-        help="repeatable: dense, bitmap, bitmap:threshold=0.01,value_dtype=float16, backrazor:sparsity=0.9[,scope=all]",
+        help="repeatable: dense, bitmap[:threshold=0.01,value_dtype=float16], quantized[:bits=8], "
+             "backrazor:sparsity=0.9[,exact=int8,values=int8,scope=all]; add +checkpoint to recompute stages",
     ),
     channels: int = typer.Option(None, help="input channels (default: the first conv's)"),
     num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
@@ -30,13 +31,13 @@ def profile(
     plot: Path = typer.Option(None, callback=plot_file, help="write the memory breakdown per policy here (.png, .pdf, .svg)"),
 ) -> None:
     """Profile one training step per policy: saved-activation bytes (ledger) and measured peak memory."""
-    from ..activations import parse_policy
     from ..activations.profile import profile_policies
+    from ..activations.step import parse_training_policy
     from ..zoo import build_model
 
     try:
         for spec in policy:
-            parse_policy(spec)
+            parse_training_policy(spec)
         build_model(model, num_classes=num_classes)  # fail fast on unknown names
     except (ValueError, TypeError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None
