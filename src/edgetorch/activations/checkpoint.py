@@ -87,6 +87,12 @@ class CheckpointEvery(nn.Module):
         return x
 
     def _run_segment(self, segment: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        if getattr(segment[0], "inplace", False) is True:
+            # Dropout(inplace=True), ReLU(inplace=True) first: in the first pass it would change
+            # the input checkpointing keeps for the recomputation, and in the recomputation that
+            # input is a leaf that requires grad, which autograd refuses to change in place.
+            # A transient copy of one segment input is the price.
+            x = x.clone()
         if not torch.is_grad_enabled():  # the first pass: nothing is saved
             return segment(x)
         with _running_stats_frozen(segment), compress_activations(
