@@ -10,7 +10,7 @@ import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from edgetorch.codecs import BitmapTensor, pack_bitmap, pack_quantized, quantize_values
+from edgetorch.codecs import BitmapTensor, pack_bitmap, pack_quantized, pack_quantized_sided, quantize_values
 from edgetorch.codecs.quantized import _hash_uniform
 
 HYPO = settings(max_examples=60, deadline=None)
@@ -203,3 +203,30 @@ def test_quantized_values_of_a_bitmap() -> None:
     assert torch.equal(out == 0, x == 0)  # positions stay exact; only values are rounded
     assert (out - x).abs().max() <= held.values.scale.max() / 2 * 1.001
     assert isinstance(packed, BitmapTensor) and packed.values.numel() == packed.nnz  # input untouched
+
+
+@HYPO
+@given(
+    values=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=1, max_size=200),
+    bits=st.sampled_from([8, 4, 2]),
+    dtype=st.sampled_from(DTYPES),
+    ends=st.tuples(st.floats(-4, 4, width=16), st.floats(0.25, 6, width=16)),
+)
+@example(values=[-3.01, -2.99, 2.999, 3.001, -3.0, 3.0], bits=2, dtype=torch.float32, ends=(-3.0, 6.0))
+def test_sided_keeps_every_value_on_its_side_and_within_the_codes_error(values, bits, dtype, ends) -> None:
+    low, high = ends[0], ends[0] + ends[1]
+    x = torch.tensor(values, dtype=dtype).view(1, -1)
+    s = pack_quantized_sided(x, bits, low, high, group=64)
+    out, plain = s.unpack(), s.values.unpack()
+    assert out.dtype == dtype and out.shape == x.shape
+    assert s.nbytes == s.values.nbytes + math.ceil(x.numel() / 8)
+    inside = (x >= low) & (x <= high)
+    assert torch.equal((out >= low) & (out <= high), inside)
+    # inside, clamping into [low, high] only moves a decoded value towards x
+    assert bool(((out - x).abs() <= (plain - x).abs())[inside].all())
+
+
+def test_sided_refuses_an_empty_or_infinite_interval() -> None:
+    for low, high in [(3.0, 3.0), (1.0, -1.0), (-math.inf, 3.0)]:
+        with pytest.raises(ValueError, match="low < high"):
+            pack_quantized_sided(torch.zeros(1, 8), 8, low, high)

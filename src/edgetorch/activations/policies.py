@@ -10,7 +10,7 @@ import torch
 from ..codecs import FLOAT_DTYPES, pack_bitmap
 from ..codecs.bitmap import BitmapTensor, pack_bitmap_if_smaller, zero_limit_bits
 from ..codecs.mask import pack_mask
-from ..codecs.quantized import DEFAULT_GROUP, QuantizedTensor, check_bits, pack_quantized, quantize_values
+from ..codecs.quantized import check_bits, pack_quantized, pack_quantized_sided, quantize_values
 from ..codecs.topk import check_sparsity, pack_topk
 from .roles import EXACT, Need
 
@@ -131,18 +131,27 @@ _SAMPLE = 4096  # elements looked at to estimate the kept fraction
 _WORTHWHILE = 0.97  # pack when the estimate is at least 3% below dense (sampling error ~1.5%)
 _SCOPES = ("weights", "all")
 _QUANTIZED = {"int8": 8, "int4": 4, "int2": 2}  # the words for quantized storage in BackRazor
+# Elements per min/step pair when a policy quantizes: 64, not the codec's 128, costs 1/64 of a
+# float32 more (0.281x at 8 bits) and was what took MiniLM-L6's worst gradient cosine of a
+# parameter Back Razor leaves exact (a query bias) from 0.982 to 0.991 at 8 bits: transformer
+# activations have outlier channels whose range sets the step of every value in their group.
+POLICY_GROUP = 64
 
 
 @dataclass(frozen=True)
 class Quantized(Policy):
     """Every saved float tensor at ``bits`` bits, with a min and step per group of ``group``
     elements (:func:`edgetorch.codecs.pack_quantized`): the ActNN / GACT-style baseline, and
-    BitTrain's float16 option generalised. Lossy everywhere, ReLU masks and batch-norm inputs
-    included; see :func:`edgetorch.measure.gradient_fidelity` for how far gradients move.
+    BitTrain's float16 option generalised. Lossy everywhere (batch-norm, GELU, softmax and
+    attention inputs included) except where backward reads only a sign pattern: ReLU, ReLU6
+    and leaky ReLU keep their exact 1-bit mask, as in ActNN, since rounding a small positive
+    output to 0 closes its gradient (resnet50's input-gradient cosine was 0.92 at 8 bits with
+    quantized ReLU outputs), and a mask is smaller than any code. See
+    :func:`edgetorch.measure.gradient_fidelity` for how far gradients move.
 
     Args:
         bits: 8, 4 or 2.
-        group: elements per min/step pair, a multiple of 8 (smaller: more exact, more bytes).
+        group: elements per min/step pair, a multiple of 8 (default 64; smaller: more exact, more bytes).
         stochastic: round stochastically (unbiased gradients in expectation), drawing each
             tensor's seed from torch's global generator (so ``torch.manual_seed`` repeats it).
 
@@ -153,9 +162,10 @@ class Quantized(Policy):
     """
 
     name = "quantized"
+    needs_roles = True
     narrows_integers = True
     bits: int = 8
-    group: int = DEFAULT_GROUP
+    group: int = POLICY_GROUP
     stochastic: bool = False
 
     def __post_init__(self) -> None:
@@ -165,13 +175,28 @@ class Quantized(Policy):
         if not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic must be true or false; got {self.stochastic!r}")
 
-    def encode(self, t: torch.Tensor, need: Need = EXACT) -> QuantizedTensor:
-        return _quantize(t, self.bits, self.group, self.stochastic)
+    def form(self, need: Need) -> str:
+        if need.kind in ("mask", "shape"):
+            return _exact_form(need)
+        return f"int{self.bits}"
+
+    def encode(self, t: torch.Tensor, need: Need = EXACT):
+        if need.kind == "mask":
+            return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
+        return _quantize(t, need, self.bits, self.group, self.stochastic)
 
 
-def _quantize(t: torch.Tensor, bits: int, group: int = DEFAULT_GROUP, stochastic: bool = False) -> QuantizedTensor:
+def _exact_form(need: Need) -> str:
+    """The form of a need that is stored exactly for what backward reads of it: a 1-bit mask of
+    the interval, or nothing but the shape."""
+    return f"mask({need.low:g},{need.high:g})" if need.kind == "mask" else need.kind
+
+
+def _quantize(t: torch.Tensor, need: Need, bits: int, group: int = POLICY_GROUP, stochastic: bool = False):
     # The seed comes from the CPU generator even for a CUDA tensor: no device sync.
     seed = int(torch.randint(0, 2**32, (), dtype=torch.int64)) if stochastic else None
+    if need.kinks is not None:
+        return pack_quantized_sided(t, bits, *need.kinks, group=group, seed=seed)
     return pack_quantized(t, bits, group=group, seed=seed)
 
 
@@ -199,7 +224,7 @@ class BackRazor(Policy):
         exact: how the tensors kept exact by default are stored when their backward tolerates
             rounding (GELU/SiLU, LayerNorm, softmax and attention inputs, training batch norm's
             input: :attr:`~edgetorch.activations.roles.Need.quantizable`): None losslessly, or
-            ``"int8"`` / ``"int4"`` / ``"int2"`` quantized (8 bits: 0.27x of float32). ReLU keeps
+            ``"int8"`` / ``"int4"`` / ``"int2"`` quantized (8 bits: 0.28x of float32). ReLU keeps
             its exact 1-bit mask; fused attention's q, k and logsumexp stay lossless.
         values: ``"int8"`` (or int4/int2) stores the kept top-k values themselves quantized, the
             paper's "Back Razor + Mesa" row; None keeps them in ``value_dtype``.
@@ -245,7 +270,7 @@ class BackRazor(Policy):
         if need.kind == "exact" and need.prunable and self.scope == "all":
             return "prune"
         if need.kind == "mask":
-            return f"mask({need.low:g},{need.high:g})"
+            return _exact_form(need)
         if self.exact is not None and need.quantizable:
             return self.exact
         return need.kind
@@ -264,7 +289,7 @@ class BackRazor(Policy):
         if form.startswith("mask"):
             return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
         if form in _QUANTIZED:
-            return _quantize(t, _QUANTIZED[form])
+            return _quantize(t, need, _QUANTIZED[form])
         if not t.is_cpu:
             # Finding out whether a bitmap would be smaller takes a host sync per tensor, which
             # stalls a GPU forward; what Back Razor keeps exact (batch-norm, GELU and softmax

@@ -21,8 +21,11 @@ native_batch_norm, training               input                   ``exact``
 native_batch_norm, eval statistics        input                   ``shape`` if frozen
                                                                   (weight too), else ``exact``
 native_layer_norm, native_group_norm      input                   ``exact`` (prunable)
-gelu, silu, elu, softplus, mish,          input                   ``exact`` (prunable)
-hardswish, hardsigmoid
+gelu, silu, elu, softplus, mish           input                   ``exact`` (prunable)
+hardswish                                 input                   ``exact`` (prunable); a
+                                                                  rounded copy keeps each value's
+                                                                  side of [-3, 3] (its kinks)
+hardsigmoid                               input                   ``mask`` -3 < v < 3
 sigmoid, tanh, softmax, log_softmax       output                  ``exact`` (prunable)
 fused attention (SDPA flash / efficient   v, output               ``exact`` (prunable)
 / cuDNN)                                  q, k, logsumexp         ``exact``
@@ -68,6 +71,9 @@ class Need:
         inside, outside: stand-in values a mask reads back (see :func:`edgetorch.codecs.mask.pack_mask`).
         prunable: an ``exact`` need that ``BackRazor(scope="all")`` prunes anyway.
         rounds: an ``exact`` need that tolerates rounding but not pruning (:attr:`quantizable`).
+        kinks: ``(low, high)`` where backward's slope jumps (hardswish's -3 and 3): a rounded copy
+            must keep each value's side of ``[low, high]`` exact
+            (:func:`edgetorch.codecs.pack_quantized_sided`).
         op: the ATen op that saved the tensor, for the ledger.
         bound: for an integer tensor, a known bound on its values (max pooling's indices lie in
             [0, plane size)), so it can be narrowed without reading its range back.
@@ -82,6 +88,7 @@ class Need:
     op: str = "?"
     bound: int | None = None
     rounds: bool = False
+    kinks: tuple[float, float] | None = None
 
     @property
     def quantizable(self) -> bool:
@@ -105,7 +112,9 @@ _BATCH_NORMS = {
     "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
     "cudnn_batch_norm", "miopen_batch_norm",
 }
-_SMOOTH = ("gelu", "silu", "elu", "softplus", "mish", "hardswish", "hardsigmoid")
+_SMOOTH = ("gelu", "silu", "elu", "softplus", "mish", "hardswish")
+# hardswish's slope jumps at -3 and 3 (0 | x/3 + 1/2 | 1): rounding must not move a value across.
+_KINKS = {"hardswish": (-3.0, 3.0), "hardswish_": (-3.0, 3.0)}
 # In-place variants too (torchvision builds EfficientNet's SiLU with inplace=True): autograd saves
 # a clone of the input made just before the op, resolved with the op's own need.
 _PRUNABLE_INPUTS = {"native_layer_norm", "native_group_norm", *_SMOOTH, *(f"{op}_" for op in _SMOOTH)}
@@ -189,8 +198,10 @@ def input_need(op: str, t: torch.Tensor, args: tuple, kwargs: dict, is_param: Ca
         # up. Only v (argument 2 of every fused kernel) may be pruned. Rounding q and k by a
         # small step moves each score by a bounded amount, so exp() moves by a bounded factor.
         return Need("exact", prunable=len(args) > 2 and _same(args[2], t), op=op, rounds=True)
+    if op in ("hardsigmoid", "hardsigmoid_"):  # slope 1/6 inside (-3, 3), 0 outside: a mask is exact
+        return _interval(-3.0, 3.0, op)
     if op in _PRUNABLE_INPUTS:
-        return Need("exact", prunable=True, op=op)
+        return Need("exact", prunable=True, op=op, kinks=_KINKS.get(op))
     return Need("exact", op=op)
 
 

@@ -1,7 +1,8 @@
 """How one tensor is stored: exact byte accounting, lossless and lossy codecs, CPU and GPU paths."""
 
 from .bitmap import FLOAT_DTYPES, BitmapTensor, pack_bitmap
-from .quantized import QuantizedTensor, QuantizedValues, pack_quantized, quantize_values
+from .quantized import (QuantizedTensor, QuantizedValues, SidedQuantizedTensor, pack_quantized, pack_quantized_sided,
+                        quantize_values)
 
-__all__ = ["BitmapTensor", "FLOAT_DTYPES", "QuantizedTensor", "QuantizedValues", "pack_bitmap", "pack_quantized",
-           "quantize_values"]
+__all__ = ["BitmapTensor", "FLOAT_DTYPES", "QuantizedTensor", "QuantizedValues", "SidedQuantizedTensor", "pack_bitmap",
+           "pack_quantized", "pack_quantized_sided", "quantize_values"]
