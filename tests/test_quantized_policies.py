@@ -194,7 +194,8 @@ def test_values_int8_holds_the_kept_values_quantized():
 
 def test_encode_returns_the_quantized_codecs():
     x = torch.randn(4, 1000)
-    assert isinstance(et.Quantized(4).encode(x), QuantizedTensor)
+    assert isinstance(et.Quantized(4).encode(x, et.activations.roles.Need("exact", op="gelu")), QuantizedTensor)
+    assert not isinstance(et.Quantized(4).encode(x), QuantizedTensor)  # no op known: kept lossless
     kept = et.BackRazor(0.9, values="int8").encode(x, et.activations.roles.Need("prune"))
     assert isinstance(kept, QuantizedValues) and kept.nnz == 4 * 100
 
@@ -235,3 +236,22 @@ def test_retain_graph_decodes_the_same_gradients_twice():
         loss = model(x).sum()
     first = torch.autograd.grad(loss, x, retain_graph=True)[0]
     assert torch.equal(first, torch.autograd.grad(loss, x)[0])
+
+
+def test_checkpointed_segment_inputs_stay_exact_under_quantized():
+    # A rounded segment input would be carried through the whole recomputed segment: resnet50
+    # with checkpointed stages had an input-gradient cosine of 0.987 at 8 bits. Segment inputs
+    # (saved by checkpointing, no ATen op) stay lossless; inside the segments, ReLU masks are
+    # exact and only weight gradients read rounded copies, so the input gradient is exact.
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()) for _ in range(4)))
+    x = torch.randn(2, 8, 12, 12, requires_grad=True)
+    blocks(x).square().sum().backward()
+    dx0, g0 = x.grad.clone(), [p.grad.clone() for p in blocks.parameters()]
+    x.grad = None
+    blocks.zero_grad()
+    ledger = et.SavedTensorLedger()
+    et.CheckpointEvery(blocks, every=2, policy=et.Quantized(8), ledger=ledger)(x).square().sum().backward()
+    assert torch.equal(x.grad, dx0)
+    assert worst_cosine(dict(enumerate(g0)), dict(enumerate(p.grad for p in blocks.parameters()))) > 0.999
+    assert {("?", "exact"), ("convolution", "int8")} <= {(r.op, r.form) for r in ledger.records}

@@ -59,6 +59,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+UNKNOWN_OP = "?"  # saved by no ATen op the engine saw (a custom autograd Function, checkpointing)
+
+
 @dataclass(frozen=True)
 class Need:
     """What backward reads of one saved tensor.
@@ -85,7 +88,7 @@ class Need:
     inside: float = 1.0
     outside: float = 0.0
     prunable: bool = False
-    op: str = "?"
+    op: str = UNKNOWN_OP
     bound: int | None = None
     rounds: bool = False
     kinks: tuple[float, float] | None = None
