@@ -220,10 +220,11 @@ def test_sided_keeps_every_value_on_its_side_and_within_the_codes_error(values, 
     out, plain = s.unpack(), s.values.unpack()
     assert out.dtype == dtype and out.shape == x.shape
     assert s.nbytes == s.values.nbytes + math.ceil(x.numel() / 8)
-    inside = (x >= low) & (x <= high)
-    assert torch.equal((out >= low) & (out <= high), inside)
-    # inside, clamping into [low, high] only moves a decoded value towards x
+    inside = (x > low) & (x < high)
+    assert torch.equal((out > low) & (out < high), inside)
+    # inside, keeping a decoded value inside only moves it towards x; outside, only the end is read
     assert bool(((out - x).abs() <= (plain - x).abs())[inside].all())
+    assert bool((out[~inside] == torch.where(x[~inside] >= high, high, low).to(dtype)).all())
 
 
 def test_sided_refuses_an_empty_or_infinite_interval() -> None:

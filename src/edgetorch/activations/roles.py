@@ -24,7 +24,7 @@ native_layer_norm, native_group_norm      input                   ``exact`` (pru
 gelu, silu, elu, softplus, mish           input                   ``exact`` (prunable)
 hardswish                                 input                   ``exact`` (prunable); a
                                                                   rounded copy keeps each value's
-                                                                  side of [-3, 3] (its kinks)
+                                                                  side of its kinks at -3, 3
 hardsigmoid                               input                   ``mask`` -3 < v < 3
 sigmoid, tanh, softmax, log_softmax       output                  ``exact`` (prunable)
 fused attention (SDPA flash / efficient   v, output               ``exact`` (prunable)
@@ -75,7 +75,7 @@ class Need:
         prunable: an ``exact`` need that ``BackRazor(scope="all")`` prunes anyway.
         rounds: an ``exact`` need that tolerates rounding but not pruning (:attr:`quantizable`).
         kinks: ``(low, high)`` where backward's slope jumps (hardswish's -3 and 3): a rounded copy
-            must keep each value's side of ``[low, high]`` exact
+            must keep exact which piece each value was on: below, inside ``(low, high)`` or above
             (:func:`edgetorch.codecs.pack_quantized_sided`).
         op: the ATen op that saved the tensor, for the ledger.
         bound: for an integer tensor, a known bound on its values (max pooling's indices lie in

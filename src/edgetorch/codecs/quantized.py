@@ -311,17 +311,18 @@ def quantize_values(packed, bits: int = 8, *, group: int = DEFAULT_GROUP) -> Qua
 
 @dataclass(frozen=True, eq=False)
 class SidedQuantizedTensor:
-    """Quantized values whose side of a closed interval ``[low, high]`` is kept exactly.
+    """Quantized values whose side of an open interval ``(low, high)`` is kept exactly.
 
     The backward of a function with kinks at ``low`` and ``high`` (hardswish at -3 and 3: slope 0
-    below, x/3 + 1/2 inside, 1 above) reads which piece each input was on; rounding a value
-    across a kink changes its derivative by a jump (0.5 for hardswish), which cost
-    mobilenet_v3_small's 8-bit input gradient a cosine of 0.997. One exact bit per element
-    settles the piece; the codes give the value within it.
+    below, x/3 + 1/2 inside, 1 above; torch's CPU kernel counts -3 and 3 themselves as outside)
+    reads which piece each input was on; rounding a value across a kink changes its derivative by
+    a jump (0.5 for hardswish), which cost mobilenet_v3_small's 8-bit input gradient a cosine of
+    0.997. One exact bit per element settles the piece; the codes give the value within it, and
+    spend their range only there: outside, a value is read back as the nearer end.
 
     Attributes:
-        values: the :class:`QuantizedTensor`.
-        inside: ``uint8`` bitmap, bit set where ``low <= x <= high`` (as :mod:`~edgetorch.codecs.mask`).
+        values: the :class:`QuantizedTensor` of the input clamped into ``[low, high]``.
+        inside: ``uint8`` bitmap, bit set where ``low < x < high`` (as :mod:`~edgetorch.codecs.mask`).
         low, high: the interval.
     """
 
@@ -339,23 +340,23 @@ class SidedQuantizedTensor:
         return self.values.nbytes + self.inside.numel()
 
     def unpack(self) -> torch.Tensor:
-        """The decoded values, each moved onto its own side: clamped into ``[low, high]`` where it
-        was inside, and strictly beyond the nearer end (taken from the decoded value) elsewhere."""
+        """Inside: the decoded value, kept strictly inside ``(low, high)``. Outside: ``low`` or
+        ``high``, whichever end the decoded value is nearer."""
         q = self.values.unpack()
         inside = unpack_bits(self.inside, q.numel()).view(q.shape)
         low, high = torch.tensor([self.low, self.high], dtype=q.dtype, device=q.device)
-        below, above = torch.nextafter(low, -low.new_tensor(float("inf"))), torch.nextafter(high, high.new_tensor(float("inf")))
-        outside = torch.where(q > (low + high) / 2, torch.maximum(q, above), torch.minimum(q, below))
-        return torch.where(inside, q.clamp(low, high), outside)
+        inner_low, inner_high = torch.nextafter(low, high), torch.nextafter(high, low)
+        return torch.where(inside, q.clamp(inner_low, inner_high), torch.where(q > (low + high) / 2, high, low))
 
 
 def pack_quantized_sided(t: torch.Tensor, bits: int, low: float, high: float, *, group: int = DEFAULT_GROUP,
                          seed: int | None = None) -> SidedQuantizedTensor:
-    """:func:`pack_quantized` plus one exact bit per element: whether it lay in ``[low, high]``.
+    """:func:`pack_quantized` of ``t`` clamped into ``[low, high]``, plus one exact bit per element:
+    whether it lay in the open interval ``(low, high)``.
 
     Args:
         t, bits, group, seed: as :func:`pack_quantized` (one row per sample).
-        low, high: the closed interval, ``low < high``, both finite.
+        low, high: the interval, ``low < high``, both finite.
 
     Returns:
         A :class:`SidedQuantizedTensor`: ``bits + 1`` bits per element plus the group ranges.
@@ -363,15 +364,13 @@ def pack_quantized_sided(t: torch.Tensor, bits: int, low: float, high: float, *,
     Example:
         >>> x = torch.tensor([[-3.01, -2.99, 2.999, 3.001] * 32])
         >>> y = pack_quantized_sided(x, 2, -3.0, 3.0).unpack()
-        >>> bool((((y >= -3) & (y <= 3)) == ((x >= -3) & (x <= 3))).all())
+        >>> bool((((y > -3) & (y < 3)) == ((x > -3) & (x < 3))).all())
         True
     """
     if not (isinstance(low, (int, float)) and isinstance(high, (int, float)) and -float("inf") < low < high < float("inf")):
         raise ValueError(f"low < high must be finite numbers; got low={low!r}, high={high!r}")
-    values = pack_quantized(t, bits, group=group, seed=seed)
-    # The closed interval as the open one the mask codec tests, widened by one step of t's dtype.
-    ends = torch.tensor([low, high], dtype=t.dtype)
-    open_low = float(torch.nextafter(ends[0], ends.new_tensor(-float("inf"))))
-    open_high = float(torch.nextafter(ends[1], ends.new_tensor(float("inf"))))
-    inside = pack_mask(t, open_low, open_high, inside=(low + high) / 2).bitmap
+    # Outside the interval only the side is read back, so the codes spend their range on the
+    # inside: a group's step comes from its values clamped into [low, high], not from outliers.
+    values = pack_quantized(t.clamp(low, high), bits, group=group, seed=seed)
+    inside = pack_mask(t, low, high, inside=(low + high) / 2).bitmap
     return SidedQuantizedTensor(values, inside, float(low), float(high))
