@@ -255,3 +255,27 @@ def test_checkpointed_segment_inputs_stay_exact_under_quantized():
     assert torch.equal(x.grad, dx0)
     assert worst_cosine(dict(enumerate(g0)), dict(enumerate(p.grad for p in blocks.parameters()))) > 0.999
     assert {("?", "exact"), ("convolution", "int8")} <= {(r.op, r.form) for r in ledger.records}
+
+
+class HardswishAndLinearShareAnInput(nn.Module):
+    """One tensor read by hardswish (which needs only its piece outside (-3, 3)) and by a Linear
+    (whose weight gradient needs its values): a clamped, sided copy must not serve the Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 32), nn.Linear(32, 3), nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.head(F.hardswish(h)) + self.b(h)
+
+
+@pytest.mark.parametrize("policy", [et.Quantized(8), et.BackRazor(0.5, exact="int8")])
+def test_a_sided_copy_never_serves_a_need_for_the_values(policy):
+    torch.manual_seed(0)
+    model, x, y = HardswishAndLinearShareAnInput(), 6 * torch.randn(512, 8), torch.arange(512) % 3
+    ledger = et.SavedTensorLedger()
+    (_, _, g0), (_, _, g1) = compare(model, x, y, policy, ledger)
+    assert ("hardswish", "int8-sided(-3,3)") in {(r.op, r.form) for r in ledger.records}
+    # b's weight gradient reads h: rounded at 8 bits it stays close; clamped into (-3, 3) it would not
+    assert cosine(g0["b.weight"], g1["b.weight"]) > (0.999 if isinstance(policy, et.Quantized) else 0.8)

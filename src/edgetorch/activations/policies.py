@@ -143,11 +143,13 @@ class Quantized(Policy):
     """Every saved float tensor at ``bits`` bits, with a min and step per group of ``group``
     elements (:func:`edgetorch.codecs.pack_quantized`): the ActNN / GACT-style baseline, and
     BitTrain's float16 option generalised. Lossy everywhere (batch-norm, GELU, softmax and
-    attention inputs included) except where backward reads only a sign pattern: ReLU, ReLU6
-    and leaky ReLU keep their exact 1-bit mask, as in ActNN, since rounding a small positive
-    output to 0 closes its gradient (resnet50's input-gradient cosine was 0.92 at 8 bits with
-    quantized ReLU outputs), and a mask is smaller than any code. See
-    :func:`edgetorch.measure.gradient_fidelity` for how far gradients move.
+    attention inputs included) except where backward reads only a sign pattern: ReLU, ReLU6,
+    leaky ReLU and hardsigmoid keep their exact 1-bit mask, as in ActNN, since rounding a small
+    positive output to 0 closes its gradient (resnet50's input-gradient cosine was 0.92 at 8 bits
+    with quantized ReLU outputs), and a mask is smaller than any code; hardswish's copy keeps the
+    piece of each value exact; tensors saved by no ATen op (checkpointing, custom autograd
+    Functions) stay lossless. See :func:`edgetorch.measure.gradient_fidelity` for how far
+    gradients move.
 
     Args:
         bits: 8, 4 or 2.
@@ -183,7 +185,7 @@ class Quantized(Policy):
             # segment inputs, whose rounding the recomputed forward would carry through a whole
             # segment (resnet50 with checkpointed stages: input-gradient cosine 0.987 at 8 bits).
             return "exact"
-        return f"int{self.bits}"
+        return _quantized_form(f"int{self.bits}", need)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         form = self.form(need)
@@ -192,6 +194,13 @@ class Quantized(Policy):
         if form == "exact":
             return _lossless(t)
         return _quantize(t, need, self.bits, self.group, self.stochastic)
+
+
+def _quantized_form(word: str, need: Need) -> str:
+    """``int8`` etc.; a copy that keeps only the piece of its values outside a kinked need's
+    interval (:func:`~edgetorch.codecs.pack_quantized_sided`) is another form, so the engine never
+    lets it serve an op that reads the values (a Linear's weight gradient on the same tensor)."""
+    return word if need.kinks is None else f"{word}-sided({need.kinks[0]:g},{need.kinks[1]:g})"
 
 
 def _exact_form(need: Need) -> str:
@@ -280,7 +289,7 @@ class BackRazor(Policy):
         if need.kind == "mask":
             return _exact_form(need)
         if self.exact is not None and need.quantizable:
-            return self.exact
+            return _quantized_form(self.exact, need)
         return need.kind
 
     def covers(self, held: str, wanted: str) -> bool:
@@ -296,8 +305,8 @@ class BackRazor(Policy):
             return kept if self.values is None else quantize_values(kept, _QUANTIZED[self.values])
         if form.startswith("mask"):
             return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
-        if form in _QUANTIZED:
-            return _quantize(t, need, _QUANTIZED[form])
+        if (word := form.partition("-")[0]) in _QUANTIZED:
+            return _quantize(t, need, _QUANTIZED[word])
         return _lossless(t)
 
 
