@@ -263,6 +263,7 @@ class compress_activations(contextlib.ContextDecorator):
         self._check_can_act()
         self._external = _model_storages(self.model) | self._keep
         self._inputs: set[int] = set()
+        self._batch: int | None = None  # the model input's first extent: samples, for per-sample rows
         self._table: dict[tuple, list[weakref.ref]] = {}
         self._stack: list[tuple[str, str]] = [("", type(self.model).__name__)]
         self._forward_with_grad = False
@@ -342,6 +343,7 @@ class compress_activations(contextlib.ContextDecorator):
     def _note_inputs(self, module, args, kwargs):
         leaves, _ = tree_flatten((args, kwargs))
         self._inputs = {x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor)}
+        self._batch = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim()), None)
         self._forward_with_grad |= torch.is_grad_enabled()
 
     def _enter_module(self, module, args) -> None:
@@ -436,7 +438,13 @@ class compress_activations(contextlib.ContextDecorator):
             rep = _SHAPE
         else:
             floating = region.dtype in _FLOATS
-            rep = self.policy.encode(region.view(rows, -1), need) if floating else pack_narrow(region, need.bound)
+            split = self.policy.per_sample(form) and _sample_split(t, entry, self._batch, module[1] == "MultiheadAttention")
+            if not floating:
+                rep = pack_narrow(region, need.bound)
+            elif split:
+                rep = _encode_per_sample(self.policy, region, *split, need)
+            else:
+                rep = self.policy.encode(region.view(rows, -1), need)
             region_bytes = region.numel() * region.element_size()
             if rep is None or rep.nbytes >= region_bytes:
                 # Never worse than plain PyTorch: what does not compress is held as it is (a
@@ -530,6 +538,64 @@ def _rows(t: torch.Tensor, entry: _Entry) -> int:
     outer = max(range(t.dim()), key=lambda d: (t.stride(d), -d))
     n = t.shape[outer]
     return n if n > 0 and (entry.hi - entry.lo) % n == 0 else 1
+
+
+def _sample_split(t: torch.Tensor, entry: _Entry, batch: int | None,
+                  token_major: bool) -> tuple[tuple[int, ...], int] | None:
+    """The region of ``t`` as a shape in memory order and the position of the sample dimension
+    in it, for a policy that selects per sample; None where the layout does not say.
+
+    A Linear on ``(batch, tokens, features)`` saves a ``[batch x tokens, features]`` matrix
+    (samples outermost); torch's ``nn.MultiheadAttention`` computes in ``(tokens, batch,
+    features)`` order (``token_major``), so there a sample's rows are every ``batch``-th row.
+    A dimension of the batch's extent further in (fused attention's q, k, v laid out
+    ``(tokens, batch x heads, ...)``) is taken as the samples.
+    """
+    if not batch or entry.gathered is not None or entry.hi - entry.lo != t.numel() or entry.lo != t.storage_offset():
+        return None
+    dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: -t.stride(d))
+    shape = [t.shape[d] for d in dims]
+    if not shape:
+        return None
+    if shape[0] == batch:
+        return tuple(shape), 0
+    if shape[0] % batch == 0:
+        outer = (shape[0] // batch, batch) if token_major else (batch, shape[0] // batch)
+        return (*outer, *shape[1:]), int(token_major)
+    if batch in shape:
+        return tuple(shape), shape.index(batch)
+    return None
+
+
+def _encode_per_sample(policy, region: torch.Tensor, shape: tuple[int, ...], position: int, need: Need):
+    """Encode ``region`` (in memory order, ``shape``) one row per sample, the samples at
+    ``position``: in place when they are outermost, else from a copy that gathers them."""
+    if position == 0:
+        return policy.encode(region.view(shape[0], -1), need)
+    moved = region.view(shape).movedim(position, 0)
+    rep = policy.encode(moved.reshape(shape[position], -1), need)
+    return None if rep is None else _SampleMajor(rep, tuple(moved.shape), position)
+
+
+class _SampleMajor:
+    """A form encoded from a copy with the samples gathered outermost; decodes to the region's
+    own order (one more copy at decode, the price of per-sample rows in a token-major layout)."""
+
+    __slots__ = ("rep", "shape", "position")
+
+    def __init__(self, rep, shape: tuple[int, ...], position: int):
+        self.rep, self.shape, self.position = rep, shape, position
+
+    @property
+    def nbytes(self) -> int:
+        return self.rep.nbytes
+
+    @property
+    def nnz(self) -> int:
+        return self.rep.nnz
+
+    def unpack(self) -> torch.Tensor:
+        return self.rep.unpack().reshape(self.shape).movedim(0, self.position).reshape(-1)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

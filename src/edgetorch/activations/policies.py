@@ -43,6 +43,12 @@ class Policy:
         """The stored form for ``need``; the default stores every tensor one (exact) way."""
         return "exact"
 
+    def per_sample(self, form: str) -> bool:
+        """Whether ``encode`` should see form ``form`` of a tensor as one row per sample even
+        where the saved tensor's rows are tokens (the engine then regroups them); by default
+        rows are the saved tensor's outermost dimension in memory."""
+        return False
+
     def covers(self, held: str, wanted: str) -> bool:
         """Whether a tensor held in form ``held`` may serve an op that wants form ``wanted``
         (then it is stored once, in ``held``). An exact form serves every need."""
@@ -130,6 +136,7 @@ class Bitmap(Policy):
 _SAMPLE = 4096  # elements looked at to estimate the kept fraction
 _WORTHWHILE = 0.97  # pack when the estimate is at least 3% below dense (sampling error ~1.5%)
 _SCOPES = ("weights", "all")
+_ROWS = ("token", "sample")  # what one top-k selection spans (BackRazor.rows)
 _QUANTIZED = {"int8": 8, "int4": 4, "int2": 2}  # the words for quantized storage in BackRazor
 # Elements per min/step pair when a policy quantizes: 64, not the codec's 128, costs 1/64 of a
 # float32 more (0.281x at 8 bits) and was what took MiniLM-L6's worst gradient cosine of a
@@ -245,6 +252,10 @@ class BackRazor(Policy):
             its exact 1-bit mask; fused attention's q, k and logsumexp stay lossless.
         values: ``"int8"`` (or int4/int2) stores the kept top-k values themselves quantized, the
             paper's "Back Razor + Mesa" row; None keeps them in ``value_dtype``.
+        rows: what one top-k selection spans when a layer flattens samples into rows (a Linear
+            on ``(batch, tokens, features)`` saves a ``[batch x tokens, features]`` matrix):
+            ``"token"`` keeps the top-k of each row, ``"sample"`` of all a sample's rows together,
+            as the paper's code does. Batch-first tensors (a CNN's) are per sample either way.
 
     Example:
         >>> with edgetorch.compress_activations(model, edgetorch.BackRazor(0.9)):
@@ -260,6 +271,7 @@ class BackRazor(Policy):
     scope: str = "weights"
     exact: str | None = None
     values: str | None = None
+    rows: str = "token"
 
     def __post_init__(self) -> None:
         check_sparsity(self.sparsity)
@@ -270,6 +282,8 @@ class BackRazor(Policy):
             )
         if self.scope not in _SCOPES:
             raise ValueError(f"scope must be one of {', '.join(_SCOPES)}; got {self.scope!r}")
+        if self.rows not in _ROWS:
+            raise ValueError(f"rows must be one of {', '.join(_ROWS)}; got {self.rows!r}")
         for key in ("exact", "values"):
             if getattr(self, key) is not None and getattr(self, key) not in _QUANTIZED:
                 raise ValueError(f"{key} must be None or one of {', '.join(_QUANTIZED)}; got {getattr(self, key)!r}")
@@ -291,6 +305,9 @@ class BackRazor(Policy):
         if self.exact is not None and need.quantizable:
             return _quantized_form(self.exact, need)
         return need.kind
+
+    def per_sample(self, form: str) -> bool:
+        return form == "prune" and self.rows == "sample"
 
     def covers(self, held: str, wanted: str) -> bool:
         """A quantized copy also serves the weight gradients that want a top-k copy: it is more
@@ -364,7 +381,7 @@ def parse_policy(spec: str) -> Policy:
 
 
 def _parse_value(key: str, value: str):
-    if key == "scope":
+    if key in ("scope", "rows"):
         return value
     if key in ("exact", "values"):
         return None if value.lower() in ("none", "lossless", "") else value.lower()
