@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 from _common import machine, machine_line, table, write_results
-from quantized_memory import BATCH, RESOLUTION, minilm_batch, photo_batch
+from quantized_memory import BATCH, RESOLUTION, minilm_batch, photo_batch, random_model
 
 import edgetorch
 
@@ -69,7 +69,7 @@ def main() -> None:
     x, y = photo_batch(BATCH), torch.arange(BATCH) % 10
     for name, model_spec in MODELS.items():
         torch.manual_seed(0)
-        model = edgetorch.build_model(model_spec, num_classes=10).train()
+        model = random_model(model_spec)
         results[name] = study(name, model, x, y, log)
         del model
     model, ids, labels = minilm_batch()

@@ -46,6 +46,7 @@ import edgetorch
 from edgetorch.activations.profile import profile_policies
 from edgetorch.activations.step import forward_backward, parse_training_policy, step_ledger
 from edgetorch.measure.process import HONEST_MALLOC_ENV, held_bytes, peak_bytes, reset_peak
+from edgetorch.zoo import redraw_zero_weights
 
 BATCH, RESOLUTION, MINILM_SEQ = 4, 224, 128
 POLICIES = [
@@ -102,6 +103,12 @@ def photo_batch(n: int) -> torch.Tensor:
     mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
     std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
     return (torch.stack(crops) - mean) / std
+
+
+def random_model(spec: str, num_classes: int = 10) -> nn.Module:
+    """``spec`` at random init in train mode, with zero-initialised heads drawn at random (a
+    zero head blocks every gradient the fidelity columns compare)."""
+    return redraw_zero_weights(edgetorch.build_model(spec, num_classes=num_classes).train())
 
 
 def fidelity_record(fid: edgetorch.GradientFidelity) -> dict:
@@ -161,7 +168,7 @@ def vision(log) -> list[dict]:
     rows = []
     for name, (spec, frozen, combos) in MODELS.items():
         torch.manual_seed(0)
-        model = edgetorch.build_model(spec, num_classes=10).train()
+        model = random_model(spec)
         if frozen:
             edgetorch.freeze_batchnorm(model)
         specs = POLICIES + (CHECKPOINTED if combos else [])

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -84,6 +85,26 @@ def test_biases_a_training_batch_norm_cancels_are_listed_but_not_counted():
     assert negligible == {"0.bias", "4.bias"}  # rounding noise around an exact zero
     counted = [r for r in fid.parameters if not r.negligible]
     assert fid.worst_cosine == min(r.cosine for r in counted) and 0.5 < fid.worst_cosine < 1
+
+
+def test_a_zero_initialised_head_that_blocks_the_gradients_is_told_and_can_be_redrawn():
+    import torchvision
+
+    from edgetorch.zoo import redraw_zero_weights
+
+    torch.manual_seed(0)
+    vit = torchvision.models.VisionTransformer(32, 8, num_layers=1, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=3)
+    batch = (torch.randn(2, 3, 32, 32), torch.tensor([0, 2]))
+    with pytest.warns(UserWarning, match=r"of \d+ parameter gradients are zero or negligible.*ViT head"):
+        fid = et.gradient_fidelity(vit, batch, "backrazor:sparsity=0.9")
+    assert sum(not r.negligible for r in fid.parameters) <= 2  # the head alone
+    bias = vit.heads.head.bias.clone()
+    redraw_zero_weights(vit)
+    assert vit.heads.head.weight.any() and torch.equal(vit.heads.head.bias, bias)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fid = et.gradient_fidelity(vit, batch, "backrazor:sparsity=0.9")
+    assert all(not r.negligible for r in fid.parameters) and fid.input.cosine == 1.0
 
 
 def test_a_policy_that_draws_random_numbers_shifts_dropout_and_is_told():

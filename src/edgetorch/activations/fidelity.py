@@ -199,6 +199,11 @@ def gradient_fidelity(
     rows = [_compare(name, under[1][name], g) for name, g in reference[1].items()]
     scale = max((r.reference_norm for r in rows), default=0.0)
     rows = [dataclasses.replace(r, negligible=r.reference_norm <= NEGLIGIBLE * scale) for r in rows]
+    if 2 * (quiet := sum(r.negligible for r in rows)) > len(rows):
+        warnings.warn(f"{quiet} of {len(rows)} parameter gradients are zero or negligible in plain PyTorch on this "
+                      "batch, so the comparison says little about the model: a zero-initialised layer (torchvision's "
+                      "ViT head, at random init) blocks every gradient behind it. Compare on a trained model, or "
+                      "draw such a layer at random first", stacklevel=2)
     floating = x.is_floating_point()
     return GradientFidelity(
         policy=how.spec(),

@@ -109,12 +109,14 @@ def profile_policies(
 
 def profile_one(request: ProfileRequest) -> dict:
     """Run the warm-up and the measured step in this process (call it in a fresh one)."""
-    from ..zoo import build_model, input_channels
+    from ..zoo import build_model, input_channels, redraw_zero_weights
 
     torch.manual_seed(request.seed)
     device = torch.device(request.device)
     how = parse_training_policy(request.policy)
     model = build_model(request.model, num_classes=request.num_classes).to(device).train()
+    if request.fidelity:  # a zero-initialised head would block every gradient the comparison reads
+        redraw_zero_weights(model)
     if request.freeze_batchnorm:
         freeze_batchnorm(model)
     channels = request.channels or input_channels(model)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .models import MLP, PlainCNN, SmallResNet
@@ -101,6 +102,30 @@ def _resolve_factory(spec: str, module_name: str, attr_path: str) -> Callable[..
     if not callable(obj):
         raise ValueError(f"model spec {spec!r}: {attr_path!r} is not callable")
     return obj
+
+
+def redraw_zero_weights(model: nn.Module, std: float = 0.02) -> nn.Module:
+    """Draw every all-zero weight matrix of a randomly initialised model from N(0, std^2), in place.
+
+    Some builders zero-initialise a layer meant to be fine-tuned after a pretrained body
+    (torchvision's ViT heads): at random init no gradient then reaches the rest of the model, so a
+    gradient measurement on it sees that one layer. Biases and vectors are left alone.
+
+    Args:
+        model: a model at random init (a trained one has no all-zero weight matrices to redraw).
+        std: standard deviation of the draw (0.02, a transformer's usual init).
+
+    Returns:
+        ``model``.
+
+    Example:
+        >>> model = redraw_zero_weights(build_model("torchvision:vit_b_16", num_classes=10))
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 and not p.any():
+                nn.init.normal_(p, std=std)
+    return model
 
 
 def build_model(
