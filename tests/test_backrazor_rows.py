@@ -118,6 +118,25 @@ def test_per_sample_rows_keep_forward_and_decode_to_the_same_layout(scope):
         torch.testing.assert_close(exact[2][name], g, rtol=0, atol=0, msg=name)
 
 
+def test_both_rows_keep_the_same_share_of_values():
+    torch.manual_seed(0)
+    vit, x = tiny_vit(), torch.randn(4, 3, 32, 32)
+    stored = {}
+    for rows in ("token", "sample"):
+        ledger = et.SavedTensorLedger()
+        with et.compress_activations(vit, et.BackRazor(0.9, rows=rows), ledger=ledger):
+            vit(x).sum().backward()
+        pruned = [r for r in ledger.records if r.form == "prune" and r.dense_bytes]
+        assert pruned and ledger.live_bytes == 0  # every stored form released after backward
+        stored[rows] = sum(r.nnz for r in pruned), sum(r.numel for r in pruned)
+    # each keeps 10% of its values, up to rounding each quota to whole values: a token's row of
+    # 64 features keeps 6 (9.4%), a sample's 17 x 64 keep 109 (10.0%)
+    nnz, numel = stored["sample"]
+    assert abs(nnz - 0.1 * numel) <= 0.001 * numel
+    nnz, numel = stored["token"]
+    assert abs(nnz - 0.1 * numel) <= 0.01 * numel
+
+
 def test_rows_spec_round_trips_and_bad_rows_are_named():
     p = et.parse_policy("backrazor:sparsity=0.9,rows=sample")
     assert p == et.BackRazor(0.9, rows="sample") and et.parse_policy(p.spec()) == p

@@ -581,7 +581,7 @@ class _SampleMajor:
     """A form encoded from a copy with the samples gathered outermost; decodes to the region's
     own order (one more copy at decode, the price of per-sample rows in a token-major layout)."""
 
-    __slots__ = ("rep", "shape", "position")
+    __slots__ = ("rep", "shape", "position", "__weakref__")
 
     def __init__(self, rep, shape: tuple[int, ...], position: int):
         self.rep, self.shape, self.position = rep, shape, position
