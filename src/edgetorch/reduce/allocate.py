@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .exact import solve_exact
+from .graph_exact import solve_graph_exact
+from .graph_problem import GraphProblem
 from .._checks import check_choice
 from .problem import cost_model_of, make_problem
 from .pso import PSOConfig, solve_pso
@@ -86,6 +88,51 @@ def solve_allocation(
     else:
         result = solve_exact(problem, time_limit)
         theta, gap = result.theta, result.proven_gap
+    seconds = time.perf_counter() - start
+    if not problem.feasible(theta):  # every solver must return a feasible point; never ship one that is not
+        raise AssertionError(f"the {allocation} allocation returned an infeasible choice {theta}")
+    return Allocation(theta, method, allocation, problem.objective(theta), problem.cost(theta),
+                      problem.total, seconds, gap)
+
+
+def solve_graph_allocation(
+    problem: GraphProblem,
+    method: str,
+    allocation: str = "optimal",
+    *,
+    seed: int = 0,
+    time_limit: float = 60.0,
+) -> Allocation:
+    """:func:`solve_allocation` for a channel graph (any CNN): one kept count per channel group.
+
+    Args:
+        problem: from :func:`edgetorch.reduce.graph_problem.make_graph_problem`.
+        method: the reduction method the curves belong to (``"prune"`` or ``"prune-ls"``).
+        allocation: one of :data:`ALLOCATIONS`; ``"optimal"`` is the exact solver of
+            :mod:`edgetorch.reduce.graph_exact` (its ``proven_gap`` is ``None`` where the graph
+            was too entangled for a bound, e.g. a DenseNet).
+        seed: PSO seed.
+        time_limit: the optimal allocation's time limit in seconds.
+
+    Returns:
+        The allocation record (``theta`` = kept channels per group).
+
+    Example:
+        >>> solve_graph_allocation(problem, "prune", "optimal").alpha >= problem.alpha
+        True
+    """
+    check_choice("allocation", allocation, ALLOCATIONS)
+    if cost_model_of(method) != "prune":
+        raise ValueError(f"method {method!r} is not a channel pruning method; a channel graph takes prune or prune-ls")
+    start = time.perf_counter()
+    gap = None
+    if allocation == "uniform":
+        theta = uniform_prune(problem)
+    elif allocation == "pso":
+        theta = solve_pso(problem, PSOConfig(seed=seed))
+    else:
+        result = solve_graph_exact(problem, time_limit, seed)
+        theta, gap = result.theta, (None if result.proven_gap != result.proven_gap else result.proven_gap)
     seconds = time.perf_counter() - start
     if not problem.feasible(theta):  # every solver must return a feasible point; never ship one that is not
         raise AssertionError(f"the {allocation} allocation returned an infeasible choice {theta}")

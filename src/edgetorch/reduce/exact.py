@@ -134,22 +134,35 @@ def _min_over_lines(intercepts: np.ndarray, slopes: np.ndarray, at: np.ndarray) 
     return intercepts[vertex] + slopes[vertex] * at
 
 
+def _raise_costs(problem: Problem, theta: list[int]) -> list[int]:
+    # The added multiplications of raising each coordinate by one (a channel-graph problem knows
+    # them in closed form; evaluating its cost once per coordinate and step dominated the solve).
+    if hasattr(problem, "raise_costs"):
+        return problem.raise_costs(theta)
+    base, extras = problem.cost(theta), []
+    for l in range(problem.layers):
+        theta[l] += 1
+        extras.append(problem.cost(theta) - base)
+        theta[l] -= 1
+    return extras
+
+
 def _fill(problem: Problem, theta: list[int]) -> list[int]:
     # Raise single coordinates while the budget allows and J drops (best drop per added cost).
     theta = list(theta)
+    cost = problem.cost(theta)
     while True:
-        base_cost, best, best_rate = problem.cost(theta), -1, 0.0
-        for l in range(problem.layers):
+        best, best_rate = -1, 0.0
+        for l, extra in enumerate(_raise_costs(problem, theta)):
             if theta[l] >= problem.upper[l]:
                 continue
-            theta[l] += 1
-            extra, gain = problem.cost(theta) - base_cost, problem.errors[l][theta[l] - 1] - problem.errors[l][theta[l]]
-            theta[l] -= 1
-            if problem.cost(theta) + extra <= problem.budget and gain > 0 and gain / max(extra, 1) > best_rate:
+            gain = problem.errors[l][theta[l]] - problem.errors[l][theta[l] + 1]
+            if cost + extra <= problem.budget and gain > 0 and gain / max(extra, 1) > best_rate:
                 best, best_rate = l, gain / max(extra, 1)
         if best < 0:
             return theta
         theta[best] += 1
+        cost = problem.cost(theta)
 
 
 def _dual(chain: _Chain) -> tuple[float, float, list[int]]:

@@ -47,7 +47,10 @@ def _interp(curves: tuple[np.ndarray, ...], points: np.ndarray) -> np.ndarray:
 
 def _relaxed_cost(problem: Problem, points: np.ndarray) -> np.ndarray:
     # Pruning: eq. 7's bilinear cost evaluated at real-valued widths. Low-rank: each layer's
-    # integer cost curve (factored, then dense at full rank) interpolated like J.
+    # integer cost curve (factored, then dense at full rank) interpolated like J. A channel-graph
+    # problem (graph_problem.py) evaluates its own polynomial.
+    if hasattr(problem, "relaxed_cost"):
+        return problem.relaxed_cost(points)
     if problem.cost_model == "prune":
         kept = np.concatenate([points, np.full((len(points), 1), float(problem.widths[-1]))], axis=1)
         return np.sum(np.asarray(problem.scales, dtype=np.float64) * kept[:, :-1] * kept[:, 1:], axis=1)

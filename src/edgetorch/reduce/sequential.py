@@ -192,6 +192,46 @@ def _units(layer: WeightLayer, module: nn.Module, x: torch.Tensor) -> torch.Tens
     return x.reshape(-1, layer.units_in, layer.group)
 
 
+class Moments:
+    """Running sums of one layer input seen as ``[samples, units, positions]``, for eq. 8-9.
+
+    Every position (an output pixel of a convolution, a tap of a flattened group) is a sample of
+    the unit vector, so the covariance is between units (channels); shared by the chain and the
+    channel-graph paths (:mod:`edgetorch.reduce.grouped`).
+    """
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None
+        self.outer: torch.Tensor | None = None
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate a batch ``[N, units, positions]`` (in float64)."""
+        x = x.double()
+        s, o = x.sum(0), torch.einsum("ncp,ndp->cd", x, x)
+        self.sums = s if self.sums is None else self.sums + s
+        self.outer = o if self.outer is None else self.outer + o
+        self.count += x.shape[0]
+
+    def finish(self, shared: bool) -> tuple[np.ndarray, np.ndarray]:
+        """``(means [units, positions or 1], covariance [units, units])`` (1/N normalisation, eq. 8).
+
+        Args:
+            shared: the consumer shares its weights over the positions (a convolution), so only a
+                channel mean is usable; otherwise (a Linear over a flattened group) each position
+                keeps its own mean.
+        """
+        positions = self.sums.shape[1]
+        mean = (self.sums / self.count).numpy()  # [units, positions]
+        if shared:
+            mean = mean.mean(axis=1, keepdims=True)
+            centre = np.outer(mean[:, 0], mean[:, 0])
+        else:
+            centre = mean @ mean.T / positions
+        cov = self.outer.numpy() / (self.count * positions) - centre
+        return mean, (cov + cov.T) / 2
+
+
 @dataclass(frozen=True)
 class InputStatistics:
     """Unit means and covariance of each weight layer's input over the calibration samples (eq. 8-9).
@@ -225,17 +265,11 @@ def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: in
     if not isinstance(calibration, torch.Tensor) or calibration.ndim < 2 or len(calibration) < 2:
         raise ValueError("calibration must be a tensor of at least 2 samples [N, ...]")
     layers = weight_layers(model, calibration)
-    sums: list[torch.Tensor | None] = [None] * len(layers)
-    outer: list[torch.Tensor | None] = [None] * len(layers)
-    counts = [0] * len(layers)
+    moments = [Moments() for _ in layers]
 
     def hook(position: int):
         def record(module, inputs):
-            x = _units(layers[position], module, inputs[0]).double()
-            s, o = x.sum(0), torch.einsum("ncp,ndp->cd", x, x)
-            sums[position] = s if sums[position] is None else sums[position] + s
-            outer[position] = o if outer[position] is None else outer[position] + o
-            counts[position] += x.shape[0]
+            moments[position].add(_units(layers[position], module, inputs[0]))
         return record
 
     handles = [model[layer.index].register_forward_pre_hook(hook(p)) for p, layer in enumerate(layers)]
@@ -248,19 +282,8 @@ def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: in
         for h in handles:
             h.remove()
         model.train(was_training)
-    means, covs = [], []
-    for layer, s, o, n in zip(layers, sums, outer, counts):
-        positions = s.shape[1]
-        mean = (s / n).numpy()  # [units, positions]
-        if isinstance(model[layer.index], nn.Conv2d):
-            mean = mean.mean(axis=1, keepdims=True)  # shared weights: only a channel mean is usable
-            centre = np.outer(mean[:, 0], mean[:, 0])
-        else:
-            centre = mean @ mean.T / positions
-        cov = o.numpy() / (n * positions) - centre
-        means.append(mean)
-        covs.append((cov + cov.T) / 2)
-    return InputStatistics(layers, means, covs, len(calibration))
+    finished = [m.finish(shared=isinstance(model[layer.index], nn.Conv2d)) for layer, m in zip(layers, moments)]
+    return InputStatistics(layers, [m for m, _ in finished], [c for _, c in finished], len(calibration))
 
 
 def prune_orders(stats: InputStatistics, correlated: bool) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -302,13 +325,31 @@ def _shrunk_weight(module: nn.Module, layer: WeightLayer, rows: np.ndarray, cols
     mean = stats.means[position]
     if len(cols) == layer.units_in:
         return weight, bias
+    return kept_inputs(weight, bias, stats.covariances[position], mean, cols, refit)
+
+
+def kept_inputs(weight: np.ndarray, bias: np.ndarray, cov: np.ndarray, mean: np.ndarray, keep: np.ndarray,
+                refit: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's weight and bias on its kept input units only.
+
+    Args:
+        weight: ``[outputs, units, taps]`` (taps: kernel positions or a flattened group).
+        bias: ``[outputs]``.
+        cov, mean: the input's unit covariance and means (:class:`Moments`).
+        keep: kept units, increasing.
+        refit: least-squares refit on the kept units (correlation-aware); otherwise the dropped
+            units are deleted and their means move into the bias (the paper's naive pruning).
+
+    Returns:
+        ``(weight [outputs, len(keep), taps], bias)``.
+    """
     if refit:
-        return _refit(weight, bias, stats.covariances[position], mean, cols)
+        return _refit(weight, bias, cov, mean, keep)
     # Eq. 8 measures power around the mean, so a deleted unit is replaced by its mean: its
     # constant contribution moves into the bias (a zero-variance unit costs nothing).
-    dropped = np.setdiff1d(np.arange(layer.units_in), cols)
+    dropped = np.setdiff1d(np.arange(weight.shape[1]), keep)
     shift = np.einsum("ojt,jt->o", weight[:, dropped], np.broadcast_to(mean[dropped], weight[:, dropped].shape[1:]))
-    return weight[:, cols], bias + shift
+    return weight[:, keep], bias + shift
 
 
 def _rebuilt(module: nn.Module, weight: np.ndarray, bias: np.ndarray, has_bias: bool) -> nn.Module:
