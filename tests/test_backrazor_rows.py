@@ -142,3 +142,11 @@ def test_rows_spec_round_trips_and_bad_rows_are_named():
     assert p == et.BackRazor(0.9, rows="sample") and et.parse_policy(p.spec()) == p
     with pytest.raises(ValueError, match="rows must be one of token, sample"):
         et.parse_policy("backrazor:rows=batch")
+
+
+def test_one_sample_is_one_row_without_a_gathering_copy():
+    torch.manual_seed(0)
+    net, x = Tokens(), torch.randn(1, 80, 32)
+    grad = weight_grad(net, x, et.BackRazor(0.75, rows="sample"))
+    kept = pack_topk((x * 2.0).reshape(1, -1), 0.75).unpack()
+    torch.testing.assert_close(grad, torch.ones(80, 4).T @ kept.reshape(80, 32), rtol=1e-5, atol=1e-5)

@@ -553,6 +553,8 @@ def _sample_split(t: torch.Tensor, entry: _Entry, batch: int | None,
     """
     if not batch or entry.gathered is not None or entry.hi - entry.lo != t.numel() or entry.lo != t.storage_offset():
         return None
+    if batch == 1:  # one sample: one row, whatever the layout
+        return (1, t.numel()), 0
     dims = sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: -t.stride(d))
     shape = [t.shape[d] for d in dims]
     if not shape:

@@ -354,6 +354,7 @@ def parse_policy(spec: str) -> Policy:
         spec: e.g. ``dense``, ``bitmap``, ``bitmap:threshold=0.01``,
             ``bitmap:threshold=0.05,value_dtype=float16``, ``backrazor:sparsity=0.9``,
             ``backrazor:sparsity=0.95,scope=all``, ``backrazor:sparsity=0.9,exact=int8``,
+            ``backrazor:sparsity=0.9,rows=token``,
             ``backrazor:sparsity=0.8,exact=int8,values=int8``, ``quantized:bits=4``,
             ``quantized:bits=8,group=64,stochastic=true``.
 
