@@ -231,3 +231,53 @@ def test_sided_refuses_an_empty_or_infinite_interval() -> None:
     for low, high in [(3.0, 3.0), (1.0, -1.0), (-math.inf, 3.0)]:
         with pytest.raises(ValueError, match="low < high"):
             pack_quantized_sided(torch.zeros(1, 8), 8, low, high)
+
+
+# --- the C kernels' batched path: whole groups of a multiple of 32, ranges found 8 at a time -----
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_batched_groups_write_the_reference_bytes(group: int) -> None:
+    # The AVX2 kernels find the ranges of up to 8 consecutive whole groups together (special
+    # groups anywhere in a batch, batches cut short by a row's end or its short last group) and
+    # must write what the torch ops write, on every instruction set the CPU runs.
+    from edgetorch.codecs import _cpu_kernels
+    from edgetorch.codecs._cpu_kernels import torch_ops
+
+    if not _cpu_kernels.NATIVE:
+        pytest.skip("the C extension is not built")
+    native = _cpu_kernels._native
+    g = torch.Generator().manual_seed(group)
+    rows, n = 3, group * 19 + 40  # 19 whole groups a row (batches of 8, 8, 3) and a short one
+    x = torch.randn(rows, n, generator=g, dtype=torch.float64) * 3
+    specials = [math.nan, math.inf, -math.inf, 3e38]
+    for k, where in enumerate([0, 7, 8, 13, 18, 19]):  # first / last of a batch, the short group
+        x[k % rows, where * group + 5] = specials[k % len(specials)]
+    x[1, 2 * group:3 * group] = 0.0
+    x[1, 2 * group + 3] = -0.0  # a -0.0 minimum after a +0.0: lo is the first zero, +0.0
+    x[2, 9 * group:10 * group] = 0.0
+    x[2, 9 * group] = -0.0  # ... and a -0.0 first: lo = -0.0
+    x[2, 10 * group:11 * group] = 7.0  # constant
+    x[0, 4 * group:5 * group] = 0.0
+    x[0, 4 * group + 1] = 1e-45  # d of one subnormal: L / d overflows to inv = Inf
+    saved = native.isa()
+    try:
+        for isa in native.isa_available():
+            native.set_isa(isa)
+            for dtype in DTYPES:
+                xd = x.to(dtype)
+                for bits in (8, 4, 2):
+                    for seed in (None, 77):
+                        q = pack_quantized(xd, bits, group=group, seed=seed)
+                        with torch_ops():
+                            r = pack_quantized(xd, bits, group=group, seed=seed)
+                        assert torch.equal(q.codes, r.codes), (isa, dtype, bits, seed)
+                        assert torch.equal(q.lo.view(torch.int32), r.lo.view(torch.int32)), (isa, dtype, bits, seed)
+                        assert torch.equal(q.scale.view(torch.int32), r.scale.view(torch.int32))
+                        out = q.unpack()
+                        with torch_ops():
+                            ref = r.unpack()
+                        assert torch.equal(torch.isnan(out), torch.isnan(ref))
+                        assert torch.equal(out.nan_to_num(0.0), ref.nan_to_num(0.0)), (isa, dtype, bits, seed)
+    finally:
+        native.set_isa(saved)

@@ -245,37 +245,43 @@ def _nan16(dtype: torch.dtype) -> int:
     return int(torch.full((64,), math.nan).to(dtype).view(torch.int16)[0]) & 0xFFFF
 
 
-def quantize(x: torch.Tensor, bits: int, group: int,
+def quantize(t: torch.Tensor, rows: int, n: int, bits: int, group: int,
              seed: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The quantized codec's ``(codes, lo, scale)`` of a 2-D ``[rows, n]`` float CPU tensor
-    (float16, bfloat16, float32; float64 is read as float32, as the reference rounds it);
-    ``bits``, ``group`` and ``seed`` as ``quantized.pack_quantized`` checked them."""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    rows, n = x.shape
+    """The quantized codec's ``(codes, lo, scale)`` of a float CPU tensor read row-major as
+    ``[rows, n]`` (float16, bfloat16, float32; float64 is read as float32, as the reference rounds
+    it); ``rows``, ``bits``, ``group`` and ``seed`` as ``quantized.pack_quantized`` checked them.
+
+    ``t`` may have any shape: only its address is passed, so a contiguous tensor is neither
+    reshaped nor detached (each a few microseconds, which is what a pass over 1M elements saves
+    against a copy); one that is not contiguous is copied first.
+    """
+    if not t.is_contiguous():
+        t = t.detach().contiguous()
     groups = -(-n // group)
-    codes = torch.empty(size=(rows, (n * bits + 7) >> 3), dtype=_U8)
-    lo = torch.empty(size=(rows, groups), dtype=_F32)
-    scale = torch.empty(size=(rows, groups), dtype=_F32)
-    _native.quantize(x.data_ptr(), rows, n, x.element_size(), x.dtype is _BF16, bits, group,
+    codes = torch.empty(rows, (n * bits + 7) >> 3, dtype=_U8)
+    lo = torch.empty(rows, groups, dtype=_F32)
+    scale = torch.empty(rows, groups, dtype=_F32)
+    _native.quantize(t.data_ptr(), rows, n, t.element_size(), t.dtype is _BF16, bits, group,
                      -1 if seed is None else seed, codes.data_ptr(), lo.data_ptr(), scale.data_ptr(),
                      torch.get_num_threads())
     return codes, lo, scale
 
 
 def dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: int, bits: int, group: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, shape=None) -> torch.Tensor:
     """``[rows, n]`` tensor of ``dtype``: ``lo + code * scale`` in float32, rounded to ``dtype`` as
-    ``.to(dtype)`` rounds (rows: ``lo.shape[0]``).
+    ``.to(dtype)`` rounds (rows: ``lo.shape[0]``); allocated as ``shape`` when given (``rows * n``
+    elements: no view of the result afterwards, which costs as much as the allocation).
 
     Raises:
         ValueError: codes is not uint8, lo or scale not float32, or their sizes do not match.
     """
     if codes.dtype is not _U8 or lo.dtype is not _F32 or scale.dtype is not _F32:
         raise ValueError(f"codes must be uint8 and lo, scale float32; got {codes.dtype}, {lo.dtype}, {scale.dtype}")
-    codes, lo, scale = codes.contiguous(), lo.contiguous(), scale.contiguous()
+    if not (codes.is_contiguous() and lo.is_contiguous() and scale.is_contiguous()):
+        codes, lo, scale = codes.contiguous(), lo.contiguous(), scale.contiguous()
     rows = lo.shape[0] if lo.dim() else 0
-    out = torch.empty(size=(rows, n), dtype=dtype)
+    out = torch.empty(size=(rows, n) if shape is None else shape, dtype=dtype)
     _native.dequantize(codes.data_ptr(), codes.numel(), lo.data_ptr(), lo.numel(), scale.data_ptr(),
                        scale.numel(), rows, n, bits, group, out.data_ptr(), out.element_size(), dtype is _BF16,
                        _nan16(dtype) if out.element_size() == 2 else 0, torch.get_num_threads())

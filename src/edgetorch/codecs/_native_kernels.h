@@ -943,51 +943,63 @@ ALWAYS_INLINE int64_t NAME(q_codes_simd)(const ELEM *x, int64_t m, float lo, flo
     return j;
 }
 
-/* Elements [0, j) of a group, j = m rounded down to 8: lo + code * scale, as this width's element. */
+/* 8 decoded float32 values as this width's elements at out */
+ALWAYS_INLINE void NAME(q_store8)(ELEM *out, __m256 v, uint32_t nan16, int bf16) {
+#if WB == 32
+    (void)nan16, (void)bf16;
+    _mm256_storeu_ps((float *)out, v);
+#else
+    __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    if (!bf16) { /* F16C rounds to nearest even as f32_to_f16; NaN lanes get nan16 */
+        __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_castps_si256(nan)),
+                                      _mm256_extracti128_si256(_mm256_castps_si256(nan), 1));
+        _mm_storeu_si128((__m128i *)out, _mm_blendv_epi8(h, _mm_set1_epi16((int16_t)nan16), n16));
+        return;
+    }
+    /* bfloat16, rounded to nearest even as f32_to_bf16 */
+    __m256i b = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32((int32_t)nan16), _mm256_castps_si256(nan));
+    _mm_storeu_si128((__m128i *)out, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+#endif
+}
+
+/* Codes 8j' .. 8j' + 7 as int32 lanes, j' = j / 8 (bits constant after inlining): 8-bit codes
+ * widened from 8 bytes; 4- and 2-bit codes from their 4 or 2 bytes broadcast to every lane, each
+ * lane shifted to its field (a broadcast from memory is a plain load). */
+ALWAYS_INLINE __m256i NAME(q_codes8)(const uint8_t *in, int64_t j, int bits) {
+    if (bits == 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in + j)));
+    if (bits == 4) {
+        int32_t w;
+        memcpy(&w, in + j / 2, 4);
+        return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                _mm256_set1_epi32(15));
+    }
+    int16_t h;
+    memcpy(&h, in + j / 4, 2);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi16(h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                            _mm256_set1_epi32(3));
+}
+
+/* Elements [0, j) of a group, j = m rounded down to 8: lo + code * scale, as this width's element
+ * (bits constant after inlining; 32 elements a step, then 8). */
 ALWAYS_INLINE int64_t NAME(q_decode_simd)(const uint8_t *in, int64_t m, float lo, float scale, int bits,
                                           uint32_t nan16, int bf16, ELEM *out) {
     const __m256 vlo = _mm256_set1_ps(lo), vscale = _mm256_set1_ps(scale);
-    const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
-                                     : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m256i field = _mm256_set1_epi32((1 << bits) - 1);
     int64_t j = 0;
-    for (; j + 8 <= m; j += 8) {
-        __m256i c;
-        if (bits == 8) {
-            c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in + j)));
-        } else { /* the 8 codes' 4 or 2 bytes in every lane, each lane shifted to its field */
-            uint32_t w;
-            if (bits == 4) {
-                memcpy(&w, in + j / 2, 4);
-            } else {
-                uint16_t h;
-                memcpy(&h, in + j / 4, 2);
-                w = h;
-            }
-            c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int32_t)w), shifts), field);
-        }
-        __m256 v = _mm256_add_ps(vlo, _mm256_mul_ps(_mm256_cvtepi32_ps(c), vscale));
-#if WB == 32
-        (void)nan16, (void)bf16;
-        _mm256_storeu_ps((float *)(out + j), v);
-#else
-        __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-        if (!bf16) { /* F16C rounds to nearest even as f32_to_f16; NaN lanes get nan16 */
-            __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            __m128i n16 = _mm_packs_epi32(_mm256_castsi256_si128(_mm256_castps_si256(nan)),
-                                          _mm256_extracti128_si256(_mm256_castps_si256(nan), 1));
-            _mm_storeu_si128((__m128i *)(out + j), _mm_blendv_epi8(h, _mm_set1_epi16((int16_t)nan16), n16));
-            continue;
-        }
-        /* bfloat16, rounded to nearest even as f32_to_bf16 */
-        __m256i b = _mm256_castps_si256(v);
-        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
-        r = _mm256_blendv_epi8(r, _mm256_set1_epi32((int32_t)nan16), _mm256_castps_si256(nan));
-        __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-        _mm_storeu_si128((__m128i *)(out + j), h);
-#endif
+    for (; j + 32 <= m; j += 32) {
+        __m256i c0 = NAME(q_codes8)(in, j, bits), c1 = NAME(q_codes8)(in, j + 8, bits);
+        __m256i c2 = NAME(q_codes8)(in, j + 16, bits), c3 = NAME(q_codes8)(in, j + 24, bits);
+        NAME(q_store8)(out + j, _mm256_add_ps(vlo, _mm256_mul_ps(_mm256_cvtepi32_ps(c0), vscale)), nan16, bf16);
+        NAME(q_store8)(out + j + 8, _mm256_add_ps(vlo, _mm256_mul_ps(_mm256_cvtepi32_ps(c1), vscale)), nan16, bf16);
+        NAME(q_store8)(out + j + 16, _mm256_add_ps(vlo, _mm256_mul_ps(_mm256_cvtepi32_ps(c2), vscale)), nan16, bf16);
+        NAME(q_store8)(out + j + 24, _mm256_add_ps(vlo, _mm256_mul_ps(_mm256_cvtepi32_ps(c3), vscale)), nan16, bf16);
     }
+    for (; j + 8 <= m; j += 8)
+        NAME(q_store8)(out + j, _mm256_add_ps(vlo, _mm256_mul_ps(_mm256_cvtepi32_ps(NAME(q_codes8)(in, j, bits)), vscale)),
+                       nan16, bf16);
     return j;
 }
 #endif /* ISA_AVX2 && WB != 64 */
@@ -1104,48 +1116,266 @@ ALWAYS_INLINE void NAME(group_range)(const ELEM *xs, int64_t m, int bf16, float 
     *d_out = f32_from(hi) - f32_from(lo);
 }
 
-/* Per group two passes, the second while the group is in L1: its range, then its codes. (Finding
- * the ranges of several groups before their codes, so that their divisions overlap, measured
- * slower at the default group of 128.) */
-ALWAYS_INLINE void NAME(quantize_groups)(const ELEM *x, const quant_params *q, int64_t g0, int64_t g1, int bf16) {
+/* One group (group g, column block k of row r): two passes, the second while the group is in L1:
+ * its range, then its codes. */
+ALWAYS_INLINE void NAME(quantize_one)(const ELEM *x, const quant_params *q, int64_t g, int64_t r, int64_t k, int bf16) {
     const int bits = q->bits;
     const float levels = (float)((1 << bits) - 1);
     uint8_t block[QBLOCK];
+    const int64_t s = k * q->group, m = q->n - s < q->group ? q->n - s : q->group;
+    const ELEM *xs = x + r * q->n + s;
+    uint8_t *out = q->codes + r * q->row_bytes + s * bits / 8;
+    float lo, d;
+    NAME(group_range)(xs, m, bf16, &lo, &d);
+    if ((f32_bits(d) & 0x7F800000u) == 0x7F800000u) { /* non-finite: lo = scale = NaN, codes 0 */
+        q->lo[g] = q->scale[g] = f32_from(F32_NAN);
+        memset(out, 0, (size_t)((m * bits + 7) / 8));
+        return;
+    }
+    q->lo[g] = lo;
+    if (!(d > 0.0f)) { /* constant: every code 0 (v = 0 whatever the offset) */
+        q->scale[g] = 0.0f;
+        memset(out, 0, (size_t)((m * bits + 7) / 8));
+        return;
+    }
+    q->scale[g] = d / levels;
+    const float inv = levels / d;
+    const uint32_t idx0 = (uint32_t)(r * q->n + s); /* the hash reads the index mod 2^32 */
+    int64_t j = 0;
+#if ISA_AVX2 && WB != 64
+    j = NAME(q_codes_simd)(xs, m, lo, inv, levels, q, idx0, bf16, out);
+#endif
+    if (bits == 8) {
+        NAME(codes_of)(xs + j, m - j, lo, inv, levels, q, idx0 + (uint32_t)j, bf16, out + j);
+        return;
+    }
+    for (int64_t j0 = j; j0 < m; j0 += QBLOCK) {
+        int64_t n0 = m - j0 < QBLOCK ? m - j0 : QBLOCK;
+        NAME(codes_of)(xs + j0, n0, lo, inv, levels, q, idx0 + (uint32_t)j0, bf16, block);
+        NAME(pack_codes)(block, n0, bits, out + j0 * bits / 8);
+    }
+}
+
+#if ISA_AVX2 && WB != 64
+/* ---- Batched groups (AVX2; group a multiple of 32) ---------------------------------------------
+ * Per group the work is a few dozen vector operations a pass, so what a group costs besides them
+ * (reducing the extremes across lanes, two dependent divisions, the checks) was as much again.
+ * Here the ranges of up to 8 consecutive whole groups are found together: each group's extremes
+ * stay vectors, one transposed reduction gives the 8 groups' extremes in the lanes of one vector,
+ * and lo, d, scale and inv of all 8 come from one vector division each (the same IEEE operations,
+ * so the same bits, as group_range and quantize_groups). The codes pass then reads each group
+ * again, from L1. */
+
+/* Lane i of the result: the reduction of a[i]'s 8 lanes (a transpose folded into the reduction). */
+#define Q_LANE_REDUCE(fn, OP)                                                                       \
+    ALWAYS_INLINE __m256i NAME(fn)(const __m256i *a) {                                              \
+        __m256i t0 = OP(_mm256_unpacklo_epi32(a[0], a[1]), _mm256_unpackhi_epi32(a[0], a[1]));      \
+        __m256i t1 = OP(_mm256_unpacklo_epi32(a[2], a[3]), _mm256_unpackhi_epi32(a[2], a[3]));      \
+        __m256i t2 = OP(_mm256_unpacklo_epi32(a[4], a[5]), _mm256_unpackhi_epi32(a[4], a[5]));      \
+        __m256i t3 = OP(_mm256_unpacklo_epi32(a[6], a[7]), _mm256_unpackhi_epi32(a[6], a[7]));      \
+        __m256i u0 = OP(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));              \
+        __m256i u1 = OP(_mm256_unpacklo_epi64(t2, t3), _mm256_unpackhi_epi64(t2, t3));              \
+        return OP(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31)); \
+    }
+Q_LANE_REDUCE(q_lanes_smax, _mm256_max_epi32)
+Q_LANE_REDUCE(q_lanes_umax, _mm256_max_epu32)
+Q_LANE_REDUCE(q_lanes_umin, _mm256_min_epu32)
+#undef Q_LANE_REDUCE
+
+/* 32 codes (int32, 8 a vector, in order) as bytes in the order of the elements */
+ALWAYS_INLINE __m256i NAME(q_bytes32)(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+    /* the packs interleave 128-bit lanes: 4-byte units come out as 0 2 4 6 | 1 3 5 7 */
+    return _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+}
+
+/* The codes of one whole group (m a multiple of 32), bits / stochastic / clamp constant after
+ * inlining. clamp: min(max(w, 0), L) as codes_of (needed for a stochastic offset, which can reach
+ * L + 1, and for inv = Inf); without it a NaN w (0 * Inf is excluded there; a non-finite group's
+ * x * 0) truncates to INT32_MIN, which the unsigned saturating packs turn into code 0. */
+ALWAYS_INLINE void NAME(q_codes_group)(const ELEM *x, int64_t m, float lo, float inv, uint32_t seed_mix,
+                                       uint32_t idx0, int bf16, int bits, int stochastic, int clamp,
+                                       uint8_t *out, const ELEM *pf) {
+    const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv), vlevels = _mm256_set1_ps((float)((1 << bits) - 1));
+    const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f), unit = _mm256_set1_ps(0x1p-24f);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), seed = _mm256_set1_epi32((int32_t)seed_mix);
+    const __m256i m1 = _mm256_set1_epi32(0x7FEB352D), m2 = _mm256_set1_epi32(0x2C1B3C6D);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i pair4 = _mm256_set1_epi16(0x1001), pair2 = _mm256_set1_epi16(0x0401);
+    const __m256i quad2 = _mm256_set1_epi32(0x00100001);
+    for (int64_t j = 0; j < m; j += 32) {
+        /* the next batch's same group, into L1 while this one computes (a prefetch never faults) */
+        _mm_prefetch((const char *)(pf + j), _MM_HINT_T0);
+        if (WB == 32) _mm_prefetch((const char *)(pf + j) + 64, _MM_HINT_T0);
+        __m256i c[4];
+        for (int t = 0; t < 4; t++) {
+            __m256 xv = _mm256_castsi256_ps(NAME(q_bits8)(x + j + 8 * t, bf16));
+            __m256 v = _mm256_mul_ps(_mm256_sub_ps(xv, vlo), vinv);
+            __m256 off = half;
+            if (stochastic) {
+                __m256i h = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(idx0 + (uint32_t)(j + 8 * t))), lane);
+                h = _mm256_xor_si256(h, seed);
+                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+                h = _mm256_mullo_epi32(h, m1);
+                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+                h = _mm256_mullo_epi32(h, m2);
+                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+                off = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);
+            }
+            __m256 w = _mm256_add_ps(v, off);
+            if (clamp) /* max(w, 0) returns its second operand for a NaN w: NaN -> 0, as nan_to_num */
+                w = _mm256_min_ps(_mm256_max_ps(w, zero), vlevels);
+            c[t] = _mm256_cvttps_epi32(w);
+        }
+        __m256i b = NAME(q_bytes32)(c[0], c[1], c[2], c[3]); /* units 0 2 4 6 | 1 3 5 7 */
+        if (bits == 8) {
+            _mm256_storeu_si256((__m256i *)(out + j), _mm256_permutevar8x32_epi32(b, order));
+        } else if (bits == 4) {
+            /* byte pairs (even, odd) of one unit -> even | odd << 4; a unit is now 2 bytes, the
+             * lanes hold units 0 2 4 6 and 1 3 5 7: interleaving them gives the order */
+            __m256i p = _mm256_maddubs_epi16(b, pair4);
+            p = _mm256_packus_epi16(p, p);
+            _mm_storeu_si128((__m128i *)(out + j / 2),
+                             _mm_unpacklo_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+        } else {
+            /* four codes of a unit -> one byte: c0 + 4 c1 per pair, then pair0 + 16 pair1 */
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(b, pair2), quad2);
+            p = _mm256_packus_epi32(p, p);
+            p = _mm256_packus_epi16(p, p);
+            _mm_storel_epi64((__m128i *)(out + j / 4),
+                             _mm_unpacklo_epi8(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+        }
+    }
+}
+
+/* Groups [g, g + cnt) (1 <= cnt <= 8), whole and consecutive in memory at x, codes at out; the
+ * hash index of x[0] is idx0. */
+ALWAYS_INLINE void NAME(q_batch)(const ELEM *x, int64_t cnt, int64_t group, const quant_params *q, int64_t g,
+                                 uint32_t idx0, int bf16, int bits, int stochastic, uint8_t *out) {
+    __m256i SX[8], UX[8], UN[8];
+    if (cnt < 1) return;
+    for (int64_t i = 0; i < cnt; i++) {
+        const ELEM *xs = x + i * group;
+        __m256i sx = _mm256_set1_epi32(INT32_MIN), ux = _mm256_setzero_si256(), un = _mm256_set1_epi32(-1);
+        __m256i sx2 = sx, ux2 = ux, un2 = un;
+        for (int64_t j = 0; j < group; j += 16) {
+            __m256i b = NAME(q_bits8)(xs + j, bf16), b2 = NAME(q_bits8)(xs + j + 8, bf16);
+            sx = _mm256_max_epi32(sx, b);
+            ux = _mm256_max_epu32(ux, b);
+            un = _mm256_min_epu32(un, b);
+            sx2 = _mm256_max_epi32(sx2, b2);
+            ux2 = _mm256_max_epu32(ux2, b2);
+            un2 = _mm256_min_epu32(un2, b2);
+        }
+        SX[i] = _mm256_max_epi32(sx, sx2);
+        UX[i] = _mm256_max_epu32(ux, ux2);
+        UN[i] = _mm256_min_epu32(un, un2);
+    }
+    for (int64_t i = cnt; i < 8; i++) SX[i] = SX[0], UX[i] = UX[0], UN[i] = UN[0];
+    const __m256i smax = NAME(q_lanes_smax)(SX), umax = NAME(q_lanes_umax)(UX), umin = NAME(q_lanes_umin)(UN);
+    /* as group_range: +Inf/NaN makes smax >= 0x7F800000, -Inf/NaN umax >= 0xFF800000 */
+    __m256i bad = _mm256_or_si256(_mm256_cmpgt_epi32(smax, _mm256_set1_epi32(0x7F7FFFFF)),
+                                  _mm256_cmpeq_epi32(_mm256_max_epu32(umax, _mm256_set1_epi32((int32_t)0xFF800000u)), umax));
+    /* lo = umax if its sign is set, else umin; hi = smax if its sign is clear, else umin */
+    __m256 lo = _mm256_blendv_ps(_mm256_castsi256_ps(umin), _mm256_castsi256_ps(umax), _mm256_castsi256_ps(umax));
+    __m256 hi = _mm256_blendv_ps(_mm256_castsi256_ps(smax), _mm256_castsi256_ps(umin), _mm256_castsi256_ps(smax));
+    const int live = (1 << cnt) - 1;
+    int negzero = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(
+                      bad, _mm256_cmpeq_epi32(_mm256_castps_si256(lo), _mm256_set1_epi32(INT32_MIN))))) & live;
+    if (negzero) { /* a -0.0 minimum: the first zero's sign, as group_range */
+        float los[8];
+        _mm256_storeu_ps(los, lo);
+        for (int i = 0; i < 8; i++) {
+            if (!((negzero >> i) & 1)) continue;
+            for (int64_t j = 0; j < group; j++) {
+                uint32_t b = f32_bits(NAME(load_f32)(x + i * group, j, bf16));
+                if ((b & 0x7FFFFFFFu) == 0) {
+                    los[i] = f32_from(b);
+                    break;
+                }
+            }
+        }
+        lo = _mm256_loadu_ps(los);
+    }
+    const __m256 d = _mm256_sub_ps(hi, lo), levels = _mm256_set1_ps((float)((1 << bits) - 1));
+    const __m256i expo = _mm256_set1_epi32(0x7F800000);
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(d), expo), expo));
+    const __m256 badf = _mm256_castsi256_ps(bad), nan = _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)F32_NAN));
+    const __m256 pos = _mm256_andnot_ps(badf, _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_GT_OQ));
+    const __m256 scale = _mm256_and_ps(_mm256_div_ps(d, levels), pos);
+    const __m256 inv = _mm256_and_ps(_mm256_div_ps(levels, d), pos);
+    const __m256 lo_out = _mm256_blendv_ps(lo, nan, badf), scale_out = _mm256_blendv_ps(scale, nan, badf);
+    float los[8], invs[8];
+    if (cnt == 8) {
+        _mm256_storeu_ps(q->lo + g, lo_out);
+        _mm256_storeu_ps(q->scale + g, scale_out);
+    } else {
+        float a[8], b[8];
+        _mm256_storeu_ps(a, lo_out);
+        _mm256_storeu_ps(b, scale_out);
+        memcpy(q->lo + g, a, (size_t)cnt * sizeof(float));
+        memcpy(q->scale + g, b, (size_t)cnt * sizeof(float));
+    }
+    /* codes: a non-finite group's x goes through lo = 0, inv = 0 (codes 0, as a constant group's) */
+    _mm256_storeu_ps(los, _mm256_andnot_ps(badf, lo));
+    _mm256_storeu_ps(invs, inv);
+    const int infinite = _mm256_movemask_ps(_mm256_cmp_ps(inv, _mm256_set1_ps(INFINITY), _CMP_EQ_OQ));
+    const int64_t gbytes = group * bits / 8;
+    for (int64_t i = 0; i < cnt; i++) {
+        const ELEM *xs = x + i * group;
+        const uint32_t id = idx0 + (uint32_t)(i * group);
+        if (stochastic)
+            NAME(q_codes_group)(xs, group, los[i], invs[i], q->seed_mix, id, bf16, bits, 1, 1, out + i * gbytes, xs + 8 * group);
+        else if ((infinite >> i) & 1)
+            NAME(q_codes_group)(xs, group, los[i], invs[i], 0, id, bf16, bits, 0, 1, out + i * gbytes, xs + 8 * group);
+        else
+            NAME(q_codes_group)(xs, group, los[i], invs[i], 0, id, bf16, bits, 0, 0, out + i * gbytes, xs + 8 * group);
+    }
+}
+
+/* Groups [g0, g1): whole groups in batches of up to 8, a row's short last group as quantize_groups */
+ALWAYS_INLINE void NAME(quantize_batched)(const ELEM *x, const quant_params *q, int64_t g0, int64_t g1, int bf16,
+                                          int bits, int stochastic) {
+    const int64_t group = q->group, whole = q->n / group; /* whole groups a row */
+    int64_t r = g0 / q->groups, k = g0 - r * q->groups;
+    for (int64_t g = g0; g < g1;) {
+        if (k == q->groups) k = 0, r++;
+        if (k < whole) {
+            int64_t cnt = whole - k;
+            cnt = cnt < 8 ? cnt : 8;
+            cnt = cnt < g1 - g ? cnt : g1 - g;
+            const int64_t s = k * group;
+            NAME(q_batch)(x + r * q->n + s, cnt, group, q, g, (uint32_t)(r * q->n + s), bf16, bits, stochastic,
+                          q->codes + r * q->row_bytes + s * bits / 8);
+            g += cnt, k += cnt;
+        } else {
+            NAME(quantize_one)(x, q, g, r, k, bf16);
+            g++, k++;
+        }
+    }
+}
+#endif /* ISA_AVX2 && WB != 64 */
+
+/* Groups [g0, g1): with AVX2 and groups of a multiple of 32 elements, whole groups in batches (a
+ * specialised copy per width and rounding); otherwise one group at a time. */
+ALWAYS_INLINE void NAME(quantize_groups)(const ELEM *x, const quant_params *q, int64_t g0, int64_t g1, int bf16) {
+#if ISA_AVX2 && WB != 64
+    if (q->group % 32 == 0) {
+        if (q->stochastic) {
+            if (q->bits == 8) NAME(quantize_batched)(x, q, g0, g1, bf16, 8, 1);
+            else if (q->bits == 4) NAME(quantize_batched)(x, q, g0, g1, bf16, 4, 1);
+            else NAME(quantize_batched)(x, q, g0, g1, bf16, 2, 1);
+        } else {
+            if (q->bits == 8) NAME(quantize_batched)(x, q, g0, g1, bf16, 8, 0);
+            else if (q->bits == 4) NAME(quantize_batched)(x, q, g0, g1, bf16, 4, 0);
+            else NAME(quantize_batched)(x, q, g0, g1, bf16, 2, 0);
+        }
+        return;
+    }
+#endif
     int64_t r = g0 / q->groups, k = g0 - r * q->groups; /* stepped, not divided, per group */
     for (int64_t g = g0; g < g1; g++, k++) {
         if (k == q->groups) k = 0, r++;
-        const int64_t s = k * q->group, m = q->n - s < q->group ? q->n - s : q->group;
-        const ELEM *xs = x + r * q->n + s;
-        uint8_t *out = q->codes + r * q->row_bytes + s * bits / 8;
-        float lo, d;
-        NAME(group_range)(xs, m, bf16, &lo, &d);
-        if ((f32_bits(d) & 0x7F800000u) == 0x7F800000u) { /* non-finite: lo = scale = NaN, codes 0 */
-            q->lo[g] = q->scale[g] = f32_from(F32_NAN);
-            memset(out, 0, (size_t)((m * bits + 7) / 8));
-            continue;
-        }
-        q->lo[g] = lo;
-        if (!(d > 0.0f)) { /* constant: every code 0 (v = 0 whatever the offset) */
-            q->scale[g] = 0.0f;
-            memset(out, 0, (size_t)((m * bits + 7) / 8));
-            continue;
-        }
-        q->scale[g] = d / levels;
-        const float inv = levels / d;
-        const uint32_t idx0 = (uint32_t)(r * q->n + s); /* the hash reads the index mod 2^32 */
-        int64_t j = 0;
-#if ISA_AVX2 && WB != 64
-        j = NAME(q_codes_simd)(xs, m, lo, inv, levels, q, idx0, bf16, out);
-#endif
-        if (bits == 8) {
-            NAME(codes_of)(xs + j, m - j, lo, inv, levels, q, idx0 + (uint32_t)j, bf16, out + j);
-            continue;
-        }
-        for (int64_t j0 = j; j0 < m; j0 += QBLOCK) {
-            int64_t n0 = m - j0 < QBLOCK ? m - j0 : QBLOCK;
-            NAME(codes_of)(xs + j0, n0, lo, inv, levels, q, idx0 + (uint32_t)j0, bf16, block);
-            NAME(pack_codes)(block, n0, bits, out + j0 * bits / 8);
-        }
+        NAME(quantize_one)(x, q, g, r, k, bf16);
     }
 }
 
@@ -1160,8 +1390,8 @@ static void NAME(quantize)(const void *x, const quant_params *q, int64_t g0, int
     NAME(quantize_groups)((const ELEM *)x, q, g0, g1, 0);
 }
 
-ALWAYS_INLINE void NAME(dequantize_groups)(const quant_params *q, ELEM *out, int64_t g0, int64_t g1, int bf16) {
-    const int bits = q->bits;
+ALWAYS_INLINE void NAME(dequantize_bits)(const quant_params *q, ELEM *out, int64_t g0, int64_t g1, int bf16,
+                                        const int bits) {
     const uint32_t nan16 = q->nan16;
     uint8_t block[QBLOCK];
     int64_t r = g0 / q->groups, k = g0 - r * q->groups;
@@ -1195,6 +1425,13 @@ ALWAYS_INLINE void NAME(dequantize_groups)(const quant_params *q, ELEM *out, int
             }
         }
     }
+}
+
+/* bits constant in each copy, so the decoding loops are specialised */
+ALWAYS_INLINE void NAME(dequantize_groups)(const quant_params *q, ELEM *out, int64_t g0, int64_t g1, int bf16) {
+    if (q->bits == 8) NAME(dequantize_bits)(q, out, g0, g1, bf16, 8);
+    else if (q->bits == 4) NAME(dequantize_bits)(q, out, g0, g1, bf16, 4);
+    else NAME(dequantize_bits)(q, out, g0, g1, bf16, 2);
 }
 
 /* out = lo + code * scale in float32, as this width's element, for groups [g0, g1). */

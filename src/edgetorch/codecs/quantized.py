@@ -97,9 +97,9 @@ class QuantizedTensor:
             return kernels.dequantize(self.codes, self.lo, self.scale, self.numel // rows, self.bits, self.group,
                                       self.dtype).view(self.shape)
         if self.codes.is_cpu:
-            if _cpu_kernels.NATIVE:  # one pass, straight into the tensor's dtype
-                return _cpu_kernels.dequantize(self.codes, self.lo, self.scale, self.numel // rows, self.bits,
-                                               self.group, self.dtype).view(self.shape)
+            if _cpu_kernels.NATIVE:  # one pass, straight into a tensor of the shape and dtype
+                return _cpu_kernels.dequantize(self.codes, self.lo, self.scale, self.shape.numel() // rows, self.bits,
+                                               self.group, self.dtype, self.shape)
             _cpu_kernels.warn_fallback()
         return _dequantize_torch(self.codes, self.lo, self.scale, self.numel // rows, self.bits, self.group).to(self.dtype).view(self.shape)
 
@@ -154,12 +154,14 @@ def pack_quantized(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK32):
         raise ValueError(f"seed must be None (round to nearest) or an int in [0, 2**32) (stochastic rounding); "
                          f"got {seed!r}")
-    x = t.detach().reshape(rows, -1) if rows else t.detach().new_empty((0, 0))
-    if rows and (kernels := _cuda.kernels(x)) is not None:  # CUDA: Triton, no host sync
-        codes, lo, scale = kernels.quantize(x, bits, group, seed)
-    elif rows and x.is_cpu and _cpu_kernels.NATIVE:  # CPU: the C kernel, two passes over each group in cache
-        codes, lo, scale = _cpu_kernels.quantize(x, bits, group, seed)
+    if rows and (kernels := _cuda.kernels(t)) is not None:  # CUDA: Triton, no host sync
+        codes, lo, scale = kernels.quantize(t.detach().reshape(rows, -1), bits, group, seed)
+    elif rows and t.is_cpu and _cpu_kernels.NATIVE:
+        # CPU: the C kernel (groups in batches: their ranges together, then their codes from L1),
+        # reading t in place: no reshape or detach on this path (a few microseconds each)
+        codes, lo, scale = _cpu_kernels.quantize(t, rows, t.numel() // rows, bits, group, seed)
     else:
+        x = t.detach().reshape(rows, -1) if rows else t.detach().new_empty((0, 0))
         if x.is_cpu and rows:
             _cpu_kernels.warn_fallback()
         codes, lo, scale = _quantize_torch(x.float(), bits, group, seed)
