@@ -1,8 +1,9 @@
 """Layer reduction (Mauch & Yang): per-layer pruning / low-rank factors for a multiplication budget.
 
 ``allocate`` solves the allocation problem (eq. 15) on its own; ``reduce`` applies it to a
-trained MLP or plain CNN (an ``nn.Sequential`` chain, see ``edgetorch.reduce.sequential``) and
-returns a physically smaller network; ``count_macs`` counts multiplications
+trained MLP or plain CNN (an ``nn.Sequential`` chain, see ``edgetorch.reduce.sequential``), or to
+any other CNN by its coupled channel groups (``edgetorch.reduce.grouped``), and returns a
+physically smaller network; ``count_macs`` counts multiplications
 the paper's way; ``save`` / ``load`` store a reduced network without pickle.
 
 One vocabulary throughout: every ``method=`` takes a word of :data:`METHODS` and every
@@ -11,6 +12,7 @@ One vocabulary throughout: every ``method=`` takes a word of :data:`METHODS` and
 
 from .allocate import ALLOCATIONS, Allocation, allocate, solve_allocation
 from .api import LayerFactor, Reduction, reduce, reduce_model
+from .grouped import GroupFactor
 from .checkpoint import architecture, load, save
 from .latency import LatencyComparison, compare_latency
 from .macs import count_macs
@@ -21,6 +23,7 @@ __all__ = [
     "ALLOCATIONS",
     "METHODS",
     "Allocation",
+    "GroupFactor",
     "KeepFeatures",
     "LatencyComparison",
     "LayerFactor",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -10,7 +10,8 @@ from torch import nn
 from .allocate import ALLOCATIONS, Allocation, solve_allocation
 from .._checks import check_choice
 from .problem import METHODS, layer_lowrank_cost
-from .sequential import (WeightLayer, factorised, input_statistics, layer_svds, lowrank_curves, prune_orders,
+from .grouped import GroupFactor, reduce_grouped
+from .sequential import (WeightLayer, _check_chain, factorised, input_statistics, layer_svds, lowrank_curves, prune_orders,
                          pruned, weight_layers, widths_of)
 
 
@@ -41,12 +42,34 @@ class LayerFactor:
 
 @dataclass(frozen=True)
 class Reduction:
-    """The reduced model with its allocation and per-layer factors."""
+    """The reduced model with its allocation and per-layer factors.
+
+    Attributes:
+        model: the smaller model (eval mode).
+        method: one of :data:`METHODS`.
+        allocation: the solver's record.
+        layers: one :class:`LayerFactor` per weight layer of a chain (empty for a grouped reduction).
+        groups: one :class:`~edgetorch.reduce.grouped.GroupFactor` per channel group of a network
+            that is not a chain (empty for a chain), in the order of ``allocation.theta``.
+    """
 
     model: nn.Module
     method: str
     allocation: Allocation
     layers: list[LayerFactor]
+    groups: list[GroupFactor] = field(default_factory=list)
+
+
+def is_chain(model: nn.Module) -> bool:
+    """Whether ``model`` is an ``nn.Sequential`` chain the layer-by-layer path takes (:mod:`.sequential`);
+    any other network goes through the channel groups of :mod:`.grouped`."""
+    if not isinstance(model, nn.Sequential):
+        return False
+    try:
+        _check_chain(model)
+    except TypeError:
+        return False
+    return True
 
 
 def layer_factors(layers: list[WeightLayer], allocation: Allocation, curves) -> list[LayerFactor]:
@@ -99,6 +122,9 @@ def reduce_model(
     check_choice("allocation", allocation, ALLOCATIONS)
     if method != "lowrank" and calibration is None:
         raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
+    if not is_chain(model):  # residual, depthwise, concatenating ...: prune channel groups
+        grouped = reduce_grouped(model, alpha, method, allocation, calibration, seed)
+        return Reduction(grouped.model, method, grouped.allocation, [], grouped.groups)
     if method == "lowrank":
         try:
             layers = weight_layers(model, calibration)
@@ -136,7 +162,10 @@ def reduce(
             come first), e.g. :class:`edgetorch.zoo.MLP`; or a plain CNN: ``Conv2d`` layers with
             batch norm, activations and pooling between them, one ``Flatten``, then Linear layers
             (see :mod:`edgetorch.reduce.sequential`). Convolutions lose output channels (pruning)
-            or become a thin convolution + 1x1 convolution (low-rank).
+            or become a thin convolution + 1x1 convolution (low-rank). Any other CNN (residual,
+            depthwise, concatenating, squeeze-excitation: torchvision, timm, the zoo's SmallResNet)
+            is pruned by channel groups (:mod:`edgetorch.reduce.grouped`, needs
+            ``pip install 'edgetorch[reduce]'``; ``"prune"`` and ``"prune-ls"`` only).
         alpha: total reduction factor in [0, 1) (eq. 7 / 11).
         method: one of :data:`METHODS`: ``"prune"`` (the paper's naive pruning: keep the
             highest-power neurons), ``"prune-ls"`` (correlation-aware: pivoted-Cholesky selection
@@ -152,7 +181,8 @@ def reduce(
 
     Raises:
         ValueError: unknown method or allocation, missing calibration data, infeasible alpha.
-        TypeError: an unsupported architecture.
+        TypeError: an unsupported architecture (the message names the layer and the reason).
+        ImportError: a network that is not a chain, without Torch-Pruning installed.
 
     Example:
         >>> small = reduce(model, 0.5, "prune", calibration=images[:1000])

@@ -4,7 +4,9 @@
 lists every module of the ``nn.Sequential`` with its sizes (widths, channels, kernels, ranks, kept
 input units) and the few constructor arguments of activations and pooling.
 ``edgetorch.reduce.load`` rebuilds the modules from the JSON and loads the weights with a strict
-key/shape check: nothing in either file is ever executed. (Plain state dicts, whose architecture
+key/shape check: nothing in either file is ever executed. A model that is not a chain (a grouped
+reduction of a residual or depthwise CNN) is recorded as its constructor plus its layer sizes
+(:mod:`edgetorch.reduce.graph_checkpoint`); ``load`` tells the two formats apart. (Plain state dicts, whose architecture
 the caller builds, use ``edgetorch.zoo.save_weights`` / ``load_weights``.)
 """
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from ..zoo import CheckpointError, load_weights, save_weights
+from . import graph_checkpoint
 from .sequential import ELEMENTWISE, PER_CHANNEL, KeepFeatures
 
 _FORMAT = "edgetorch.reduced/1"
@@ -162,19 +165,53 @@ def _modules(entries: list[Any]) -> nn.Sequential:
     return nn.Sequential(*modules)
 
 
-def save(model: nn.Sequential, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+def _graph_record(model: nn.Module, source: str | dict[str, Any] | None) -> dict[str, Any]:
+    # A model of its own class (reduced by edgetorch.reduce.grouped): the constructor + layer sizes.
+    if source is None:
+        source = graph_checkpoint.infer_source(model)
+    elif isinstance(source, str):
+        try:
+            inferred = graph_checkpoint.infer_source(model)
+        except ValueError:
+            inferred = {"spec": source, "kwargs": {}}
+        kwargs = inferred["kwargs"] if inferred["spec"] == source or source.startswith("torchvision:") else {}
+        source = {"spec": source, "kwargs": kwargs}
+    record = graph_checkpoint.describe(model, source)
+    with torch.device("meta"):  # check now that load will fit the weights, not when a user loads the file
+        try:
+            rebuilt = graph_checkpoint.build(record)
+        except CheckpointError as exc:
+            raise TypeError(f"cannot describe this {type(model).__name__} for load: {exc}") from exc
+    theirs = {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()}
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if theirs != ours:
+        wrong = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        raise TypeError(f"cannot describe this {type(model).__name__} for load: rebuilding {source['spec']} with the "
+                        f"recorded layer sizes gives other tensors for {', '.join(wrong[:5])}")
+    return record
+
+
+def save(model: nn.Module, path: str | Path, extra: dict[str, Any] | None = None,
+         source: str | dict[str, Any] | None = None) -> Path:
     """Write ``model`` as ``PATH`` (safetensors) and ``PATH`` with ``.json`` (architecture).
+
+    An ``nn.Sequential`` of the modules the chain reduction produces is listed module by module;
+    any other model (a grouped reduction of a torchvision or zoo CNN) is recorded as its
+    constructor plus the new size of every layer (:mod:`edgetorch.reduce.graph_checkpoint`).
 
     Args:
         model: a reduced (or full) supported network.
         path: the weights file, ending in ``.safetensors``.
         extra: more JSON-able facts to record next to the architecture (alpha, method, ...).
+        source: for a model that is not a chain, its constructor: ``"torchvision:NAME"``,
+            ``"zoo:NAME"`` or ``{"spec": ..., "kwargs": {...}}``; by default inferred (torchvision
+            models and the zoo's SmallResNet).
 
     Returns:
-        The JSON path.
+        The JSON path (which :func:`load` accepts, as it does the weights path).
 
     Raises:
-        ValueError: ``path`` does not end in ``.safetensors``.
+        ValueError: ``path`` does not end in ``.safetensors``, or the constructor cannot be inferred.
         TypeError: a module that the JSON architecture cannot describe.
 
     Example:
@@ -184,18 +221,25 @@ def save(model: nn.Sequential, path: str | Path, extra: dict[str, Any] | None = 
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"reduced checkpoints are .safetensors files, got {path.name!r}")
-    record = {**architecture(model), **(extra or {})}
+    try:
+        described = architecture(model)
+    except TypeError:
+        if isinstance(model, nn.Sequential) and source is None:
+            raise
+        described = _graph_record(model, source)
+    record = {**described, **(extra or {})}
     save_weights(model, path)
     json_path = path.with_suffix(".json")
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     return json_path
 
 
-def load(path: str | Path) -> tuple[nn.Sequential, dict[str, Any]]:
+def load(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild a network written by :func:`save` (weights checked strictly).
 
     Args:
-        path: the ``.safetensors`` file; its ``.json`` must sit next to it.
+        path: the ``.safetensors`` file or its ``.json`` (what :func:`save` returns); the other
+            must sit next to it.
 
     Returns:
         ``(model in eval mode, the JSON record)``.
@@ -210,10 +254,11 @@ def load(path: str | Path) -> tuple[nn.Sequential, dict[str, Any]]:
     """
     path = Path(path)
     json_path = path.with_suffix(".json")
+    weights = json_path.with_suffix(".safetensors")
     try:
         record = json.loads(json_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{json_path}: cannot read the architecture ({exc})") from exc
-    model = build(record)
-    load_weights(model, path)
+    model = graph_checkpoint.build(record) if graph_checkpoint.is_record(record) else build(record)
+    load_weights(model, weights)
     return model.eval(), record

@@ -172,6 +172,8 @@ def make_graph_problem(graph: ChannelGraph, errors: Sequence[Sequence[float]], a
         values[0] = np.inf
         curves.append(values)
     total = graph.cost()
+    if total == 0:
+        raise ValueError("the network has no multiplications in its weight layers to reduce")
     budget = budget_for(float(alpha), total)
     cheapest = graph.cost([1] * len(graph.groups))
     if cheapest > budget:
