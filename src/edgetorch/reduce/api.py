@@ -123,7 +123,21 @@ def reduce_model(
     if method != "lowrank" and calibration is None:
         raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
     if not is_chain(model):  # residual, depthwise, concatenating ...: prune channel groups
-        grouped = reduce_grouped(model, alpha, method, allocation, calibration, seed)
+        if method == "lowrank":
+            if isinstance(model, nn.Sequential):
+                _check_chain(model)  # low-rank needs the chain: say which module breaks it
+            raise TypeError(f"low-rank factoring needs an nn.Sequential chain, got {type(model).__name__}; a network "
+                            "that is not a chain is reduced by channel groups: method prune or prune-ls")
+        try:
+            grouped = reduce_grouped(model, alpha, method, allocation, calibration, seed)
+        except (TypeError, RuntimeError) as exc:
+            if not isinstance(model, nn.Sequential):
+                raise
+            try:
+                _check_chain(model)
+            except TypeError as chain:  # both readings failed: give both reasons
+                raise TypeError(f"{chain}; nor can it be pruned by channel groups: {exc}") from exc
+            raise
         return Reduction(grouped.model, method, grouped.allocation, [], grouped.groups)
     if method == "lowrank":
         try:

@@ -178,6 +178,7 @@ def prune_groups(model: nn.Module, graph: ChannelGraph, dependency, kept: list[i
     keeps = [np.sort(order[:k]) for (order, _), k in zip(orders, kept)]
     _rewrite_consumers(model, graph, keeps, stats, refit)
     modules = dict(model.named_modules())
+    others = _other_shapes(model)
     for group, keep in zip(graph.groups, keeps):
         if len(keep) == group.size:
             continue
@@ -185,7 +186,21 @@ def prune_groups(model: nn.Module, graph: ChannelGraph, dependency, kept: list[i
         drop = np.setdiff1d(np.arange(group.size), keep).tolist()
         pruner = dependency.get_pruner_of_module(root)
         dependency.get_pruning_group(root, pruner.prune_out_channels, drop).prune()
+    for name, shapes in _other_shapes(model).items():
+        if shapes != others[name]:
+            raise TypeError(f"layer {name!r} ({type(modules[name]).__name__}) was resized with a channel group "
+                            f"({others[name]} -> {shapes}); grouped reduction counts and refits only Conv2d, Linear "
+                            "and BatchNorm channels, so a network with this layer between them is not supported")
     return model
+
+
+def _other_shapes(model: nn.Module) -> dict[str, list[tuple[int, ...]]]:
+    # Parameters and buffers of layers that are neither weight layers nor batch norms: Torch-Pruning
+    # may resize them with a group (a LayerNorm over the last axis taken for channels), which the
+    # cost model and the refit know nothing about.
+    skip = (nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d)
+    return {name: [tuple(t.shape) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+            for name, m in model.named_modules() if not isinstance(m, skip)}
 
 
 @dataclass(frozen=True)
