@@ -1189,9 +1189,10 @@ ALWAYS_INLINE __m256i NAME(q_bytes32)(__m256i c0, __m256i c1, __m256i c2, __m256
 }
 
 /* The codes of one whole group (m a multiple of 32), bits / stochastic / clamp constant after
- * inlining. clamp: min(max(w, 0), L) as codes_of (needed for a stochastic offset, which can reach
- * L + 1, and for inv = Inf); without it a NaN w (0 * Inf is excluded there; a non-finite group's
- * x * 0) truncates to INT32_MIN, which the unsigned saturating packs turn into code 0. */
+ * inlining. clamp: min(max(w, 0), L) as codes_of, for inv = Inf (Inf and 0 * Inf = NaN). Without
+ * it the unsigned saturating packs clamp: w >= 0, a NaN w (a non-finite group's x * 0) truncates to
+ * INT32_MIN, which they make 0, and w < L + 2 (v <= d * (L / d) up to two roundings), so a
+ * stochastic offset's L + 1 saturates to 255 at 8 bits and takes a byte minimum at 4 and 2. */
 ALWAYS_INLINE void NAME(q_codes_group)(const ELEM *x, int64_t m, float lo, float inv, uint32_t seed_mix,
                                        uint32_t idx0, int bf16, int bits, int stochastic, int clamp,
                                        uint8_t *out, const ELEM *pf) {
@@ -1201,7 +1202,9 @@ ALWAYS_INLINE void NAME(q_codes_group)(const ELEM *x, int64_t m, float lo, float
     const __m256i m1 = _mm256_set1_epi32(0x7FEB352D), m2 = _mm256_set1_epi32(0x2C1B3C6D);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i pair4 = _mm256_set1_epi16(0x1001), pair2 = _mm256_set1_epi16(0x0401);
-    const __m256i quad2 = _mm256_set1_epi32(0x00100001);
+    const __m256i quad2 = _mm256_set1_epi32(0x00100001), top = _mm256_set1_epi8((char)((1 << bits) - 1));
+    const __m256i eight = _mm256_set1_epi32(8);
+    __m256i ctr = _mm256_add_epi32(_mm256_set1_epi32((int32_t)idx0), lane); /* the hash's element indices */
     for (int64_t j = 0; j < m; j += 32) {
         /* the next batch's same group, into L1 while this one computes (a prefetch never faults) */
         _mm_prefetch((const char *)(pf + j), _MM_HINT_T0);
@@ -1212,8 +1215,8 @@ ALWAYS_INLINE void NAME(q_codes_group)(const ELEM *x, int64_t m, float lo, float
             __m256 v = _mm256_mul_ps(_mm256_sub_ps(xv, vlo), vinv);
             __m256 off = half;
             if (stochastic) {
-                __m256i h = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(idx0 + (uint32_t)(j + 8 * t))), lane);
-                h = _mm256_xor_si256(h, seed);
+                __m256i h = _mm256_xor_si256(ctr, seed);
+                ctr = _mm256_add_epi32(ctr, eight);
                 h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
                 h = _mm256_mullo_epi32(h, m1);
                 h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
@@ -1227,6 +1230,7 @@ ALWAYS_INLINE void NAME(q_codes_group)(const ELEM *x, int64_t m, float lo, float
             c[t] = _mm256_cvttps_epi32(w);
         }
         __m256i b = NAME(q_bytes32)(c[0], c[1], c[2], c[3]); /* units 0 2 4 6 | 1 3 5 7 */
+        if (stochastic && !clamp && bits < 8) b = _mm256_min_epu8(b, top);
         if (bits == 8) {
             _mm256_storeu_si256((__m256i *)(out + j), _mm256_permutevar8x32_epi32(b, order));
         } else if (bits == 4) {
@@ -1256,19 +1260,19 @@ ALWAYS_INLINE void NAME(q_batch)(const ELEM *x, int64_t cnt, int64_t group, cons
     for (int64_t i = 0; i < cnt; i++) {
         const ELEM *xs = x + i * group;
         __m256i sx = _mm256_set1_epi32(INT32_MIN), ux = _mm256_setzero_si256(), un = _mm256_set1_epi32(-1);
-        __m256i sx2 = sx, ux2 = ux, un2 = un;
-        for (int64_t j = 0; j < group; j += 16) {
-            __m256i b = NAME(q_bits8)(xs + j, bf16), b2 = NAME(q_bits8)(xs + j + 8, bf16);
-            sx = _mm256_max_epi32(sx, b);
-            ux = _mm256_max_epu32(ux, b);
-            un = _mm256_min_epu32(un, b);
-            sx2 = _mm256_max_epi32(sx2, b2);
-            ux2 = _mm256_max_epu32(ux2, b2);
-            un2 = _mm256_min_epu32(un2, b2);
+        /* 32 elements a step (group is a multiple of 32), folded as a tree into one accumulator
+         * per extreme: with 16 a step and two sets, gcc copied every accumulator between
+         * registers each step, as many instructions as the reduction's */
+        for (int64_t j = 0; j < group; j += 32) {
+            __m256i b0 = NAME(q_bits8)(xs + j, bf16), b1 = NAME(q_bits8)(xs + j + 8, bf16);
+            __m256i b2 = NAME(q_bits8)(xs + j + 16, bf16), b3 = NAME(q_bits8)(xs + j + 24, bf16);
+            sx = _mm256_max_epi32(sx, _mm256_max_epi32(_mm256_max_epi32(b0, b1), _mm256_max_epi32(b2, b3)));
+            ux = _mm256_max_epu32(ux, _mm256_max_epu32(_mm256_max_epu32(b0, b1), _mm256_max_epu32(b2, b3)));
+            un = _mm256_min_epu32(un, _mm256_min_epu32(_mm256_min_epu32(b0, b1), _mm256_min_epu32(b2, b3)));
         }
-        SX[i] = _mm256_max_epi32(sx, sx2);
-        UX[i] = _mm256_max_epu32(ux, ux2);
-        UN[i] = _mm256_min_epu32(un, un2);
+        SX[i] = sx;
+        UX[i] = ux;
+        UN[i] = un;
     }
     for (int64_t i = cnt; i < 8; i++) SX[i] = SX[0], UX[i] = UX[0], UN[i] = UN[0];
     const __m256i smax = NAME(q_lanes_smax)(SX), umax = NAME(q_lanes_umax)(UX), umin = NAME(q_lanes_umin)(UN);
@@ -1323,8 +1327,10 @@ ALWAYS_INLINE void NAME(q_batch)(const ELEM *x, int64_t cnt, int64_t group, cons
     for (int64_t i = 0; i < cnt; i++) {
         const ELEM *xs = x + i * group;
         const uint32_t id = idx0 + (uint32_t)(i * group);
-        if (stochastic)
+        if (stochastic && ((infinite >> i) & 1))
             NAME(q_codes_group)(xs, group, los[i], invs[i], q->seed_mix, id, bf16, bits, 1, 1, out + i * gbytes, xs + 8 * group);
+        else if (stochastic)
+            NAME(q_codes_group)(xs, group, los[i], invs[i], q->seed_mix, id, bf16, bits, 1, 0, out + i * gbytes, xs + 8 * group);
         else if ((infinite >> i) & 1)
             NAME(q_codes_group)(xs, group, los[i], invs[i], 0, id, bf16, bits, 0, 1, out + i * gbytes, xs + 8 * group);
         else
