@@ -165,8 +165,12 @@ def _fill(problem: Problem, theta: list[int]) -> list[int]:
         cost = problem.cost(theta)
 
 
-def _dual(chain: _Chain) -> tuple[float, float, list[int]]:
-    """Best multiplier, its dual bound ``g(lam)``, and the best feasible point met (filled)."""
+def _dual(chain: _Chain, precision: float = 1e-12) -> tuple[float, float, list[int]]:
+    """Best multiplier, its dual bound ``g(lam)``, and the best feasible point met (filled).
+
+    ``precision``: the bisection stops when the bracket of ``lam`` is this narrow (relative); a
+    coarser multiplier only loosens the bound the enumeration prunes with, never its correctness.
+    """
     problem = chain.problem
     budget = problem.budget
 
@@ -191,7 +195,7 @@ def _dual(chain: _Chain) -> tuple[float, float, list[int]]:
                 incumbent = filled
         else:
             lo = mid
-        if hi - lo <= 1e-12 * hi:
+        if hi - lo <= precision * hi:
             break
     return best_lam, best_bound, incumbent
 
