@@ -256,3 +256,25 @@ def test_a_model_without_a_known_constructor_needs_source():
     assert small.a.out_channels == small.b.out_channels == small.head.in_features < 8
     with pytest.raises(ValueError, match="pass source="):
         save(small, "/nonexistent/x.safetensors")
+
+
+def test_reduce_command_prunes_a_torchvision_resnet_by_channel_groups(tmp_path):
+    from typer.testing import CliRunner
+
+    from edgetorch.cli import app
+    from edgetorch.zoo import save_weights
+
+    model, _ = build("resnet18")
+    weights, out, summary = tmp_path / "r18.safetensors", tmp_path / "small.safetensors", tmp_path / "report.json"
+    save_weights(model, weights)
+    result = CliRunner().invoke(app, [
+        "reduce", "--model", "torchvision:resnet18", "--weights", str(weights), "--dataset", "digits", "--size", "32",
+        "--alpha", "0.5", "--calibration", "32", "--latency-batch", "2", "--output", str(out), "--json", str(summary)])
+    assert result.exit_code == 0, result.output
+    assert "12 channel groups found" in result.output and "layer4.0.downsample.0" in result.output
+    report = json.loads(summary.read_text())
+    assert len(report["groups"]) == 12 and report["macs_reduced"] <= 0.5 * report["macs_full"]
+    reduced, record = load(out)
+    assert record["source"] == {"spec": "torchvision:resnet18", "kwargs": {"num_classes": 10}}
+    x = torch.rand(2, 3, 32, 32)
+    assert count_macs(reduced, x[:1]) == report["macs_reduced"]

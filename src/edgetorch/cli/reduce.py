@@ -1,4 +1,8 @@
-"""``edgetorch reduce``: shrink a trained MLP or plain CNN to a multiplication budget (Mauch & Yang)."""
+"""``edgetorch reduce``: shrink a trained network to a multiplication budget (Mauch & Yang).
+
+An MLP or plain CNN (an ``nn.Sequential`` chain) is reduced layer by layer; any other CNN
+(``torchvision:resnet18``, ``zoo:cnn`` ...) by its coupled channel groups, printed one per row.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from rich.table import Table
 from ._app import app, console, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
+    import torch
+
     from ..reduce import Reduction
 
 
@@ -35,6 +41,21 @@ def _load_model(model: str, weights: Path | None, dataset: str, size: int):
                        **({"image_size": size} if sized else {}))
 
 
+def _print_groups(result: Reduction, title: str) -> None:
+    """The channel groups of a grouped :class:`~edgetorch.reduce.Reduction`: root layer, channels kept, consumers, J_g."""
+    table = Table(title=title)
+    for col in ("group", "root layer", "channels", "kept", "readers", "J_g"):
+        table.add_column(col, justify="left" if col == "root layer" else "right")
+    for g in result.groups:
+        table.add_row(str(g.group), g.root, str(g.channels), str(g.kept), str(g.consumers), f"{g.error:.4g}")
+    console.print(table)
+
+
+def _with_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
+    # Grey datasets fed to an RGB model (a torchvision CNN): the same image in every channel.
+    return images.expand(-1, channels, -1, -1) if images.shape[1] == 1 and channels > 1 else images
+
+
 def _print_layers(result: Reduction, title: str) -> None:
     """The per-layer table of a :class:`~edgetorch.reduce.Reduction`: sizes, kept units or rank, MACs, alpha_l, J_l."""
     table = Table(title=title)
@@ -50,7 +71,8 @@ def _print_layers(result: Reduction, title: str) -> None:
 
 @app.command()
 def reduce(
-    model: str = typer.Option("zoo:mlp", help="zoo:NAME (pretrained on --dataset unless --weights), or any spec with --weights"),
+    model: str = typer.Option("zoo:mlp", help="zoo:NAME (pretrained on --dataset unless --weights), or any spec with "
+                              "--weights (torchvision:NAME: any CNN, pruned by channel groups)"),
     weights: Path = typer.Option(None, help="safetensors/state-dict weights of --model"),
     alpha: float = typer.Option(..., help="total reduction factor in [0, 1): share of multiplications removed"),
     method: str = typer.Option("prune", help="prune (the paper's), prune-ls (correlation-aware), lowrank"),
@@ -65,13 +87,14 @@ def reduce(
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the summary, per-layer factors included, as JSON here"),
     plot: Path = typer.Option(None, callback=plot_file, help="write a bar chart of the per-layer factors alpha_l here (.png, .pdf, .svg)"),
 ) -> None:
-    """Reduce a trained MLP or plain CNN: per-layer factors, MACs, accuracy and measured CPU latency ratio."""
+    """Reduce a trained network: per-layer (chain) or per-channel-group factors, MACs, accuracy, CPU latency ratio."""
     import torch
+    from torch.utils.data import TensorDataset
 
     from ..data import DatasetNotFoundError, load_dataset
     from ..reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, reduce_model, save
     from .._checks import check_choice
-    from ..zoo import evaluate_accuracy
+    from ..zoo import evaluate_accuracy, input_channels
 
     for name, value, accepted in (("method", method, METHODS), ("allocation", allocation, ALLOCATIONS)):
         try:
@@ -84,14 +107,19 @@ def reduce(
         with console.status(f"loading {model} (a zoo model without --weights is pretrained on first use: minutes "
                             "on a CPU, then cached)"):
             full = _load_model(model, weights, dataset, size).eval()
+            channels = input_channels(full)
             train = load_dataset(dataset, "train", size=size)
             test = load_dataset(dataset, "test", size=size)
-        calib = train.tensors[0][: min(calibration, len(train))]
+            test = TensorDataset(_with_channels(test.tensors[0], channels), test.tensors[1])
+        calib = _with_channels(train.tensors[0][: min(calibration, len(train))], channels)
         with console.status(f"measuring each layer's error curve on {len(calib)} samples, then the {allocation} "
                             "allocation"):
             result = reduce_model(full, alpha, method, allocation, calibration=calib, seed=seed)
     except (ValueError, TypeError, DatasetNotFoundError) as err:  # CheckpointError is a ValueError
         raise typer.BadParameter(str(err)) from None
+    except ImportError as err:  # a network that is not a chain, without Torch-Pruning
+        console.print(f"[red]reduce failed: {err}[/red]")
+        raise typer.Exit(1) from None
     except RuntimeError as err:  # torch refusing the data, e.g. images that do not fit the model
         console.print(f"[red]reduce failed: {err}[/red]")
         raise typer.Exit(1) from None
@@ -99,13 +127,18 @@ def reduce(
     one = test.tensors[0][:1]
     full_macs, reduced_macs = count_macs(full, one), count_macs(result.model, one)
     title = f"{model} on {dataset}: {method}, {allocation} allocation, alpha >= {alpha}"
-    _print_layers(result, title)
+    if result.groups:
+        console.print(f"{len(result.groups)} channel groups found (channels pruned together: residual sums, "
+                      "depthwise convolutions, concatenations, the flatten into the classifier)")
+        _print_groups(result, title)
+    else:
+        _print_layers(result, title)
     a = result.allocation
     summary = {"model": model, "dataset": dataset, "method": method, "allocation": allocation,
                "alpha": alpha, "achieved_alpha": a.alpha, "objective_J": a.objective,
                "solver_seconds": a.seconds, "proven_gap": a.proven_gap, "macs_full": full_macs,
                "macs_reduced": reduced_macs,
-               "layers": [vars(f) for f in result.layers]}
+               "layers": [vars(f) for f in result.layers], "groups": [vars(g) for g in result.groups]}
     console.print(f"MACs per sample: {full_macs:,} -> {reduced_macs:,} "
                   f"(alpha achieved {a.alpha:.4f}); J = {a.objective:.4g}, solver {a.seconds:.2f} s"
                   + (f", proven gap {a.proven_gap:.3g}" if a.proven_gap is not None else ""))
@@ -122,10 +155,10 @@ def reduce(
     console.print(f"CPU latency, batch {len(batch)} (median of {timing.rounds} interleaved rounds): "
                   f"{timing.full_seconds * 1e3:.3f} ms -> {timing.reduced_seconds * 1e3:.3f} ms "
                   f"(ratio {timing.ratio:.2f}, measured)")
-    console.print_json(json.dumps({k: v for k, v in summary.items() if k != "layers"}))  # the table has them
+    console.print_json(json.dumps({k: v for k, v in summary.items() if k not in ("layers", "groups")}))  # tabled
     try:
-        if output is not None:
-            console.print(f"wrote {output} and {save(result.model, output, {'reduction': summary})}")
+        if output is not None:  # a grouped model is rebuilt from --model's constructor
+            console.print(f"wrote {output} and {save(result.model, output, {'reduction': summary}, source=model)}")
         write_json(json_path, summary)
         if plot is not None:
             from ..reduce.plots import plot_layer_factors
@@ -133,4 +166,7 @@ def reduce(
             console.print(f"wrote {plot_layer_factors(result.layers, a.alpha, plot, title)}")
     except OSError as err:  # the disk filled up, a directory vanished mid-run
         console.print(f"[red]reduce could not write its outputs: {err}[/red]")
+        raise typer.Exit(1) from None
+    except (TypeError, ValueError) as err:  # a model whose constructor the checkpoint cannot name
+        console.print(f"[red]reduce could not save the reduced model: {err}[/red]")
         raise typer.Exit(1) from None
