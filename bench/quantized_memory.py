@@ -137,12 +137,13 @@ def study(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, specs: 
     return out
 
 
-def step_times(model: nn.Module, x: torch.Tensor, y: torch.Tensor, specs: list[str]) -> dict[str, float]:
-    """Fastest of TIMING_ROUNDS forward+backward steps per spec, interleaved (order rotated each round)
+def step_times(model: nn.Module, x: torch.Tensor, y: torch.Tensor, specs: list[str],
+               rounds: int = TIMING_ROUNDS) -> dict[str, float]:
+    """Fastest of ``rounds`` forward+backward steps per spec, interleaved (order rotated each round)
     so load on a shared machine hits every configuration alike."""
     times: dict[str, list[float]] = {s: [] for s in specs}
     forward_backward(model, x, y, parse_training_policy(specs[0]), F.cross_entropy)  # warm-up
-    for r in range(TIMING_ROUNDS):
+    for r in range(rounds):
         for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
