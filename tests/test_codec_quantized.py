@@ -281,3 +281,29 @@ def test_batched_groups_write_the_reference_bytes(group: int) -> None:
                         assert torch.equal(out.nan_to_num(0.0), ref.nan_to_num(0.0)), (isa, dtype, bits, seed)
     finally:
         native.set_isa(saved)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sided_decoding_on_the_c_kernels_equals_the_torch_ops(dtype: torch.dtype) -> None:
+    # SidedQuantizedTensor.unpack on CPU selects bitwise from the C bitmap kernels; the bits must
+    # be those of the torch ops' where/clamp (NaN inside stays NaN, outside reads low; both zeros).
+    from edgetorch.codecs import _cpu_kernels
+    from edgetorch.codecs._cpu_kernels import torch_ops
+
+    if not _cpu_kernels.NATIVE:
+        pytest.skip("the C extension is not built")
+    ints = {torch.float64: torch.int64, torch.float32: torch.int32}.get(dtype, torch.int16)
+    g = torch.Generator().manual_seed(5)
+    for low, high in [(-3.0, 3.0), (-1.0, 6.0), (0.0, 0.1), (-2.99, 3.01)]:
+        x = torch.randn(5, 300, generator=g, dtype=torch.float64) * 4
+        x[0, :10] = torch.tensor([low, high, -0.0, 0.0, math.nan, math.inf, -math.inf, (low + high) / 2,
+                                  low - 1e-7, high + 1e-7], dtype=torch.float64)
+        x[3, 128:192] = math.nan  # a non-finite group: decodes to NaN everywhere
+        x = x.to(dtype)
+        for bits in (8, 4, 2):
+            s = pack_quantized_sided(x, bits, low, high, group=64)
+            out = s.unpack()
+            with torch_ops():
+                ref = s.unpack()
+            assert out.dtype == ref.dtype and out.shape == ref.shape
+            assert torch.equal(out.view(ints), ref.view(ints)), (low, high, bits)

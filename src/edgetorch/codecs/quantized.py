@@ -345,9 +345,12 @@ class SidedQuantizedTensor:
         """Inside: the decoded value, kept strictly inside ``(low, high)``. Outside: ``low`` or
         ``high``, whichever end the decoded value is nearer."""
         q = self.values.unpack()
-        inside = unpack_bits(self.inside, q.numel()).view(q.shape)
         low, high = torch.tensor([self.low, self.high], dtype=q.dtype, device=q.device)
         inner_low, inner_high = torch.nextafter(low, high), torch.nextafter(high, low)
+        if q.is_cpu and _cpu_kernels.NATIVE:  # the same values, bitwise from the C bitmap kernels
+            bounds = torch.stack([low, high, inner_low, inner_high, (low + high) / 2]).tolist()
+            return _cpu_kernels.sided_select(q, self.inside, *bounds)
+        inside = unpack_bits(self.inside, q.numel()).view(q.shape)
         return torch.where(inside, q.clamp(inner_low, inner_high), torch.where(q > (low + high) / 2, high, low))
 
 
