@@ -228,8 +228,13 @@ def channel_graph(model: nn.Module, example: torch.Tensor) -> tuple[ChannelGraph
     if not order:
         raise TypeError("the model has no nn.Conv2d or nn.Linear layer to reduce")
     last = order[-1]
-    with torch.enable_grad():  # Torch-Pruning traces the autograd graph
-        dependency = tp.DependencyGraph().build_dependency(model, example_inputs=example[:1])
+    try:
+        with torch.enable_grad():  # Torch-Pruning traces the autograd graph
+            dependency = tp.DependencyGraph().build_dependency(model, example_inputs=example[:1])
+    except Exception as exc:  # its tracer fails on some reshapes (shufflenet's channel shuffle)
+        raise TypeError(f"Torch-Pruning could not trace which channels of this {type(model).__name__} are coupled "
+                        f"({type(exc).__name__}: {exc}); channel shuffles and other channel reshapes are not "
+                        "supported") from exc
     groups: list[ChannelGroup] = []
     out_group: dict[nn.Module, int] = {}
     in_groups: dict[nn.Module, list[tuple[int, int, int]]] = {m: [] for m in order}  # (group, channels, taps)

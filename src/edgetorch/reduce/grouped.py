@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,10 +67,12 @@ class GroupStatistics:
     Attributes:
         inputs: per consumer layer name, ``(means [units, positions or 1], covariance [units, units])``.
         samples: calibration samples N.
+        vectors: per consumer, the input vectors its covariance comes from (samples x positions).
     """
 
     inputs: dict[str, tuple[np.ndarray, np.ndarray]]
     samples: int
+    vectors: dict[str, int]
 
 
 def _as_units(term: CostTerm, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,20 @@ def group_statistics(model: nn.Module, graph: ChannelGraph, calibration: torch.T
             h.remove()
         model.train(was_training)
     inputs = {name: m.finish(shared=isinstance(modules[name], nn.Conv2d)) for name, m in moments.items()}
-    return GroupStatistics(inputs, len(calibration))
+    return GroupStatistics(inputs, len(calibration), {name: m.samples for name, m in moments.items()})
+
+
+def _warn_underdetermined(graph: ChannelGraph, stats: GroupStatistics) -> None:
+    # With fewer input vectors than channels the covariance is singular: the least-squares refit
+    # "explains" every dropped channel and J_g reaches 0 early, so the allocation over-prunes
+    # there (issue 13: the deep, 1x1-resolution layers of a CNN at small calibration sets).
+    short = [(t.module, stats.vectors[t.module], t.units_in) for t in graph.terms
+             if t.module in stats.vectors and not t.depthwise and stats.vectors[t.module] <= t.units_in]
+    if short:
+        listed = ", ".join(f"{name} ({seen} vectors for {units} channels)" for name, seen, units in short[:3])
+        warnings.warn(f"prune-ls: {len(short)} layers see no more input vectors than they have input channels, "
+                      f"e.g. {listed}; their refit is underdetermined and J underestimates the error there. "
+                      f"Give more calibration samples than {stats.samples}.", stacklevel=3)
 
 
 def group_orders(graph: ChannelGraph, stats: GroupStatistics, correlated: bool) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -258,6 +274,8 @@ def reduce_grouped(model: nn.Module, alpha: float, method: str = "prune", alloca
     graph, dependency = channel_graph(reduced, calibration[:1])
     stats = group_statistics(reduced, graph, calibration)
     orders = group_orders(graph, stats, correlated=method == "prune-ls")
+    if method == "prune-ls":
+        _warn_underdetermined(graph, stats)
     problem = make_graph_problem(graph, [curve for _, curve in orders], alpha)
     chosen = solve_graph_allocation(problem, method, allocation, seed=seed, time_limit=time_limit)
     prune_groups(reduced, graph, dependency, chosen.theta, orders, stats, refit=method == "prune-ls")

@@ -213,6 +213,11 @@ class Moments:
         self.outer = o if self.outer is None else self.outer + o
         self.count += x.shape[0]
 
+    @property
+    def samples(self) -> int:
+        """Unit vectors seen: samples x positions (what the covariance is estimated from)."""
+        return 0 if self.sums is None else self.count * self.sums.shape[1]
+
     def finish(self, shared: bool) -> tuple[np.ndarray, np.ndarray]:
         """``(means [units, positions or 1], covariance [units, units])`` (1/N normalisation, eq. 8).
 
