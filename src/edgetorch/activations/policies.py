@@ -255,8 +255,9 @@ class BackRazor(Policy):
         rows: what one top-k selection spans when a layer flattens samples into rows (a Linear
             on ``(batch, tokens, features)`` saves a ``[batch x tokens, features]`` matrix):
             ``"sample"`` (default, as the paper's code) keeps the top-k of all of a sample's rows
-            together, ``"token"`` of each row. Measured a tie on gradient fidelity and transfer
-            accuracy (``bench/backrazor_rows.py``). Batch-first tensors (a CNN's) are per sample
+            together, ``"token"`` of each row. The two tie on gradient fidelity
+            (``bench/backrazor_rows.py``) and ViT transfer accuracy (``bench/backrazor_transfer.py``);
+            the selection is cheaper per sample. Batch-first tensors (a CNN's) are per sample
             either way.
 
     Example:
