@@ -844,6 +844,26 @@ ALWAYS_INLINE __m256i NAME(q_bits8)(const ELEM *x, int bf16) {
 #endif
 }
 
+/* 8 codes, not yet packed: (x - lo) * inv plus 0.5, or under stochastic rounding plus a uniform
+ * in [0, 1) from 24 bits of the hash of h (the elements' indices xor the seed); clamped into
+ * [0, levels] when clamp is set (max(w, 0) returns its second operand for a NaN w: NaN -> 0, as
+ * nan_to_num); truncated to int32. */
+ALWAYS_INLINE __m256i NAME(q_code8)(__m256 xv, __m256 vlo, __m256 vinv, __m256 vlevels, __m256i h,
+                                    int stochastic, int clamp) {
+    __m256 off = _mm256_set1_ps(0.5f);
+    if (stochastic) {
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x7FEB352D));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32(0x2C1B3C6D));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        off = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(0x1p-24f));
+    }
+    __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_sub_ps(xv, vlo), vinv), off);
+    if (clamp) w = _mm256_min_ps(_mm256_max_ps(w, _mm256_setzero_ps()), vlevels);
+    return _mm256_cvttps_epi32(w);
+}
+
 /* Pass 1 over x[0 .. j), j = m rounded down to 8, folded into the raw-bit extremes (see
  * group_range): the largest as signed, the largest and smallest as unsigned 32-bit integers. Two
  * sets of accumulators: with one, a 1024-element group took about twice as long. */
@@ -891,9 +911,7 @@ ALWAYS_INLINE int64_t NAME(q_extremes_simd)(const ELEM *x, int64_t m, int bf16, 
 ALWAYS_INLINE int64_t NAME(q_codes_simd)(const ELEM *x, int64_t m, float lo, float inv, float levels,
                                          const quant_params *q, uint32_t idx0, int bf16, uint8_t *out) {
     const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv), vlevels = _mm256_set1_ps(levels);
-    const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f), unit = _mm256_set1_ps(0x1p-24f);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), seed = _mm256_set1_epi32((int32_t)q->seed_mix);
-    const __m256i m1 = _mm256_set1_epi32(0x7FEB352D), m2 = _mm256_set1_epi32(0x2C1B3C6D);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), low8 = _mm256_set1_epi32(0xFF);
     const int bits = q->bits, stochastic = q->stochastic;
     /* Rounding to nearest with a finite inv needs no clamp: x - lo <= d, so v <= d * (L / d) up
@@ -904,23 +922,9 @@ ALWAYS_INLINE int64_t NAME(q_codes_simd)(const ELEM *x, int64_t m, float lo, flo
     for (; j + 32 <= m; j += 32) {
         __m256i c[4];
         for (int t = 0; t < 4; t++) {
-            __m256 xv = _mm256_castsi256_ps(NAME(q_bits8)(x + j + 8 * t, bf16));
-            __m256 v = _mm256_mul_ps(_mm256_sub_ps(xv, vlo), vinv);
-            __m256 off = half;
-            if (stochastic) {
-                __m256i h = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(idx0 + (uint32_t)(j + 8 * t))), lane);
-                h = _mm256_xor_si256(h, seed);
-                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-                h = _mm256_mullo_epi32(h, m1);
-                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
-                h = _mm256_mullo_epi32(h, m2);
-                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-                off = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);
-            }
-            __m256 w = _mm256_add_ps(v, off);
-            if (clamp) /* max(w, 0) returns its second operand for a NaN w: NaN -> 0, as nan_to_num */
-                w = _mm256_min_ps(_mm256_max_ps(w, zero), vlevels);
-            c[t] = _mm256_cvttps_epi32(w);
+            __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(idx0 + (uint32_t)(j + 8 * t))), lane);
+            c[t] = NAME(q_code8)(_mm256_castsi256_ps(NAME(q_bits8)(x + j + 8 * t, bf16)), vlo, vinv, vlevels,
+                                 _mm256_xor_si256(index, seed), stochastic, clamp);
         }
         /* 32 codes as bytes in order: the packs interleave 128-bit lanes, the permute undoes it */
         __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
@@ -1197,9 +1201,7 @@ ALWAYS_INLINE void NAME(q_codes_group)(const ELEM *x, int64_t m, float lo, float
                                        uint32_t idx0, int bf16, int bits, int stochastic, int clamp,
                                        uint8_t *out, const ELEM *pf) {
     const __m256 vlo = _mm256_set1_ps(lo), vinv = _mm256_set1_ps(inv), vlevels = _mm256_set1_ps((float)((1 << bits) - 1));
-    const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f), unit = _mm256_set1_ps(0x1p-24f);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), seed = _mm256_set1_epi32((int32_t)seed_mix);
-    const __m256i m1 = _mm256_set1_epi32(0x7FEB352D), m2 = _mm256_set1_epi32(0x2C1B3C6D);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i pair4 = _mm256_set1_epi16(0x1001), pair2 = _mm256_set1_epi16(0x0401);
     const __m256i quad2 = _mm256_set1_epi32(0x00100001), top = _mm256_set1_epi8((char)((1 << bits) - 1));
@@ -1211,23 +1213,9 @@ ALWAYS_INLINE void NAME(q_codes_group)(const ELEM *x, int64_t m, float lo, float
         if (WB == 32) _mm_prefetch((const char *)(pf + j) + 64, _MM_HINT_T0);
         __m256i c[4];
         for (int t = 0; t < 4; t++) {
-            __m256 xv = _mm256_castsi256_ps(NAME(q_bits8)(x + j + 8 * t, bf16));
-            __m256 v = _mm256_mul_ps(_mm256_sub_ps(xv, vlo), vinv);
-            __m256 off = half;
-            if (stochastic) {
-                __m256i h = _mm256_xor_si256(ctr, seed);
-                ctr = _mm256_add_epi32(ctr, eight);
-                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-                h = _mm256_mullo_epi32(h, m1);
-                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
-                h = _mm256_mullo_epi32(h, m2);
-                h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-                off = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), unit);
-            }
-            __m256 w = _mm256_add_ps(v, off);
-            if (clamp) /* max(w, 0) returns its second operand for a NaN w: NaN -> 0, as nan_to_num */
-                w = _mm256_min_ps(_mm256_max_ps(w, zero), vlevels);
-            c[t] = _mm256_cvttps_epi32(w);
+            c[t] = NAME(q_code8)(_mm256_castsi256_ps(NAME(q_bits8)(x + j + 8 * t, bf16)), vlo, vinv, vlevels,
+                                 _mm256_xor_si256(ctr, seed), stochastic, clamp);
+            ctr = _mm256_add_epi32(ctr, eight);
         }
         __m256i b = NAME(q_bytes32)(c[0], c[1], c[2], c[3]); /* units 0 2 4 6 | 1 3 5 7 */
         if (stochastic && !clamp && bits < 8) b = _mm256_min_epu8(b, top);

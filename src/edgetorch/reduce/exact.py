@@ -70,18 +70,7 @@ class _Chain:
         # Pruning cost grows with every width, so values above what fits with every other layer
         # at 1 can never be feasible: drop them. Low-rank cost is not monotone (a factored layer
         # just below full rank costs more than the dense one), so it keeps every value.
-        problem, tops = self.problem, []
-        if not self.coupled:
-            return list(problem.upper)
-        for l, top in enumerate(problem.upper):
-            lo, hi = 1, top
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                probe = [1] * problem.layers
-                probe[l] = mid
-                lo, hi = (mid, hi) if problem.cost(probe) <= problem.budget else (lo, mid - 1)
-            tops.append(lo)
-        return tops
+        return feasible_tops(self.problem) if self.coupled else list(self.problem.upper)
 
     def tables(self, lam: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Unary terms ``U_l`` and prefix DP ``F_l(v) = U_l(v) + min_u F_{l-1}(u) + lam s_{l-1} u v``."""
@@ -145,6 +134,33 @@ def _raise_costs(problem: Problem, theta: list[int]) -> list[int]:
         extras.append(problem.cost(theta) - base)
         theta[l] -= 1
     return extras
+
+
+def feasible_tops(problem) -> list[int]:
+    """Per variable, the largest value that fits the budget with every other variable at 1 (a
+    binary search on ``problem.cost``, which must grow with every variable: pruning's does).
+    ``problem`` is a chain :class:`Problem` or a grouped one (``upper``, ``layers``, ``cost``, ``budget``)."""
+    tops = []
+    for l, top in enumerate(problem.upper):
+        lo, hi = 1, top
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            probe = [1] * problem.layers
+            probe[l] = mid
+            lo, hi = (mid, hi) if problem.cost(probe) <= problem.budget else (lo, mid - 1)
+        tops.append(lo)
+    return tops
+
+
+def out_of_time(state: dict, deadline: float) -> bool:
+    """Count a branch-and-bound node in ``state``; True once the search must stop (it stopped
+    before, or ``deadline`` has passed: the incumbent is then returned without proof)."""
+    if state["stopped"]:
+        return True
+    state["visited"] += 1
+    if time.perf_counter() > deadline:
+        state["stopped"] = True
+    return state["stopped"]
 
 
 def _fill(problem: Problem, theta: list[int]) -> list[int]:
@@ -225,11 +241,7 @@ def solve_exact(problem: Problem, time_limit: float = 60.0) -> ExactResult:
         return bound < state["ub"] - _REL_TOL * max(1.0, abs(state["ub"]))
 
     def descend(layer: int, suffix: float, tail: list[int]) -> None:
-        if state["stopped"]:
-            return
-        state["visited"] += 1
-        if time.perf_counter() > deadline:
-            state["stopped"] = True
+        if out_of_time(state, deadline):
             return
         pair = lam * chain.scales[layer] * chain.values[layer] * tail[0] if (chain.coupled and tail) else 0.0
         bounds = prefix[layer] + pair + suffix

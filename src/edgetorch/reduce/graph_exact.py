@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .exact import _REL_TOL, _dual, _fill, _last_argmin, _min_over_lines, ExactResult
+from .exact import _REL_TOL, _dual, _fill, _last_argmin, _min_over_lines, ExactResult, feasible_tops, out_of_time
 from .graph_problem import GraphProblem
 from .pso import PSOConfig, solve_pso
 from .uniform import uniform_prune
@@ -147,20 +147,6 @@ def _split(step: _Step, plan: list[_Step]) -> tuple[tuple[int, ...], tuple[int, 
     return tuple(v for v in step.scope if v in through), tuple(v for v in step.scope if v not in through)
 
 
-def _tops(problem: GraphProblem) -> list[int]:
-    # Cost grows with every k_g, so values above what fits with every other group at 1 never do.
-    tops = []
-    for g, top in enumerate(problem.upper):
-        lo, hi = 1, top
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            probe = [1] * problem.layers
-            probe[g] = mid
-            lo, hi = (mid, hi) if problem.cost(probe) <= problem.budget else (lo, mid - 1)
-        tops.append(lo)
-    return tops
-
-
 def elimination_plan(problem: GraphProblem, tops: list[int], limit: int = TABLE_LIMIT) -> list[_Step] | None:
     """A greedy elimination order (smallest table first), or ``None`` if some table would exceed ``limit``."""
     poly = problem.polynomial
@@ -213,7 +199,7 @@ def solve_graph_exact(problem: GraphProblem, time_limit: float = 60.0, seed: int
         ``nan`` when no bound was available), wall time and nodes visited.
     """
     start = time.perf_counter()
-    tops = _tops(problem)
+    tops = feasible_tops(problem)  # cost grows with every k_g: larger values never fit
     plan = elimination_plan(problem, tops)
     # The baselines seed the incumbent, so the answer is never worse than either (same PSO seed).
     best_seed = min((uniform_prune(problem), solve_pso(problem, PSOConfig(seed=seed))), key=problem.objective)
@@ -241,11 +227,7 @@ def solve_graph_exact(problem: GraphProblem, time_limit: float = 60.0, seed: int
     assign: dict[int, int] = {}
 
     def descend(depth: int, acc: float) -> None:
-        if state["stopped"]:
-            return
-        state["visited"] += 1
-        if time.perf_counter() > deadline:
-            state["stopped"] = True
+        if out_of_time(state, deadline):
             return
         x = reverse[depth]
         here = graph.bucket(x, assign)

@@ -36,7 +36,7 @@ from .curves import correlated_order, power_order
 from .graph import ChannelGraph, CostTerm, channel_graph
 from .graph_problem import make_graph_problem
 from .macs import count_macs
-from .sequential import Moments, kept_inputs
+from .sequential import Moments, accumulate_inputs, kept_inputs
 
 
 @dataclass(frozen=True)
@@ -99,17 +99,9 @@ def group_statistics(model: nn.Module, graph: ChannelGraph, calibration: torch.T
     terms = {t.module: t for t in graph.terms if t.module in names}
     modules = dict(model.named_modules())
     moments = {name: Moments() for name in terms}
-    handles = [modules[name].register_forward_pre_hook(
-        lambda m, inputs, name=name: moments[name].add(_as_units(terms[name], m, inputs[0]))) for name in terms]
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in calibration.split(batch_size):
-            model(batch)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    accumulate_inputs(model, calibration, batch_size,
+                      {modules[name]: (lambda x, name=name: moments[name].add(_as_units(terms[name], modules[name], x)))
+                       for name in terms})
     inputs = {name: m.finish(shared=isinstance(modules[name], nn.Conv2d)) for name, m in moments.items()}
     return GroupStatistics(inputs, len(calibration), {name: m.samples for name, m in moments.items()})
 

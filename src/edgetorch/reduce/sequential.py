@@ -256,6 +256,22 @@ class InputStatistics:
 
 
 @torch.no_grad()
+def accumulate_inputs(model: nn.Module, calibration: torch.Tensor, batch_size: int, readers: dict) -> None:
+    """Run ``calibration`` through ``model`` in eval mode, batch by batch, handing each module in
+    ``readers`` its input (``readers[module](x)``); the model's mode is restored afterwards."""
+    handles = [m.register_forward_pre_hook(lambda m, inputs, read=read: read(inputs[0])) for m, read in readers.items()]
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in calibration.split(batch_size):
+            model(batch)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+
+
+@torch.no_grad()
 def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: int = 256) -> InputStatistics:
     """Run the calibration samples through ``model`` and accumulate eq. 8-9 per layer input.
 
@@ -272,21 +288,9 @@ def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: in
     layers = weight_layers(model, calibration)
     moments = [Moments() for _ in layers]
 
-    def hook(position: int):
-        def record(module, inputs):
-            moments[position].add(_units(layers[position], module, inputs[0]))
-        return record
-
-    handles = [model[layer.index].register_forward_pre_hook(hook(p)) for p, layer in enumerate(layers)]
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in calibration.split(batch_size):
-            model(batch)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    accumulate_inputs(model, calibration, batch_size,
+                      {model[layer.index]: (lambda x, p=p: moments[p].add(_units(layers[p], model[layers[p].index], x)))
+                       for p, layer in enumerate(layers)})
     finished = [m.finish(shared=isinstance(model[layer.index], nn.Conv2d)) for layer, m in zip(layers, moments)]
     return InputStatistics(layers, [m for m, _ in finished], [c for _, c in finished], len(calibration))
 
