@@ -228,6 +228,8 @@ def saved(tmp_path_factory):
     (lambda r: r["modules"]["layer1.0.conv1"].update(out=7), "shape mismatch"),
     (lambda r: r["modules"]["layer1.0.conv1"].update(groups=5), "groups=5 must divide"),
     (lambda r: r.update(modules=[1, 2]), "'modules' must map"),
+    # sizes that would allocate terabytes are refused before anything is allocated
+    (lambda r: r["modules"]["fc"].update({"in": 10**6, "out": 10**6}), "do not belong together"),
 ])
 def test_tampered_records_are_refused_clearly(tmp_path, saved, edit, fragment):
     json_path, _ = saved

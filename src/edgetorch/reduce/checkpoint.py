@@ -259,6 +259,21 @@ def load(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         record = json.loads(json_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{json_path}: cannot read the architecture ({exc})") from exc
-    model = graph_checkpoint.build(record) if graph_checkpoint.is_record(record) else build(record)
+    rebuild = graph_checkpoint.build if graph_checkpoint.is_record(record) else build
+    # The JSON sizes every layer (and a grouped record's constructor builds the unreduced model
+    # first): built on the meta device, nothing is allocated until the sizes are known to fit the
+    # weight file, so a tampered size (a Linear of 10^6 x 10^6) is refused, not attempted.
+    with torch.device("meta"):
+        model = rebuild(record)
+    state = model.state_dict()
+    need = sum(t.numel() * t.element_size() for t in state.values())
+    have = weights.stat().st_size if weights.is_file() else 0
+    if need > have:
+        raise CheckpointError(f"{json_path} describes {need:,} bytes of weights but {weights} holds {have:,}: "
+                              "the two files do not belong together (save writes both)")
+    if {n for n, _ in model.named_buffers()} <= state.keys():
+        model = model.to_empty(device="cpu")  # every tensor is then filled from the file, strictly
+    else:  # a buffer the file does not hold keeps its constructor value
+        model = rebuild(record)
     load_weights(model, weights)
     return model.eval(), record
