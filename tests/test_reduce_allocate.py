@@ -154,6 +154,25 @@ def test_paper_network_exact_is_fast_and_proven():
     assert result.objective <= pso.objective
 
 
+def test_uniform_lowrank_keeps_the_last_layer_dense_as_the_paper_does():
+    # Sec. 4: alpha_L = 0 and one share for the other layers, sized so the total meets the budget.
+    widths, alpha = [64, 40, 30, 20, 10], 0.6
+    flat = [[0] + [1.0 / v for v in range(1, min(a, b) + 1)] for a, b in zip(widths[:-1], widths[1:])]
+    uniform = solve_allocation(flat, widths, alpha, "lowrank", "uniform")
+    problem = make_problem(flat, widths, alpha, "lowrank")
+    assert uniform.theta[-1] == 10 and problem.feasible(uniform.theta)
+    pairs = list(zip(widths[:-1], widths[1:]))
+    share = (problem.budget - 20 * 10) / sum(a * b for a, b in pairs[:-1])  # 1 - alpha'
+    for (a, b), k in zip(pairs[:-1], uniform.theta):
+        assert (a + b) * k <= share * a * b < (a + b) * (k + 1)  # the largest rank within the share
+    # The optimal allocation stays free: where the last layer's curve is flat it is factored.
+    cheap_last = flat[:-1] + [[0.0] * 11]
+    assert solve_allocation(cheap_last, widths, alpha, "lowrank", "optimal").theta[-1] < 10
+    # A last layer too big to stay dense within the budget: every layer gets 1 - alpha of its own.
+    squeezed = solve_allocation([[0, 1, 0], [0, 1, 0]], [2, 2, 50], 0.4, "lowrank", "uniform")
+    assert squeezed.theta[-1] < 2 and squeezed.cost <= 0.6 * (4 + 100)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [

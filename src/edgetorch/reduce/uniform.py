@@ -31,21 +31,42 @@ def uniform_prune(problem: Problem) -> list[int]:
 
 
 def uniform_lowrank(problem: Problem) -> list[int]:
-    """Every layer gets at most ``(1 - alpha)`` of its own multiplications (eq. 10, alpha_l = alpha).
+    """The paper's uniform low-rank baseline (Sec. 4, Fig. 3): the last layer dense, one factor elsewhere.
 
-    Per layer, the largest rank whose cost fits that share (full rank = the dense layer); a layer
-    too small for even rank 1 to fit keeps rank 1; if those floors push the total over the budget,
-    every layer's share is lowered (by 1% steps) until the total fits.
+    The paper sets ``alpha_L = 0`` (the output layer's matrix is already of rank ``M_L``; factoring
+    it costs the most accuracy) and one ``alpha'`` in layers ``1..L-1``. Its printed formula,
+    ``alpha' = (alpha sum_l M_{l-1} M_l - M_{L-1} M_L) / sum_{l<L} M_{l-1} M_l``, misses the budget
+    by exactly the output layer's multiplications; the share that meets it is used here:
+    ``1 - alpha' = (budget - s_L M_{L-1} M_L) / sum_{l<L} s_l M_{l-1} M_l``. Only where the dense
+    last layer leaves no room for rank 1 elsewhere (or the network has one layer) does every
+    layer, the last included, get ``1 - alpha`` of its own multiplications (eq. 10, alpha_l = alpha).
+
+    Per layer the rank is the largest whose cost fits its share (full rank = the dense layer),
+    at least 1; if those floors push the total over the budget, the shares are lowered (by 1%
+    steps) until the total fits. The optimal and PSO allocations are free to factor the last layer.
     """
-    share = 1.0 - problem.alpha
+    last = problem.layers - 1
+    dense = [*([1] * last), problem.upper[last]]
+    if problem.layers > 1 and problem.cost(dense) <= problem.budget:
+        head, tail = problem.shapes[last], problem.scales[last]
+        rest = problem.total - tail * head[0] * head[1]
+        return _equal_share(problem, (problem.budget - tail * head[0] * head[1]) / rest, problem.upper[last])
+    return _equal_share(problem, 1.0 - problem.alpha, None)
+
+
+def _equal_share(problem: Problem, share: float, last_rank: int | None) -> list[int]:
+    # Each layer (the last too when last_rank is None) gets at most ``share`` of its own
+    # multiplications (s_l cancels within a layer).
+    layers = problem.shapes if last_rank is None else problem.shapes[:-1]
     while True:
         ranks = []
-        for (m_in, m_out), top in zip(problem.shapes, problem.upper):  # s_l cancels within a layer
+        for (m_in, m_out), top in zip(layers, problem.upper):
             allowed = share * m_in * m_out
             if layer_lowrank_cost(m_in, m_out, top) <= allowed:
                 ranks.append(top)  # the dense layer fits its share
             else:  # the largest factored rank within the share, at least 1
                 ranks.append(max(1, min(top - 1, int(allowed // (m_in + m_out)))))
+        ranks += [] if last_rank is None else [last_rank]
         if problem.cost(ranks) <= problem.budget:
             return ranks
         share *= 0.99  # only reached when rank-1 floors pushed the total over the budget
