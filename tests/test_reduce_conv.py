@@ -85,7 +85,7 @@ def test_pruned_input_channels_are_selected_on_dim_1_and_checkpoints_round_trip(
         save(small, path, {"alpha": 0.8})
         loaded, record = load(path)
         assert torch.equal(loaded(x), small(x))
-        assert any(entry["type"] == ("BatchNorm2d" if method == "prune" else "Sequential")
+        assert any(entry["type"] == ("BatchNorm2d" if method == "prune" else "Factored")
                    for entry in record["modules"])
     # Pruning the image's channels needs an input selector on the channel axis.
     stats = input_statistics(model, x)
@@ -102,9 +102,11 @@ def test_unsupported_convolutional_networks_are_rejected_clearly(cnn_and_data):
     model, x = cnn_and_data
     with pytest.raises(ValueError, match="pass calibration="):
         reduce(model, 0.5, "lowrank")
+    # Low-rank factors what it can (the 1x1 convolution); the grouped one keeps its 648 of 720 MACs.
     grouped = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.ReLU(), nn.Conv2d(4, 2, 1))
-    with pytest.raises(TypeError, match="grouped"):
+    with pytest.raises(ValueError, match="648 of them are in layers that cannot be factored .grouped"):
         reduce(grouped, 0.5, "lowrank", calibration=torch.rand(2, 4, 5, 5))
+    assert count_macs(reduce(grouped, 0.02, "lowrank", calibration=torch.rand(2, 4, 5, 5)), torch.rand(1, 4, 5, 5)) == 702
     # Not a chain, but channel groups (edgetorch.reduce.grouped) prune it: a per-feature norm after
     # the Flatten loses each channel's block of features.
     per_feature = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.BatchNorm1d(4 * 36), nn.Linear(4 * 36, 2)).eval()

@@ -163,10 +163,9 @@ def test_bad_inputs_are_rejected(mlp_and_data):
         reduce(model, 0.5, "svd")
     with pytest.raises(ValueError, match="unknown allocation"):
         reduce(model, 0.5, "lowrank", allocation="greedy")
-    with pytest.raises(TypeError, match="nn.Sequential"):
-        reduce(nn.Module(), 0.5, "lowrank")
-    conv = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
-    with pytest.raises(TypeError, match="does not act on each unit separately"):
-        reduce(conv, 0.5, "lowrank")
+    with pytest.raises(TypeError, match="no nn.Linear or groups=1 nn.Conv2d layer: low-rank has nothing"):
+        reduce(nn.Module(), 0.5, "lowrank", calibration=x)
+    with pytest.raises(ValueError, match="not an nn.Sequential chain, needs example inputs"):
+        reduce(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)), 0.5, "lowrank")
     with pytest.raises(ValueError, match="infeasible"):
         reduce(model, 0.999, "lowrank")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,8 @@ from .allocate import ALLOCATIONS, Allocation, solve_allocation
 from .._checks import check_choice
 from .problem import METHODS, layer_lowrank_cost
 from .grouped import GroupFactor, reduce_grouped
+from .lowrank import reduce_lowrank
+from .nested import nesting
 from .sequential import (WeightLayer, _check_chain, factorised, input_statistics, layer_svds, lowrank_curves, prune_orders,
                          pruned, weight_layers, widths_of)
 
@@ -28,6 +31,7 @@ class LayerFactor:
         macs: multiplications of the reduced layer per sample.
         alpha: the layer's reduction factor ``1 - macs / full macs`` (eq. 5, 6, 10).
         error: ``J_l`` at the chosen value.
+        name: the layer's qualified name in the model (``"3"``, ``"classifier.1"``, ``"layer1.0.conv1"``).
     """
 
     layer: int
@@ -38,6 +42,7 @@ class LayerFactor:
     macs: int
     alpha: float
     error: float
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,8 @@ class Reduction:
         model: the smaller model (eval mode).
         method: one of :data:`METHODS`.
         allocation: the solver's record.
-        layers: one :class:`LayerFactor` per weight layer of a chain (empty for a grouped reduction).
+        layers: one :class:`LayerFactor` per weight layer of a chain, or per factorable layer of any
+            other network under low-rank (empty for a grouped reduction).
         groups: one :class:`~edgetorch.reduce.grouped.GroupFactor` per channel group of a network
             that is not a chain (empty for a chain), in the order of ``allocation.theta``.
     """
@@ -90,7 +96,7 @@ def layer_factors(layers: list[WeightLayer], allocation: Allocation, curves) -> 
             macs, value = layer.scale * kept[l] * kept[l + 1], kept[l]
         rows.append(LayerFactor(
             l + 1, layer.units_in, layer.units_out, None if lowrank else value, value if lowrank else None, macs,
-            1 - macs / (layer.scale * layer.units_in * layer.units_out), float(curves[l][value]),
+            1 - macs / (layer.scale * layer.units_in * layer.units_out), float(curves[l][value]), str(layer.index),
         ))
     return rows
 
@@ -122,19 +128,22 @@ def reduce_model(
     check_choice("allocation", allocation, ALLOCATIONS)
     if method != "lowrank" and calibration is None:
         raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
-    if not is_chain(model):  # residual, depthwise, concatenating ...: prune channel groups
-        if method == "lowrank":
-            if isinstance(model, nn.Sequential):
-                _check_chain(model)  # low-rank needs the chain: say which module breaks it
-            raise TypeError(f"low-rank factoring needs an nn.Sequential chain, got {type(model).__name__}; a network "
-                            "that is not a chain is reduced by channel groups: method prune or prune-ls")
+    nested = nesting(model)
+    if nested is not None and is_chain(nested.flat):  # the chain its containers compute
+        flat = reduce_model(nested.flat, alpha, method, allocation, calibration, seed)
+        names = nested.names
+        return dataclasses.replace(flat, model=nested.nest(flat.model).eval(),
+                                   layers=[dataclasses.replace(f, name=names[int(f.name)]) for f in flat.layers])
+    if not is_chain(model):  # residual, depthwise, concatenating ...
+        if method == "lowrank":  # factoring a layer needs no chain: each one on its own
+            return _lowrank_any(model, alpha, allocation, calibration, seed)
         try:
             grouped = reduce_grouped(model, alpha, method, allocation, calibration, seed)
         except (TypeError, RuntimeError) as exc:
             if not isinstance(model, nn.Sequential):
                 raise
             try:
-                _check_chain(model)
+                _check_chain(nested.flat if nested is not None else model)
             except TypeError as chain:  # both readings failed: give both reasons
                 raise TypeError(f"{chain}; nor can it be pruned by channel groups: {exc}") from exc
             raise
@@ -159,6 +168,21 @@ def reduce_model(
                                   scales=[layer.scale for layer in layers])
         reduced = pruned(model, chosen.theta, orders, stats, refit=method == "prune-ls")
     return Reduction(reduced.eval(), method, chosen, layer_factors(layers, chosen, curves))
+
+
+def _lowrank_any(model: nn.Module, alpha: float, allocation: str, calibration: torch.Tensor | None,
+                 seed: int) -> Reduction:
+    if not isinstance(calibration, torch.Tensor) or calibration.ndim < 2 or len(calibration) == 0:
+        raise ValueError(f"low-rank on a {type(model).__name__}, which is not an nn.Sequential chain, needs example "
+                         "inputs to count each layer's output positions: pass calibration= (only its shape is used)")
+    result = reduce_lowrank(model, alpha, allocation, calibration, seed)
+    rows = []
+    for l, (layer, k) in enumerate(zip(result.layers, result.allocation.theta)):
+        macs = layer.positions * layer_lowrank_cost(*layer.matrix, k)
+        dense = layer.positions * layer.matrix[0] * layer.matrix[1]
+        rows.append(LayerFactor(l + 1, *layer.units, None, k, macs, 1 - macs / dense, float(result.curves[l][k]),
+                                layer.name))
+    return Reduction(result.model, "lowrank", result.allocation, rows)
 
 
 def reduce(

@@ -2,17 +2,21 @@
 
 ``edgetorch.reduce.save(model, "small.safetensors")`` writes the weights and ``small.json``, which
 lists every module of the ``nn.Sequential`` with its sizes (widths, channels, kernels, ranks, kept
-input units) and the few constructor arguments of activations and pooling.
+input units) and the few constructor arguments of activations and pooling; nested containers are
+listed as such, with their children's names where these are not positions.
 ``edgetorch.reduce.load`` rebuilds the modules from the JSON and loads the weights with a strict
 key/shape check: nothing in either file is ever executed. A model that is not a chain (a grouped
 reduction of a residual or depthwise CNN) is recorded as its constructor plus its layer sizes
-(:mod:`edgetorch.reduce.graph_checkpoint`); ``load`` tells the two formats apart. (Plain state dicts, whose architecture
+(:mod:`edgetorch.reduce.graph_checkpoint`), and, where low-rank factored its layers, the rank of
+each :class:`~edgetorch.reduce.sequential.Factored` layer by name; ``load`` tells the formats apart. (Plain state dicts, whose architecture
 the caller builds, use ``edgetorch.zoo.save_weights`` / ``load_weights``.)
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,7 @@ from torch import nn
 
 from ..zoo import CheckpointError, load_weights, save_weights
 from . import graph_checkpoint
-from .sequential import ELEMENTWISE, PER_CHANNEL, KeepFeatures
+from .sequential import ELEMENTWISE, PER_CHANNEL, Factored, KeepFeatures, factored_like
 
 _FORMAT = "edgetorch.reduced/1"
 # Constructor arguments worth keeping, per parameter-free module type.
@@ -59,13 +63,12 @@ def _describe(module: nn.Module) -> dict[str, Any]:
                 "track_running_stats": module.track_running_stats}
     if isinstance(module, KeepFeatures):
         return {"type": "KeepFeatures", "size": int(module.index.numel()), "dim": module.dim}
-    if (isinstance(module, nn.Sequential) and len(module) == 2
-            and all(isinstance(m, nn.Linear) for m in module) and module[0].bias is None):
+    if type(module) is Factored and isinstance(module[0], nn.Linear):
         first, second = module
         return {"type": "LowRank", "in": first.in_features, "rank": first.out_features,
                 "out": second.out_features, "bias": second.bias is not None}
-    if type(module) is nn.Sequential:  # e.g. a factored convolution
-        return {"type": "Sequential", "modules": [_describe(m) for m in module]}
+    if type(module) in (nn.Sequential, Factored):  # a factored convolution, or a nested container
+        return {"type": "Factored" if type(module) is Factored else "Sequential", **_children(module)}
     if type(module).__name__ in _SIMPLE and type(module) is _SIMPLE[type(module).__name__]:
         keys = _ARGUMENTS.get(type(module), ())
         return {"type": type(module).__name__, "args": {k: getattr(module, k) for k in keys}}
@@ -83,7 +86,15 @@ def architecture(model: nn.Sequential) -> dict[str, Any]:
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"expected an nn.Sequential, got {type(model).__name__}")
-    return {"format": _FORMAT, "modules": [_describe(m) for m in model]}
+    return {"format": _FORMAT, **_children(model)}
+
+
+def _children(container: nn.Sequential) -> dict[str, Any]:
+    # Names are recorded only where they are not the positions (an OrderedDict-built container),
+    # so that the rebuilt model has the same state-dict keys.
+    names = [name for name, _ in container.named_children()]
+    described = {"modules": [_describe(m) for m in container]}
+    return described if names == [str(i) for i in range(len(names))] else {**described, "names": names}
 
 
 def _positive(entry: dict[str, Any], *keys: str) -> list[int]:
@@ -124,10 +135,17 @@ def build(description: dict[str, Any]) -> nn.Sequential:
     """
     if not isinstance(description, dict) or description.get("format") != _FORMAT:
         raise CheckpointError(f"not a reduced-network description (expected format {_FORMAT!r})")
-    return _modules(description.get("modules", []))
+    return _modules(description)
 
 
-def _modules(entries: list[Any]) -> nn.Sequential:
+def _modules(description: dict[str, Any], container: type[nn.Sequential] = nn.Sequential) -> nn.Sequential:
+    entries, names = description.get("modules", []), description.get("names")
+    if not isinstance(entries, list):
+        raise CheckpointError(f"'modules' must be a list of module entries, got {type(entries).__name__}")
+    if names is not None and not (isinstance(names, list) and len(names) == len(entries) == len(set(names))
+                                  and all(isinstance(n, str) and n and "." not in n for n in names)):
+        raise CheckpointError(f"'names' must give each of the {len(entries)} modules a distinct non-empty name "
+                              f"without '.', got {names!r}")
     modules: list[nn.Module] = []
     for entry in entries:
         kind = entry.get("type") if isinstance(entry, dict) else None
@@ -136,14 +154,14 @@ def _modules(entries: list[Any]) -> nn.Sequential:
             modules.append(nn.Linear(m_in, m_out, bias=bool(entry.get("bias", True))))
         elif kind == "LowRank":
             m_in, rank, m_out = _positive(entry, "in", "rank", "out")
-            modules.append(nn.Sequential(nn.Linear(m_in, rank, bias=False),
-                                         nn.Linear(rank, m_out, bias=bool(entry.get("bias", True)))))
+            modules.append(Factored(nn.Linear(m_in, rank, bias=False),
+                                    nn.Linear(rank, m_out, bias=bool(entry.get("bias", True)))))
         elif kind == "Conv2d":
             modules.append(_conv(entry))
         elif kind in _NORMS:
             modules.append(_norm(kind, entry))
-        elif kind == "Sequential" and isinstance(entry.get("modules"), list):
-            modules.append(_modules(entry["modules"]))
+        elif kind in ("Sequential", "Factored"):
+            modules.append(_modules(entry, Factored if kind == "Factored" else nn.Sequential))
         elif kind == "KeepFeatures":
             (size,) = _positive(entry, "size")
             dim = entry.get("dim", -1)
@@ -160,26 +178,69 @@ def _modules(entries: list[Any]) -> nn.Sequential:
             except (TypeError, ValueError) as exc:
                 raise CheckpointError(f"{kind} rejected arguments {args!r} ({exc})") from exc
         else:
-            accepted = ", ".join(["Linear", "LowRank", "Conv2d", "Sequential", "KeepFeatures", *_NORMS, *_SIMPLE])
+            accepted = ", ".join(["Linear", "LowRank", "Conv2d", "Sequential", "Factored", "KeepFeatures", *_NORMS,
+                                  *_SIMPLE])
             raise CheckpointError(f"unknown module type {kind!r}; accepted: {accepted}")
-    return nn.Sequential(*modules)
+    return container(OrderedDict(zip(names, modules))) if names is not None else container(*modules)
+
+
+def _dense_like(pair: Factored) -> nn.Module:
+    first, second = pair
+    if isinstance(first, nn.Linear):
+        return nn.Linear(first.in_features, second.out_features, bias=second.bias is not None)
+    return nn.Conv2d(first.in_channels, second.out_channels, first.kernel_size, first.stride, first.padding,
+                     first.dilation, bias=second.bias is not None, padding_mode=first.padding_mode)
+
+
+def _dense_stand_in(model: nn.Module) -> tuple[nn.Module, dict[str, int]]:
+    # A model of its own class with factored layers (low-rank of any network): the same model with
+    # each Factored pair back as one (meta, empty) dense layer is what its constructor builds,
+    # plus the rank of each pair by name.
+    pairs = {name: m for name, m in model.named_modules() if type(m) is Factored}
+    if not pairs:
+        return model, {}
+    with torch.device("meta"):
+        dense = {id(pair): _dense_like(pair) for pair in pairs.values()}
+    ranks = {name: pair[1].weight.shape[1] for name, pair in pairs.items()}
+    return copy.deepcopy(model, memo=dense), ranks
+
+
+def _graph_build(record: dict[str, Any]) -> nn.Module:
+    # graph_checkpoint's model, then the recorded layers factored at their ranks (untrained).
+    model = graph_checkpoint.build(record)
+    factored = record.get("factored", {})
+    if not isinstance(factored, dict):
+        raise CheckpointError(f"'factored' must map layer names to ranks, got {factored!r}")
+    named = dict(model.named_modules())
+    for name, rank in factored.items():
+        layer = named.get(name) if name else None
+        dense = isinstance(layer, nn.Linear) or (isinstance(layer, nn.Conv2d) and layer.groups == 1)
+        top = min(layer.weight.shape[0], layer.weight[0].numel()) if dense else 0
+        if not dense or isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < top:
+            raise CheckpointError(f"factored layer {name!r} at rank {rank!r}: the rebuilt model needs a Linear or "
+                                  "groups=1 Conv2d there and a rank from 1 to below its full rank")
+        parent, _, attr = name.rpartition(".")
+        setattr(named[parent], attr, factored_like(layer, rank))
+    return model
 
 
 def _graph_record(model: nn.Module, source: str | dict[str, Any] | None) -> dict[str, Any]:
-    # A model of its own class (reduced by edgetorch.reduce.grouped): the constructor + layer sizes.
+    # A model of its own class (reduced by edgetorch.reduce.grouped, or factored layer by layer):
+    # the constructor + layer sizes (+ the factored layers' ranks).
+    stand_in, ranks = _dense_stand_in(model)
     if source is None:
-        source = graph_checkpoint.infer_source(model)
+        source = graph_checkpoint.infer_source(stand_in)
     elif isinstance(source, str):
         try:
-            inferred = graph_checkpoint.infer_source(model)
+            inferred = graph_checkpoint.infer_source(stand_in)
         except ValueError:
             inferred = {"spec": source, "kwargs": {}}
         kwargs = inferred["kwargs"] if inferred["spec"] == source or source.startswith("torchvision:") else {}
         source = {"spec": source, "kwargs": kwargs}
-    record = graph_checkpoint.describe(model, source)
+    record = graph_checkpoint.describe(stand_in, source) | ({"factored": ranks} if ranks else {})
     with torch.device("meta"):  # check now that load will fit the weights, not when a user loads the file
         try:
-            rebuilt = graph_checkpoint.build(record)
+            rebuilt = _graph_build(record)
         except CheckpointError as exc:
             raise TypeError(f"cannot describe this {type(model).__name__} for load: {exc}") from exc
     theirs = {k: tuple(v.shape) for k, v in rebuilt.state_dict().items()}
@@ -259,7 +320,7 @@ def load(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         record = json.loads(json_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{json_path}: cannot read the architecture ({exc})") from exc
-    rebuild = graph_checkpoint.build if graph_checkpoint.is_record(record) else build
+    rebuild = _graph_build if graph_checkpoint.is_record(record) else build
     # The JSON sizes every layer (and a grouped record's constructor builds the unreduced model
     # first): built on the meta device, nothing is allocated until the sizes are known to fit the
     # weight file, so a tampered size (a Linear of 10^6 x 10^6) is refused, not attempted.

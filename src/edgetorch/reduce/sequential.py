@@ -93,8 +93,11 @@ class WeightLayer:
 
 
 def _check_chain(model: nn.Module) -> list[int]:
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"expected an nn.Sequential network, got {type(model).__name__}")
+    if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
+        raise TypeError(
+            f"expected an nn.Sequential chain, got {type(model).__name__}, whose forward is its own code: "
+            "residual additions, concatenations or branches make it no chain; reduce() prunes such a network "
+            "by channel groups and factors its layers one by one (low-rank)")
     children = list(model)
     weights = [i for i, m in enumerate(children) if isinstance(m, WEIGHT_LAYERS)]
     if not weights:
@@ -429,12 +432,26 @@ def pruned(model: nn.Module, kept: list[int], orders: list[tuple[np.ndarray, np.
 Svd = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
+class Factored(nn.Sequential):
+    """A weight layer at rank ``k``: the thin layer ``V_k^T`` then ``U_k S_k`` (Sec. 2.3).
+
+    A plain ``nn.Sequential`` of the two layers in every respect (same forward, same state-dict
+    keys); its own class marks it as one factored layer, so that a checkpoint records it as such
+    wherever it sits in a network (:mod:`edgetorch.reduce.checkpoint`).
+    """
+
+
+def svd_of(layer: nn.Module) -> Svd:
+    """``(U, S, V^T)`` in float64 of a Linear / Conv2d weight as a ``C_out x C_in k_h k_w`` matrix
+    (numpy's LAPACK: torch's first SVD call costs seconds of set-up)."""
+    weight = layer.weight.detach().double()
+    return np.linalg.svd(weight.reshape(weight.shape[0], -1).numpy(), full_matrices=False)
+
+
 def layer_svds(model: nn.Module) -> list[Svd]:
-    """``(U, S, V^T)`` in float64 of every weight layer's matrix (a convolution's is
-    ``C_out x C_in k_h k_w``): eq. 13's curves and the factorised layers both read it, so it is
-    computed once per reduction (numpy's LAPACK: torch's first SVD call costs seconds of set-up)."""
-    return [np.linalg.svd(model[i].weight.detach().double().reshape(model[i].weight.shape[0], -1).numpy(),
-                          full_matrices=False) for i in _check_chain(model)]
+    """:func:`svd_of` every weight layer of a chain: eq. 13's curves and the factorised layers both
+    read it, so it is computed once per reduction."""
+    return [svd_of(model[i]) for i in _check_chain(model)]
 
 
 def lowrank_curves(svds: list[Svd]) -> list[np.ndarray]:
@@ -442,34 +459,58 @@ def lowrank_curves(svds: list[Svd]) -> list[np.ndarray]:
     return [singular_value_curve(s) for _, s, _ in svds]
 
 
-def factorised(model: nn.Module, ranks: list[int], svds: list[Svd]) -> nn.Module:
-    """A copy of ``model`` with each weight layer at rank ``k_l`` (SVD, Sec. 2.3).
+def factored_like(layer: nn.Module, k: int) -> Factored:
+    """The (untrained) :class:`Factored` pair that replaces ``layer`` (a Linear or a ``groups=1``
+    Conv2d) at rank ``k``: the thin layer keeps the convolution's kernel, stride, padding and
+    dilation, the second is a 1x1 convolution (or a Linear) carrying the bias; built on the current
+    default device."""
+    outputs, inputs = layer.weight.shape[0], layer.weight[0].numel()
+    dtype, has_bias = layer.weight.dtype, layer.bias is not None
+    if isinstance(layer, nn.Conv2d):
+        return Factored(nn.Conv2d(layer.in_channels, k, layer.kernel_size, layer.stride, layer.padding, layer.dilation,
+                                  bias=False, padding_mode=layer.padding_mode, dtype=dtype),
+                        nn.Conv2d(k, outputs, 1, bias=has_bias, dtype=dtype))
+    return Factored(nn.Linear(inputs, k, bias=False, dtype=dtype), nn.Linear(k, outputs, bias=has_bias, dtype=dtype))
 
-    A layer at full rank ``K_l`` is kept dense; otherwise a Linear becomes
-    ``Sequential(Linear(M_{l-1}, k, bias=False), Linear(k, M_l))`` with weights ``V_k^T`` and
-    ``U_k S_k``, the best rank-k approximation in Frobenius norm; a convolution becomes the same
-    pair as ``Conv2d(C_in, k, kernel, stride, padding, bias=False)`` then a 1x1 ``Conv2d(k, C_out)``,
-    costing ``(C_in k_h k_w + C_out) k`` per output position. ``svds`` is :func:`layer_svds` of
-    ``model``.
+
+def factor_layer(layer: nn.Module, k: int, svd: Svd) -> nn.Module:
+    """``layer`` (a Linear or a ``groups=1`` Conv2d) at rank ``k``, or ``layer`` itself at full rank.
+
+    The pair of :func:`factored_like` with weights ``V_k^T`` and ``U_k S_k``: the best rank-k
+    approximation in Frobenius norm, costing ``(M_{l-1} + M_l) k`` multiplications (a convolution:
+    ``(C_in k_h k_w + C_out) k`` per output position).
+
+    Args:
+        layer: the dense layer.
+        k: the rank, 1..min(outputs, inputs); at the full rank the dense layer is kept.
+        svd: :func:`svd_of` ``layer``.
+
+    Returns:
+        A :class:`Factored` pair, or ``layer`` (not copied) at full rank.
+
+    Example:
+        >>> dense = nn.Linear(8, 6)
+        >>> factor_layer(dense, 2, svd_of(dense))[0].out_features
+        2
+    """
+    if k >= min(layer.weight.shape[0], layer.weight[0].numel()):
+        return layer
+    pair = factored_like(layer, k)
+    u, s, vt = (torch.from_numpy(a) for a in svd)
+    with torch.no_grad():
+        pair[0].weight.copy_(vt[:k].reshape(pair[0].weight.shape))
+        pair[1].weight.copy_((u[:, :k] * s[:k]).reshape(pair[1].weight.shape))
+        if layer.bias is not None:
+            pair[1].bias.copy_(layer.bias)
+    return pair
+
+
+def factorised(model: nn.Module, ranks: list[int], svds: list[Svd]) -> nn.Module:
+    """A copy of the chain ``model`` with each weight layer at rank ``k_l`` (:func:`factor_layer`).
+
+    ``svds`` is :func:`layer_svds` of ``model``.
     """
     out = copy.deepcopy(model)
     for i, k, svd in zip(_check_chain(model), ranks, svds):
-        layer = model[i]
-        outputs, inputs = layer.weight.shape[0], layer.weight[0].numel()
-        if k >= min(inputs, outputs):
-            continue
-        u, s, vt = (torch.from_numpy(a) for a in svd)
-        dtype, has_bias = layer.weight.dtype, layer.bias is not None
-        if isinstance(layer, nn.Conv2d):
-            first: nn.Module = nn.Conv2d(layer.in_channels, k, layer.kernel_size, layer.stride, layer.padding,
-                                         layer.dilation, bias=False, padding_mode=layer.padding_mode, dtype=dtype)
-            second: nn.Module = nn.Conv2d(k, outputs, 1, bias=has_bias, dtype=dtype)
-        else:
-            first, second = nn.Linear(inputs, k, bias=False, dtype=dtype), nn.Linear(k, outputs, bias=has_bias, dtype=dtype)
-        with torch.no_grad():
-            first.weight.copy_(vt[:k].reshape(first.weight.shape))
-            second.weight.copy_((u[:, :k] * s[:k]).reshape(second.weight.shape))
-            if has_bias:
-                second.bias.copy_(layer.bias)
-        out[i] = nn.Sequential(first, second)
+        out[i] = factor_layer(out[i], k, svd)
     return out
