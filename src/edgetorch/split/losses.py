@@ -1,4 +1,4 @@
-"""BottleFit's training losses: (generalised) head network distillation and knowledge distillation."""
+"""BottleFit's training losses: (generalised) head network distillation, and knowledge distillation (``kd_loss``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+# kd_loss lives with the training loop, below split and reduce, so that reduce can distil too.
+from ..zoo.training import kd_loss
+
+__all__ = ["ghnd_loss", "kd_loss"]
 
 
 def ghnd_loss(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -40,34 +45,3 @@ def ghnd_loss(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor]) 
             raise ValueError(f"student output {list(s.shape)} does not match teacher output {list(t.shape)}")
         total = total + F.mse_loss(s, t.detach())
     return total
-
-
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-            alpha: float = 0.5, tau: float = 1.0) -> torch.Tensor:  # fmt: skip
-    """Eq. 6-7 (Hinton et al.): ``alpha * CE(s, y) + (1 - alpha) * tau^2 * KL(p || q)``.
-
-    ``p = softmax(t / tau)`` is the teacher's soft target and ``q = softmax(s / tau)`` the
-    student's; the KL divergence is averaged over the batch, as cross entropy is.
-
-    Args:
-        student_logits: ``[N, classes]``.
-        teacher_logits: ``[N, classes]`` (treated as constants).
-        labels: ``[N]`` int class labels.
-        alpha: weight of the hard-label cross entropy, in [0, 1] (paper: 0.5).
-        tau: temperature > 0 (paper: 1).
-
-    Returns:
-        A scalar loss.
-
-    Raises:
-        ValueError: ``alpha`` outside [0, 1], ``tau`` not positive, or mismatched logit shapes.
-    """
-    if not 0.0 <= alpha <= 1.0 or not tau > 0:
-        raise ValueError(f"need 0 <= alpha <= 1 and tau > 0, got alpha={alpha}, tau={tau}")
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {list(student_logits.shape)} vs teacher {list(teacher_logits.shape)}")
-    hard = F.cross_entropy(student_logits, labels)
-    log_q = F.log_softmax(student_logits / tau, dim=1)
-    p = F.softmax(teacher_logits.detach() / tau, dim=1)
-    soft = F.kl_div(log_q, p, reduction="batchmean")
-    return alpha * hard + (1.0 - alpha) * tau**2 * soft

@@ -43,6 +43,23 @@ def input_channels(model: nn.Module) -> int:
     return first.in_channels if first is not None else 1
 
 
+def with_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
+    """Grey images ``[N, 1, H, W]`` fed to a model with ``channels`` inputs: the same image in each.
+
+    Args:
+        images: a batch; returned as is unless it has one channel and ``channels > 1``.
+        channels: the model's input channels (:func:`input_channels`).
+
+    Returns:
+        ``[N, channels, H, W]`` (an expanded view: no copy).
+
+    Example:
+        >>> with_channels(torch.zeros(2, 1, 32, 32), 3).shape
+        torch.Size([2, 3, 32, 32])
+    """
+    return images.expand(-1, channels, -1, -1) if images.shape[1] == 1 and channels > 1 else images
+
+
 def torchvision_classification_models() -> list[str]:
     """Names accepted after ``torchvision:``.
 
