@@ -28,8 +28,9 @@ def nested_copy(flat: nn.Sequential) -> nn.Sequential:
 def test_a_nested_chain_reduces_as_its_flat_chain_and_keeps_its_containers(tmp_path, mlp_and_data, method):
     flat, x = mlp_and_data
     nested = nested_copy(flat)
-    expected = reduce_model(flat, 0.6, method, calibration=x)
-    got = reduce_model(nested, 0.6, method, calibration=x)
+    prune_input = method == "prune"  # the paper's input pruning: a gather that must find its slot
+    expected = reduce_model(flat, 0.85, method, calibration=x, prune_input=prune_input)
+    got = reduce_model(nested, 0.85, method, calibration=x, prune_input=prune_input)
     assert torch.equal(got.model(x), expected.model(x))  # the same layers, allocation and refits
     assert got.allocation.theta == expected.allocation.theta
     assert [f.name for f in got.layers] == ["body.0.0", "body.1.0", "body.1.2", "head"]
@@ -38,9 +39,11 @@ def test_a_nested_chain_reduces_as_its_flat_chain_and_keeps_its_containers(tmp_p
     assert [name for name, _ in got.model.named_children()] == ["inputs", "body", "head"]
     first = got.model.body[0][0]
     if method == "lowrank":
-        assert isinstance(first, Factored) or isinstance(first, nn.Linear)
-    elif isinstance(first, nn.Sequential):  # input pixels pruned: the selection shares the first layer's slot
-        assert isinstance(first[0], KeepFeatures) and isinstance(first[1], nn.Linear)
+        assert isinstance(first, (Factored, nn.Linear))
+    elif prune_input:  # input pixels pruned: the selection shares the first layer's slot
+        assert isinstance(first[0], KeepFeatures) and first[1].in_features == got.layers[0].kept_inputs < 64
+    else:
+        assert isinstance(first, nn.Linear) and first.in_features == 64
     json_path = save(got.model, tmp_path / "nested.safetensors")
     loaded, _ = load(json_path)
     assert torch.equal(loaded(x), got.model(x))
@@ -149,3 +152,32 @@ def test_a_tampered_factored_record_is_refused(tmp_path, resnet_and_data, factor
     json_path.write_text(json.dumps({**record, "factored": factored}))
     with pytest.raises(CheckpointError, match=fragment):
         load(json_path)
+
+
+def tiny_chain():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)).eval()
+
+
+@pytest.mark.parametrize("method", ["prune", "prune-ls"])
+def test_pruning_keeps_the_input_whole_and_is_optimal_among_such_choices(method):
+    import itertools
+
+    from edgetorch.reduce.problem import make_problem
+    from edgetorch.reduce.sequential import input_statistics, prune_orders
+
+    model, x = tiny_chain(), torch.randn(300, 6) * torch.tensor([3.0, 1, 1, 0.1, 0.1, 0.1])
+    result = reduce_model(model, 0.5, method, calibration=x)
+    assert result.allocation.theta[0] == 6 and not any(isinstance(m, KeepFeatures) for m in result.model)
+    curves = [c for _, c in prune_orders(input_statistics(model, x), correlated=method == "prune-ls")]
+    problem = make_problem(curves, [6, 5, 4, 3], 0.5, "prune")
+    best = min(problem.objective(t) for t in itertools.product([6], range(1, 6), range(1, 5)) if problem.feasible(t))
+    assert result.allocation.objective == pytest.approx(best, rel=1e-12, abs=1e-12)
+    assert result.allocation.cost == problem.cost(result.allocation.theta) == count_macs(result.model, x[:1])
+    # The paper's problem prunes the input too: never worse in J, at the price of a gather.
+    free = reduce_model(model, 0.5, method, calibration=x, prune_input=True)
+    assert free.allocation.objective <= result.allocation.objective
+    # A budget no choice with every input meets: the input is pruned as the paper does.
+    full = count_macs(model, x[:1])  # 6*5 + 5*4 + 4*3 = 62; with 6 inputs kept at least 6 + 1 + 3 = 10
+    squeezed = reduce_model(model, 1 - 9 / full, method, calibration=x)
+    assert squeezed.allocation.theta[0] < 6 and isinstance(squeezed.model[0], KeepFeatures)
