@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from edgetorch.reduce.allocate import solve_graph_allocation
-from edgetorch.reduce.graph_exact import TOLERANCE
 from edgetorch.reduce.graph_problem import make_graph_problem
+from edgetorch.reduce.knapsack import solve_separable
 from edgetorch.reduce.transformer import (block_statistics, cost_graph, count_transformer_macs, head_order,
                                           reduce_transformer)
 from edgetorch.reduce.transformer_blocks import Block, HeadAttention, find_blocks, split_attention
@@ -130,10 +130,19 @@ def test_the_exact_allocation_is_the_brute_force_optimum():
             continue  # alpha past what one unit per group reaches
         best = min(problem.objective(k) for k in itertools.product(*(range(1, u + 1) for u in problem.upper))
                    if problem.feasible(k))
-        exact = solve_graph_allocation(problem, "prune", "optimal")
-        assert exact.objective <= best + TOLERANCE * max(1.0, best), trial
-        for baseline in ("pso", "uniform"):
-            assert solve_graph_allocation(problem, "prune", baseline).objective >= exact.objective - 1e-12
+        theta = solve_separable(problem)
+        assert problem.feasible(theta) and problem.objective(theta) == pytest.approx(best, abs=1e-12), trial
+        for baseline in ("optimal", "pso", "uniform"):  # the channel-graph solver and both heuristics
+            assert solve_graph_allocation(problem, "prune", baseline).objective >= best - 1e-12
+
+
+def test_the_knapsack_refuses_coupled_groups():
+    from edgetorch.reduce.graph import ChannelGraph, ChannelGroup, CostTerm
+
+    groups = tuple(ChannelGroup(i, 3, f"g{i}", (), ()) for i in range(2))
+    graph = ChannelGraph(groups, (CostTerm("a", 1, (0,), 1, 1, 1, False, 4, 1),), "a")  # reads g0, writes g1
+    with pytest.raises(ValueError, match="uncoupled"):
+        solve_separable(make_graph_problem(graph, [[np.inf, 2, 1, 0]] * 2, 0.3))
 
 
 def test_head_curves():
