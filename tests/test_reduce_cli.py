@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from edgetorch.cli import app
 from edgetorch.data import load_dataset
 from edgetorch.reduce import compare_latency, count_macs, load
-from edgetorch.zoo import MLP, PlainCNN, save_weights
+from edgetorch.zoo import MLP, PlainCNN, PretrainConfig, evaluate_accuracy, save_weights
+from edgetorch.zoo.training import fit
 
 
 def test_compare_latency_times_both_models_and_reports_the_ratio():
@@ -76,6 +77,9 @@ def test_reduce_command_writes_a_model_within_budget(mlp_weights, tmp_path):
     (["--output", "small.pt"], "must end in .safetensors"),
     (["--plot", "factors.txt"], "give a .png, .pdf, .svg file"),
     (["--json", "missing/summary.json"], "does not exist"),
+    (["--finetune-epochs", "-1"], "Input should be greater than or equal to 0"),
+    (["--finetune-epochs", "1", "--finetune-lr", "0"], "0.0 is not a learning rate: give a number > 0"),
+    (["--distill"], "--distill fine-tunes from the full model: give --finetune-epochs 1 or more"),
 ])
 def test_reduce_command_refuses_bad_arguments(mlp_weights, args, match):
     _, weights = mlp_weights
@@ -115,3 +119,27 @@ def test_reduce_command_prunes_the_zoo_plain_cnn(tmp_path):
     assert reduced(x).shape == (3, 10)
     assert 1 - count_macs(reduced, x[:1]) / count_macs(full, x[:1]) >= 0.5
     assert any(entry["type"] == "BatchNorm2d" for entry in record["modules"])
+
+
+def test_reduce_command_finetunes_an_over_pruned_model_and_saves_the_fine_tuned_one(tmp_path):
+    train, test = load_dataset("digits", "train", size=8), load_dataset("digits", "test", size=8)
+    torch.manual_seed(0)
+    full = MLP(num_classes=10, image_size=8)  # what the CLI builds for zoo:mlp at --size 8
+    fit(full, train, PretrainConfig("mlp", "digits", epochs=10, batch_size=64, image_size=8))
+    weights, out, summary_json = tmp_path / "mlp.safetensors", tmp_path / "small.safetensors", tmp_path / "s.json"
+    save_weights(full, weights)
+    result = CliRunner().invoke(app, [
+        "reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8", "--alpha", "0.95",
+        "--method", "prune", "--dataset", "digits", "--calibration", "500", "--latency-batch", "4",
+        "--finetune-epochs", "3", "--finetune-lr", "3e-3", "--distill", "--output", str(out),
+        "--json", str(summary_json)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(summary_json.read_text())
+    assert summary["accuracy_reduced"] < summary["accuracy_full"] - 0.1  # over-pruned: much lost ...
+    assert summary["accuracy_finetuned"] > summary["accuracy_reduced"] + 0.05  # ... and much recovered
+    tuned = summary["finetune"]
+    assert (tuned["epochs"], tuned["lr"], tuned["distill"], tuned["train_samples"]) == (3, 3e-3, True, len(train))
+    assert len(tuned["accuracy"]) == len(tuned["train_loss"]) == 3 and tuned["accuracy"][-1] == summary["accuracy_finetuned"]
+    assert "fine-tuned 3 epoch(s)" in result.output and "distilling from the full model" in result.output
+    reduced, _ = load(out)
+    assert evaluate_accuracy(reduced, test) == summary["accuracy_finetuned"]  # the saved model is the fine-tuned one

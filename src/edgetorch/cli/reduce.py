@@ -2,6 +2,8 @@
 
 An MLP or plain CNN (an ``nn.Sequential`` chain) is reduced layer by layer; any other CNN
 (``torchvision:resnet18``, ``zoo:cnn`` ...) by its coupled channel groups, printed one per row.
+``--finetune-epochs N`` then fine-tunes the reduced model on the dataset's training split
+(``--distill``: from the full model as teacher), and the fine-tuned model is the one saved.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ._app import app, console, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
     import torch
+    from torch.utils.data import TensorDataset
 
     from ..reduce import Reduction
 
@@ -24,13 +27,14 @@ if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
 def _load_model(model: str, weights: Path | None, dataset: str, size: int):
     from ..data import dataset_info
     from ..zoo import ZOO_MODELS, build_model, pretrained
-    from ..zoo.pretrain import default_config
+    from ..zoo.pretrain import TORCHVISION_TRAINED, default_config
     from ..zoo.registry import takes_image_size
 
     zoo, name = model.startswith("zoo:"), model.removeprefix("zoo:")
     if weights is None:
-        if not zoo:
-            raise typer.BadParameter("--weights is required unless --model is a zoo model (zoo:NAME)")
+        if not zoo and model not in TORCHVISION_TRAINED:
+            raise typer.BadParameter("--weights is required unless --model is a zoo model (zoo:NAME) or one of "
+                                     f"{', '.join(TORCHVISION_TRAINED)} (pretrained here on fashion-mnist)")
         trained_at = default_config(name, dataset).image_size
         if size != trained_at:
             raise typer.BadParameter(f"{model} is pretrained on {trained_at}x{trained_at} images; use --size "
@@ -51,11 +55,6 @@ def _print_groups(result: Reduction, title: str) -> None:
     console.print(table)
 
 
-def _with_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
-    # Grey datasets fed to an RGB model (a torchvision CNN): the same image in every channel.
-    return images.expand(-1, channels, -1, -1) if images.shape[1] == 1 and channels > 1 else images
-
-
 def _print_layers(result: Reduction, title: str) -> None:
     """The per-layer table of a :class:`~edgetorch.reduce.Reduction`: sizes, kept units or rank, MACs, alpha_l, J_l."""
     table = Table(title=title)
@@ -69,10 +68,30 @@ def _print_layers(result: Reduction, title: str) -> None:
     console.print(table)
 
 
+def _finetune(result: Reduction, full: torch.nn.Module, train: TensorDataset, test: TensorDataset | None,
+              epochs: int, lr: float, distill: bool, seed: int) -> dict:
+    """Fine-tune ``result.model`` in place; the JSON record of what it did, accuracy per epoch included."""
+    from ..reduce.recover import FinetuneConfig, finetune
+
+    config = FinetuneConfig(epochs=epochs, lr=lr, seed=seed, distill=distill,
+                            batch_size=min(FinetuneConfig.batch_size, len(train)))
+    teacher = " distilling from the full model" if distill else ""
+    with console.status(f"fine-tuning {epochs} epoch(s) on {len(train)} training samples{teacher}"):
+        history = finetune(result.model, train, config, teacher=full if distill else None, test=test)
+    record = {**vars(config), "train_samples": len(train), "seconds": history.seconds,
+              "train_loss": history.train_loss, "accuracy": history.accuracy}
+    line = f"fine-tuned {epochs} epoch(s) on {len(train)} samples{teacher} in {history.seconds:.1f} s"
+    if test is not None:
+        line += f": test accuracy {history.accuracy_before:.4f} -> {history.accuracy_after:.4f}"
+    console.print(line)
+    return record
+
+
 @app.command()
 def reduce(
-    model: str = typer.Option("zoo:mlp", help="zoo:NAME (pretrained on --dataset unless --weights), or any spec with "
-                              "--weights (torchvision:NAME: any CNN, pruned by channel groups)"),
+    model: str = typer.Option("zoo:mlp", help="zoo:NAME, torchvision:resnet18 or torchvision:mobilenet_v2 (pretrained "
+                              "on --dataset unless --weights), or any spec with --weights (torchvision:NAME: any "
+                              "CNN, pruned by channel groups)"),
     weights: Path = typer.Option(None, help="safetensors/state-dict weights of --model"),
     alpha: float = typer.Option(..., help="total reduction factor in [0, 1): share of multiplications removed"),
     method: str = typer.Option("prune", help="prune (the paper's), prune-ls (correlation-aware), lowrank"),
@@ -82,7 +101,13 @@ def reduce(
     calibration: int = typer.Option(1000, min=2, help="unlabeled calibration samples (pruning)"),
     accuracy: bool = typer.Option(True, help="evaluate full and reduced accuracy on the test labels"),
     latency_batch: int = typer.Option(64, min=1, help="batch size of the CPU latency comparison"),
-    seed: int = typer.Option(0, help="PSO seed"),
+    seed: int = typer.Option(0, help="PSO seed (and the fine-tune's batch order)"),
+    finetune_epochs: int = typer.Option(0, min=0, help="fine-tune the reduced model this many epochs on the "
+                                        "dataset's training split (0: no fine-tuning, the paper's setting)"),
+    finetune_lr: float = typer.Option(1e-3, help="peak learning rate of the fine-tune "
+                                      "(AdamW, one-cycle)"),
+    distill: bool = typer.Option(False, help="fine-tune against the full model's outputs too (knowledge "
+                                 "distillation, teacher = the unreduced model); needs --finetune-epochs"),
     output: Path = typer.Option(None, callback=output_file, help="write the reduced network here (.safetensors + .json)"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the summary, per-layer factors included, as JSON here"),
     plot: Path = typer.Option(None, callback=plot_file, help="write a bar chart of the per-layer factors alpha_l here (.png, .pdf, .svg)"),
@@ -95,12 +120,18 @@ def reduce(
     from ..reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, reduce_model, save
     from .._checks import check_choice
     from ..zoo import evaluate_accuracy, input_channels
+    from ..zoo.registry import with_channels
 
     for name, value, accepted in (("method", method, METHODS), ("allocation", allocation, ALLOCATIONS)):
         try:
             check_choice(name, value, accepted)
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint=f"'--{name}'") from None
+    if not finetune_lr > 0:
+        raise typer.BadParameter(f"{finetune_lr} is not a learning rate: give a number > 0", param_hint="'--finetune-lr'")
+    if distill and finetune_epochs == 0:
+        raise typer.BadParameter("--distill fine-tunes from the full model: give --finetune-epochs 1 or more",
+                                 param_hint="'--distill'")
     if output is not None and output.suffix != ".safetensors":
         raise typer.BadParameter(f"{output} must end in .safetensors", param_hint="'--output'")
     try:
@@ -110,8 +141,8 @@ def reduce(
             channels = input_channels(full)
             train = load_dataset(dataset, "train", size=size)
             test = load_dataset(dataset, "test", size=size)
-            test = TensorDataset(_with_channels(test.tensors[0], channels), test.tensors[1])
-        calib = _with_channels(train.tensors[0][: min(calibration, len(train))], channels)
+            train, test = (TensorDataset(with_channels(d.tensors[0], channels), d.tensors[1]) for d in (train, test))
+        calib = train.tensors[0][: min(calibration, len(train))]
         with console.status(f"measuring each layer's error curve on {len(calib)} samples, then the {allocation} "
                             "allocation"):
             result = reduce_model(full, alpha, method, allocation, calibration=calib, seed=seed)
@@ -147,6 +178,11 @@ def reduce(
         summary["accuracy_reduced"] = evaluate_accuracy(result.model, test)
         console.print(f"test accuracy ({len(test)} samples): {summary['accuracy_full']:.4f} -> "
                       f"{summary['accuracy_reduced']:.4f}")
+    if finetune_epochs:
+        summary["finetune"] = _finetune(result, full, train, test if accuracy else None, finetune_epochs,
+                                        finetune_lr, distill, seed)
+        if accuracy:
+            summary["accuracy_finetuned"] = summary["finetune"]["accuracy"][-1]
     torch.manual_seed(0)
     batch = test.tensors[0][:latency_batch]
     timing = compare_latency(full, result.model, batch)
