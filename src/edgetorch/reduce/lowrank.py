@@ -18,6 +18,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -115,7 +116,7 @@ class LayerwiseLowRank:
     model: nn.Module
     allocation: Allocation
     layers: list[FactorableLayer]
-    curves: list
+    curves: list[np.ndarray]
 
 
 def reduce_lowrank(model: nn.Module, alpha: float, allocation: str, example: torch.Tensor,
@@ -137,8 +138,9 @@ def reduce_lowrank(model: nn.Module, alpha: float, allocation: str, example: tor
             multiplications no factoring can remove).
 
     Example:
-        >>> result = reduce_lowrank(torchvision.models.resnet18(), 0.5, "optimal", images[:1])
-        >>> count_macs(result.model, images[:1]) <= 0.5 * count_macs(model, images[:1])
+        >>> net = torchvision.models.resnet18(num_classes=10)
+        >>> result = reduce_lowrank(net, 0.5, "optimal", images[:1])
+        >>> count_macs(result.model, images[:1]) <= 0.5 * count_macs(net, images[:1])
         True
     """
     layers, fixed = factorable_layers(model, example)
