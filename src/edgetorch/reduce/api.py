@@ -179,10 +179,11 @@ def _prune_allocation(curves: list, widths: list[int], scales: list[int], alpha:
     features, through a :class:`~edgetorch.reduce.sequential.KeepFeatures` gather. On the zoo MLP
     (Fashion-MNIST, ``bench/reduce_input_selection.py``) keeping every input instead and spending
     the same budget on the hidden layers was as accurate (-0.07 to +0.23 points at alpha 0.5 and
-    0.7, prune and prune-ls) and faster at batch 1 (0.72-0.81 of the full network's time against
-    0.85-0.94) and 64; so the input is kept unless the caller asks, or the budget cannot be met
-    with it (then it is pruned as the paper does). Folding the gather into the first layer as zero
-    columns would cost that layer's full width in MACs, which the budget does not allow.
+    0.7, prune and prune-ls) and faster: 0.71-0.80 of the full network's time at batch 1 against
+    0.83-0.94, 0.48-0.67 against 0.54-0.70 at batch 64. So the input is kept unless the caller
+    asks, or the budget cannot be met with it (then it is pruned as the paper does). Folding the
+    gather into the first layer as zero columns (no gather) costs that layer's full width in MACs:
+    0.60-0.65 of the full network's MACs at alpha 0.5, over the budget.
     """
     if not prune_input:
         # M~_0 = M_0 fixed is the same chain problem with a one-unit input weighing s_1 M_0:
