@@ -29,9 +29,9 @@ transformers = pytest.importorskip("transformers")
 D, HEADS, HIDDEN, LAYERS, PAD = 32, 4, 64, 2, 0
 
 
-def bert(seed: int = 0) -> nn.Module:
+def bert(seed: int = 0, hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(seed)
-    config = transformers.BertConfig(vocab_size=60, hidden_size=D, num_attention_heads=HEADS, intermediate_size=HIDDEN,
+    config = transformers.BertConfig(vocab_size=60, hidden_size=D, num_attention_heads=HEADS, intermediate_size=hidden,
                                      num_hidden_layers=LAYERS, max_position_embeddings=40, pad_token_id=PAD)
     return transformers.BertModel(config).eval()
 
@@ -213,3 +213,13 @@ def test_refusals():
     attention = HeadAttention.from_multihead(nn.MultiheadAttention(8, 2, batch_first=True))
     with pytest.raises(NotImplementedError, match="need_weights"):
         attention(torch.rand(1, 3, 8), torch.rand(1, 3, 8), torch.rand(1, 3, 8), need_weights=True)
+
+
+def test_shared_statistics_give_the_same_reduction():
+    model, ids = bert(), token_ids()
+    stats = block_statistics(model, find_blocks(model), ids)
+    shared = reduce_transformer(model, 0.5, "prune-ls", calibration=ids, statistics=stats)
+    alone = reduce_transformer(model, 0.5, "prune-ls", calibration=ids)
+    assert shared.allocation.theta == alone.allocation.theta and torch.equal(run(shared.model, ids), run(alone.model, ids))
+    with pytest.raises(ValueError, match="another model"):
+        reduce_transformer(bert(hidden=48), 0.5, calibration=ids, statistics=stats)

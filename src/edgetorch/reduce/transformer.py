@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .allocate import Allocation, solve_graph_allocation
+from .._checks import check_choice
+from .allocate import ALLOCATIONS, Allocation, solve_graph_allocation
 from .curves import correlated_order, power_order, tail_over_head
 from .graph import ChannelGraph, ChannelGroup, CostTerm
 from .graph_problem import make_graph_problem
@@ -256,8 +257,8 @@ class TransformerReduction:
 
 
 def reduce_transformer(model: nn.Module, alpha: float, method: str = "prune", allocation: str = "optimal",
-                       calibration: torch.Tensor | None = None, seed: int = 0,
-                       parts: tuple[str, ...] = PARTS) -> TransformerReduction:
+                       calibration: torch.Tensor | None = None, seed: int = 0, parts: tuple[str, ...] = PARTS,
+                       statistics: BlockStatistics | None = None) -> TransformerReduction:
     """Prune a transformer's attention heads and MLP hidden units so that ``alpha`` of its multiplications go.
 
     Args:
@@ -273,6 +274,9 @@ def reduce_transformer(model: nn.Module, alpha: float, method: str = "prune", al
             the config's ``pad_token_id``; or images).
         seed: PSO seed.
         parts: which groups to prune: ``("heads", "mlp")``, ``("mlp",)`` or ``("heads",)``.
+        statistics: :func:`block_statistics` of this model on ``calibration``, when several reductions
+            share one calibration pass (the pass is most of a reduction's time: a ``[tokens, h]``
+            covariance per block).
 
     Returns:
         The :class:`TransformerReduction`.
@@ -289,13 +293,16 @@ def reduce_transformer(model: nn.Module, alpha: float, method: str = "prune", al
     """
     if method not in ("prune", "prune-ls"):
         raise ValueError(f"method {method!r} is not available for a transformer; accepted: prune, prune-ls")
+    check_choice("allocation", allocation, ALLOCATIONS)  # before the calibration pass, which takes a while
     if not parts or any(p not in PARTS for p in parts) or len(set(parts)) != len(parts):
         raise ValueError(f"parts must name some of {PARTS} once each, got {parts!r}")
     if not isinstance(calibration, torch.Tensor) or calibration.ndim < 2 or len(calibration) < 2:
         raise ValueError(f"method {method!r} needs calibration samples: a tensor of at least 2 unlabeled inputs")
     reduced = split_attention(copy.deepcopy(model).eval())
     blocks = find_blocks(reduced)
-    stats = block_statistics(reduced, blocks, calibration)
+    stats = statistics if statistics is not None else block_statistics(reduced, blocks, calibration)
+    if len(stats.mlp) != len(blocks) or any(len(c) != b.hidden for (_, c), b in zip(stats.mlp, blocks)):
+        raise ValueError("statistics= belong to another model: their sizes are not this model's blocks")
     correlated = method == "prune-ls"
     full = count_transformer_macs(reduced, calibration[:1])
     parts = tuple(p for p in PARTS if p in parts)
