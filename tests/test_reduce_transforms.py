@@ -100,7 +100,7 @@ def test_least_squares_refit_recovers_a_redundant_neuron_exactly():
         model[0].weight[4] = 2 * model[0].weight[0] - model[0].weight[1]
         model[0].bias[4] = 2 * model[0].bias[0] - model[0].bias[1]
     x = torch.randn(300, 6)
-    stats = input_statistics(model, x)
+    stats = input_statistics(model, x, shrink=False)  # the sample covariance: exact recovery
     orders = [correlated_order(c) for c in stats.covariances]
     naive = [power_order(c) for c in stats.covariances]
     refit = pruned(model, [6, 4], orders, stats, refit=True)

@@ -24,8 +24,8 @@
 from __future__ import annotations
 
 import copy
-import warnings
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from .curves import correlated_order, power_order
 from .graph import ChannelGraph, CostTerm, channel_graph
 from .graph_problem import make_graph_problem
 from .macs import count_macs
-from .sequential import Moments, accumulate_inputs, kept_inputs
+from .sequential import VECTORS_PER_UNIT, Moments, accumulate_inputs, kept_inputs
 
 
 @dataclass(frozen=True)
@@ -65,14 +65,17 @@ class GroupStatistics:
     """Means and covariances of every consumer's input, over the calibration samples.
 
     Attributes:
-        inputs: per consumer layer name, ``(means [units, positions or 1], covariance [units, units])``.
+        inputs: per consumer layer name, ``(means [units, positions or 1], covariance [units, units])``;
+            the covariance is shrunk towards its diagonal (:class:`~edgetorch.reduce.sequential.Moments`).
         samples: calibration samples N.
-        vectors: per consumer, the input vectors its covariance comes from (samples x positions).
+        vectors: per consumer, the input vectors its covariance comes from (samples x positions kept).
+        shrinkage: per consumer, the shrinkage intensity lambda applied to its covariance.
     """
 
     inputs: dict[str, tuple[np.ndarray, np.ndarray]]
     samples: int
     vectors: dict[str, int]
+    shrinkage: dict[str, float]
 
 
 def _as_units(term: CostTerm, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -82,8 +85,9 @@ def _as_units(term: CostTerm, module: nn.Module, x: torch.Tensor) -> torch.Tenso
 
 
 @torch.no_grad()
-def group_statistics(model: nn.Module, graph: ChannelGraph, calibration: torch.Tensor,
-                     batch_size: int = 64) -> GroupStatistics:
+def group_statistics(model: nn.Module, graph: ChannelGraph, calibration: torch.Tensor, batch_size: int = 64,
+                     vectors_per_unit: int | None = VECTORS_PER_UNIT, seed: int = 0,
+                     shrink: bool = True) -> GroupStatistics:
     """Run the calibration samples through ``model`` and accumulate each consumer's input moments.
 
     Args:
@@ -91,32 +95,30 @@ def group_statistics(model: nn.Module, graph: ChannelGraph, calibration: torch.T
         graph: its :class:`~edgetorch.reduce.graph.ChannelGraph`.
         calibration: N >= 2 unlabeled inputs.
         batch_size: samples per forward pass.
+        vectors_per_unit: cap on a convolution's input vectors per channel (random positions,
+            seeded); ``None`` keeps every position.
+        seed: seeds the choice of positions.
+        shrink: shrink each covariance towards its diagonal (``False``: the sample covariance).
 
     Returns:
         The :class:`GroupStatistics`.
+
+    Example:
+        >>> graph, _ = channel_graph(model, x[:1])
+        >>> stats = group_statistics(model, graph, x)
     """
     names = {c.module for g in graph.groups for c in g.consumers}
     terms = {t.module: t for t in graph.terms if t.module in names}
     modules = dict(model.named_modules())
-    moments = {name: Moments() for name in terms}
+    moments = {name: Moments(isinstance(modules[name], nn.Conv2d), len(calibration), vectors_per_unit, seed + i, shrink)
+               for i, name in enumerate(terms)}
     accumulate_inputs(model, calibration, batch_size,
                       {modules[name]: (lambda x, name=name: moments[name].add(_as_units(terms[name], modules[name], x)))
                        for name in terms})
-    inputs = {name: m.finish(shared=isinstance(modules[name], nn.Conv2d)) for name, m in moments.items()}
-    return GroupStatistics(inputs, len(calibration), {name: m.samples for name, m in moments.items()})
-
-
-def _warn_underdetermined(graph: ChannelGraph, stats: GroupStatistics) -> None:
-    # With fewer input vectors than channels the covariance is singular: the least-squares refit
-    # "explains" every dropped channel and J_g reaches 0 early, so the allocation over-prunes
-    # there (issue 13: the deep, 1x1-resolution layers of a CNN at small calibration sets).
-    short = [(t.module, stats.vectors[t.module], t.units_in) for t in graph.terms
-             if t.module in stats.vectors and not t.depthwise and stats.vectors[t.module] <= t.units_in]
-    if short:
-        listed = ", ".join(f"{name} ({seen} vectors for {units} channels)" for name, seen, units in short[:3])
-        warnings.warn(f"prune-ls: {len(short)} layers see no more input vectors than they have input channels, "
-                      f"e.g. {listed}; their refit is underdetermined and J underestimates the error there. "
-                      f"Give more calibration samples than {stats.samples}.", stacklevel=3)
+    finished = {name: m.finish() for name, m in moments.items()}
+    return GroupStatistics({name: (mean, cov) for name, (mean, cov, _) in finished.items()}, len(calibration),
+                           {name: m.vectors for name, m in moments.items()},
+                           {name: s for name, (_, _, s) in finished.items()})
 
 
 def group_orders(graph: ChannelGraph, stats: GroupStatistics, correlated: bool) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -221,6 +223,9 @@ class GroupedReduction:
         allocation: the solver's record (``theta`` = kept channels per group).
         groups: one :class:`GroupFactor` per channel group.
         graph: the groups and cost terms of the full model.
+        seconds: wall-clock seconds per stage: ``graph`` (tracing), ``statistics`` (calibration
+            passes), ``curves``, ``solver``, ``prune`` (refit and Torch-Pruning) and ``check``
+            (counting the reduced model's MACs).
     """
 
     model: nn.Module
@@ -228,10 +233,12 @@ class GroupedReduction:
     allocation: Allocation
     groups: list[GroupFactor]
     graph: ChannelGraph
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def reduce_grouped(model: nn.Module, alpha: float, method: str = "prune", allocation: str = "optimal",
-                   calibration: torch.Tensor | None = None, seed: int = 0, time_limit: float = 60.0) -> GroupedReduction:
+                   calibration: torch.Tensor | None = None, seed: int = 0, time_limit: float = 60.0,
+                   vectors_per_unit: int | None = VECTORS_PER_UNIT) -> GroupedReduction:
     """Prune the channel groups of any CNN so that at least ``alpha`` of its multiplications are saved.
 
     Args:
@@ -241,8 +248,11 @@ def reduce_grouped(model: nn.Module, alpha: float, method: str = "prune", alloca
             (correlation-aware order, least-squares refit of each consumer).
         allocation: ``"optimal"``, ``"pso"`` or ``"uniform"``.
         calibration: N >= 2 unlabeled inputs ``[N, C, H, W]``.
-        seed: PSO seed.
+        seed: PSO seed, and the seed of the calibration positions kept.
         time_limit: seconds for the exact solver's search.
+        vectors_per_unit: cap on each convolution's calibration vectors, per input channel (random
+            output positions, seeded by ``seed``; see :class:`~edgetorch.reduce.sequential.Moments`);
+            ``None`` uses every position.
 
     Returns:
         The :class:`GroupedReduction`.
@@ -262,19 +272,29 @@ def reduce_grouped(model: nn.Module, alpha: float, method: str = "prune", alloca
                          "accepted there: prune, prune-ls (low-rank factoring of grouped networks is not built yet)")
     if not isinstance(calibration, torch.Tensor) or calibration.ndim < 2 or len(calibration) < 2:
         raise ValueError(f"method {method!r} needs calibration samples: a tensor of at least 2 unlabeled inputs")
+    seconds, clock = {}, time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        seconds[stage], clock = time.perf_counter() - clock, time.perf_counter()
+
     reduced = copy.deepcopy(model).eval()
     graph, dependency = channel_graph(reduced, calibration[:1])
-    stats = group_statistics(reduced, graph, calibration)
+    lap("graph")
+    stats = group_statistics(reduced, graph, calibration, vectors_per_unit=vectors_per_unit, seed=seed)
+    lap("statistics")
     orders = group_orders(graph, stats, correlated=method == "prune-ls")
-    if method == "prune-ls":
-        _warn_underdetermined(graph, stats)
+    lap("curves")
     problem = make_graph_problem(graph, [curve for _, curve in orders], alpha)
     chosen = solve_graph_allocation(problem, method, allocation, seed=seed, time_limit=time_limit)
+    lap("solver")
     prune_groups(reduced, graph, dependency, chosen.theta, orders, stats, refit=method == "prune-ls")
+    lap("prune")
     macs = count_macs(reduced, calibration[:1])
+    lap("check")
     if macs != chosen.cost:  # the cost model and the pruned modules disagree: never ship that silently
         raise RuntimeError(f"the reduced model costs {macs:,} multiplications but the allocation counted "
                            f"{chosen.cost:,}: a layer was pruned differently from its channel group (please report)")
     factors = [GroupFactor(g.index, g.root, g.size, k, len(g.consumers), float(curve[k]))
                for g, k, (_, curve) in zip(graph.groups, chosen.theta, orders)]
-    return GroupedReduction(reduced.eval(), method, chosen, factors, graph)
+    return GroupedReduction(reduced.eval(), method, chosen, factors, graph, seconds)

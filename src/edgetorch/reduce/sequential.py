@@ -195,49 +195,141 @@ def _units(layer: WeightLayer, module: nn.Module, x: torch.Tensor) -> torch.Tens
     return x.reshape(-1, layer.units_in, layer.group)
 
 
+# A convolution's statistics keep at most max(VECTORS_PER_UNIT x channels, MIN_VECTORS) input
+# vectors by default (see Moments); below MIN_VECTORS a covariance costs little anyway.
+VECTORS_PER_UNIT = 16
+MIN_VECTORS = 8192
+
+
 class Moments:
     """Running sums of one layer input seen as ``[samples, units, positions]``, for eq. 8-9.
 
     Every position (an output pixel of a convolution, a tap of a flattened group) is a sample of
     the unit vector, so the covariance is between units (channels); shared by the chain and the
     channel-graph paths (:mod:`edgetorch.reduce.grouped`).
+
+    Two things keep the statistics fast and honest:
+
+    * **A cap on a convolution's vectors.** A convolution sees ``N x H x W`` vectors, far more
+      than a covariance of ``C`` channels needs, and each costs ``C^2`` multiplications. With
+      ``vectors_per_unit`` set, every sample contributes only ``ceil(V / N)`` of its positions,
+      drawn at random (seeded), ``V = max(vectors_per_unit x C, MIN_VECTORS)``: about V vectors
+      in all. A Linear after a Flatten keeps every position (each has its own mean).
+    * **Shrinkage of the covariance towards its diagonal** (Schaefer & Strimmer 2005, target D,
+      the Ledoit-Wolf intensity for a diagonal target): ``C_s = (1 - lambda) C + lambda diag(C)``
+      with ``lambda = sum_{i != j} Var(c_ij) / sum_{i != j} c_ij^2`` estimated from the same
+      vectors (clipped to [0, 1]). With fewer vectors than units the sample covariance is
+      singular: a least-squares refit then "explains" every dropped unit and J reaches 0 early,
+      which over-prunes silently (issue 13). The shrunk covariance is positive definite, so J
+      stays positive, and the refit that reads it is a ridge regression, consistent with J.
+      With many vectors ``lambda`` tends to 0 (the sample covariance); the diagonal (the naive
+      method's powers) is never changed. ``shrink=False`` keeps the sample covariance (an exact
+      linear dependence is then recovered exactly, given more vectors than units).
+
+    Args:
+        shared: the consumer shares its weights over the positions (a convolution): its mean is a
+            channel mean and its positions may be subsampled.
+        samples: calibration samples N that will be added (sets the positions kept per sample).
+        vectors_per_unit: cap for a shared consumer (``None``: every position).
+        seed: seeds the choice of positions.
+        shrink: shrink the covariance towards its diagonal.
+
+    Example:
+        >>> moments = Moments(shared=True, samples=len(x))
+        >>> moments.add(x.reshape(len(x), x.shape[1], -1))
+        >>> mean, cov = moments.finish()
     """
 
-    def __init__(self) -> None:
-        self.sums: torch.Tensor | None = None
-        self.outer: torch.Tensor | None = None
-        self.count = 0
+    def __init__(self, shared: bool, samples: int, vectors_per_unit: int | None = VECTORS_PER_UNIT,
+                 seed: int = 0, shrink: bool = True) -> None:
+        if vectors_per_unit is not None and vectors_per_unit < 1:
+            raise ValueError(f"vectors_per_unit must be a positive integer or None, got {vectors_per_unit}")
+        self.shared, self.samples, self.vectors_per_unit, self.shrink = shared, samples, vectors_per_unit, shrink
+        self.generator = torch.Generator().manual_seed(seed)
+        # Everything is accumulated about a provisional centre (the first batch's mean), which
+        # keeps E[x x^T] - m m^T free of cancellation; the fourth moments for lambda are taken
+        # about it too (a relative error of about 1 / (the first batch's vectors) in lambda).
+        self.centre: torch.Tensor | None = None
+        self.sums = self.outer = None
+        self.fourth = self.squares4 = 0.0  # sum_k ||y_k||^4, sum_k sum_i y_ki^4
+        self.count = 0  # vectors for a shared consumer, samples otherwise
+
+    def _subsampled(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.shared or self.vectors_per_unit is None:
+            return x
+        keep = -(-max(self.vectors_per_unit * x.shape[1], MIN_VECTORS) // max(self.samples, 1))
+        if keep >= x.shape[2]:
+            return x
+        picks = torch.rand(x.shape[0], x.shape[2], generator=self.generator).argsort(1)[:, :keep]
+        return x.gather(2, picks[:, None, :].expand(-1, x.shape[1], -1))
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulate a batch ``[N, units, positions]`` (in float64)."""
-        x = x.double()
-        s, o = x.sum(0), torch.einsum("ncp,ndp->cd", x, x)
+        x = self._subsampled(x).double()
+        if self.shared:  # each position is one more vector of the same channels
+            x = x.transpose(1, 2).reshape(-1, x.shape[1], 1)
+        if self.centre is None:
+            self.centre = x.mean(0)
+        y = x - self.centre
+        s, o = y.sum(0), torch.einsum("ncp,ndp->cd", y, y)
+        squares = y.square()
+        self.fourth += float(squares.sum(1).square().sum())
+        self.squares4 += float(squares.square().sum())
         self.sums = s if self.sums is None else self.sums + s
         self.outer = o if self.outer is None else self.outer + o
         self.count += x.shape[0]
 
     @property
-    def samples(self) -> int:
-        """Unit vectors seen: samples x positions (what the covariance is estimated from)."""
+    def vectors(self) -> int:
+        """Unit vectors seen: samples x positions kept (what the covariance is estimated from)."""
         return 0 if self.sums is None else self.count * self.sums.shape[1]
 
-    def finish(self, shared: bool) -> tuple[np.ndarray, np.ndarray]:
-        """``(means [units, positions or 1], covariance [units, units])`` (1/N normalisation, eq. 8).
+    def finish(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """The statistics of everything added.
 
-        Args:
-            shared: the consumer shares its weights over the positions (a convolution), so only a
-                channel mean is usable; otherwise (a Linear over a flattened group) each position
-                keeps its own mean.
+        Returns:
+            ``(means, covariance, lambda)``: means ``[units, positions]`` (``[units, 1]`` for a
+            shared consumer), the shrunk covariance ``[units, units]`` (1/N normalisation, eq. 8)
+            and the shrinkage intensity used.
         """
-        positions = self.sums.shape[1]
-        mean = (self.sums / self.count).numpy()  # [units, positions]
-        if shared:
-            mean = mean.mean(axis=1, keepdims=True)
-            centre = np.outer(mean[:, 0], mean[:, 0])
-        else:
-            centre = mean @ mean.T / positions
-        cov = self.outer.numpy() / (self.count * positions) - centre
-        return mean, (cov + cov.T) / 2
+        positions, n = self.sums.shape[1], self.vectors
+        offset = self.sums / self.count  # mean - centre, [units, positions]
+        mean = (self.centre + offset).numpy()
+        cov = (self.outer / n - offset @ offset.T / positions).numpy()
+        cov = (cov + cov.T) / 2
+        shrinkage = diagonal_shrinkage(cov, n, self.fourth, self.squares4) if self.shrink else 0.0
+        diagonal = np.diag(cov).copy()
+        cov *= 1.0 - shrinkage
+        np.fill_diagonal(cov, diagonal)
+        return mean, cov, shrinkage
+
+
+def diagonal_shrinkage(cov: np.ndarray, vectors: int, fourth: float, squares4: float) -> float:
+    """Schaefer & Strimmer's (2005) intensity for shrinking a covariance towards its diagonal (target D).
+
+    ``lambda = sum_{i != j} Var(s_ij) / sum_{i != j} s_ij^2`` with ``s = n/(n-1) cov`` and
+    ``Var(s_ij) = n / (n-1)^3 sum_k (w_kij - mean_k w_kij)^2``, ``w_kij = y_ki y_kj`` for the
+    centred vectors ``y_k``; the sum over ``i != j`` and k of ``w_kij^2`` is
+    ``sum_k ||y_k||^4 - sum_k sum_i y_ki^4``, so two scalars carry the fourth moments.
+
+    Args:
+        cov: the covariance (1/n normalisation) of the ``vectors`` centred vectors.
+        vectors: n.
+        fourth, squares4: ``sum_k ||y_k||^4`` and ``sum_k sum_i y_ki^4``.
+
+    Returns:
+        lambda in [0, 1] (0 for a diagonal covariance or fewer than 2 vectors).
+
+    Example:
+        >>> y = x - x.mean(0)
+        >>> diagonal_shrinkage(y.T @ y / len(y), len(y), ((y**2).sum(1)**2).sum(), (y**4).sum())
+    """
+    off = float(np.sum(cov**2) - np.sum(np.diag(cov) ** 2))
+    if vectors < 2 or off <= 0.0:
+        return 0.0
+    n = float(vectors)
+    variance = n / (n - 1) ** 3 * ((fourth - squares4) - n * off)
+    return float(np.clip(variance / ((n / (n - 1)) ** 2 * off), 0.0, 1.0))
 
 
 @dataclass(frozen=True)
@@ -248,14 +340,17 @@ class InputStatistics:
         layers: the :func:`weight_layers` the statistics belong to.
         means: per layer ``[M_{l-1}, group]``: each input's mean (per position of a flattened
             group; a convolution's are channel means, ``group = 1``).
-        covariances: per layer ``C_{l-1}``, ``[M_{l-1}, M_{l-1}]``, centred on ``means``.
+        covariances: per layer ``C_{l-1}``, ``[M_{l-1}, M_{l-1}]``, centred on ``means`` and shrunk
+            towards its diagonal (:class:`Moments`).
         samples: calibration samples N.
+        shrinkage: per layer, the shrinkage intensity lambda applied to its covariance.
     """
 
     layers: list[WeightLayer]
     means: list[np.ndarray]
     covariances: list[np.ndarray]
     samples: int
+    shrinkage: list[float]
 
 
 @torch.no_grad()
@@ -275,27 +370,40 @@ def accumulate_inputs(model: nn.Module, calibration: torch.Tensor, batch_size: i
 
 
 @torch.no_grad()
-def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: int = 256) -> InputStatistics:
+def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: int = 256,
+                     vectors_per_unit: int | None = VECTORS_PER_UNIT, seed: int = 0,
+                     shrink: bool = True) -> InputStatistics:
     """Run the calibration samples through ``model`` and accumulate eq. 8-9 per layer input.
 
     Args:
         model: a supported network.
         calibration: N unlabeled inputs in the model's input shape (N >= 2).
         batch_size: samples per forward pass.
+        vectors_per_unit: cap on a convolution's input vectors per channel (positions are
+            subsampled at random); ``None`` keeps every position (:class:`Moments`).
+        seed: seeds the subsampling.
+        shrink: shrink each covariance towards its diagonal (``False``: the sample covariance).
 
     Returns:
-        Per layer l = 1..L, the means and ``C_{l-1}`` (float64, 1/N normalisation as eq. 8).
+        Per layer l = 1..L, the means and ``C_{l-1}`` (float64, 1/N normalisation as eq. 8, shrunk
+        towards its diagonal).
+
+    Example:
+        >>> stats = input_statistics(model, images[:1000])
+        >>> [c.shape for c in stats.covariances]
     """
     if not isinstance(calibration, torch.Tensor) or calibration.ndim < 2 or len(calibration) < 2:
         raise ValueError("calibration must be a tensor of at least 2 samples [N, ...]")
     layers = weight_layers(model, calibration)
-    moments = [Moments() for _ in layers]
+    moments = [Moments(isinstance(model[layer.index], nn.Conv2d), len(calibration), vectors_per_unit, seed + p, shrink)
+               for p, layer in enumerate(layers)]
 
     accumulate_inputs(model, calibration, batch_size,
                       {model[layer.index]: (lambda x, p=p: moments[p].add(_units(layers[p], model[layers[p].index], x)))
                        for p, layer in enumerate(layers)})
-    finished = [m.finish(shared=isinstance(model[layer.index], nn.Conv2d)) for layer, m in zip(layers, moments)]
-    return InputStatistics(layers, [m for m, _ in finished], [c for _, c in finished], len(calibration))
+    finished = [m.finish() for m in moments]
+    return InputStatistics(layers, [m for m, _, _ in finished], [c for _, c, _ in finished], len(calibration),
+                           [s for _, _, s in finished])
 
 
 def prune_orders(stats: InputStatistics, correlated: bool) -> list[tuple[np.ndarray, np.ndarray]]:
