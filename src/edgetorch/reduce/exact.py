@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .problem import Problem, layer_lowrank_cost
+from .pso import project
 
 _REL_TOL = 1e-9
 
@@ -164,56 +165,88 @@ def out_of_time(state: dict, deadline: float) -> bool:
 
 
 def _fill(problem: Problem, theta: list[int]) -> list[int]:
-    # Raise single coordinates while the budget allows and J drops (best drop per added cost).
-    theta = list(theta)
-    cost = problem.cost(theta)
+    # Raise single coordinates while the budget allows and J drops (best drop per added cost; the
+    # first such coordinate among equals). One numpy step per raise: on resnet50 a fill takes
+    # thousands of raises.
+    theta = np.array(theta, dtype=np.int64)
+    upper = np.asarray(problem.upper, dtype=np.int64)
+    errors = np.full((problem.layers, int(upper.max()) + 2), np.inf)
+    for l, curve in enumerate(problem.errors):
+        errors[l, : len(curve)] = curve
+    rows = np.arange(problem.layers)
+    cost = problem.cost(theta.tolist())
     while True:
-        best, best_rate = -1, 0.0
-        for l, extra in enumerate(_raise_costs(problem, theta)):
-            if theta[l] >= problem.upper[l]:
-                continue
-            gain = problem.errors[l][theta[l]] - problem.errors[l][theta[l] + 1]
-            if cost + extra <= problem.budget and gain > 0 and gain / max(extra, 1) > best_rate:
-                best, best_rate = l, gain / max(extra, 1)
-        if best < 0:
-            return theta
+        extra = np.asarray(_raise_costs(problem, theta.tolist()), dtype=np.int64)
+        gain = errors[rows, theta] - errors[rows, theta + 1]
+        rate = gain / np.maximum(extra, 1)
+        allowed = (theta < upper) & (cost + extra <= problem.budget) & (gain > 0) & (rate > 0)
+        if not allowed.any():
+            return theta.tolist()
+        best = int(np.flatnonzero(allowed)[np.argmax(rate[allowed])])
         theta[best] += 1
-        cost = problem.cost(theta)
+        cost += int(extra[best])
 
 
-def _dual(chain: _Chain, precision: float = 1e-12) -> tuple[float, float, list[int]]:
+def _dual(chain: _Chain, precision: float = 1e-12, slack: float = 0.0,
+          guess: float | None = None) -> tuple[float, float, list[int]]:
     """Best multiplier, its dual bound ``g(lam)``, and the best feasible point met (filled).
 
-    ``precision``: the bisection stops when the bracket of ``lam`` is this narrow (relative); a
-    coarser multiplier only loosens the bound the enumeration prunes with, never its correctness.
+    ``g(lam) = min L`` is concave and piecewise linear with supergradient ``cost(theta_lam) - B``.
+    First a bracket: from ``guess`` (default: J's range per multiplication, which overshoots)
+    steps of 4x find a multiplier whose minimiser is over budget (``lo``) and one within it
+    (``hi``). Then the tangents at both ends meet at the next multiplier tried (Kelley's cutting
+    plane in one dimension), and their meeting point bounds ``max g`` from above. The search stops
+    when that bound is within ``slack`` of the best ``g`` met, or the bracket is ``precision``
+    narrow (relative); a coarser multiplier only loosens the
+    bound the enumeration prunes with, never its correctness. Where the cut moves the same end of
+    the bracket twice in a row, the bracket's geometric midpoint is tried instead, so the bracket
+    keeps shrinking on both sides. On resnet50 (a guess from the uniform allocation's marginal
+    rates) this takes about 8 minimisations where bisection to 1e-4 took 35.
     """
     problem = chain.problem
     budget = problem.budget
 
-    def evaluate(lam: float) -> tuple[float, list[int]]:
+    def evaluate(lam: float) -> tuple[float, float, int, list[int]]:
         theta = chain.minimiser(lam)
-        return problem.objective(theta) + lam * (problem.cost(theta) - budget), theta
+        over = problem.cost(theta) - budget
+        return lam, problem.objective(theta) + lam * over, over, theta
 
-    lo, hi = 0.0, max(1e-12, float(sum(j.max() - j.min() for j in chain.J)) / problem.total)
-    while problem.cost(evaluate(hi)[1]) > budget:
-        lo, hi = hi, hi * 4
-    best_bound, best_lam = max((evaluate(lo)[0], lo), (evaluate(hi)[0], hi))
-    incumbent = _fill(problem, evaluate(hi)[1])
+    start = guess if guess is not None and guess > 0 else float(sum(j.max() - j.min() for j in chain.J)) / problem.total
+    met = [evaluate(max(1e-300, start))]
+    step = 0.25 if met[0][2] <= 0 else 4.0  # feasible: step down until over budget, else up until within it
+    # Down at most 4^12 (lam = 0 is over budget; where every lam > 0 fits, e.g. a plateau of J = 0
+    # that lam = 0 breaks towards the full network, the bracket starts at 0).
+    while (met[-1][2] <= 0) == (step < 1) and (step > 1 or len(met) <= 12):
+        met.append(evaluate(met[-1][0] * step))
+    over = [p for p in met if p[2] > 0]
+    hi = min((p for p in met if p[2] <= 0), key=lambda p: p[0])
+    lo = max(over, key=lambda p: p[0]) if over else evaluate(0.0)
+    best = max(met, key=lambda p: p[1])
+    incumbent = min((_fill(problem, p[3]) for p in met if p[2] <= 0), key=problem.objective)
+    moved = []
     for _ in range(60):
-        mid = (lo + hi) / 2 if lo == 0 else np.sqrt(lo * hi)
-        bound, theta = evaluate(mid)
-        if bound > best_bound:
-            best_bound, best_lam = bound, mid
-        if problem.cost(theta) <= budget:
-            hi = mid
-            filled = _fill(problem, theta)
+        if hi[2] == 0:  # a zero supergradient: hi maximises g
+            break
+        cut = (hi[1] - lo[1] + lo[2] * lo[0] - hi[2] * hi[0]) / (lo[2] - hi[2])
+        top = lo[1] + lo[2] * (cut - lo[0])
+        if top - best[1] <= slack or hi[0] - lo[0] <= precision * hi[0]:
+            break
+        if not lo[0] < cut < hi[0] or moved[-2:] in (["lo", "lo"], ["hi", "hi"]):
+            cut = (lo[0] + hi[0]) / 2 if lo[0] == 0 else float(np.sqrt(lo[0] * hi[0]))
+        point = evaluate(cut)
+        best = max(best, point, key=lambda p: p[1])
+        if point[2] <= 0:
+            hi = point
+            filled = _fill(problem, point[3])
             if problem.objective(filled) < problem.objective(incumbent):
                 incumbent = filled
         else:
-            lo = mid
-        if hi - lo <= precision * hi:
-            break
-    return best_lam, best_bound, incumbent
+            lo = point
+        moved.append("hi" if point[2] <= 0 else "lo")
+    if lo[0] > 0:  # the last minimiser over budget, lowered until it fits, then filled: often the better incumbent
+        repaired = _fill(problem, project(problem, np.asarray(lo[3], dtype=np.float64)))
+        incumbent = min(incumbent, repaired, key=problem.objective)
+    return best[0], best[1], incumbent
 
 
 def solve_exact(problem: Problem, time_limit: float = 60.0) -> ExactResult:
