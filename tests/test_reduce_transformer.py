@@ -223,3 +223,13 @@ def test_shared_statistics_give_the_same_reduction():
     assert shared.allocation.theta == alone.allocation.theta and torch.equal(run(shared.model, ids), run(alone.model, ids))
     with pytest.raises(ValueError, match="another model"):
         reduce_transformer(bert(hidden=48), 0.5, calibration=ids, statistics=stats)
+
+
+def test_reduce_model_takes_the_transformer_path():
+    from edgetorch.reduce import reduce_model
+
+    model, ids = bert(), token_ids()
+    result = reduce_model(model, 0.4, "prune-ls", calibration=ids)
+    direct = reduce_transformer(model, 0.4, "prune-ls", calibration=ids)
+    assert result.allocation.theta == direct.allocation.theta and result.allocation.alpha >= 0.4
+    assert [g.root for g in result.groups] == [f"encoder.layer.{i}.{p}" for i in range(LAYERS) for p in ("heads", "mlp")]

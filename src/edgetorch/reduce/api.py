@@ -14,6 +14,8 @@ from .problem import METHODS, budget_for, layer_lowrank_cost, prune_cost
 from .grouped import GroupFactor, reduce_grouped
 from .lowrank import reduce_lowrank
 from .nested import nesting
+from .transformer import reduce_transformer
+from .transformer_blocks import is_transformer
 from .sequential import (WeightLayer, _check_chain, factorised, input_statistics, layer_svds, lowrank_curves, prune_orders,
                          pruned, weight_layers, widths_of)
 
@@ -136,6 +138,9 @@ def reduce_model(
         return dataclasses.replace(flat, model=nested.nest(flat.model).eval(),
                                    layers=[dataclasses.replace(f, name=names[int(f.name)]) for f in flat.layers])
     if not is_chain(model):  # residual, depthwise, concatenating ...
+        if method != "lowrank" and is_transformer(model):  # attention heads and MLP units (.transformer)
+            result = reduce_transformer(model, alpha, method, allocation, calibration, seed)
+            return Reduction(result.model, method, result.allocation, [], result.groups)
         if method == "lowrank":  # factoring a layer needs no chain: each one on its own
             return _lowrank_any(model, alpha, allocation, calibration, seed)
         try:
