@@ -119,12 +119,13 @@ def finetune(model: nn.Module, train: TensorDataset, config: FinetuneConfig = Fi
         raise ValueError(f"{len(train)} training samples is less than one batch of {config.batch_size}")
     history = FinetuneHistory(evaluate_accuracy(model, test) if test is not None else None)
     start = time.perf_counter()
-    loss = cross_entropy
     if config.distill:
         targets = _logits(teacher, train.tensors[0])
 
         def loss(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
             return kd_loss(logits, targets[index], labels, config.kd_alpha, config.tau)
+    else:
+        loss = cross_entropy
 
     evaluating = 0.0
 
