@@ -62,7 +62,7 @@ def _brute_force(problem: GraphProblem) -> float:
                if problem.feasible(t))
 
 
-@settings(max_examples=40, deadline=None)  # each example runs the PSO twice (seed and baseline)
+@settings(max_examples=15, deadline=None)  # each example runs the PSO twice; test_reduce_grouped has 150 more
 @given(graph_problems())
 def test_exact_matches_brute_force_and_beats_the_baselines(problem):
     best = _brute_force(problem)
@@ -75,7 +75,7 @@ def test_exact_matches_brute_force_and_beats_the_baselines(problem):
         assert exact.objective <= worse.objective + 1e-12
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(graph_problems(), st.one_of(st.none(), st.floats(1e-6, 1e3)))
 def test_the_dual_bounds_the_optimum_from_below_and_its_incumbent_fits(problem, guess):
     tops = feasible_tops(problem)
@@ -88,7 +88,7 @@ def test_the_dual_bounds_the_optimum_from_below_and_its_incumbent_fits(problem, 
     assert problem.feasible(incumbent) and problem.objective(incumbent) >= best - 1e-12
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(graph_problems(), st.data())
 def test_fill_raises_until_no_single_raise_fits_and_helps(problem, data):
     start = [data.draw(st.integers(1, u)) for u in problem.upper]
