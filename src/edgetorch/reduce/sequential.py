@@ -441,27 +441,29 @@ def _refit(weight: np.ndarray, bias: np.ndarray, cov: np.ndarray, mean: np.ndarr
 def _solve_psd(matrix: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     """``matrix^+ rhs`` for a symmetric PSD ``matrix``: the minimum-norm least-squares solution.
 
-    Eigenvalues at or below 1e-10 x the largest are dropped, the cutoff of SVD-based
-    ``np.linalg.lstsq(rcond=1e-10)`` (which took minutes on 2,500-wide layers). A Cholesky
-    solve gives the same answer, several times faster than the eigendecomposition, when no
-    eigenvalue is that small. It is used when LAPACK's estimate of the 1-norm condition number
-    (``pocon``; in practice within a factor of 10 of the truth) is below ``1e8 / n``: since
-    ``cond_2 <= n cond_1``, ``cond_2`` then stays below 1e10. Otherwise the eigendecomposition decides.
+    A unit without variance (dead on every sample) has a zero row and column: the pseudo-inverse
+    gives it weight 0, and the others are solved without it. They are then solved by Cholesky on
+    the correlation-scaled system ``(D^-1/2 M D^-1/2) (D^1/2 x) = D^-1/2 rhs``, which is several
+    times faster than an eigendecomposition, when LAPACK's estimate of its 1-norm condition number
+    (``pocon``, in practice within a factor of 10 of the truth) is below ``1e8 / n``: the units
+    are then far from collinear, and the solution is the exact least-squares one. Otherwise the
+    eigendecomposition decides, dropping eigenvalues at or below 1e-10 x the largest (the cutoff
+    of SVD-based ``np.linalg.lstsq(rcond=1e-10)``, which took minutes on 2,500-wide layers).
     """
-    # A unit without variance (dead on every sample) has a zero row and column: the pseudo-inverse
-    # gives it weight 0, and the others are solved without it.
     diagonal = np.diag(matrix)
     live = np.flatnonzero(diagonal > 1e-10 * diagonal.max(initial=0.0))
     solution = np.zeros((len(matrix), rhs.shape[1]))
     if len(live) == 0:
         return solution
-    factor, info = lapack.dpotrf(matrix[np.ix_(live, live)], lower=1, clean=1)
+    scale = 1.0 / np.sqrt(diagonal[live])
+    scaled = matrix[np.ix_(live, live)] * scale[:, None] * scale[None, :]
+    factor, info = lapack.dpotrf(scaled, lower=1, clean=1)
     if info == 0:
-        rcond, info = lapack.dpocon(factor, np.abs(matrix[np.ix_(live, live)]).sum(0).max(), uplo="L")
+        rcond, info = lapack.dpocon(factor, np.abs(scaled).sum(0).max(), uplo="L")
         if info == 0 and rcond > 1e-8 * len(live):
-            solved, info = lapack.dpotrs(factor, rhs[live], lower=1)
+            solved, info = lapack.dpotrs(factor, rhs[live] * scale[:, None], lower=1)
             if info == 0:
-                solution[live] = solved
+                solution[live] = solved * scale[:, None]
                 return solution
     values, vectors = np.linalg.eigh(matrix)
     kept = np.abs(values) > 1e-10 * np.abs(values).max(initial=0.0)
