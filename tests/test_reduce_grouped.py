@@ -9,6 +9,7 @@ and the exact allocation is never worse than PSO or uniform.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import json
 
@@ -107,12 +108,19 @@ def test_budget_holds_on_the_smaller_model_and_checkpoints_round_trip(tmp_path, 
             assert torch.equal(loaded(x), y)
 
 
+@functools.lru_cache(maxsize=None)
+def measured(name: str):
+    """A network's channel graph and calibration statistics, computed once for every test that reads them."""
+    model, x = build(name)
+    graph, _ = channel_graph(model, x[:1])
+    return graph, group_statistics(model, graph, x)
+
+
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "squeezenet1_0", "zoo:cnn"])
 @pytest.mark.parametrize("method", ["prune", "prune-ls"])
 def test_exact_allocation_is_never_worse_than_pso_or_uniform(name, method):
-    model, x = build(name)
-    graph, _ = channel_graph(model, x[:1])
-    orders = group_orders(graph, group_statistics(model, graph, x), correlated=method == "prune-ls")
+    graph, stats = measured(name)
+    orders = group_orders(graph, stats, correlated=method == "prune-ls")
     for alpha in (0.3, 0.6):
         problem = make_graph_problem(graph, [c for _, c in orders], alpha)
         exact = solve_graph_allocation(problem, method, "optimal", time_limit=600)  # a loaded CI machine is slow
@@ -191,8 +199,10 @@ def test_densenet_concatenations_reduce_within_budget(tmp_path):
         torch.testing.assert_close(reduce(model, 0.0, calibration=x)(x), model(x), atol=1e-7, rtol=0)
     result = reduce_model(model, 0.5, "prune", "optimal", calibration=x)
     assert count_macs(result.model, x[:1]) == result.allocation.cost <= 0.5 * count_macs(model, x[:1])
-    uniform = reduce_model(model, 0.5, "prune", "uniform", calibration=x).allocation
-    assert result.allocation.objective <= uniform.objective
+    # The uniform allocation of the same curves (no second reduction: only its J is compared).
+    orders = group_orders(graph, group_statistics(model, graph, x), correlated=False)
+    uniform = solve_graph_allocation(make_graph_problem(graph, [c for _, c in orders], 0.5), "prune", "uniform")
+    assert result.allocation.objective <= uniform.objective * (1 + 1e-9)
     loaded, _ = load(save(result.model, tmp_path / "dense.safetensors"))
     with torch.no_grad():
         assert torch.equal(loaded(x), result.model(x))
@@ -200,7 +210,8 @@ def test_densenet_concatenations_reduce_within_budget(tmp_path):
 
 def test_unsupported_layers_and_methods_are_refused_by_name():
     model, x = build("resnet18")  # (low-rank on it factors each layer: test_reduce_corners)
-    resnext = torchvision.models.get_model("resnext50_32x4d", weights=None, num_classes=10).eval()
+    with torch.device("meta"):  # refused before any forward pass: no need for real (slowly initialised) weights
+        resnext = torchvision.models.get_model("resnext50_32x4d", weights=None, num_classes=10).eval()
     with pytest.raises(TypeError, match=r"layer 'layer1.0.conv2' \(Conv2d, groups=32\): a grouped convolution"):
         reduce(resnext, 0.5, calibration=x)
     with pytest.raises(ValueError, match="alpha=0.999 is infeasible"):
