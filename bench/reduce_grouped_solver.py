@@ -22,6 +22,7 @@ Outputs: docs/results/reduce_grouped_solver.{json,md}. Run:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -80,11 +81,15 @@ def _build_curves(name: str, path: Path) -> None:
              **{f"curve{g}": c for g, c in enumerate(curves)})
 
 
+def _cache_path(name: str) -> Path:
+    return CACHE / f"{name}_{RESOLUTION}px_{CALIBRATION}.npz"
+
+
 def load_problem_data(name: str):
     """The model's channel graph (groups without consumers: the solver needs sizes and costs) and curves."""
     from edgetorch.reduce.graph import ChannelGraph, ChannelGroup, CostTerm
 
-    path = CACHE / f"{name}_{RESOLUTION}px_{CALIBRATION}.npz"
+    path = _cache_path(name)
     if not path.exists():
         _build_curves(name, path)
     data = np.load(path, allow_pickle=False)
@@ -220,8 +225,12 @@ def run(models, alphas, revision: str | None) -> None:
         + f"\n\nTarget exact J <= PSO J: {'held' if held else 'MISSED'} at every solved point "
         f"({len(solved)}); exact J <= uniform J: {'held' if held_uniform else 'MISSED'}.\n"
     )
+    caches = {name: {"path": str(_cache_path(name)),
+                     "sha256": hashlib.sha256(_cache_path(name).read_bytes()).hexdigest(),
+                     "built_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_cache_path(name).stat().st_mtime))}
+              for name in models}
     write_results(NAME, "Grouped exact allocation vs PSO and uniform", body,
-                  {"rows": rows, "baseline_revision": revision, "calibration": CALIBRATION,
+                  {"rows": rows, "baseline_revision": revision, "curve_caches": caches, "calibration": CALIBRATION,
                    "resolution": RESOLUTION, "exact_le_pso": held, "exact_le_uniform": held_uniform})
 
 
