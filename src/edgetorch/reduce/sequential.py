@@ -215,7 +215,10 @@ class Moments:
       than a covariance of ``C`` channels needs, and each costs ``C^2`` multiplications. With
       ``vectors_per_unit`` set, every sample contributes only ``ceil(V / N)`` of its positions,
       drawn at random (seeded), ``V = max(vectors_per_unit x C, MIN_VECTORS)``: about V vectors
-      in all. A Linear after a Flatten keeps every position (each has its own mean).
+      in all. A Linear after a Flatten keeps every position (each has its own mean). On resnet18
+      at 224 px (N = 128, ``docs/results/reduce_calibration_cap.md``) the default moved the total
+      J at a fixed allocation by 15% (two uncapped calibration sets differ by 2%), and the
+      allocation chosen from the capped curves was 0.7% worse on the uncapped ones.
     * **Shrinkage of the covariance towards its diagonal** (Schaefer & Strimmer 2005, target D,
       the Ledoit-Wolf intensity for a diagonal target): ``C_s = (1 - lambda) C + lambda diag(C)``
       with ``lambda = sum_{i != j} Var(c_ij) / sum_{i != j} c_ij^2`` estimated from the same
