@@ -13,7 +13,7 @@ here on Fashion-MNIST at 32 px (grey repeated over the RGB channels; recipes in
 
 Every method sees the same calibration samples; the classifier's output layer is never pruned.
 Each reduced model is then evaluated (test subset), timed against the full model at batch 1 and
-64 (``compare_latency``, same run), and fine-tuned by ``edgetorch.reduce.recover.finetune`` with
+64 (``compare_latency``, same run), and fine-tuned by ``edgetorch.reduce.recover.recover`` with
 one config for all (:data:`FINETUNE`): one epoch on a fixed training subset at a peak learning
 rate of 1e-4 (a first try at 1e-3 on 2,048 images left every resnet18 below both the full model
 and our unfine-tuned one: it retrained rather than recovered), plain cross entropy.
@@ -45,12 +45,12 @@ from torch.utils.data import TensorDataset
 from _common import pct, table, write_results
 from edgetorch.data import load_dataset
 from edgetorch.reduce import compare_latency, count_macs, reduce_model
-from edgetorch.reduce.recover import FinetuneConfig, finetune
+from edgetorch.reduce.recover import RecoverConfig, recover
 from edgetorch.zoo import evaluate_accuracy, input_channels, pretrained
 from edgetorch.zoo.registry import with_channels
 
 ALPHAS = (0.3, 0.5, 0.7, 0.9)
-FINETUNE = FinetuneConfig(lr=1e-4)
+FINETUNE = RecoverConfig(lr=1e-4)
 OURS = (("prune-ls", "optimal"), ("prune-ls", "uniform"), ("prune", "optimal"))
 # name -> (importance factory, global pruning)
 THEIRS = {
@@ -143,10 +143,10 @@ def measure(full: nn.Module, model: nn.Module, example: torch.Tensor, test: Tens
     row = {"macs": count_macs(model, example), "latency_b1": b1.ratio, "latency_b64": b64.ratio}
     row["macs_ratio"] = row["macs"] / full_macs
     student = copy.deepcopy(model) if distill else None
-    plain = finetune(model, tune, FINETUNE, test=test)
+    plain = recover(model, tune, FINETUNE, test=test)
     row |= {"acc": plain.accuracy_before, "acc_ft": plain.accuracy_after, "ft_seconds": plain.seconds}
     if distill:
-        kd = finetune(student, tune, dataclasses.replace(FINETUNE, distill=True), teacher=full, test=test)
+        kd = recover(student, tune, dataclasses.replace(FINETUNE, distill=True), teacher=full, test=test)
         row |= {"acc_kd": kd.accuracy_after, "kd_seconds": kd.seconds}
     return row
 

@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 
 from edgetorch.data import load_dataset
 from edgetorch.reduce import reduce_model
-from edgetorch.reduce.recover import FinetuneConfig, finetune
+from edgetorch.reduce.recover import RecoverConfig, recover
 from edgetorch.split.losses import kd_loss as split_kd_loss
 from edgetorch.zoo import MLP, PretrainConfig, evaluate_accuracy
 from edgetorch.zoo.training import fit, kd_loss
@@ -33,7 +33,7 @@ def trained_mlp(digits):
 def test_finetune_recovers_an_over_pruned_model(trained_mlp, digits):
     train, test = digits
     reduced = reduce_model(trained_mlp, 0.9, "prune", calibration=train.tensors[0][:500]).model
-    history = finetune(reduced, train, FinetuneConfig(epochs=3, lr=3e-3), test=test)
+    history = recover(reduced, train, RecoverConfig(epochs=3, lr=3e-3), test=test)
     assert history.accuracy_before == pytest.approx(evaluate_accuracy(
         reduce_model(trained_mlp, 0.9, "prune", calibration=train.tensors[0][:500]).model, test))
     assert history.accuracy_after > history.accuracy_before + 0.05  # 0.9 of the MACs gone: much to recover
@@ -46,8 +46,8 @@ def test_distillation_equals_a_plain_loop_with_the_teacher_run_per_batch(trained
     train = TensorDataset(*(t[:256] for t in digits[0].tensors))
     student = reduce_model(trained_mlp, 0.5, "prune", calibration=train.tensors[0]).model
     reference = copy.deepcopy(student)
-    config = FinetuneConfig(epochs=2, batch_size=32, lr=2e-3, distill=True, kd_alpha=0.3, tau=2.0)
-    finetune(student, train, config, teacher=trained_mlp)
+    config = RecoverConfig(epochs=2, batch_size=32, lr=2e-3, distill=True, kd_alpha=0.3, tau=2.0)
+    recover(student, train, config, teacher=trained_mlp)
 
     images, labels = train.tensors
     opt = torch.optim.AdamW(reference.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -84,12 +84,12 @@ def test_kd_loss_has_one_home():
 ])
 def test_config_refuses_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        FinetuneConfig(**kwargs)
+        RecoverConfig(**kwargs)
 
 
 def test_finetune_refuses_distillation_without_teacher_and_too_little_data(trained_mlp, digits):
     train = digits[0]
     with pytest.raises(ValueError, match="teacher="):
-        finetune(copy.deepcopy(trained_mlp), train, FinetuneConfig(distill=True))
+        recover(copy.deepcopy(trained_mlp), train, RecoverConfig(distill=True))
     with pytest.raises(ValueError, match="less than one batch of 64"):
-        finetune(copy.deepcopy(trained_mlp), TensorDataset(*(t[:10] for t in train.tensors)))
+        recover(copy.deepcopy(trained_mlp), TensorDataset(*(t[:10] for t in train.tensors)))

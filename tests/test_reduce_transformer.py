@@ -22,7 +22,7 @@ from edgetorch.reduce.knapsack import solve_separable
 from edgetorch.reduce.transformer import (block_statistics, cost_graph, count_transformer_macs, head_order,
                                           reduce_transformer)
 from edgetorch.reduce.transformer_blocks import Block, HeadAttention, find_blocks, split_attention
-from edgetorch.reduce.transformer_checkpoint import load_transformer, save_transformer
+from edgetorch.reduce import load, save
 from edgetorch.zoo import CheckpointError, redraw_zero_weights
 
 transformers = pytest.importorskip("transformers")
@@ -176,13 +176,13 @@ def test_save_and_load_round_trip(tmp_path, name):
     build, data = MODELS[name]
     x = data()
     result = reduce_transformer(build(), 0.5, "prune-ls", calibration=x)
-    path = save_transformer(result.model, tmp_path / "small.safetensors", {"alpha": 0.5})
-    loaded, record = load_transformer(path)
+    path = save(result.model, tmp_path / "small.safetensors", {"alpha": 0.5})
+    loaded, record = load(path)
     assert record["alpha"] == 0.5 and torch.equal(run(loaded, x), run(result.model, x))
     record["blocks"][next(iter(record["blocks"]))]["hidden"] = HIDDEN + 1  # more than the model has
     path.write_text(json.dumps(record))
     with pytest.raises(CheckpointError, match="hidden must be an integer"):
-        load_transformer(path)
+        load(path)
 
 
 def test_a_wrapper_of_your_own_class_loads_into_the_model_you_build(tmp_path):
@@ -196,10 +196,10 @@ def test_a_wrapper_of_your_own_class_loads_into_the_model_you_build(tmp_path):
 
     ids = token_ids()
     result = reduce_transformer(Classifier().eval(), 0.4, "prune", calibration=ids)
-    path = save_transformer(result.model, tmp_path / "c.safetensors")
+    path = save(result.model, tmp_path / "c.safetensors")
     with pytest.raises(CheckpointError, match="pass it as model="):
-        load_transformer(path)
-    loaded, _ = load_transformer(path, model=Classifier())
+        load(path)
+    loaded, _ = load(path, model=Classifier())
     assert torch.equal(loaded(ids), result.model(ids))
 
 

@@ -58,12 +58,12 @@ def _print_groups(result: Reduction, title: str) -> None:
 def _print_layers(result: Reduction, title: str) -> None:
     """The per-layer table of a :class:`~edgetorch.reduce.Reduction`: sizes, kept units or rank, MACs, alpha_l, J_l."""
     table = Table(title=title)
-    for col in ("layer", "M_in x M_out", "kept inputs" if result.method != "lowrank" else "rank",
+    for col in ("layer", "name", "M_in x M_out", "kept inputs" if result.method != "lowrank" else "rank",
                 "MACs", "alpha_l", "J_l"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="left" if col == "name" else "right")
     for f in result.layers:
         value = f.kept_inputs if f.kept_inputs is not None else f.rank
-        table.add_row(str(f.layer), f"{f.in_features} x {f.out_features}", str(value),
+        table.add_row(str(f.layer), f.name, f"{f.in_features} x {f.out_features}", str(value),
                       f"{f.macs:,}", f"{f.alpha:.3f}", f"{f.error:.4g}")
     console.print(table)
 
@@ -71,13 +71,13 @@ def _print_layers(result: Reduction, title: str) -> None:
 def _finetune(result: Reduction, full: torch.nn.Module, train: TensorDataset, test: TensorDataset | None,
               epochs: int, lr: float, distill: bool, seed: int) -> dict:
     """Fine-tune ``result.model`` in place; the JSON record of what it did, accuracy per epoch included."""
-    from ..reduce.recover import FinetuneConfig, finetune
+    from ..reduce.recover import RecoverConfig, recover
 
-    config = FinetuneConfig(epochs=epochs, lr=lr, seed=seed, distill=distill,
-                            batch_size=min(FinetuneConfig.batch_size, len(train)))
+    config = RecoverConfig(epochs=epochs, lr=lr, seed=seed, distill=distill,
+                            batch_size=min(RecoverConfig.batch_size, len(train)))
     teacher = " distilling from the full model" if distill else ""
     with console.status(f"fine-tuning {epochs} epoch(s) on {len(train)} training samples{teacher}"):
-        history = finetune(result.model, train, config, teacher=full if distill else None, test=test)
+        history = recover(result.model, train, config, teacher=full if distill else None, test=test)
     record = {**vars(config), "train_samples": len(train), "seconds": history.seconds,
               "train_loss": history.train_loss, "accuracy": history.accuracy}
     line = f"fine-tuned {epochs} epoch(s) on {len(train)} samples{teacher} in {history.seconds:.1f} s"
@@ -102,6 +102,9 @@ def reduce(
     accuracy: bool = typer.Option(True, help="evaluate full and reduced accuracy on the test labels"),
     latency_batch: int = typer.Option(64, min=1, help="batch size of the CPU latency comparison"),
     seed: int = typer.Option(0, help="PSO seed (and the fine-tune's batch order)"),
+    prune_input: bool = typer.Option(False, help="pruning a chain, also drop input features of its first layer "
+                                     "(the paper's setting; by default the input is kept whole, which measured "
+                                     "as accurate and faster: docs/results/reduce_input_selection.md)"),
     finetune_epochs: int = typer.Option(0, min=0, help="fine-tune the reduced model this many epochs on the "
                                         "dataset's training split (0: no fine-tuning, the paper's setting)"),
     finetune_lr: float = typer.Option(1e-3, help="peak learning rate of the fine-tune "
@@ -145,7 +148,8 @@ def reduce(
         calib = train.tensors[0][: min(calibration, len(train))]
         with console.status(f"measuring each layer's error curve on {len(calib)} samples, then the {allocation} "
                             "allocation"):
-            result = reduce_model(full, alpha, method, allocation, calibration=calib, seed=seed)
+            result = reduce_model(full, alpha, method, allocation, calibration=calib, seed=seed,
+                                  prune_input=prune_input)
     except (ValueError, TypeError, DatasetNotFoundError) as err:  # CheckpointError is a ValueError
         raise typer.BadParameter(str(err)) from None
     except ImportError as err:  # a network that is not a chain, without Torch-Pruning

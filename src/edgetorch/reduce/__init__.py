@@ -2,9 +2,11 @@
 
 ``allocate`` solves the allocation problem (eq. 15) on its own; ``reduce`` applies it to a
 trained MLP or plain CNN (an ``nn.Sequential`` chain, see ``edgetorch.reduce.sequential``), or to
-any other CNN by its coupled channel groups (``edgetorch.reduce.grouped``), and returns a
-physically smaller network; ``count_macs`` counts multiplications
-the paper's way; ``save`` / ``load`` store a reduced network without pickle.
+any other CNN by its coupled channel groups (``edgetorch.reduce.grouped``), or to a BERT/ViT
+transformer by its attention heads and MLP units (``edgetorch.reduce.transformer``), and returns a
+physically smaller network; ``recover`` fine-tunes it afterwards (optionally distilling from the
+full model); ``count_macs`` counts multiplications the paper's way; ``save`` / ``load`` store a
+reduced network without pickle.
 
 One vocabulary throughout: every ``method=`` takes a word of :data:`METHODS` and every
 ``allocation=`` a word of :data:`ALLOCATIONS`, as do ``edgetorch reduce --method/--allocation``.
@@ -17,7 +19,9 @@ from .checkpoint import architecture, load, save
 from .latency import LatencyComparison, compare_latency
 from .macs import count_macs
 from .problem import METHODS
+from .recover import RecoverConfig, RecoverHistory, recover
 from .sequential import KeepFeatures
+from .transformer import TransformerReduction, count_transformer_macs, reduce_transformer
 
 __all__ = [
     "ALLOCATIONS",
@@ -27,14 +31,20 @@ __all__ = [
     "KeepFeatures",
     "LatencyComparison",
     "LayerFactor",
+    "RecoverConfig",
+    "RecoverHistory",
     "Reduction",
+    "TransformerReduction",
     "allocate",
     "architecture",
     "compare_latency",
     "count_macs",
+    "count_transformer_macs",
     "load",
+    "recover",
     "reduce",
     "reduce_model",
+    "reduce_transformer",
     "save",
     "solve_allocation",
 ]

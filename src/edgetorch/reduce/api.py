@@ -239,6 +239,9 @@ def reduce(
             timm, the zoo's SmallResNet) is pruned by channel groups (:mod:`edgetorch.reduce.grouped`,
             needs ``pip install 'edgetorch[reduce]'``), or factored layer by layer under low-rank
             (:mod:`edgetorch.reduce.lowrank`: every Linear and ``groups=1`` Conv2d on its own).
+            A model with Hugging Face BERT-style layers or torchvision ViT encoder blocks loses
+            attention heads and MLP hidden units (:mod:`edgetorch.reduce.transformer`; calibration
+            is then token ids or images).
         alpha: total reduction factor in [0, 1) (eq. 7 / 11).
         method: one of :data:`METHODS`: ``"prune"`` (the paper's naive pruning: keep the
             highest-power neurons), ``"prune-ls"`` (correlation-aware: pivoted-Cholesky selection

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ..zoo import CheckpointError, load_weights, save_weights
-from . import graph_checkpoint
+from . import graph_checkpoint, transformer_checkpoint
+from .transformer_blocks import is_transformer
 from .sequential import ELEMENTWISE, PER_CHANNEL, Factored, KeepFeatures, factored_like
 
 _FORMAT = "edgetorch.reduced/1"
@@ -282,12 +283,15 @@ def save(model: nn.Module, path: str | Path, extra: dict[str, Any] | None = None
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"reduced checkpoints are .safetensors files, got {path.name!r}")
-    try:
-        described = architecture(model)
-    except TypeError:
-        if isinstance(model, nn.Sequential) and source is None:
-            raise
-        described = _graph_record(model, source)
+    if is_transformer(model):  # heads and MLP units pruned: constructor + kept sizes per block
+        described = transformer_checkpoint.describe(model)
+    else:
+        try:
+            described = architecture(model)
+        except TypeError:
+            if isinstance(model, nn.Sequential) and source is None:
+                raise
+            described = _graph_record(model, source)
     record = {**described, **(extra or {})}
     save_weights(model, path)
     json_path = path.with_suffix(".json")
@@ -295,12 +299,14 @@ def save(model: nn.Module, path: str | Path, extra: dict[str, Any] | None = None
     return json_path
 
 
-def load(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
+def load(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild a network written by :func:`save` (weights checked strictly).
 
     Args:
         path: the ``.safetensors`` file or its ``.json`` (what :func:`save` returns); the other
             must sit next to it.
+        model: only for a pruned transformer of a class of your own (its record has no
+            constructor): that model, unreduced; it is shrunk in place and filled.
 
     Returns:
         ``(model in eval mode, the JSON record)``.
@@ -320,7 +326,17 @@ def load(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         record = json.loads(json_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{json_path}: cannot read the architecture ({exc})") from exc
-    rebuild = _graph_build if graph_checkpoint.is_record(record) else build
+    if transformer_checkpoint.is_record(record):
+        if model is not None:  # the caller's own class: its constructor is not in the record
+            model = transformer_checkpoint.build(record, model)
+            load_weights(model, weights)
+            return model.eval(), record
+        rebuild = transformer_checkpoint.build
+    elif model is not None:
+        raise ValueError(f"{json_path} records its own architecture; model= is only for a pruned transformer of a "
+                         "class of your own")
+    else:
+        rebuild = _graph_build if graph_checkpoint.is_record(record) else build
     # The JSON sizes every layer (and a grouped record's constructor builds the unreduced model
     # first): built on the meta device, nothing is allocated until the sizes are known to fit the
     # weight file, so a tampered size (a Linear of 10^6 x 10^6) is refused, not attempted.

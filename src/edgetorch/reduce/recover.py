@@ -1,7 +1,7 @@
 """Fine-tuning after reduction: recover accuracy on labelled data, optionally distilling from the full model.
 
 The paper reduces without retraining; a user who has the training data recovers most of what an
-aggressive reduction loses with a short fine-tune. :func:`finetune` runs the same loop that
+aggressive reduction loses with a short fine-tune. :func:`recover` runs the same loop that
 pretrains the zoo (:func:`edgetorch.zoo.training.fit`) on any model, reduced by edgetorch or by
 another library, so methods compared with it get equal fine-tuning. With ``distill=True`` the
 loss is :func:`~edgetorch.zoo.training.kd_loss` against the unreduced model's logits (the
@@ -24,7 +24,7 @@ from ..zoo.training import cross_entropy, fit, kd_loss
 
 
 @dataclass(frozen=True)
-class FinetuneConfig:
+class RecoverConfig:
     """How a reduced model is fine-tuned.
 
     Attributes:
@@ -58,8 +58,8 @@ class FinetuneConfig:
 
 
 @dataclass
-class FinetuneHistory:
-    """What :func:`finetune` measured.
+class RecoverHistory:
+    """What :func:`recover` measured.
 
     Attributes:
         accuracy_before: test accuracy before fine-tuning (``None`` without test data).
@@ -89,8 +89,8 @@ def _logits(model: nn.Module, images: torch.Tensor, batch_size: int = 512) -> to
         model.train(was_training)
 
 
-def finetune(model: nn.Module, train: TensorDataset, config: FinetuneConfig = FinetuneConfig(),
-             teacher: nn.Module | None = None, test: TensorDataset | None = None) -> FinetuneHistory:
+def recover(model: nn.Module, train: TensorDataset, config: RecoverConfig = RecoverConfig(),
+             teacher: nn.Module | None = None, test: TensorDataset | None = None) -> RecoverHistory:
     """Fine-tune ``model`` in place on labelled data, optionally distilling from ``teacher``.
 
     Args:
@@ -102,14 +102,14 @@ def finetune(model: nn.Module, train: TensorDataset, config: FinetuneConfig = Fi
         test: ``(images, labels)`` evaluated before training and after every epoch.
 
     Returns:
-        The :class:`FinetuneHistory`; ``model`` is left in eval mode.
+        The :class:`RecoverHistory`; ``model`` is left in eval mode.
 
     Raises:
         ValueError: ``config.distill`` without a teacher, or fewer training samples than a batch.
 
     Example:
-        >>> history = finetune(reduce(model, 0.7, "prune-ls", calibration=x), train,
-        ...                    FinetuneConfig(epochs=2, distill=True), teacher=model, test=test)
+        >>> history = recover(reduce(model, 0.7, "prune-ls", calibration=x), train,
+        ...                    RecoverConfig(epochs=2, distill=True), teacher=model, test=test)
         >>> history.accuracy_after >= history.accuracy_before
         True
     """
@@ -117,7 +117,7 @@ def finetune(model: nn.Module, train: TensorDataset, config: FinetuneConfig = Fi
         raise ValueError("distill=True needs the unreduced model as teacher=")
     if len(train) < config.batch_size:
         raise ValueError(f"{len(train)} training samples is less than one batch of {config.batch_size}")
-    history = FinetuneHistory(evaluate_accuracy(model, test) if test is not None else None)
+    history = RecoverHistory(evaluate_accuracy(model, test) if test is not None else None)
     start = time.perf_counter()
     if config.distill:
         targets = _logits(teacher, train.tensors[0])

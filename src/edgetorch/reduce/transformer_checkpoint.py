@@ -6,10 +6,10 @@ The JSON (format ``edgetorch.reduced-transformer/1``) records
   (or ``BertForSequenceClassification``; the config is the plain dictionary ``BertConfig`` takes) or
   ``{"class": "torchvision.VisionTransformer", "kwargs": {...}}`` (its constructor's numbers); ``null``
   for a model of the caller's own class (a classifier wrapping a ``BertModel``), which the caller
-  builds and passes to :func:`load_transformer`;
+  builds and passes to ``edgetorch.reduce.load(path, model=...)``;
 * ``blocks``: per block name, the heads and MLP hidden units kept.
 
-:func:`load_transformer` builds the unreduced model (on the meta device first: the recorded sizes must
+``edgetorch.reduce.load`` builds the unreduced model (on the meta device first: the recorded sizes must
 fit the weight file before anything is allocated), removes heads and hidden units to the recorded
 sizes with the same functions the reduction uses, and loads the weights with a strict key/shape
 check. Only the classes named above are ever constructed; nothing in either file is executed.
@@ -17,15 +17,12 @@ check. Only the classes named above are ever constructed; nothing in either file
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 
-from ..zoo import CheckpointError, load_weights, save_weights
+from ..zoo import CheckpointError
 from .transformer_blocks import find_blocks, keep_heads, keep_hidden, split_attention
 
 FORMAT = "edgetorch.reduced-transformer/1"
@@ -80,7 +77,7 @@ def _build(source: dict[str, Any]) -> nn.Module:
             raise CheckpointError(f"cannot build {name} from the recorded config: {exc}") from exc
     accepted = ", ".join(["torchvision.VisionTransformer", *(f"transformers.{c}" for c in _BERT_CLASSES)])
     raise CheckpointError(f"source class {kind!r} is not accepted; a pruned transformer is rebuilt only as {accepted} "
-                          "(or pass the unreduced model of your own class to load_transformer)")
+                          "(or pass the unreduced model of your own class: load(path, model=...))")
 
 
 def apply_sizes(model: nn.Module, blocks: dict[str, Any]) -> nn.Module:
@@ -115,73 +112,45 @@ def apply_sizes(model: nn.Module, blocks: dict[str, Any]) -> nn.Module:
     return model
 
 
-def save_transformer(model: nn.Module, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-    """Write a pruned transformer as ``PATH`` (safetensors) and ``PATH`` with ``.json``.
+def is_record(record: Any) -> bool:
+    """Whether a JSON record is a pruned transformer's (what :func:`describe` writes)."""
+    return isinstance(record, dict) and record.get("format") == FORMAT
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """The JSON record of a (reduced or full) transformer: format, constructor and kept sizes per block.
 
     Args:
         model: a model :func:`~edgetorch.reduce.transformer.reduce_transformer` returned (or a full one).
-        path: the weights file, ending in ``.safetensors``.
-        extra: more JSON-able facts to record (alpha, method, ...).
 
     Returns:
-        The JSON path.
-
-    Raises:
-        ValueError: ``path`` does not end in ``.safetensors``.
+        ``{"format", "source", "blocks"}``; :func:`edgetorch.reduce.save` writes it beside the weights.
 
     Example:
-        >>> save_transformer(reduce_transformer(bert, 0.5, calibration=ids).model, "small.safetensors")
-        PosixPath('small.json')
+        >>> describe(reduce_transformer(bert, 0.5, calibration=ids).model)["blocks"]["encoder.layer.0"]
+        {'heads': 9, 'hidden': 700}
     """
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        raise ValueError(f"reduced checkpoints are .safetensors files, got {path.name!r}")
     blocks = {b.name: {"heads": b.heads, "hidden": b.hidden} for b in find_blocks(model)}
-    record = {"format": FORMAT, "source": transformer_source(model), "blocks": blocks, **(extra or {})}
-    save_weights(model, path)
-    json_path = path.with_suffix(".json")
-    json_path.write_text(json.dumps(record, indent=2) + "\n")
-    return json_path
+    return {"format": FORMAT, "source": transformer_source(model), "blocks": blocks}
 
 
-def load_transformer(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild a pruned transformer written by :func:`save_transformer` (weights checked strictly).
+def build(record: dict[str, Any], model: nn.Module | None = None) -> nn.Module:
+    """The pruned architecture a record describes, with placeholder weights (``load`` fills them).
 
     Args:
-        path: the ``.safetensors`` file or its ``.json``.
+        record: what :func:`describe` returned.
         model: the unreduced model, for a record without a source (a class of your own); it is
             modified in place.
 
     Returns:
-        ``(model in eval mode, the JSON record)``.
+        The model at the recorded sizes.
 
     Raises:
-        CheckpointError: missing or malformed JSON, an unaccepted source, sizes that do not fit the
-            model, or weights that do not fit the sizes.
-
-    Example:
-        >>> small, record = load_transformer("small.json")
+        CheckpointError: an unaccepted source, a missing model, or sizes that do not fit the model.
     """
-    json_path = Path(path).with_suffix(".json")
-    weights = json_path.with_suffix(".safetensors")
-    try:
-        record = json.loads(json_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{json_path}: cannot read the architecture ({exc})") from exc
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise CheckpointError(f"{json_path}: not a pruned-transformer record (expected format {FORMAT!r})")
     if model is None:
         if record.get("source") is None:
-            raise CheckpointError(f"{json_path} records a model of the caller's own class: build it unreduced and pass "
-                                  "it as model=")
-        with torch.device("meta"):  # sizes first: a tampered config must not allocate anything
-            shell = apply_sizes(_build(record["source"]), record.get("blocks"))
-        need = sum(t.numel() * t.element_size() for t in shell.state_dict().values())
-        have = weights.stat().st_size if weights.is_file() else 0
-        if need > have:
-            raise CheckpointError(f"{json_path} describes {need:,} bytes of weights but {weights} holds {have:,}: the "
-                                  "two files do not belong together (save_transformer writes both)")
+            raise CheckpointError("the record is of a model of the caller's own class: build it unreduced and pass it "
+                                  "as model=: edgetorch.reduce.load(path, model=YourModel())")
         model = _build(record["source"])
-    apply_sizes(model, record.get("blocks"))
-    load_weights(model, weights)
-    return model.eval(), record
+    return apply_sizes(model, record.get("blocks"))
