@@ -50,21 +50,15 @@ def _build_curves(name: str, path: Path) -> None:
     # Imported here: the baseline subprocess reads cached curves only.
     import torch
     import torchvision
-    from torch import nn
 
     from edgetorch.data import load_dataset
     from edgetorch.reduce.graph import channel_graph
     from edgetorch.reduce.grouped import group_orders, group_statistics
+    from edgetorch.zoo import redraw_batchnorm
 
     torch.manual_seed(0)
     model = torchvision.models.get_model(name, weights=None).eval()
-    with torch.no_grad():  # trained-looking batch norms, so channels differ in scale and shift
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
-                m.weight.uniform_(0.2, 1.5)
-                m.bias.uniform_(-0.2, 0.4)
+    redraw_batchnorm(model)  # trained-looking batch norms, so channels differ in scale and shift
     images = load_dataset("fashion-mnist", "test", size=RESOLUTION, limit=CALIBRATION).tensors[0].repeat(1, 3, 1, 1)
     start = time.perf_counter()
     graph, _ = channel_graph(model, images[:1])

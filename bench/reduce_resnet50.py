@@ -37,6 +37,7 @@ from edgetorch.reduce.allocate import solve_graph_allocation
 from edgetorch.reduce.graph import channel_graph
 from edgetorch.reduce.graph_problem import make_graph_problem
 from edgetorch.reduce.grouped import group_orders, group_statistics, prune_groups
+from edgetorch.zoo import redraw_batchnorm
 
 NAME = "reduce_resnet50"
 SAMPLES = 128
@@ -47,14 +48,7 @@ STAGES = ("graph", "statistics", "curves", "solver", "prune", "check")
 def resnet50() -> nn.Module:
     torch.manual_seed(0)
     model = torchvision.models.resnet50(weights=None, num_classes=10)
-    with torch.no_grad():  # trained-looking batch norms, so channels differ in scale and shift
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
-                m.weight.uniform_(0.2, 1.5)
-                m.bias.uniform_(-0.2, 0.4)
-    return model.eval()
+    return redraw_batchnorm(model)  # trained-looking batch norms, so channels differ in scale and shift
 
 
 def stages(model: nn.Module, images: torch.Tensor, cap: int | None | str) -> tuple[dict[str, float], dict]:

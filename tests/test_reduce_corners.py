@@ -11,7 +11,7 @@ from torch import nn
 
 from edgetorch.reduce import count_macs, load, reduce, reduce_model, save
 from edgetorch.reduce.sequential import Factored, KeepFeatures
-from edgetorch.zoo import SmallResNet
+from edgetorch.zoo import SmallResNet, redraw_batchnorm
 
 
 def nested_copy(flat: nn.Sequential) -> nn.Sequential:
@@ -69,11 +69,7 @@ def test_a_sequential_with_its_own_forward_is_no_chain():
 @pytest.fixture(scope="module")
 def resnet_and_data():
     torch.manual_seed(0)
-    model = SmallResNet(widths=(8, 16, 32)).eval()
-    with torch.no_grad():  # trained-looking batch norms
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.5, 0.5), m.running_var.uniform_(0.5, 2.0)
+    model = redraw_batchnorm(SmallResNet(widths=(8, 16, 32)))  # trained-looking batch norms
     return model, torch.rand(16, 1, 28, 28)
 
 

@@ -12,7 +12,7 @@ from .pretrain import (
     pretrain,
     pretrained,
 )
-from .registry import ZOO_MODELS, build_model, input_channels, redraw_zero_weights, torchvision_classification_models
+from .registry import ZOO_MODELS, build_model, input_channels, redraw_batchnorm, redraw_zero_weights, torchvision_classification_models
 from .weights import CheckpointError, load_weights, read_weights, save_weights
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "pretrain",
     "pretrained",
     "read_weights",
+    "redraw_batchnorm",
     "redraw_zero_weights",
     "save_weights",
     "torchvision_classification_models",

@@ -145,6 +145,34 @@ def redraw_zero_weights(model: nn.Module, std: float = 0.02) -> nn.Module:
     return model
 
 
+def redraw_batchnorm(model: nn.Module) -> nn.Module:
+    """Give every ``BatchNorm2d`` of a randomly initialised model trained-looking statistics, in place.
+
+    At init every batch norm is the identity (mean 0, variance 1, weight 1, bias 0), so all
+    channels look alike to anything that measures them (channel pruning's energies and
+    covariances). Measurements on untrained weights draw, per batch norm in module order, a
+    running mean in [-0.5, 0.5], a running variance in [0.5, 2], a weight in [0.2, 1.5] and a
+    bias in [-0.2, 0.4] from the global RNG.
+
+    Args:
+        model: a model at random init.
+
+    Returns:
+        ``model`` in eval mode (its running statistics are what a forward pass then uses).
+
+    Example:
+        >>> model = redraw_batchnorm(build_model("torchvision:resnet50", num_classes=10))
+    """
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.2, 1.5)
+                m.bias.uniform_(-0.2, 0.4)
+    return model.eval()
+
+
 def build_model(
     spec: str,
     num_classes: int | None = None,
