@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .allocate import Allocation, solve_allocation
-from .macs import count_macs
+from .macs import count_macs, hooked_eval
 from .problem import budget_for, layer_lowrank_cost
 from .sequential import factor_layer, lowrank_curves, svd_of
 
@@ -84,15 +84,8 @@ def factorable_layers(model: nn.Module, example: torch.Tensor) -> tuple[list[Fac
         width = module.out_channels if isinstance(module, nn.Conv2d) else module.out_features
         positions[module] = positions.get(module, 0) + output.numel() // width
 
-    handles = [m.register_forward_hook(record) for m in names]
-    was_training = model.training
-    model.eval()
-    try:
+    with hooked_eval(model, [m.register_forward_hook(record) for m in names]):
         model(example[:1])
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
     layers = [FactorableLayer(names[m], m, (m.weight[0].numel(), m.weight.shape[0]), p) for m, p in positions.items()]
     if not layers:
         raise TypeError(f"the {type(model).__name__} runs none of its nn.Linear or groups=1 nn.Conv2d layers: "

@@ -2,8 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+@contextmanager
+def hooked_eval(model: nn.Module, handles: list[RemovableHandle]) -> Iterator[nn.Module]:
+    """``model`` in eval mode while the hooks in ``handles`` stay registered; on exit the hooks are
+    removed and the model's mode restored, even if the forward pass raised.
+
+    Args:
+        model: the network the hooks were registered on.
+        handles: what ``register_forward_hook`` / ``register_forward_pre_hook`` returned.
+
+    Example:
+        >>> with hooked_eval(model, [layer.register_forward_hook(record)]):
+        ...     model(x)
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
 
 
 @torch.no_grad()
@@ -57,12 +84,6 @@ def count_macs(model: nn.Module, example: torch.Tensor) -> int:
             handles.append(module.register_forward_hook(conv))
         elif isinstance(module, nn.modules.conv._ConvTransposeNd):
             handles.append(module.register_forward_hook(transposed))
-    was_training = model.training
-    model.eval()
-    try:
+    with hooked_eval(model, handles):
         model(example)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
     return total // len(example)

@@ -33,6 +33,7 @@ from scipy.linalg import lapack
 from torch import nn
 
 from .curves import correlated_order, power_order, singular_value_curve
+from .macs import hooked_eval
 
 ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid,
                nn.Hardtanh, nn.Softplus, nn.Identity, nn.Dropout)
@@ -153,14 +154,8 @@ def weight_layers(model: nn.Module, example: torch.Tensor | None = None) -> list
             raise ValueError("a convolutional network needs example inputs [N, C, H, W] to size its layers")
         handles = [children[i].register_forward_hook(
             lambda m, inp, out, i=i: shapes.__setitem__(i, (inp[0].shape, out.shape))) for i in indices]
-        was_training = model.training
-        model.eval()
-        try:
+        with hooked_eval(model, handles):
             model(example[:1])
-        finally:
-            for h in handles:
-                h.remove()
-            model.train(was_training)
     layers, previous_channels = [], None
     for n, i in enumerate(indices):
         module = children[i]
@@ -363,15 +358,9 @@ def accumulate_inputs(model: nn.Module, calibration: torch.Tensor, batch_size: i
     """Run ``calibration`` through ``model`` in eval mode, batch by batch, handing each module in
     ``readers`` its input (``readers[module](x)``); the model's mode is restored afterwards."""
     handles = [m.register_forward_pre_hook(lambda m, inputs, read=read: read(inputs[0])) for m, read in readers.items()]
-    was_training = model.training
-    model.eval()
-    try:
+    with hooked_eval(model, handles):
         for batch in calibration.split(batch_size):
             model(batch)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
 
 
 @torch.no_grad()
