@@ -120,7 +120,8 @@ def reduce(
     from torch.utils.data import TensorDataset
 
     from ..data import DatasetNotFoundError, load_dataset
-    from ..reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, reduce_model, save
+    from ..reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, count_transformer_macs, reduce_model, save
+    from ..reduce.transformer_blocks import is_transformer
     from .._checks import check_choice
     from ..zoo import evaluate_accuracy, input_channels
     from ..zoo.registry import with_channels
@@ -160,7 +161,9 @@ def reduce(
         raise typer.Exit(1) from None
 
     one = test.tensors[0][:1]
-    full_macs, reduced_macs = count_macs(full, one), count_macs(result.model, one)
+    # count_macs sees weight layers only; a transformer's attention products are counted by PyTorch's counter
+    count = count_transformer_macs if is_transformer(full) else count_macs
+    full_macs, reduced_macs = count(full, one), count(result.model, one)
     title = f"{model} on {dataset}: {method}, {allocation} allocation, alpha >= {alpha}"
     if result.groups:
         console.print(f"{len(result.groups)} channel groups found (channels pruned together: residual sums, "
