@@ -166,7 +166,9 @@ def reduce(
     full_macs, reduced_macs = count(full, one), count(result.model, one)
     title = f"{model} on {dataset}: {method}, {allocation} allocation, alpha >= {alpha}"
     if result.groups:
-        console.print(f"{len(result.groups)} channel groups found (channels pruned together: residual sums, "
+        console.print(f"{len(result.groups)} groups found (each block's attention heads, and its MLP hidden units)"
+                      if is_transformer(full) else
+                      f"{len(result.groups)} channel groups found (channels pruned together: residual sums, "
                       "depthwise convolutions, concatenations, the flatten into the classifier)")
         _print_groups(result, title)
     else:
