@@ -36,7 +36,7 @@ from .curves import correlated_order, power_order
 from .graph import ChannelGraph, CostTerm, channel_graph
 from .graph_problem import make_graph_problem
 from .macs import count_macs
-from .sequential import VECTORS_PER_UNIT, Moments, accumulate_inputs, kept_inputs
+from .sequential import VECTORS_PER_UNIT, Moments, accumulate_inputs, kept_inputs, weight_by_units
 
 
 @dataclass(frozen=True)
@@ -137,11 +137,6 @@ def group_orders(graph: ChannelGraph, stats: GroupStatistics, correlated: bool) 
     return result
 
 
-def _weight3(module: nn.Module, term: CostTerm) -> np.ndarray:
-    weight = module.weight.detach().double().numpy()
-    return weight.reshape(weight.shape[0], term.units_in, -1)
-
-
 @torch.no_grad()
 def _rewrite_consumers(model: nn.Module, graph: ChannelGraph, keeps: list[np.ndarray], stats: GroupStatistics,
                        refit: bool) -> None:
@@ -158,7 +153,7 @@ def _rewrite_consumers(model: nn.Module, graph: ChannelGraph, keeps: list[np.nda
             continue
         module = modules[term.module]
         keep = np.setdiff1d(np.arange(term.units_in), dropped)
-        weight = _weight3(module, term)
+        weight = weight_by_units(module, term.units_in)
         bias = module.bias.detach().double().numpy() if module.bias is not None else np.zeros(weight.shape[0])
         mean, cov = stats.inputs[term.module]
         new_weight, new_bias = kept_inputs(weight, bias, cov, mean, keep, refit)

@@ -406,10 +406,11 @@ def prune_orders(stats: InputStatistics, correlated: bool) -> list[tuple[np.ndar
     return [choose(c) for c in stats.covariances]
 
 
-def _weight3(module: nn.Module, layer: WeightLayer) -> np.ndarray:
-    """The weight as ``[outputs, input units, taps]`` (taps: kernel positions or the group)."""
+def weight_by_units(module: nn.Module, units_in: int) -> np.ndarray:
+    """The weight as ``[outputs, input units, taps]`` (taps: kernel positions, or the inputs of one
+    channel after a Flatten), in float64 for the refit."""
     weight = module.weight.detach().double().numpy()
-    return weight.reshape(weight.shape[0], layer.units_in, -1)
+    return weight.reshape(weight.shape[0], units_in, -1)
 
 
 def _refit(weight: np.ndarray, bias: np.ndarray, cov: np.ndarray, mean: np.ndarray,
@@ -465,7 +466,7 @@ def _solve_psd(matrix: np.ndarray, rhs: np.ndarray) -> np.ndarray:
 
 def _shrunk_weight(module: nn.Module, layer: WeightLayer, rows: np.ndarray, cols: np.ndarray,
                    stats: InputStatistics, position: int, refit: bool) -> tuple[np.ndarray, np.ndarray]:
-    weight = _weight3(module, layer)[rows]
+    weight = weight_by_units(module, layer.units_in)[rows]
     bias = (module.bias.detach().double().numpy() if module.bias is not None
             else np.zeros(layer.units_out))[rows]
     mean = stats.means[position]
