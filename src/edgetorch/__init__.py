@@ -18,6 +18,7 @@ _EXPORTS = {
     "Dense": "activations", "Policy": "activations", "Quantized": "activations", "compress_activations": "activations",
     "freeze_batchnorm": "activations", "parse_policy": "activations", "plan_memory": "activations",
     "GradientFidelity": "activations", "gradient_fidelity": "activations",
+    "CapturedStep": "activations", "CaptureError": "activations", "capture_step": "activations",
     "BitmapTensor": "codecs", "pack_bitmap": "codecs",
     "load_dataset": "data",
     "SavedTensorLedger": "measure", "model_memory": "measure",
@@ -27,8 +28,9 @@ __all__ = sorted(_EXPORTS)
 _SUBPACKAGES = ("activations", "codecs", "data", "integrations", "measure", "reduce", "split", "zoo")
 
 if TYPE_CHECKING:
-    from .activations import (BackRazor, Bitmap, CheckpointEvery, Dense, GradientFidelity, Policy, Quantized,
-                              compress_activations, freeze_batchnorm, gradient_fidelity, parse_policy, plan_memory)
+    from .activations import (BackRazor, Bitmap, CapturedStep, CaptureError, CheckpointEvery, Dense, GradientFidelity,
+                              Policy, Quantized, capture_step, compress_activations, freeze_batchnorm,
+                              gradient_fidelity, parse_policy, plan_memory)
     from .codecs import BitmapTensor, pack_bitmap
     from .data import load_dataset
     from .measure import SavedTensorLedger, model_memory
