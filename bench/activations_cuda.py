@@ -1,26 +1,38 @@
-"""BitTrain and Back Razor on a GPU: CUDA allocator peak, step time and host syncs of one step.
+"""Activation compression on a GPU, the whole story in one run: allocator peak, step time, GPU kernel time, launches, host syncs.
 
 What it measures, per torchvision model (random init, train mode, 224 px, batch 32, SGD step) and
 configuration:
 
 * ``plain``: plain PyTorch, no edgetorch at all (every ratio divides by it);
 * ``dense``: the engine with the ``Dense()`` policy, which packs nothing: the engine's own cost;
-* ``bitmap`` (lossless BitTrain) and ``backrazor:sparsity=0.9``;
-* ``checkpoint``: the peer a GPU user picks, ``torch.utils.checkpoint`` around every block
-  (non-reentrant, no edgetorch);
-* ``bf16 ...``: the same under ``torch.autocast("cuda", dtype=torch.bfloat16)``, against plain
-  bf16 autocast.
+* ``bitmap`` (lossless BitTrain), ``backrazor@0.9``, ``backrazor@0.9 exact=int8`` and
+  ``quantized8`` (``Quantized(8)``);
+* ``checkpoint (per block)``: the peer a GPU user picks, non-reentrant ``torch.utils.checkpoint``
+  around every block, no edgetorch, on a copy of the model with in-place activations turned off
+  (see :func:`per_block_checkpoint`);
+* ``captured ...``: the whole step (forward under the policy, backward, SGD step) captured as one
+  CUDA graph by :func:`edgetorch.capture_step` and replayed: ``captured plain`` (the fair baseline
+  for graph replay), ``captured backrazor@0.9``, ``captured quantized8``;
+* ``bf16 ...``: plain, bitmap, Back Razor and Quantized(8) under ``torch.autocast("cuda",
+  dtype=torch.bfloat16)``, against bf16 plain;
+* ``compiled budget=B`` (resnet18 only, to bound compile time): ``torch.compile(model)`` with
+  ``torch._functorch.config.activation_memory_budget`` = 1.0 and 0.5, timed against eager plain in
+  its own phase.
 
-For each: the CUDA caching allocator's peak during one step minus what was allocated before it,
-the forward's increase next to the ledger's stored bytes, the median step time over STEPS timed
-steps (configurations interleaved step by step, so drift hits all alike), and the host syncs one
+For each: the CUDA caching allocator's peak during one step minus what was allocated before it;
+the median step time over STEPS timed steps (configurations interleaved step by step, so drift
+hits all alike); one step under ``torch.profiler``: its wall time next to the sum of its GPU
+kernels' durations, the kernels it ran and the launch calls the host made; and the host syncs one
 step makes (``torch.cuda.set_sync_debug_mode("warn")`` warns once per sync; they are counted).
+Each configuration is measured in isolation from failure: an error is recorded in its row.
 
-Requires a CUDA device; writes ``docs/results/activations_cuda.{json,md}``. ``--smoke`` runs one
-tiny model for one step on whatever device there is and writes nothing (a check that the script
-works, for machines without a GPU).
+Requires a CUDA device; writes ``docs/results/activations_cuda.{json,md}``. ``--smoke`` runs resnet18
+at batch 2, 32 px for one step of each configuration the device has (no captured or compiled rows
+without CUDA), checks the per-block checkpoint peer of every model against plain gradients, and
+writes nothing.
 
-Run: ``python bench/activations_cuda.py`` on a machine with a GPU (a few minutes on an H100).
+Run: ``python bench/activations_cuda.py`` on a machine with a GPU (about 3-4 minutes on an H200,
+``--budget-s`` bounds it; SIGTERM writes what was measured so far).
 """
 
 from __future__ import annotations
@@ -28,9 +40,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
+import signal
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torchvision
@@ -42,13 +57,55 @@ from torch.utils.checkpoint import checkpoint
 import edgetorch
 
 MODELS = ("resnet18", "resnet50", "vgg11_bn", "mobilenet_v2")
-POLICIES = ("dense", "bitmap", "backrazor:sparsity=0.9")
 BATCH, SIZE, WARMUP, STEPS = 32, 224, 3, 10
-TARGETS = {"dense": 1.05, "bitmap": 1.15, "backrazor:sparsity=0.9": 1.30}  # step time vs plain
+COMPILE_MODEL, BUDGETS = "resnet18", (1.0, 0.5)
+BUDGET_S = 300  # seconds: models left when it is spent are skipped; compile needs COMPILE_S of it
+COMPILE_S = 120
+TIME_TARGETS = {"dense": 1.05, "bitmap": 1.20, "backrazor": 1.30, "quantized": 1.30}  # step time vs plain
+SYNC_TARGETS = {"bitmap": 1, "backrazor": 0, "quantized": 0}  # host syncs per step, at most
+INPLACE_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.SiLU, nn.Hardswish, nn.LeakyReLU)
+LAUNCH_CALLS = ("LaunchKernel", "GraphLaunch", "LaunchCooperativeKernel")  # host-side launch API names
 
+
+class Stop(Exception):
+    """SIGTERM: stop measuring and write what was measured."""
+
+
+@dataclasses.dataclass
+class Config:
+    label: str
+    policy: edgetorch.Policy | None = None
+    bf16: bool = False
+    kind: str = "eager"  # eager | checkpoint | captured
+
+    @property
+    def baseline(self) -> str:
+        return "bf16 plain" if self.bf16 else "plain"
+
+    @property
+    def family(self) -> str | None:
+        return None if self.policy is None else self.policy.name
+
+
+def configurations(cuda: bool) -> list[Config]:
+    """Every configuration; the captured ones only where there is CUDA."""
+    br, br8 = edgetorch.BackRazor(0.9), edgetorch.BackRazor(0.9, exact="int8")
+    q8, bitmap = edgetorch.Quantized(8), edgetorch.Bitmap()
+    configs = [Config("plain"), Config("dense", edgetorch.Dense()), Config("bitmap", bitmap),
+               Config("backrazor@0.9", br), Config("backrazor@0.9 exact=int8", br8), Config("quantized8", q8),
+               Config("checkpoint (per block)", kind="checkpoint")]
+    if cuda:
+        configs += [Config("captured plain", kind="captured"), Config("captured backrazor@0.9", br, kind="captured"),
+                    Config("captured quantized8", q8, kind="captured")]
+    configs += [Config("bf16 plain", bf16=True), Config("bf16 bitmap", bitmap, bf16=True),
+                Config("bf16 backrazor@0.9", br, bf16=True), Config("bf16 quantized8", q8, bf16=True)]
+    return configs
+
+
+# -- the peer: per-block checkpointing, built so that it runs ---------------------------------------
 
 class _Checkpointed(nn.Module):
-    """One block run under non-reentrant ``torch.utils.checkpoint`` (the peer configuration)."""
+    """One block run under non-reentrant ``torch.utils.checkpoint``."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -59,146 +116,555 @@ class _Checkpointed(nn.Module):
 
 
 def per_block_checkpoint(model: nn.Module) -> nn.Module:
-    """Wrap every block of a torchvision CNN (ResNet stages' blocks, ``features`` children)."""
-    stages = [getattr(model, f"layer{i}") for i in range(1, 5) if hasattr(model, f"layer{i}")]
-    if hasattr(model, "features"):
-        stages.append(model.features)
-    for stage in stages:
-        for i, block in enumerate(stage):
-            stage[i] = _Checkpointed(block)
+    """``model`` (edited in place) with every block checkpointed and no in-place activation.
+
+    Blocks: ResNet stages' blocks; the children of ``features`` that are blocks themselves
+    (MobileNet's inverted residuals); where ``features`` is a flat run of layers (VGG), a
+    convolution with the batch norm, activation and pooling after it (checkpointing a lone
+    activation or batch norm stores its input, which it saves anyway). In-place activations are
+    turned off (``inplace=False``) because torchvision's ``ReLU(inplace=True)`` modifies a tensor a
+    checkpointed block saved as its input ("one of the variables needed for gradient computation
+    has been modified by an inplace operation" on vgg11_bn with one checkpoint per layer).
+    """
+    for m in model.modules():
+        if isinstance(m, INPLACE_ACTIVATIONS) and getattr(m, "inplace", False):
+            m.inplace = False
+    for i in range(1, 5):
+        stage = getattr(model, f"layer{i}", None)
+        if stage is not None:
+            for j, block in enumerate(stage):
+                stage[j] = _Checkpointed(block)
+    features = getattr(model, "features", None)
+    if isinstance(features, nn.Sequential):
+        blocks: list[nn.Module] = []
+        run: list[nn.Module] = []
+        for child in features:
+            if any(True for _ in child.children()):  # a block of its own
+                blocks += [nn.Sequential(*run)] if run else []
+                blocks.append(child)
+                run = []
+            else:
+                if isinstance(child, nn.Conv2d) and run:
+                    blocks.append(nn.Sequential(*run))
+                    run = []
+                run.append(child)
+        blocks += [nn.Sequential(*run)] if run else []
+        model.features = nn.Sequential(*(_Checkpointed(b) for b in blocks))
     return model
 
 
-def configurations() -> dict[str, tuple[edgetorch.Policy | None, bool, bool]]:
-    """name -> (policy or None for no edgetorch, bf16 autocast, per-block checkpoint)."""
-    policies = {p: edgetorch.parse_policy(p) for p in POLICIES}  # parsed once, outside every timing
-    configs = {"plain": (None, False, False)}
-    configs.update({p: (policy, False, False) for p, policy in policies.items()})
-    configs["checkpoint (per block)"] = (None, False, True)
-    configs["bf16 plain"] = (None, True, False)
-    configs.update({f"bf16 {p}": (policy, True, False) for p, policy in policies.items() if p != "dense"})
-    return configs
+# -- one configuration, ready to step -----------------------------------------------------------
 
+class Runner:
+    """A configuration's model, optimizer and step; ``error`` holds why it stopped, if it did."""
 
-def step(model, ckpt_model, opt, x, y, config, ledger=None, count_syncs=False) -> dict:
-    """One training step: peak over the start, forward increase, seconds, host syncs."""
-    policy, bf16, ckpt = config
-    device = x.device
-    net = ckpt_model if ckpt else model
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated() if cuda else 0
-    counting = count_syncs and cuda
-    caught: list = []
-    # Syncs are counted in an untimed step only: the warning machinery is no part of a step.
-    recorder = warnings.catch_warnings(record=True) if counting else contextlib.nullcontext(caught)
-    with recorder as caught:
-        if counting:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        start = time.perf_counter()
-        scope = (edgetorch.compress_activations(net, policy, ledger=ledger)
+    def __init__(self, config: Config, net: nn.Module, opt: torch.optim.Optimizer):
+        self.config, self.net, self.opt = config, net, opt
+        self.captured = None
+        self.error: str | None = None
+
+    def capture(self, x, y, warmup: int) -> None:
+        self.captured = edgetorch.capture_step(self.net, self.config.policy, self.opt, x, y, warmup=warmup)
+
+    def step(self, x, y, ledger=None, marks: dict | None = None) -> None:
+        if self.captured is not None:
+            self.captured(x, y)
+            return
+        policy, device = self.config.policy, x.device
+        scope = (edgetorch.compress_activations(self.net, policy, ledger=ledger)
                  if policy is not None else contextlib.nullcontext())
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), scope:
-            loss = F.cross_entropy(net(x).float(), y)
-        forward_end = torch.cuda.memory_allocated() if cuda else 0
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.config.bf16), scope:
+            loss = F.cross_entropy(self.net(x).float(), y)
+        if marks is not None and device.type == "cuda":
+            marks["forward_end"] = torch.cuda.memory_allocated()
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)  # gradients stay allocated: every step starts alike
-        if counting:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    if cuda:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)  # gradients stay allocated: every step starts alike
+
+    def fail(self, what: str, e: BaseException) -> None:
+        text = str(e).splitlines()[0][:300].replace("|", "/") if str(e) else ""
+        self.error = f"{what}: {type(e).__name__}: {text}"
+        print(f"    {self.config.label}: {self.error}", flush=True)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() - before if cuda else 0
-    return {"peak": peak, "forward": forward_end - before, "seconds": seconds, "syncs": syncs}
+
+
+def timed(run: Callable[[], None], device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    run()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def peak_of(run: Callable[[], None], device) -> tuple[int | None, int | None]:
+    """Allocator peak of one step minus what was allocated before it, and the forward's increase."""
+    if device.type != "cuda":
+        run()
+        return None, None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    marks: dict = {}
+    run(marks)
+    torch.cuda.synchronize()
+    forward = marks["forward_end"] - before if "forward_end" in marks else None
+    return torch.cuda.max_memory_allocated() - before, forward
+
+
+def syncs_of(run: Callable[[], None], device) -> int | None:
+    """Host syncs one step makes, as torch's sync debug mode warns them."""
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync(device)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def profile_of(run: Callable[[], None], device) -> dict:
+    """One step under torch.profiler: wall ms, the sum of GPU kernel durations, kernel count,
+    memcpy/memset count, and the host's launch API calls (a graph replay is one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        wall = time.perf_counter() - start
+    kernels = copies = launches = 0
+    kernel_ns = 0
+    results = getattr(prof.profiler, "kineto_results", None)
+    if results is not None:  # the raw events: no FunctionEvent tree to build
+        events = [(e.name(), e.device_type(), _duration_ns(e)) for e in results.events()]
+    else:
+        events = [(e.name, e.device_type, 1000 * e.time_range.elapsed_us()) for e in prof.events()]
+    for name, device_type, ns in events:
+        if device_type == torch.autograd.DeviceType.CUDA:
+            if name.startswith(("Memcpy", "Memset")):
+                copies += 1
+            else:
+                kernels += 1
+                kernel_ns += ns
+        elif any(k in name for k in LAUNCH_CALLS):
+            launches += 1
+    gpu = device.type == "cuda"
+    return {"profiled_wall_ms": 1e3 * wall, "kernel_ms": kernel_ns / 1e6 if gpu else None,
+            "kernels": kernels if gpu else None, "copies": copies if gpu else None,
+            "host_launch_calls": launches if gpu else None}
+
+
+def _duration_ns(event) -> int:
+    if hasattr(event, "duration_ns"):
+        return event.duration_ns()
+    return int(1000 * event.duration_us())
+
+
+# -- one model ----------------------------------------------------------------------------------
+
+def _attempt(runner: Runner, what: str, fn: Callable[[], object], default=None):
+    if runner.error is not None:
+        return default
+    try:
+        return fn()
+    except Stop:
+        raise
+    except Exception as e:  # one configuration failing must not end the run
+        runner.fail(what, e)
+        return default
 
 
 def run_model(name: str, device: torch.device, batch: int, size: int, warmup: int, steps: int) -> list[dict]:
-    configs = configurations()
+    print(f"{name}: building", flush=True)
+    configs = configurations(device.type == "cuda")
     torch.manual_seed(0)
-    model = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
-    ckpt_model = per_block_checkpoint(copy.deepcopy(model))  # same weights, blocks wrapped
-    params = list(model.parameters()) + list(ckpt_model.parameters())
-    opt = torch.optim.SGD(params, lr=1e-4, momentum=0.9)
+    base = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
+
+    def sgd(net):
+        return torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+
+    eager_opt = sgd(base)  # every eager configuration steps the same model
+    runners: list[Runner] = []
+    for c in configs:
+        if c.kind == "eager":
+            runners.append(Runner(c, base, eager_opt))
+        else:
+            runner = Runner(c, None, None)
+            try:
+                net = copy.deepcopy(base)
+                if c.kind == "checkpoint":
+                    net = per_block_checkpoint(net)
+                runner.net, runner.opt = net, sgd(net)
+            except Exception as e:
+                runner.fail("build", e)
+            runners.append(runner)
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+
+    print(f"{name}: warm-up ({warmup} steps each) and capture", flush=True)
     for _ in range(warmup):  # cuDNN autotuning, optimizer state, allocator pools, Triton compiles
-        for config in configs.values():
-            step(model, ckpt_model, opt, x, y, config)
-    measured = {}
-    for label, config in configs.items():  # memory, ledger and syncs from one untimed step
-        ledger = edgetorch.SavedTensorLedger() if config[0] is not None else None
-        measured[label] = step(model, ckpt_model, opt, x, y, config, ledger, count_syncs=True)
-        measured[label]["ledger_stored_bytes"] = ledger.total().stored_bytes if ledger else None
-    times: dict[str, list[float]] = {label: [] for label in configs}
+        for r in runners:
+            if r.config.kind != "captured":
+                _attempt(r, "warm-up", lambda r=r: r.step(x, y))
+    for r in runners:
+        if r.config.kind == "captured":
+            _attempt(r, "capture", lambda r=r: r.capture(x, y, warmup))
+
+    print(f"{name}: {steps} timed steps, interleaved", flush=True)
+    times: dict[str, list[float]] = {r.config.label: [] for r in runners}
     for _ in range(steps):
-        for label, config in configs.items():
-            times[label].append(step(model, ckpt_model, opt, x, y, config)["seconds"])
+        for r in runners:
+            t = _attempt(r, "timed step", lambda r=r: timed(lambda: r.step(x, y), device))
+            if t is not None:
+                times[r.config.label].append(t)
+
+    print(f"{name}: peak, syncs, ledger and one profiled step per configuration", flush=True)
+    measured: dict[str, dict] = {}
+    for r in runners:
+        m = measured[r.config.label] = {}
+        peak = _attempt(r, "peak step", lambda r=r: peak_of(lambda marks=None: r.step(x, y, marks=marks), device))
+        m["peak"], m["forward"] = peak if peak is not None else (None, None)
+        if r.captured is not None and r.captured.pool_bytes is not None:
+            # A replay allocates nothing: the step's memory is what the graph's pool holds, less the
+            # gradients it allocated there (an eager row holds them before its step).
+            m["pool"] = r.captured.pool_bytes
+            m["peak"] = r.captured.pool_bytes - grad_bytes
+        m["syncs"] = _attempt(r, "sync count", lambda r=r: syncs_of(lambda: r.step(x, y), device))
+        if r.config.policy is not None and r.config.kind == "eager":
+            ledger = edgetorch.SavedTensorLedger()
+            _attempt(r, "ledger step", lambda r=r: r.step(x, y, ledger=ledger))
+            m["ledger"] = ledger.total().stored_bytes if r.error is None else None
+        m.update(_attempt(r, "profiled step", lambda r=r: profile_of(lambda: r.step(x, y), device), {}))
+
     rows = []
-    for label, config in configs.items():
-        base = "bf16 plain" if config[1] else "plain"
-        m = measured[label]
+    med = {label: statistics.median(ts) for label, ts in times.items() if ts}
+    for r in runners:
+        c, m = r.config, measured[r.config.label]
+        base_peak = measured.get(c.baseline, {}).get("peak")
         rows.append({
-            "model": name, "config": label, "baseline": base,
-            "step_peak_bytes": m["peak"], "forward_increase_bytes": m["forward"],
-            "ledger_stored_bytes": m["ledger_stored_bytes"], "host_syncs_per_step": m["syncs"],
-            "median_step_seconds": statistics.median(times[label]),
-            "step_time_ratio": statistics.median(times[label]) / statistics.median(times[base]),
-            "step_peak_ratio": m["peak"] / measured[base]["peak"] if measured[base]["peak"] else None,
+            "model": name, "config": c.label, "kind": c.kind, "bf16": c.bf16, "baseline": c.baseline,
+            "policy": None if c.policy is None else c.policy.spec(),
+            "step_peak_bytes": m.get("peak"), "graph_pool_bytes": m.get("pool"),
+            "forward_increase_bytes": m.get("forward"), "ledger_stored_bytes": m.get("ledger"),
+            "step_peak_ratio": (m["peak"] / base_peak if m.get("peak") is not None and base_peak else None),
+            "median_step_seconds": med.get(c.label), "timed_steps": len(times[c.label]),
+            "step_time_ratio": (med[c.label] / med[c.baseline] if c.label in med and c.baseline in med else None),
+            "time_vs_captured_plain": (med[c.label] / med["captured plain"]
+                                       if c.kind == "captured" and c.label in med and "captured plain" in med else None),
+            "host_syncs_per_step": m.get("syncs"),
+            **{k: m.get(k) for k in ("profiled_wall_ms", "kernel_ms", "kernels", "copies", "host_launch_calls")},
+            "error": r.error,
         })
     return rows
 
 
+# -- the compiled peer --------------------------------------------------------------------------
+
+def run_compiled(name: str, device: torch.device, batch: int, size: int, warmup: int, steps: int,
+                 backend: str = "inductor") -> list[dict]:
+    """``torch.compile(model)`` at each activation_memory_budget, timed against eager plain
+    (``backend``: the smoke run on a CPU uses aot_eager, to check this code without inductor's compile)."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+
+    torch.manual_seed(0)
+    base = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    eager = Runner(Config("plain"), base, torch.optim.SGD(base.parameters(), lr=1e-4, momentum=0.9))
+    rows = []
+    for budget in BUDGETS:
+        print(f"{name}: torch.compile, activation_memory_budget={budget}", flush=True)
+        torch._dynamo.reset()
+        net = copy.deepcopy(base)
+        runner = Runner(Config(f"compiled budget={budget}" + ("" if backend == "inductor" else f" ({backend})")),
+                        torch.compile(net, backend=backend),
+                        torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9))
+        patch = {"activation_memory_budget": budget}
+        if hasattr(functorch_config, "enable_autograd_cache"):
+            patch["enable_autograd_cache"] = False  # a cached partition must not serve another budget
+        compile_s = None
+        # The whole phase under the budget: the partition is decided when the first forward and
+        # backward compile, and a recompile (there should be none) must see the same budget.
+        with functorch_config.patch(**patch):
+            start = time.perf_counter()
+            for _ in range(warmup):
+                _attempt(runner, "compile and warm-up", lambda: runner.step(x, y))
+            if runner.error is None:
+                _sync(device)
+                compile_s = time.perf_counter() - start
+            for _ in range(warmup):
+                eager.step(x, y)
+            times: dict[str, list[float]] = {"plain": [], "compiled": []}
+            for _ in range(steps):
+                times["plain"].append(timed(lambda: eager.step(x, y), device))
+                t = _attempt(runner, "timed step", lambda: timed(lambda: runner.step(x, y), device))
+                if t is not None:
+                    times["compiled"].append(t)
+            plain_peak, _ = peak_of(lambda marks=None: eager.step(x, y, marks=marks), device)
+            peak = _attempt(runner, "peak step",
+                            lambda: peak_of(lambda marks=None: runner.step(x, y, marks=marks), device))
+            peak = None if peak is None else peak[0]
+            prof = _attempt(runner, "profiled step", lambda: profile_of(lambda: runner.step(x, y), device), {})
+            syncs = _attempt(runner, "sync count", lambda: syncs_of(lambda: runner.step(x, y), device))
+        med_plain = statistics.median(times["plain"])
+        med = statistics.median(times["compiled"]) if times["compiled"] else None
+        rows.append({
+            "model": name, "config": runner.config.label, "kind": "compiled", "bf16": False, "baseline": "plain",
+            "backend": backend, "activation_memory_budget": budget, "compile_and_warmup_seconds": compile_s,
+            "step_peak_bytes": peak, "plain_step_peak_bytes": plain_peak,
+            "step_peak_ratio": peak / plain_peak if peak is not None and plain_peak else None,
+            "median_step_seconds": med, "plain_median_step_seconds": med_plain,
+            "step_time_ratio": med / med_plain if med is not None else None,
+            "host_syncs_per_step": syncs, **prof, "error": runner.error,
+        })
+        del runner, net
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return rows
+
+
+# -- verdicts and the report --------------------------------------------------------------------
+
+def verdicts(rows: list[dict], compiled: list[dict]) -> list[str]:
+    out = []
+
+    def ok(flag: bool) -> str:
+        return "met" if flag else "NOT met"
+
+    for r in rows:
+        family = (r["policy"] or "").partition(":")[0]
+        if r["error"]:
+            if family in TIME_TARGETS or r["kind"] == "checkpoint":
+                out.append(f"- {r['model']} {r['config']}: not measured ({r['error']})")
+            continue
+        target = TIME_TARGETS.get(family)
+        if target is not None and r["step_time_ratio"] is not None:
+            extra = (f" ({r['time_vs_captured_plain']:.2f}x of captured plain)"
+                     if r["time_vs_captured_plain"] is not None else "")
+            out.append(f"- {r['model']} {r['config']}: step {r['step_time_ratio']:.2f}x of {r['baseline']}"
+                       f"{extra} (target <= {target:.2f}x): {ok(r['step_time_ratio'] <= target)}")
+        limit = SYNC_TARGETS.get(family)
+        if limit is not None and r["host_syncs_per_step"] is not None:
+            out.append(f"- {r['model']} {r['config']}: {r['host_syncs_per_step']} host syncs per step "
+                       f"(target <= {limit}): {ok(r['host_syncs_per_step'] <= limit)}")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        peer = next((r for r in rows if r["model"] == model and r["kind"] == "checkpoint"), None)
+        if peer is None or peer["error"] or peer["step_peak_bytes"] is None or peer["median_step_seconds"] is None:
+            out.append(f"- {model}: per-block checkpointing not measured, no comparison")
+            continue
+        ours = [r for r in rows if r["model"] == model and r["policy"] and not r["bf16"] and not r["error"]
+                and r["step_peak_bytes"] is not None and r["median_step_seconds"] is not None]
+        both = [r for r in ours if r["step_peak_bytes"] < peer["step_peak_bytes"]
+                and r["median_step_seconds"] < peer["median_step_seconds"]]
+        names = ", ".join(f"{r['config']} ({mib(r['step_peak_bytes'])} MiB, {1e3 * r['median_step_seconds']:.1f} ms)"
+                          for r in both) or "none"
+        out.append(f"- {model}: edgetorch configurations (fp32) with both a lower peak and a lower time than "
+                   f"per-block checkpointing ({mib(peer['step_peak_bytes'])} MiB, "
+                   f"{1e3 * peer['median_step_seconds']:.1f} ms): {names}: {ok(bool(both))}")
+    good = [c for c in compiled if not c["error"] and c["step_peak_bytes"] is not None and c["step_time_ratio"]]
+    if good:
+        best = min(good, key=lambda c: c["step_peak_bytes"])
+        ours = [r for r in rows if r["model"] == best["model"] and r["policy"] and not r["bf16"] and not r["error"]
+                and r["step_peak_bytes"] is not None and r["step_time_ratio"] is not None]
+        # times compared through each phase's own eager plain: edgetorch/plain over compiled/plain
+        wins = [r for r in ours if r["step_peak_bytes"] < best["step_peak_bytes"]
+                and r["step_time_ratio"] / best["step_time_ratio"] <= 1.10]
+        out.append(f"- {best['model']} under torch.compile: edgetorch does not run inside a compiled graph (not built); "
+                   f"edgetorch configurations (fp32, eager or captured) with a lower peak than the lowest-peak compiled setting "
+                   f"({best['config']}, {mib(best['step_peak_bytes'])} MiB) at <= 1.10x its time: "
+                   f"{', '.join(r['config'] for r in wins) or 'none'}: NOT met as the issue states it (under compile)")
+    return out
+
+
+def _f(v, fmt: str, scale: float = 1.0) -> str:
+    return "n/a" if v is None else format(v * scale if scale != 1.0 else v, fmt)
+
+
+def report(rows: list[dict], compiled: list[dict], settings: dict, notes: list[str]) -> str:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke)"
+    main = table(
+        ["model", "config", "step peak MiB", "peak vs base", "step ms", "time vs base", "vs captured plain",
+         "profiled wall ms", "GPU kernel ms", "kernels", "host launch calls", "host syncs", "ledger stored MiB", "error"],
+        [[r["model"], r["config"] + (" †" if r["kind"] == "captured" else ""),
+          "n/a" if r["step_peak_bytes"] is None else mib(r["step_peak_bytes"]), _f(r["step_peak_ratio"], ".3f"),
+          _f(r["median_step_seconds"], ".1f", 1e3), _f(r["step_time_ratio"], ".2f"), _f(r["time_vs_captured_plain"], ".2f"),
+          _f(r.get("profiled_wall_ms"), ".1f"), _f(r.get("kernel_ms"), ".1f"), _f(r.get("kernels"), "d"),
+          _f(r.get("host_launch_calls"), "d"), _f(r["host_syncs_per_step"], "d"),
+          "" if r["ledger_stored_bytes"] is None else mib(r["ledger_stored_bytes"]), r["error"] or ""]
+         for r in rows])
+    comp = table(
+        ["model", "config", "compile + warm-up s", "step peak MiB", "peak vs eager plain", "step ms", "eager plain ms",
+         "time vs eager plain", "profiled wall ms", "GPU kernel ms", "kernels", "host syncs", "error"],
+        [[c["model"], c["config"], _f(c["compile_and_warmup_seconds"], ".0f"),
+          "n/a" if c["step_peak_bytes"] is None else mib(c["step_peak_bytes"]), _f(c["step_peak_ratio"], ".3f"),
+          _f(c["median_step_seconds"], ".1f", 1e3), _f(c["plain_median_step_seconds"], ".1f", 1e3),
+          _f(c["step_time_ratio"], ".2f"), _f(c.get("profiled_wall_ms"), ".1f"), _f(c.get("kernel_ms"), ".1f"),
+          _f(c.get("kernels"), "d"), _f(c["host_syncs_per_step"], "d"), c["error"] or ""]
+         for c in compiled]) if compiled else "Not run."
+    lines = "\n".join(verdicts(rows, compiled))
+    extra = "\n".join(f"- {n}" for n in notes)
+    return f"""
+Device: {device}. Per model: batch {settings['batch']}, {settings['size']} px, random init, train mode,
+SGD (lr 1e-4, momentum 0.9); {settings['warmup']} warm-up steps per configuration, then {settings['steps']} timed
+steps each, interleaved step by step. Ratios are to `plain` (or `bf16 plain` for the bf16 rows) in the same run.
+
+- Step peak: the CUDA allocator's peak during one step minus what was allocated before it (gradients are
+  kept allocated between steps, so they are not in it). † Captured rows: a replay allocates nothing; their
+  peak is what the graph's private pool reserved during capture (activations at their peak, the codecs'
+  workspaces) minus the gradients it also holds: reserved, not allocated, bytes, so an upper bound.
+- Step ms: median wall time of a step, synchronized before and after. Captured rows: copy the batch into
+  the static inputs and replay the graph (`edgetorch.capture_step`); `vs captured plain` divides by the
+  captured plain step, the fair baseline for graph replay.
+- Profiled: one step under `torch.profiler` (CPU and CUDA activity): its wall time (profiler overhead
+  included) next to the sum of its GPU kernels' durations; kernels: GPU kernel events (memcpy/memset not
+  counted); host launch calls: the host's kernel and graph launch API calls (a graph replay is one).
+- Host syncs: `torch.cuda.set_sync_debug_mode("warn")` warnings over one whole step.
+- Ledger stored: the ledger's stored bytes from a separate untimed step with a ledger attached (eager
+  policy rows); the timed and peak steps run without one.
+- Per-block checkpoint peer: non-reentrant `torch.utils.checkpoint` around every ResNet block, every
+  MobileNet `features` block, and every conv + batch norm + ReLU (+ pool) group of VGG's flat `features`;
+  built on a copy of the model with **in-place activations turned off** (`inplace=False` on its
+  ReLU/ReLU6/Hardtanh/SiLU/Hardswish/LeakyReLU modules): torchvision's in-place ReLU modified a tensor a
+  checkpointed layer had saved (vgg11_bn crashed with one checkpoint per `features` child). No edgetorch.
+- Each configuration has its own optimizer over its own copy of the model except the eager ones, which
+  share one model and one SGD (their steps cannot interfere with each other's measurements).
+- torch.compile (resnet18 only, to bound compile time): `torch.compile(model)` (default mode) compiled
+  afresh (`torch._dynamo.reset()`) under each `torch._functorch.config.activation_memory_budget`, the AOT
+  autograd cache off; timed and measured against eager plain in its own phase. edgetorch under
+  `torch.compile` is not built: the engine's saved-tensor hooks are disabled while dynamo traces, so a
+  compiled model either runs eagerly under the engine or stores its compiled graph's saved tensors as one
+  opaque function's (see `compress_activations`' warning); the compiled rows are the peer only.
+{extra}
+
+{main}
+
+### torch.compile peer
+
+{comp}
+
+### Verdicts against issue 23's targets
+
+{lines}
+"""
+
+
+def check_peers(device: torch.device) -> list[str]:
+    """The checkpoint peer of every model runs forward and backward and gives plain's gradients
+    (smoke: batch 2, 32 px, eval-mode batch norm so that the recomputed forward is the same)."""
+    out = []
+    for name in MODELS:
+        torch.manual_seed(0)
+        model = torchvision.models.get_model(name, weights=None, num_classes=10).to(device).eval()
+        peer = per_block_checkpoint(copy.deepcopy(model))
+        x = torch.randn(2, 3, 32, 32, device=device, requires_grad=True)
+        grads = []
+        for net in (model, peer):
+            x.grad = None
+            net.zero_grad()
+            net(x).square().sum().backward()
+            grads.append([x.grad.clone()] + [p.grad.clone() for p in net.parameters()])
+        close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*grads))
+        peer.train()(x).sum().backward()  # and in train mode, where the in-place ReLU crashed vgg11_bn's
+        blocks = sum(isinstance(m, _Checkpointed) for m in peer.modules())
+        out.append(f"{name}: {blocks} checkpointed blocks, gradients {'equal plain' if close else 'DIFFER'} "
+                   "(eval mode), a train-mode step runs")
+        print(out[-1], flush=True)
+        if not close:
+            raise SystemExit(f"per-block checkpoint peer of {name} gives different gradients")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="one tiny run on any device; writes nothing")
+    parser.add_argument("--smoke", action="store_true", help="a tiny run on any device; writes nothing")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--warmup", type=int, default=WARMUP)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help="skip models (and torch.compile) not started when this much time is spent")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     args = parser.parse_args()
+    started = time.perf_counter()
+
+    def stop(*_):
+        raise Stop
+
+    signal.signal(signal.SIGTERM, stop)
     if args.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        for row in run_model("resnet18", device, batch=2, size=32, warmup=1, steps=1):
-            print(row)
+        check_peers(device)
+        rows = run_model("resnet18", device, batch=2, size=32, warmup=1, steps=1)
+        for row in rows:
+            print(row, flush=True)
+        failed = [r for r in rows if r["error"]]
+        compiled = []
+        if not args.no_compile:  # on a CPU through aot_eager: the code path, not inductor's compile
+            compiled = run_compiled(COMPILE_MODEL, device, batch=2, size=32, warmup=1, steps=1,
+                                    backend="inductor" if device.type == "cuda" else "aot_eager")
+            for c in compiled:
+                print(c, flush=True)
+            failed += [c for c in compiled if c["error"]]
+        print(report(rows, compiled, {"batch": 2, "size": 32, "warmup": 1, "steps": 1}, ["smoke run"]))
+        if failed:
+            raise SystemExit(f"{len(failed)} configurations failed: " + "; ".join(r["config"] for r in failed))
         return
     if not torch.cuda.is_available():
         raise SystemExit("activations_cuda needs a CUDA device (use --smoke to check the script elsewhere)")
     torch.backends.cudnn.benchmark = True
-    rows = []
-    for name in MODELS:
-        rows += run_model(name, torch.device("cuda"), BATCH, SIZE, WARMUP, STEPS)
-        for r in rows[-len(configurations()):]:
-            print(r, flush=True)
-        torch.cuda.empty_cache()
-    verdicts = []
-    for r in rows:
-        target = TARGETS.get(r["config"].removeprefix("bf16 "))
-        if target is not None:
-            ok = r["step_time_ratio"] <= target
-            verdicts.append(f"- {r['model']} {r['config']}: step {r['step_time_ratio']:.2f}x of "
-                            f"{r['baseline']} (target <= {target:.2f}x): {'met' if ok else 'NOT met'}")
-    body = f"""
-Device: {torch.cuda.get_device_name()}. Per model: batch {BATCH}, {SIZE} px, random init, train mode,
-SGD; {WARMUP} warm-up steps per configuration, then {STEPS} timed steps each, interleaved.
-Step peak: the CUDA allocator's peak during one step minus what was allocated before it. Forward:
-allocated at the end of the forward minus before it, next to the ledger's stored bytes. Host syncs:
-counted with `torch.cuda.set_sync_debug_mode("warn")` over one whole step. Ratios are to `plain`
-(or `bf16 plain` for the bf16 rows) in the same run.
-
-{table(["model", "config", "step peak MiB", "peak vs baseline", "forward MiB", "ledger stored MiB",
-        "step ms", "time vs baseline", "host syncs"],
-       [[r["model"], r["config"], mib(r["step_peak_bytes"]),
-         "n/a" if r["step_peak_ratio"] is None else f"{r['step_peak_ratio']:.3f}",
-         mib(r["forward_increase_bytes"]),
-         "" if r["ledger_stored_bytes"] is None else mib(r["ledger_stored_bytes"]),
-         f"{1e3 * r['median_step_seconds']:.1f}", f"{r['step_time_ratio']:.2f}", r["host_syncs_per_step"]]
-        for r in rows])}
-
-{chr(10).join(verdicts)}
-"""
-    write_results("activations_cuda", "BitTrain and Back Razor on a GPU: allocator peak, step time, host syncs",
-                  body, {"batch": BATCH, "size": SIZE, "warmup": WARMUP, "steps": STEPS, "rows": rows})
+    device = torch.device("cuda")
+    rows: list[dict] = []
+    compiled: list[dict] = []
+    notes: list[str] = []
+    models = [m for m in args.models.split(",") if m]
+    try:
+        for name in models:
+            spent = time.perf_counter() - started
+            if spent > args.budget_s:
+                notes.append(f"{name} skipped: {spent:.0f} s spent of the {args.budget_s:.0f} s budget")
+                print(notes[-1], flush=True)
+                continue
+            model_rows = run_model(name, device, BATCH, SIZE, args.warmup, args.steps)
+            rows += model_rows
+            for r in model_rows:
+                print(r, flush=True)
+            print(f"{name}: done at {time.perf_counter() - started:.0f} s", flush=True)
+            torch.cuda.empty_cache()
+        spent = time.perf_counter() - started
+        if args.no_compile or COMPILE_MODEL not in models:
+            notes.append("torch.compile peer not run (--no-compile, or its model not among --models)")
+        elif spent > args.budget_s - COMPILE_S:
+            notes.append(f"torch.compile peer skipped: {spent:.0f} s spent, it needs about {COMPILE_S} s "
+                         f"of the {args.budget_s:.0f} s budget")
+        else:
+            compiled = run_compiled(COMPILE_MODEL, device, BATCH, SIZE, args.warmup, args.steps)
+            for c in compiled:
+                print(c, flush=True)
+    except Stop:
+        notes.append(f"run stopped by SIGTERM after {time.perf_counter() - started:.0f} s: rows after the "
+                     "last complete model are missing")
+    except KeyboardInterrupt:
+        notes.append("run interrupted: rows after the last complete model are missing")
+    notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
+    settings = {"batch": BATCH, "size": SIZE, "warmup": args.warmup, "steps": args.steps}
+    try:
+        body = report(rows, compiled, settings, notes)
+    except Exception as e:  # the measurements must reach the JSON even if the markdown cannot be made
+        body = f"Report failed ({type(e).__name__}: {e}); the rows are in activations_cuda.json."
+    write_results("activations_cuda",
+                  "Activation compression on a GPU: allocator peak, step time, kernel time, launches, host syncs",
+                  body, {**settings, "notes": notes, "rows": rows, "compiled": compiled})
 
 
 if __name__ == "__main__":

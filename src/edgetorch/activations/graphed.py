@@ -95,7 +95,8 @@ def capture_step(
     captured; from then on gradients and the loss live in the graph's memory pool, overwritten by
     each replay.
 
-    What stays fixed in the graph: the batch's shape and dtype (a smaller last batch needs its
+    Do not call ``optimizer.zero_grad()`` between replays: the graph overwrites its gradients
+    each step (setting them to None only hides them from you). What stays fixed in the graph: the batch's shape and dtype (a smaller last batch needs its
     own captured step, or ``drop_last=True``), the model's parameters and buffers as tensors (do
     not replace them; in-place updates are seen), the learning rate if it is a Python float (use
     a tensor ``lr`` to change it, e.g. ``SGD(params, lr=torch.tensor(0.1, device="cuda"))``),
@@ -110,7 +111,9 @@ def capture_step(
             have a ``capturable`` flag must be built with ``capturable=True``.
         x, y: a batch: its shape and dtype are the captured step's. Copied; the caller keeps them.
         loss_fn: ``loss_fn(model(x), y)`` -> a scalar loss tensor; must not sync with the host.
-        warmup: ordinary steps run before capture (at least 1; PyTorch's recipe uses 3).
+        warmup: ordinary steps run before capture (at least 1; PyTorch's recipe uses 3). The last
+            is checked for host syncs, so with 1 a sync that only a first step makes (a kernel
+            autotuned on first use) is refused too.
 
     Returns:
         A :class:`CapturedStep`; ``step(x, y)`` runs one training step and returns the loss tensor.
