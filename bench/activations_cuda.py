@@ -235,7 +235,9 @@ def profile_of(run: Callable[[], None], device) -> dict:
     memcpy/memset count, and the host's launch API calls (a graph replay is one)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # CUDA activity alone on a GPU: kernels, memcpy/memset and the runtime/driver API calls (launches)
+    # without an event per ATen op, which would slow the profiled step and the parsing.
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
     _sync(device)
     with profile(activities=activities) as prof:
         start = time.perf_counter()
@@ -527,8 +529,8 @@ steps each, interleaved step by step. Ratios are to `plain` (or `bf16 plain` for
 - Step ms: median wall time of a step, synchronized before and after. Captured rows: copy the batch into
   the static inputs and replay the graph (`edgetorch.capture_step`); `vs captured plain` divides by the
   captured plain step, the fair baseline for graph replay.
-- Profiled: one step under `torch.profiler` (CPU and CUDA activity): its wall time (profiler overhead
-  included) next to the sum of its GPU kernels' durations; kernels: GPU kernel events (memcpy/memset not
+- Profiled: one step under `torch.profiler` (CUDA activity only: kernels and the CUDA API calls, no
+  per-op CPU events): its wall time (profiler overhead included) next to the sum of its GPU kernels' durations; kernels: GPU kernel events (memcpy/memset not
   counted); host launch calls: the host's kernel and graph launch API calls (a graph replay is one).
 - Host syncs: `torch.cuda.set_sync_debug_mode("warn")` warnings over one whole step.
 - Ledger stored: the ledger's stored bytes from a separate untimed step with a ledger attached (eager

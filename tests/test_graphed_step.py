@@ -7,6 +7,7 @@ not sync with the host.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -126,6 +127,96 @@ def test_the_sync_check_names_the_part_of_the_step_that_syncs(monkeypatch) -> No
         graphed._step(model, policy, opt, x, y, loss_fn)  # unchecked, the same step runs
     with pytest.raises(RuntimeError, match="other"):  # any other error is not a sync: passed on
         graphed._step(_net(), None, opt, x, y, lambda *_: (_ for _ in ()).throw(RuntimeError("other")), check="p")
+
+
+class _FakeCuda:
+    """torch.cuda's stream, graph and memory calls as no-ops on the CPU: capture_step's order of
+    work runs (the "captured" step runs once, eagerly), so its Python is checked without a GPU."""
+
+    def __init__(self, monkeypatch, fail_in_capture: bool = False):
+        from edgetorch.activations import graphed
+
+        self.events: list = []
+        self.mode = 0
+        fake = self
+
+        class Graph:
+            def __init__(self):
+                self.replays = 0
+
+            def replay(self):
+                self.replays += 1
+
+        @contextlib.contextmanager
+        def graph(g):
+            fake.events.append("capture begins")
+            if fail_in_capture:
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            yield
+            fake.events.append("capture ends")
+
+        class Stream:
+            def __init__(self, *a, name="a side stream"):
+                self.name = name
+
+            def wait_stream(self, other):
+                pass
+
+            def __repr__(self):
+                return self.name
+
+        caller = Stream(name="the caller's stream")
+
+        def set_mode(m):
+            fake.mode = m
+            fake.events.append(f"sync mode {m}")
+
+        for name, value in {"Stream": Stream, "stream": lambda s: contextlib.nullcontext(),
+                            "current_stream": lambda *a: caller, "synchronize": lambda *a: None,
+                            "CUDAGraph": Graph, "graph": graph, "empty_cache": lambda: None,
+                            "memory_reserved": lambda *a: 1000 * len(fake.events),
+                            "set_stream": lambda s: fake.events.append(f"set_stream {s}"),
+                            "get_sync_debug_mode": lambda: fake.mode, "set_sync_debug_mode": set_mode}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(graphed, "_check_arguments", lambda *a: torch.device("cpu"))
+
+
+def test_capture_steps_in_order_with_cuda_faked(monkeypatch) -> None:
+    fake = _FakeCuda(monkeypatch)
+    model = _net()
+    before = copy.deepcopy(model)
+    forwards = []
+    model.register_forward_pre_hook(lambda m, args: forwards.append(m.training))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    zeroed = []
+    real_zero = opt.zero_grad
+    opt.zero_grad = lambda set_to_none=True: (zeroed.append((set_to_none, len(fake.events))), real_zero(set_to_none))[1]
+    (x, y), = _batches(1, "cpu")
+    step = capture_step(model, edgetorch.Dense(), opt, x, y, warmup=3)
+    assert len(forwards) == 4  # three warm-up steps, then the one that is captured
+    # the last warm-up step alone is checked for syncs, part by part, and the mode is put back
+    assert fake.events.count("sync mode error") == 4 and fake.mode == 0
+    begins = fake.events.index("capture begins")
+    assert zeroed[-1] == (True, begins) and len(zeroed) == 4  # grads set to None just before capture, not in it
+    assert all(p.grad is not None for p in model.parameters())  # the captured backward made them
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), before.parameters()))
+    assert step.pool_bytes > 0  # memory_reserved grew across the capture (faked: with the events)
+    assert step.x is not x and torch.equal(step.x, x) and step.loss.shape == ()
+    assert step.graph.replays == 0
+    step(x, y)
+    assert step.graph.replays == 1
+    assert "dense" in repr(step)
+
+
+def test_a_failed_capture_raises_capture_error_and_restores_the_stream(monkeypatch) -> None:
+    fake = _FakeCuda(monkeypatch, fail_in_capture=True)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (x, y), = _batches(1, "cpu")
+    with pytest.raises(CaptureError, match="not permitted when stream is capturing") as caught:
+        capture_step(model, edgetorch.BackRazor(0.9), opt, x, y, warmup=2)
+    assert "backrazor:sparsity=0.9" in str(caught.value) and "Capturable" in str(caught.value)
+    assert fake.events[-1] == "set_stream the caller's stream"
 
 
 # -- CUDA ---------------------------------------------------------------------------------------
