@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA builds of torch)")
 
@@ -265,6 +266,97 @@ def test_topk_empty_inputs() -> None:
         assert T.unpack_topk_rows(bitmap, values, rows, n, block=8).eq(0).all()
 
 
+# --- sync-free capped bitmap pack ---------------------------------------------------------------
+
+
+@interpreted
+@HYPO
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 400),
+    block=st.sampled_from([16, 64]),
+    threshold=st.sampled_from([0.0, 0.0, 0.3, INF]),
+    zero_frac=st.sampled_from([0.0, 0.5, 0.9]),
+    cap_frac=st.sampled_from([0.0, 0.3, 0.99, 1.0, 1.5]),
+    agg_only=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_capped_pack_matches_pack_torch(dtype, n, block, threshold, zero_frac, cap_frac, agg_only, seed) -> None:
+    x = sample((n,), dtype, seed, zero_frac, tied=False)
+    bits, limit = ints(x), zero_limit_bits(dtype, threshold)
+    ref_bitmap, ref_values = pack_torch(bits, limit)
+    nnz = ref_values.numel()
+    capacity = int(cap_frac * nnz)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(T, "_AGG_ONLY", agg_only)
+        bitmap, values, count = T.pack_bitmap_capped(bits, limit, capacity, block=block)
+    assert torch.equal(bitmap, ref_bitmap) and values.shape == (capacity,) and count.tolist() == [nnz]
+    kept = min(nnz, capacity)
+    assert torch.equal(values[:kept], ref_values[:kept])
+    if capacity >= nnz:
+        assert torch.equal(T.unpack_bitmap(bitmap, values[:nnz], n, block=block), unpack_torch(bitmap, ref_values, n))
+    assert not T._SCRATCH or all(not b.any() for b in T._SCRATCH.values())  # left zeroed for the next call
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_look_backs_walk_many_windows(monkeypatch, dtype) -> None:
+    # In the interpreter programs run one by one, so each look-back finds its predecessor's
+    # inclusive prefix at once. With _AGG_ONLY every tile after the first publishes only its
+    # aggregate: the look-backs walk to tile 0 through many 32-word windows, the path a GPU takes
+    # when predecessors are still running.
+    monkeypatch.setattr(T, "_AGG_ONLY", True)
+    x = sample((3, 101), dtype, 5, 0.4, tied=True)  # rows start mid-byte and mid-tile; 38 tiles of 8
+    bits = ints(x).view(-1)
+    ref_bitmap, ref_values = pack_torch(bits, 0)
+    assert torch.equal(T.count(bits, 0, block=8)[-1:], torch.tensor([ref_values.numel()]))
+    bitmap, values = T.pack_bitmap(bits, 0, block=8)
+    assert torch.equal(bitmap, ref_bitmap) and torch.equal(values, ref_values)
+    capped = T.pack_bitmap_capped(bits, 0, ref_values.numel() // 2, block=8)
+    assert torch.equal(capped[0], ref_bitmap) and torch.equal(capped[1], ref_values[: ref_values.numel() // 2])
+    assert torch.equal(T.unpack_bitmap(bitmap, values, bits.numel(), block=8), unpack_torch(bitmap, values, bits.numel()))
+    ref = pack_topk(x, (101 - 20) / 101)
+    top_bitmap, top_values, counts = T.pack_topk_rows(x, 20, block=8)
+    assert torch.equal(top_bitmap, ref.bitmap)
+    assert torch.equal(ints(torch.cat([top_values[r, : counts[r]] for r in range(3)])), ints(ref.values))
+    assert torch.equal(ints(T.unpack_topk_rows(top_bitmap, top_values, 3, 101, block=8)), ints(ref.unpack()))
+    assert all(not b.any() for b in T._SCRATCH.values())
+
+
+@interpreted
+@HYPO
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.sampled_from([(0,), (1,), (13,), (3, 70), (2, 3, 41)]),
+    threshold=st.sampled_from([0.0, 0.5]),
+    cap_frac=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    kernels=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_codec_capped_bitmap_on_both_paths(dtype, shape, threshold, cap_frac, kernels, seed) -> None:
+    from edgetorch.codecs import _cuda
+    from edgetorch.codecs.bitmap import CappedBitmapTensor, pack_bitmap, pack_bitmap_capped
+
+    x = sample(shape, dtype, seed, 0.5, tied=False)
+    ref = pack_bitmap(x, threshold)
+    capacity = int(cap_frac * ref.nnz)
+    with pytest.MonkeyPatch.context() as mp:
+        if kernels:
+            mp.setattr(_cuda, "kernels", lambda t: T)  # the GPU path, interpreted
+        c = pack_bitmap_capped(x, capacity, threshold)
+        out = c.unpack()
+    assert isinstance(c, CappedBitmapTensor) and c.values.shape == (capacity,) and c.values.dtype == dtype
+    assert torch.equal(c.bitmap, ref.bitmap) and c.nnz == ref.nnz
+    kept = min(capacity, ref.nnz)
+    assert torch.equal(ints(c.values[:kept]), ints(ref.values[:kept]))
+    assert bool(c.overflowed()) == (ref.nnz > capacity)
+    assert c.nbytes == ref.bitmap.numel() + capacity * x.element_size() + 8
+    dense = ref.unpack().reshape(-1).clone()
+    dense[ref.unpack().reshape(-1).ne(0).nonzero().flatten()[kept:]] = 0  # overflow: later values read 0
+    assert out.shape == x.shape and out.dtype == dtype
+    assert torch.equal(ints(out.reshape(-1)), ints(dense.reshape(-1)))
+
+
 # --- mask ---------------------------------------------------------------------------------------
 
 BOUNDS = [(0.0, INF), (0.0, 6.0), (-1.0, 1.0), (0.1, 1 / 3), (-0.0, 0.9999), (-INF, 0.0), (5e-8, INF),
@@ -334,21 +426,18 @@ def test_import_edgetorch_does_not_import_triton() -> None:
 def compile_variants():
     """(kernel, pointer types, constexprs) for every kernel variant the module launches."""
     for ints_, mask in (("i16", 0x7FFF), ("i32", 0x7FFF_FFFF), ("i64", 0x7FFF_FFFF_FFFF_FFFF)):
-        data = {"src_ptr": "*" + ints_, "bits_ptr": "*" + ints_, "values_ptr": "*" + ints_, "out_ptr": "*" + ints_}
-        for mode in (T._THRESHOLD, T._TOPK):
-            for kernel in (T._count_kernel, T._row_start_kernel, T._compact_kernel):
-                yield kernel, data, {"ABS_MASK": mask, "MODE": mode}
-        for rows in (False, True):
-            yield T._scatter_kernel, data, {"ROWS": rows}
-        for kernel in (T._radix_hist_kernel, T._tie_count_kernel, T._tie_cut_kernel):
-            yield kernel, data, {"ABS_MASK": mask}
+        data = {"bits_ptr": "*" + ints_, "values_ptr": "*" + ints_, "out_ptr": "*" + ints_}
+        yield T._compact_kernel, data, {"ABS_MASK": mask}
+        for agg_only in (False, True):
+            for kernel in (T._scan_kernel, T._capped_kernel, T._topk_compact_kernel):
+                yield kernel, data, {"ABS_MASK": mask, "AGG_ONLY": agg_only}
+            for rows in (False, True):
+                yield T._unpack_kernel, data, {"ROWS": rows, "AGG_ONLY": agg_only}
+        for first, last in ((True, False), (False, False), (False, True)):
+            yield T._select_kernel, data, {"ABS_MASK": mask, "FIRST": first, "LAST": last}
         for has_high in (False, True):
             yield T._mask_pack_kernel, data, {"ABS_MASK": mask, "HAS_HIGH": has_high}
         yield T._mask_unpack_kernel, data, {}
-    for kernel in (T._count_kernel, T._row_start_kernel):
-        yield kernel, {"src_ptr": "*u8"}, {"ABS_MASK": 0, "MODE": T._BITMAP}
-    for last in (False, True):
-        yield T._radix_select_kernel, {}, {"LAST": last}
     ranges = {"codes_ptr": "*u8", "lo_ptr": "*fp32", "scale_ptr": "*fp32"}
     for bits in (8, 4, 2):  # every width and rounding in float32; the other dtypes once each
         for stochastic in (False, True):
@@ -760,3 +849,128 @@ def test_cuda_quantize_matches_the_reference_without_syncs(dtype) -> None:
             assert torch.equal(ints(q.scale.cpu()), ints(ref_scale))
             ref = Q._dequantize_torch(ref_codes, ref_lo, ref_scale, 5001, bits, group).to(dtype)
             assert same_decoded(out.cpu(), ref)
+
+
+# --- launches per call --------------------------------------------------------------------------
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts, during a call, the Triton launches and the torch ops that would launch a CUDA kernel:
+    every aten op except views, allocation without initialisation (empty*), detach/alias and
+    metadata. Reading a number back to the host (``_local_scalar_dense``) is a sync, not a
+    kernel: counted apart. Ops the Triton interpreter itself runs to move data are not counted."""
+
+    FREE = {"empty", "empty_strided", "empty_like", "detach", "alias", "_unsafe_view", "lift_fresh", "sym_size",
+            "sym_stride", "sym_numel", "is_contiguous", "sym_storage_offset"}
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.kernels, self.ops, self.syncs, self._inside = [], [], 0, 0
+        counter = self
+
+        class Counted:
+            def __init__(self, kernel):
+                self.kernel = kernel
+
+            def __getitem__(self, grid):
+                launch = self.kernel[grid]
+
+                def run(*args, **kwargs):
+                    counter.kernels.append(self.kernel.fn.__name__)
+                    counter._inside += 1
+                    try:
+                        return launch(*args, **kwargs)
+                    finally:
+                        counter._inside -= 1
+
+                return run
+
+        for name in dir(T):
+            if name.endswith("_kernel"):
+                monkeypatch.setattr(T, name, Counted(getattr(T, name)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._inside:
+            name = func.overloadpacket.__name__
+            if name == "_local_scalar_dense":
+                self.syncs += 1
+            elif not func.is_view and name not in self.FREE:
+                self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def launches(self) -> int:
+        return len(self.kernels) + len(self.ops)
+
+
+def launches_of(fn):
+    fn()  # warm: the cached scratch is allocated (one torch.zeros) on first use only
+    with pytest.MonkeyPatch.context() as mp, LaunchCounter(mp) as counter:
+        fn()
+    return counter
+
+
+@interpreted
+@quiet
+def test_launches_per_call() -> None:
+    # Issue 23: at most two launches per stored tensor to pack, one to unpack, and no sync except
+    # the one that sizes plain pack_bitmap's values. Per-row top-k needs one radix pass per 8 bits
+    # of magnitude (4 for float32) before its one compaction: the miss is stated in its docstring.
+    g = torch.Generator().manual_seed(0)
+    x = torch.relu(torch.randn(8, 700, generator=g))
+    flat = x.view(-1).view(torch.int32)
+    bitmap, values = T.pack_bitmap(flat, 0)
+    top = T.pack_topk_rows(x, 70)
+    mask = T.pack_mask(x.view(-1), 0.0)
+    codes = T.quantize(x, 8, 128)
+    expected = {  # call: (launches, syncs)
+        "count": (lambda: T.count(flat, 0), 1, 0),
+        "compact": (lambda: T.compact(flat, 0, T.count(flat, 0), values.numel()), 2, 0),
+        "pack_bitmap": (lambda: T.pack_bitmap(flat, 0), 2, 1),
+        "pack_bitmap_capped": (lambda: T.pack_bitmap_capped(flat, 0, 3000), 1, 0),
+        "unpack_bitmap": (lambda: T.unpack_bitmap(bitmap, values, flat.numel()), 1, 0),
+        "pack_topk_rows float32": (lambda: T.pack_topk_rows(x, 70), 5, 0),
+        "pack_topk_rows bfloat16": (lambda: T.pack_topk_rows(x.bfloat16(), 500), 3 + 1, 0),  # + the cast
+        "unpack_topk_rows": (lambda: T.unpack_topk_rows(top[0], top[1], 8, 700), 1, 0),
+        "pack_mask": (lambda: T.pack_mask(x.view(-1), 0.0, 6.0), 1, 0),
+        "unpack_mask": (lambda: T.unpack_mask(mask, x.numel(), 1.0, 0.0, torch.float32), 1, 0),
+        "quantize": (lambda: T.quantize(x, 8, 128), 1, 0),
+        "dequantize": (lambda: T.dequantize(*codes, 700, 8, 128, torch.float32), 1, 0),
+    }
+    seen = {}
+    for name, (fn, launches, syncs) in expected.items():
+        c = launches_of(fn)
+        seen[name] = (c.launches, c.syncs, c.kernels, c.ops)
+    assert {k: v[:2] for k, v in seen.items()} == {k: v[1:] for k, v in expected.items()}, seen
+
+
+@interpreted
+@quiet
+def test_codec_launches_per_stored_tensor(monkeypatch) -> None:
+    # The same through the codecs' GPU path (what the engine calls per saved tensor).
+    from edgetorch.codecs import _cpu_kernels, _cuda
+    from edgetorch.codecs.bitmap import pack_bitmap_capped
+    from edgetorch.codecs.quantized import pack_quantized
+
+    monkeypatch.setattr(_cuda, "kernels", lambda t: T)
+    monkeypatch.setattr(_cpu_kernels, "NATIVE", False)
+    x = torch.relu(torch.randn(4, 3, 10, 10, generator=torch.Generator().manual_seed(1)))
+    capped = pack_bitmap_capped(x, x.numel() // 2)
+    top = pack_topk(x, 0.9)
+    mask = pack_mask(x, 0.0)
+    quant = pack_quantized(x, 8)
+    expected = {
+        "pack_bitmap_capped": (lambda: pack_bitmap_capped(x, x.numel() // 2), 1),
+        "CappedBitmapTensor.unpack": (capped.unpack, 1),
+        "pack_topk": (lambda: pack_topk(x, 0.9), 5),
+        "TopkRowsTensor.unpack": (top.unpack, 1),
+        "pack_mask": (lambda: pack_mask(x, 0.0), 1),
+        "MaskTensor.unpack": (mask.unpack, 1),
+        "pack_quantized": (lambda: pack_quantized(x, 8), 1),
+        "QuantizedTensor.unpack": (quant.unpack, 1),
+    }
+    seen = {}
+    for name, (fn, _) in expected.items():
+        c = launches_of(fn)
+        seen[name] = (c.launches, c.syncs, c.kernels, c.ops)
+    assert {k: v[:2] for k, v in seen.items()} == {k: (v[1], 0) for k, v in expected.items()}, seen

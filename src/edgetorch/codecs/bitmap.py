@@ -131,6 +131,102 @@ def pack_bitmap(
     return BitmapTensor(bitmap, values, t.shape, t.dtype)  # positional: keywords cost 0.2 us a call
 
 
+@dataclass(frozen=True, eq=False)
+class CappedBitmapTensor(HeldValues):
+    """A bitmap plus a fixed number of value slots, packed without a host sync.
+
+    The caller chooses ``capacity`` before the kept count is known (the engine takes the count
+    of the tensor saved at the same position in the previous step, plus a margin). The kernel
+    writes the bitmap, the first ``min(count, capacity)`` kept values in row-major order and the
+    true kept ``count`` on the device: ``count > capacity`` (:meth:`overflowed`) says that values
+    were dropped, and the caller re-packs (for example once per step, when backward starts).
+
+    Attributes:
+        bitmap: ``uint8``, bit ``i % 8`` of byte ``i // 8`` set when element ``i`` is kept
+            (exact whatever the capacity).
+        values: 1-D ``[capacity]`` tensor in the value dtype; slots past the count are undefined.
+        count: ``int64 [1]`` on the device: the number of kept elements (may exceed capacity).
+        shape, dtype: the original tensor's.
+    """
+
+    bitmap: torch.Tensor
+    values: torch.Tensor
+    count: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def nnz(self) -> int:
+        """Kept elements (a host sync: read it for reports, not on the training path)."""
+        return int(self.count[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: bitmap, every value slot (unused ones included) and the 8-byte count."""
+        return self.bitmap.numel() + self.values.numel() * self.values.element_size() + 8
+
+    def overflowed(self) -> torch.Tensor:
+        """0-d bool tensor on the device: more elements were kept than there are slots (no sync)."""
+        return self.count[0] > self.values.numel()
+
+    def unpack(self) -> torch.Tensor:
+        """The dense tensor (a new one): exact when ``count <= capacity``; after an overflow the
+        kept elements past the capacity read back as 0. On CUDA one launch and no sync."""
+        values = self.values if self.values.dtype == self.dtype else self.values.to(self.dtype)
+        ints = values.view(_INT_VIEW[self.dtype])
+        if (kernels := _cuda.kernels(values)) is not None:
+            return kernels.unpack_bitmap(self.bitmap, ints, self.numel).view(self.dtype).view(self.shape)
+        kept = min(int(self.count[0]), values.numel())  # no GPU kernels here: reading it is no stall
+        mask = unpack_bits(self.bitmap, self.numel)
+        if kept < self.nnz:  # an overflow: drop the set bits that have no value
+            mask = mask.clone()
+            mask[mask.nonzero().flatten()[kept:]] = False
+        if values.is_cpu and _cpu_kernels.NATIVE:
+            return _cpu_kernels.unpack(pack_bits(mask), values[:kept], self.shape)
+        out = torch.zeros(self.numel, dtype=ints.dtype, device=ints.device).masked_scatter_(mask, ints[:kept])
+        return out.view(self.dtype).view(self.shape)
+
+
+def pack_bitmap_capped(
+    t: torch.Tensor, capacity: int, threshold: float = 0.0, value_dtype: torch.dtype | None = None
+) -> CappedBitmapTensor:
+    """:func:`pack_bitmap` into ``capacity`` value slots chosen in advance: no host sync on CUDA.
+
+    Args:
+        t: a floating-point tensor of any shape, on any device.
+        capacity: value slots to allocate (>= 0). If more elements are kept, the bitmap and the
+            count are still exact, the first ``capacity`` values are stored and
+            :meth:`CappedBitmapTensor.overflowed` is true.
+        threshold, value_dtype: as in :func:`pack_bitmap`.
+
+    Returns:
+        A :class:`CappedBitmapTensor`. On CUDA with Triton one kernel launch (plus a cast when
+        ``value_dtype`` differs) and no sync; elsewhere :func:`pack_bitmap`'s path, copied into
+        the fixed-capacity layout.
+    """
+    if not isinstance(t, torch.Tensor) or t.dtype not in _INT_VIEW:
+        raise TypeError(f"pack_bitmap_capped stores floating-point tensors ({_names(FLOAT_DTYPES)}); got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(f"capacity must be an int >= 0 (value slots); got {capacity!r}")
+    if value_dtype is not None and value_dtype not in _INT_VIEW:
+        raise TypeError(f"value_dtype must be one of {_names(FLOAT_DTYPES)} or None; got {value_dtype}")
+    limit = zero_limit_bits(t.dtype, threshold)
+    bits = t.detach().reshape(-1).view(_INT_VIEW[t.dtype])
+    if (kernels := _cuda.kernels(bits)) is not None:
+        bitmap, values, count = kernels.pack_bitmap_capped(bits.contiguous(), limit, capacity)
+        values = values.view(t.dtype)
+    else:
+        packed = pack_bitmap(t, threshold)
+        bitmap, kept = packed.bitmap, packed.values
+        values = torch.zeros(capacity, dtype=t.dtype, device=t.device)
+        values[: min(capacity, kept.numel())] = kept[:capacity]
+        count = torch.tensor([kept.numel()], dtype=torch.int64, device=t.device)
+    if value_dtype is not None and value_dtype != t.dtype:
+        values = values.to(value_dtype)
+    return CappedBitmapTensor(bitmap, values, count, t.shape, t.dtype)
+
+
 def zero_limit_bits(dtype: torch.dtype, threshold: float) -> int:
     """Largest ``abs`` bit pattern of ``dtype`` that counts as zero under ``|v| <= threshold``."""
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
