@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import signal
 import statistics
 import time
@@ -532,6 +533,8 @@ steps each, interleaved step by step. Ratios are to `plain` (or `bf16 plain` for
 - Profiled: one step under `torch.profiler` (CUDA activity only: kernels and the CUDA API calls, no
   per-op CPU events): its wall time (profiler overhead included) next to the sum of its GPU kernels' durations; kernels: GPU kernel events (memcpy/memset not
   counted); host launch calls: the host's kernel and graph launch API calls (a graph replay is one).
+  A captured row with 0 kernels means the profiler (CUPTI) did not trace the kernels inside the
+  graph replay, not that none ran; its GPU kernel ms is then not measured either.
 - Host syncs: `torch.cuda.set_sync_debug_mode("warn")` warnings over one whole step.
 - Ledger stored: the ledger's stored bytes from a separate untimed step with a ledger attached (eager
   policy rows); the timed and peak steps run without one.
@@ -642,6 +645,7 @@ def main() -> None:
             for r in model_rows:
                 print(r, flush=True)
             print(f"{name}: done at {time.perf_counter() - started:.0f} s", flush=True)
+            gc.collect()  # the captured graphs and their pools go with their runners
             torch.cuda.empty_cache()
         spent = time.perf_counter() - started
         if args.no_compile or COMPILE_MODEL not in models:

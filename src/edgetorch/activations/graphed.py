@@ -96,11 +96,12 @@ def capture_step(
     each replay.
 
     Do not call ``optimizer.zero_grad()`` between replays: the graph overwrites its gradients
-    each step (setting them to None only hides them from you). What stays fixed in the graph: the batch's shape and dtype (a smaller last batch needs its
-    own captured step, or ``drop_last=True``), the model's parameters and buffers as tensors (do
-    not replace them; in-place updates are seen), the learning rate if it is a Python float (use
-    a tensor ``lr`` to change it, e.g. ``SGD(params, lr=torch.tensor(0.1, device="cuda"))``),
-    and any random draws made on the host, which is why ``Quantized(stochastic=True)`` is refused.
+    each step (setting them to None only hides them from you). What stays fixed in the graph: the
+    batch's shape and dtype (a smaller last batch needs its own captured step, or
+    ``drop_last=True``), the model's parameters and buffers as tensors (do not replace them;
+    in-place updates are seen), the learning rate if it is a Python float (use a tensor ``lr`` to
+    change it, e.g. ``SGD(params, lr=torch.tensor(0.1, device="cuda"))``), and any random draws
+    made on the host, which is why ``Quantized(stochastic=True)`` is refused.
 
     Args:
         model: a module whose parameters are all on one CUDA device, in the mode to train in.
@@ -163,7 +164,8 @@ def capture_step(
             "further GPU results."
         ) from e
     pool = torch.cuda.memory_reserved(device) - reserved
-    return CapturedStep(graph, static_x, static_y, loss, policy, pool)
+    # detached: the static loss must not keep the captured step's autograd graph alive
+    return CapturedStep(graph, static_x, static_y, loss.detach(), policy, pool)
 
 
 def _check_arguments(model, policy, optimizer, x, y, warmup) -> torch.device:
