@@ -231,7 +231,7 @@ def _unpack_kernel(bitmap_ptr, values_ptr, out_ptr, scratch_ptr, numel, nvalues,
     inb = idx < numel
     byte = tl.load(bitmap_ptr + (idx >> 3), mask=inb, other=0).to(tl.int32)
     keep = inb & (((byte >> (idx & 7).to(tl.int32)) & 1) != 0)
-    k = keep.to(tl.int64)
+    k = keep.to(tl.int32)  # in-tile scans in int32 (<= BLOCK): fewer registers
     status = scratch_ptr + 2
     if ROWS:
         row = idx // ncols
@@ -256,7 +256,7 @@ def _unpack_kernel(bitmap_ptr, values_ptr, out_ptr, scratch_ptr, numel, nvalues,
     else:
         agg = tl.sum(k, axis=0)
         excl = _flat_prefix(status, tile, agg, AGG_ONLY)
-        slot = excl + tl.cumsum(k, axis=0) - k
+        slot = excl + (tl.cumsum(k, axis=0) - k).to(tl.int64)
     v = tl.load(values_ptr + slot, mask=keep & (slot < nvalues), other=0)
     tl.store(out_ptr + idx, v, mask=inb)
     _finish(scratch_ptr, ntiles, 1)
@@ -340,8 +340,8 @@ def _topk_compact_kernel(bits_ptr, bitmap_ptr, values_ptr, thr_ptr, take_ptr, sc
     row = idx // ncols
     thr = tl.load(thr_ptr + row, mask=inb, other=0)
     take = tl.load(take_ptr + row, mask=inb, other=0)
-    above = (inb & (ab > thr)).to(tl.int64)
-    tie = (inb & (ab == thr) & (take > 0)).to(tl.int64)
+    above = (inb & (ab > thr)).to(tl.int32)  # in-tile scans in int32 (<= BLOCK): fewer registers
+    tie = (inb & (ab == thr) & (take > 0)).to(tl.int32)
     start = (inb & (idx == row * ncols)).to(tl.int32)
     sa, st, seen = tl.associative_scan((above, tie, start), 0, _seg_add2)
     last = pos == BLOCK - 1
