@@ -35,6 +35,7 @@ from ..codecs.narrow import WIDE_INTS, pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
 from .policies import Policy
 from .roles import EXACT, Need, OpWatch
+from .tape import Slot, model_state, signature, tapes_of
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -183,13 +184,13 @@ class _Kept:
 class _Pending:
     """A pack whose op is not known yet: :class:`OpWatch` resolves it at the op's edge."""
 
-    __slots__ = ("tensor", "detached", "module", "target", "forced")
+    __slots__ = ("tensor", "detached", "module", "target", "forced", "index")
 
-    def __init__(self, t: torch.Tensor, module: tuple[str, str], forced: Need | None):
+    def __init__(self, t: torch.Tensor, module: tuple[str, str], forced: Need | None, index: int):
         # Detached here, at autograd level: an alias made later, inside the dispatch mode,
         # would not share the version counter that catches in-place changes.
         self.tensor, self.detached = t, t.detach()
-        self.module, self.target, self.forced = module, None, forced
+        self.module, self.target, self.forced, self.index = module, None, forced, index
 
     def unpack(self) -> torch.Tensor:
         if self.target is None:
@@ -261,41 +262,95 @@ class compress_activations(contextlib.ContextDecorator):
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> compress_activations:
         self._check_can_act()
-        self._external = _model_storages(self.model) | self._keep
+        storages, state = model_state(self.model)
+        self._external = storages | self._keep
         self._inputs: set[int] = set()
         self._batch: int | None = None  # the model input's first extent: samples, for per-sample rows
         self._table: dict[tuple, list[weakref.ref]] = {}
-        self._stack: list[tuple[str, str]] = [("", type(self.model).__name__)]
+        self._root = ("", type(self.model).__name__)
+        self._stack: list[tuple] = [(id(self.model), self._root)]
         self._forward_with_grad = False
         self._warned: set[str] = set()
-        # Two process-wide module hooks instead of two per module: registering and removing
-        # ~250 handles for a ResNet cost 0.4 ms per step, 4% of an 11 ms GPU step. The hooks
-        # fire for every module on every thread, so they keep to this model and this thread.
-        self._names = {id(m): (name, type(m).__name__) for name, m in self.model.named_modules()}
         self._thread = threading.get_ident()
         self._exits = contextlib.ExitStack()
         self._watch = None
-        if self.ledger is not None or self.policy.needs_roles:
-            # Deferred packs must be resolved even if the forward raises, or they would hold
-            # their tensors: the flush is registered before the mode, so it runs after it.
-            self._exits.callback(self._flush)
-            self._watch = self._exits.enter_context(OpWatch(self._resolve, self._is_external))
-        self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_fn, self._unpack))
-        # Registered last: nothing after them can fail and leave them behind.
-        self._handles = [
-            self.model.register_forward_pre_hook(self._note_inputs, with_kwargs=True),
-            register_module_forward_pre_hook(self._enter_module),
-            register_module_forward_hook(self._leave_module, always_call=True),
-        ]
+        self._handles: list = []
+        self._modules_hooked = False
+        # Roles come from a tape recorded on an earlier step of this model (no dispatch mode, no
+        # module hooks), else from watching this step, which records one (see .tape).
+        self._tapes = tapes_of(self.model)
+        self._roles = self.ledger is not None or self.policy.needs_roles
+        nested = self._tapes.busy
+        self._owns_tapes = not nested
+        self._candidates: list[list[Slot]] | None = None  # replaying: the tapes still matched
+        self._undecided: list | None = None  # tapes to choose from by the input signature
+        self._signature: tuple | None = None
+        self._recording: list[Slot | None] | None = None
+        self._missed = False
+        try:
+            if self._roles and not nested:
+                tapes = self._tapes.for_state(state)
+                if tapes and not self._tapes.watch:
+                    self._undecided = tapes
+                else:
+                    self._watch_and_record()
+            elif self._roles:
+                self._start_watching()
+            elif not self._tapes.seen or nested:
+                self._hook_modules()
+            self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_fn, self._unpack))
+        except BaseException:
+            self._exits.close()
+            self._unhook()
+            raise
+        self._tapes.busy = True
+        # Registered last: nothing after it can fail and leave it behind.
+        self._handles.append(self.model.register_forward_pre_hook(self._note_inputs, with_kwargs=True))
         return self
+
+    def _hook_modules(self) -> None:
+        """Name each pack's module: two process-wide module hooks instead of two per module
+        (registering and removing ~250 handles for a ResNet cost 0.4 ms per step, 4% of an 11 ms
+        GPU step). They fire for every module on every thread, so they keep to this model and this
+        thread. Only watched steps (and a model's first block, for the warnings) pay for them."""
+        if self._modules_hooked:
+            return
+        self._tapes.seen = self._modules_hooked = True
+        self._names = {id(m): (name, type(m).__name__) for name, m in self.model.named_modules()}
+        self._handles += [register_module_forward_pre_hook(self._enter_module),
+                          register_module_forward_hook(self._leave_module, always_call=True)]
+
+    def _start_watching(self) -> None:
+        """Push the dispatch mode that tells each pack's op, and the module hooks."""
+        # Deferred packs must be resolved even if the forward raises, or they would hold their
+        # tensors: the flush is registered before the mode, so it runs after it.
+        self._exits.callback(self._flush)
+        self._watch = self._exits.enter_context(OpWatch(self._resolve, self._is_external))
+        self._hook_modules()
+
+    def _watch_and_record(self) -> None:
+        """Watch this step and keep what it learns as a tape."""
+        self._recording = []
+        self._start_watching()
+
+    def _unhook(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def __exit__(self, *exc) -> bool:
         try:
             self._exits.close()
         finally:  # process-wide hooks must never outlive the block, even if the flush raised
-            for h in self._handles:
-                h.remove()
+            self._unhook()
             self._table.clear()
+            if self._owns_tapes:
+                self._tapes.busy = False
+        recorded = self._recording
+        if exc[0] is None and recorded and all(slot is not None for slot in recorded):
+            self._tapes.keep(self._signature, recorded)
+        elif self._missed:
+            self._tapes.missed()
         if exc[0] is None and self._forward_with_grad and self.saved_count == 0:
             warnings.warn(
                 "compress_activations saw no saved tensor although the model ran with gradients "
@@ -342,6 +397,17 @@ class compress_activations(contextlib.ContextDecorator):
     # -- module hooks -------------------------------------------------------------------------
     def _note_inputs(self, module, args, kwargs):
         leaves, _ = tree_flatten((args, kwargs))
+        if self.saved_count == 0 and self._signature is None:
+            self._signature = signature(leaves)
+        if self._undecided is not None and self.saved_count == 0:
+            # Before the forward's first op: replay a tape of this input signature, or watch the
+            # whole step (the mode starts cleanly here, between ops).
+            tapes = [tape for sig, tape in self._undecided if sig == self._signature]
+            self._undecided = None
+            if tapes:
+                self._candidates = tapes
+            else:
+                self._watch_and_record()
         self._inputs = {x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor)}
         self._batch = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim()), None)
         self._forward_with_grad |= torch.is_grad_enabled()
@@ -350,7 +416,7 @@ class compress_activations(contextlib.ContextDecorator):
         info = self._names.get(id(module))
         if info is None or threading.get_ident() != self._thread:
             return
-        self._stack.append(info)
+        self._stack.append((id(module), info))
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if torch.is_grad_enabled() and (top is None or top[0] is not self._pack_fn):
             self._warn_once(
@@ -361,7 +427,8 @@ class compress_activations(contextlib.ContextDecorator):
             )
 
     def _leave_module(self, module, args, output) -> None:
-        if id(module) in self._names and threading.get_ident() == self._thread:
+        # A module entered before the hooks were (watching began mid-step) was never pushed.
+        if self._stack[-1][0] == id(module) and len(self._stack) > 1 and threading.get_ident() == self._thread:
             self._stack.pop()
 
     def _warn_once(self, message: str) -> None:
@@ -374,25 +441,45 @@ class compress_activations(contextlib.ContextDecorator):
         return t.untyped_storage().data_ptr() in self._external
 
     def _pack(self, t: torch.Tensor):
-        self.saved_count += 1
+        index = self.saved_count
+        self.saved_count = index + 1
+        if self._undecided is not None:  # a pack before the model's call: any tape of this state
+            self._candidates, self._undecided = [tape for _, tape in self._undecided], None
+        if self._candidates:  # replaying: the tapes whose slots this step's packs matched so far
+            live = [tape for tape in self._candidates if index < len(tape) and tape[index].matches(t)]
+            if live:
+                self._candidates = live
+                slot = live[0][index]
+                return self._hold(t, t.detach(), slot.need, slot.module, slot.param_copy)
+            # On no tape: exact from here on (see .tape: watching cannot start mid-step).
+            self._candidates, self._missed = None, True
         if self._watch is None:
-            return self._hold(t, t.detach(), EXACT, self._stack[-1])
+            return self._hold(t, t.detach(), EXACT, self._stack[-1][1], False)
         forced = EXACT if self._watch.after_grad_free_op else None
-        pending = _Pending(t, self._stack[-1], forced)
+        pending = _Pending(t, self._stack[-1][1], forced, index)
         self._watch.pending.append(pending)
         return pending
 
     def _resolve(self, pending: _Pending, need: Need) -> None:
-        pending.target = self._hold(pending.tensor, pending.detached, pending.forced or need, pending.module)
+        t, need = pending.tensor, pending.forced or need
+        param_copy = self._watch.is_param(t)
+        if self._recording is not None:
+            slots = self._recording
+            slots.extend([None] * (pending.index + 1 - len(slots)))
+            slots[pending.index] = Slot(t, need, pending.module, param_copy)
+        pending.target = self._hold(t, pending.detached, need, pending.module, param_copy)
         pending.tensor = pending.detached = None
 
-    def _hold(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str]):
-        """Store ``t`` (``d``: its detached alias, made at autograd level) for ``need``."""
+    def _hold(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], param_copy: bool):
+        """Store ``t`` (``d``: its detached alias, made at autograd level) for ``need``.
+
+        ``param_copy``: autocast's low-precision copy of a weight (the dispatch mode saw it made).
+        """
         ptr = t.untyped_storage().data_ptr()
         if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
             self._record(t, module, "external", 0, 0, 0, need)
             return _Kept(d, t._version)
-        if self._watch is not None and self._watch.is_param(t):
+        if param_copy:
             # autocast's low-precision copy of a weight: autograd holds it in plain PyTorch too
             # (so it is counted), but it has no activation sparsity to find
             nbytes = t.numel() * t.element_size()
@@ -512,16 +599,6 @@ class _Shape:
 
 
 _SHAPE = _Shape()
-
-
-def _model_storages(model: nn.Module) -> set[int]:
-    """Storage addresses of ``model``'s parameters and buffers, read afresh on every entry.
-
-    Not cached: moving one submodule (``model.fc.half()``) keeps every identity, and a stale
-    address reused by an activation would make it pass for a weight, which under Back Razor
-    prunes its partner in an activation product and makes input gradients approximate.
-    """
-    return {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
 
 
 def _is_compiled(model: nn.Module) -> bool:

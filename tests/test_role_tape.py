@@ -1,0 +1,150 @@
+"""Role tapes: a steady-state step runs no dispatch mode, and gives what watching every op gives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torch.nn import functional as F
+
+import edgetorch as et
+from edgetorch.activations import roles, tape
+
+
+@pytest.fixture()
+def dispatches(monkeypatch):
+    """Counts the role dispatch mode's calls (one per ATen op it sees)."""
+    calls = [0]
+    original = roles.OpWatch.__torch_dispatch__
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(roles.OpWatch, "__torch_dispatch__", counted)
+    return calls
+
+
+def run(model, x, y, policy, ledger=None):
+    """One step; returns the gradients and the block."""
+    model.zero_grad(set_to_none=True)
+    with et.compress_activations(model, policy, ledger=ledger) as block:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()], block
+
+
+def watched(model, x, y, policy, ledger=None):
+    """The same step with every op watched (no tape), on a copy."""
+    fresh = copy.deepcopy(model)
+    tape.forget(fresh)
+    return run(fresh, x, y, policy, ledger)
+
+
+POLICIES = [et.BackRazor(0.9), et.Quantized(8), et.BackRazor(0.8, exact="int8"), et.Bitmap()]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.spec())
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_steady_state_runs_no_dispatch_mode_and_matches_watching(name, policy, dispatches):
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(name, num_classes=10).eval()  # eval: dropout off, same step twice
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.train()  # batch statistics: batch norm's input stays exact (a training need)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+    run(model, x, y, policy, et.SavedTensorLedger())  # records the tape (with a ledger: roles too)
+    before = dispatches[0]
+    assert before > 0
+    ledger = et.SavedTensorLedger()
+    grads, block = run(model, x, y, policy, ledger)  # a ledger must not switch watching back on
+    assert dispatches[0] == before, "the dispatch mode ran on a steady-state step"
+    grads_plain, _ = run(model, x, y, policy)
+    assert dispatches[0] == before
+    ref_ledger = et.SavedTensorLedger()
+    ref, ref_block = watched(model, x, y, policy, ref_ledger)
+    assert block.saved_count == ref_block.saved_count
+    for a, b, c in zip(grads, grads_plain, ref):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    rows = [(r.module, r.module_type, r.op, r.form, r.storage, r.stored_bytes) for r in ledger.records]
+    assert rows == [(r.module, r.module_type, r.op, r.form, r.storage, r.stored_bytes) for r in ref_ledger.records]
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow with equal shapes: ReLU (a mask suffices) or GELU (exact)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), nn.Linear(16, 4)
+        self.use_relu = True
+
+    def forward(self, x):
+        h = self.a(x)
+        h = F.relu(h) if self.use_relu else F.gelu(h)
+        h = self.b(h)
+        return self.head(h.mean((2, 3)))
+
+
+def test_a_step_that_leaves_its_tape_watches_the_rest_and_stays_exact(dispatches):
+    torch.manual_seed(0)
+    model = Branchy()
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    policy = et.BackRazor(0.9)
+    # Step 3 takes the GELU path, on no tape: stored exactly from there on, and the next steps are
+    # watched until one records a new path (step 4); from then on both paths replay.
+    watched_steps = []
+    for use_relu in (True, True, False, False, True, False, True):
+        model.use_relu = use_relu
+        ledger = et.SavedTensorLedger()
+        before = dispatches[0]
+        grads, _ = run(model, x, y, policy, ledger)
+        watched_steps.append(dispatches[0] > before)
+        ref_ledger = et.SavedTensorLedger()
+        ref, _ = watched(model, x, y, policy, ref_ledger)
+        names = [name for name, _ in model.named_parameters()]
+        left_tape = len(watched_steps) == 3
+        for name, a, b in zip(names, grads, ref):
+            # The step that leaves its tape stores the rest exactly, so the next convolution's
+            # weight gradient is not pruned there. Every input gradient is exact either way:
+            # GELU's backward needs its exact input, ReLU's a mask, and a wrong role shows in a.*.
+            if not (left_tape and name.startswith("b.")):
+                assert torch.equal(a, b), f"use_relu={use_relu}: gradient of {name} differs"
+        forms = [(r.op, r.form) for r in ledger.records if r.storage != "external"]
+        if not left_tape:
+            assert [(r.op, r.form) for r in ref_ledger.records if r.storage != "external"] == forms
+    assert watched_steps == [True, False, False, True, False, False, False]
+
+
+def test_each_input_size_gets_its_own_tape(dispatches):
+    torch.manual_seed(0)
+    model = torchvision.models.get_model("resnet18", num_classes=10)
+    policy = et.BackRazor(0.9)
+    batches = [(torch.randn(n, 3, 32, 32), torch.arange(n) % 10) for n in (4, 3)]
+    for x, y in batches:
+        run(model, x, y, policy)
+    for x, y in batches * 2:  # the last, smaller batch of an epoch, then the next epoch
+        before = dispatches[0]
+        grads, _ = run(model, x, y, policy)
+        assert dispatches[0] == before
+        assert all(torch.equal(a, b) for a, b in zip(grads, watched(model, x, y, policy)[0]))
+
+
+def test_freezing_a_layer_records_a_new_tape():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 28 * 28, 3))
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+    policy = et.BackRazor(0.9)
+    ledger = et.SavedTensorLedger()
+    run(model, x, y, policy, ledger)
+    assert ("convolution", "prune") in [(r.op, r.form) for r in ledger.records]
+    model[2].weight.requires_grad_(False)
+    model[2].bias.requires_grad_(False)
+    ledger = et.SavedTensorLedger()
+    with et.compress_activations(model, policy, ledger=ledger):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    # a frozen convolution's input feeds no weight gradient: only its shape is kept
+    assert ("convolution", "shape") in [(r.op, r.form) for r in ledger.records]
