@@ -497,6 +497,7 @@ def test_cuda_kernels_match_the_cpu_reference_without_syncs(dtype) -> None:
     torch.cuda.set_sync_debug_mode("error")  # any host sync below raises
     try:
         prefix = T.count(flat_c, limit)
+        capped_c = T.pack_bitmap_capped(flat_c, limit, 20_000)  # fewer slots than kept: overflows
         bitmap_c, values_c, counts_c = T.pack_topk_rows(xc, keep)
         dense_c = T.unpack_topk_rows(bitmap_c, values_c, rows, n)
         mask_c = T.pack_mask(xc.view(-1), 0.0, 6.0)
@@ -507,6 +508,8 @@ def test_cuda_kernels_match_the_cpu_reference_without_syncs(dtype) -> None:
     bm_c, vals_c = T.compact(flat_c, limit, prefix, nnz)
     ref_bm, ref_vals = pack_torch(flat, limit)
     assert torch.equal(bm_c.cpu(), ref_bm) and torch.equal(vals_c.cpu(), ref_vals)
+    assert torch.equal(capped_c[0].cpu(), ref_bm) and capped_c[2].tolist() == [ref_vals.numel()]
+    assert torch.equal(capped_c[1].cpu(), ref_vals[:20_000]) and ref_vals.numel() > 20_000
     torch.cuda.set_sync_debug_mode("error")
     try:
         unpacked_c = T.unpack_bitmap(bm_c, vals_c, flat.numel())
