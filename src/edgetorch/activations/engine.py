@@ -20,7 +20,6 @@ What the hooks alone would get wrong, and how this module handles it:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import threading
 import warnings
@@ -33,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..codecs.narrow import WIDE_INTS, pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
-from .policies import Policy
+from .policies import Dense, Policy
 from .roles import EXACT, Need, OpWatch
 from .tape import Slot, model_state, signature, tapes_of
 
@@ -280,6 +279,9 @@ class compress_activations(contextlib.ContextDecorator):
         # module hooks), else from watching this step, which records one (see .tape).
         self._tapes = tapes_of(self.model)
         self._roles = self.ledger is not None or self.policy.needs_roles
+        # Dense keeps every tensor as it is: with nothing to record there is nothing to dedupe
+        # or look up, so each pack is held as plain PyTorch would hold it.
+        self._as_is = isinstance(self.policy, Dense) and self.ledger is None
         nested = self._tapes.busy
         self._owns_tapes = not nested
         self._candidates: list[list[Slot]] | None = None  # replaying: the tapes still matched
@@ -443,10 +445,17 @@ class compress_activations(contextlib.ContextDecorator):
     def _pack(self, t: torch.Tensor):
         index = self.saved_count
         self.saved_count = index + 1
+        if self._as_is:  # Dense with no ledger: held as PyTorch holds it, at the least Python per pack
+            return _Kept(t.detach(), t._version)
         if self._undecided is not None:  # a pack before the model's call: any tape of this state
             self._candidates, self._undecided = [tape for _, tape in self._undecided], None
         if self._candidates:  # replaying: the tapes whose slots this step's packs matched so far
-            live = [tape for tape in self._candidates if index < len(tape) and tape[index].matches(t)]
+            candidates = self._candidates
+            if len(candidates) == 1:  # the usual case: one tape
+                tape = candidates[0]
+                live = candidates if index < len(tape) and tape[index].matches(t) else None
+            else:
+                live = [tape for tape in candidates if index < len(tape) and tape[index].matches(t)]
             if live:
                 self._candidates = live
                 slot = live[0][index]
@@ -490,16 +499,16 @@ class compress_activations(contextlib.ContextDecorator):
         if (t.dtype not in _FLOATS and not narrowable) or nbytes < self.min_bytes:
             self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
             return _Kept(d, t._version)
-        return self._save(t, d, need, module)
+        return self._save(t, d, need, module, ptr)
 
     def _flush(self) -> None:
         if self._watch is not None:
             self._watch.flush()
 
-    def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str]):
+    def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], ptr: int):
         form = self.policy.form(need) if t.dtype in _FLOATS else "exact"  # integers: never pruned
         lo, hi = _span(t)
-        key = (t.untyped_storage().data_ptr(), t.dtype)
+        key = (ptr, t.dtype)
         for ref in self._table.get(key, ()):
             entry = ref()
             if entry is not None and entry.covers(t, lo, hi):
@@ -542,10 +551,10 @@ class compress_activations(contextlib.ContextDecorator):
         # A form added to an entry already counted adds bytes, not elements.
         if self.ledger is None:  # nnz can take a host sync on a GPU: only a ledger reads it
             return
-        numel, nnz = (region.numel(), rep.nnz) if dense_bytes else (0, 0)
-        self._record(t, module, storage, dense_bytes, rep.nbytes, numel, need, form, nnz)
-        self._supersede(entry, superseded, rep.nnz)
-        entry.records[form] = len(self.ledger.records) - 1
+        kept = _kept_count(rep)
+        numel, nnz = (region.numel(), kept) if dense_bytes else (0, 0)
+        entry.records[form] = self._record(t, module, storage, dense_bytes, rep.nbytes, numel, need, form, nnz)
+        self._supersede(entry, superseded, kept)
         if rep.nbytes:
             self.ledger.hold(rep.nbytes)
             weakref.finalize(rep, self.ledger.release, rep.nbytes)
@@ -562,19 +571,18 @@ class compress_activations(contextlib.ContextDecorator):
             index = entry.records.pop(form, None)
             if index is None:
                 continue
-            row = self.ledger.records[index]
-            self.ledger.records[index] = dataclasses.replace(
-                row, stored_bytes=0, storage="superseded", nnz=nnz if row.numel else 0
-            )
+            row = self.ledger.rows[index]
+            self.ledger.replace(index, stored_bytes=0, storage="superseded", nnz=nnz if row.numel else 0)
 
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
         return packed.unpack()
 
-    def _record(self, t, module, storage, dense_bytes, stored_bytes, numel, need=EXACT, form="exact", nnz=None) -> None:
+    def _record(self, t, module, storage, dense_bytes, stored_bytes, numel, need=EXACT, form="exact",
+                nnz=None) -> int | None:
         if self.ledger is None:
-            return
-        self.ledger.add(
+            return None
+        return self.ledger.add(
             SavedRecord(
                 module=module[0],
                 module_type=module[1],
@@ -589,6 +597,13 @@ class compress_activations(contextlib.ContextDecorator):
                 form=form,
             )
         )
+
+
+def _kept_count(rep) -> int | torch.Tensor:
+    """The values ``rep`` kept, as a device tensor where counting them would sync with the host
+    (the ledger reads it after the step)."""
+    lazy = getattr(type(rep), "lazy_nnz", None)
+    return rep.lazy_nnz if lazy is not None else rep.nnz
 
 
 class _Shape:
@@ -672,6 +687,10 @@ class _SampleMajor:
     @property
     def nnz(self) -> int:
         return self.rep.nnz
+
+    @property
+    def lazy_nnz(self) -> int | torch.Tensor:
+        return _kept_count(self.rep)
 
     def unpack(self) -> torch.Tensor:
         return self.rep.unpack().reshape(self.shape).movedim(0, self.position).reshape(-1)

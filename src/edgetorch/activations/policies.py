@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..codecs import FLOAT_DTYPES, pack_bitmap
+from ..codecs import FLOAT_DTYPES, _cuda, pack_bitmap
 from ..codecs.bitmap import BitmapTensor, pack_bitmap_if_smaller, zero_limit_bits
 from ..codecs.mask import pack_mask
 from ..codecs.quantized import check_bits, pack_quantized, pack_quantized_sided, quantize_values
@@ -109,7 +109,7 @@ class Bitmap(Policy):
             )
 
     def encode(self, t: torch.Tensor, need: Need = EXACT) -> BitmapTensor | None:
-        if not t.is_cpu:
+        if _cuda.gpu_path(t):
             # On a GPU packing reads the kept count back once anyway (to size the values); the
             # decision uses that exact count instead of a sample, which would be a second sync.
             limit = int(_WORTHWHILE * t.numel() * t.element_size())
@@ -332,7 +332,7 @@ class BackRazor(Policy):
 
 def _lossless(t: torch.Tensor) -> BitmapTensor | None:
     """An exact form: the bitmap when it is smaller on CPU, else the tensor as it is."""
-    if not t.is_cpu:
+    if _cuda.gpu_path(t):
         # Finding out whether a bitmap would be smaller takes a host sync per tensor, which
         # stalls a GPU forward; what is kept exact (batch-norm, GELU and softmax inputs) has no
         # zeros to find, so on a GPU it is held as it is.

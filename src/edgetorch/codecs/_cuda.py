@@ -9,9 +9,11 @@ edgetorch is imported, chooses torch ops. ``triton`` is imported on first use, n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -44,4 +46,35 @@ def _load():
 
 def kernels(t: torch.Tensor):
     """The Triton kernel module for a CUDA tensor ``t``, or None (CPU tensors, or no Triton)."""
+    if _emulated:
+        from . import _triton
+
+        return _triton
     return _load() if t.is_cuda else None
+
+
+def gpu_path(t: torch.Tensor) -> bool:
+    """Whether ``t`` takes the GPU code path: the codecs' kernels, and policies that never read a
+    value back to the host in the forward."""
+    return t.is_cuda or _emulated
+
+
+_emulated = False
+
+
+@contextlib.contextmanager
+def emulate_gpu_path() -> Iterator[None]:
+    """Run the GPU code path on CPU tensors: every tensor takes the Triton kernels (through
+    Triton's interpreter, so ``TRITON_INTERPRET=1`` must be set before they are first imported)
+    and the policies' GPU branches. For tests on machines without a GPU: what the GPU path reads
+    back to the host, and how many kernels it launches, can be counted on the CPU.
+    """
+    from . import _cpu_kernels
+
+    global _emulated
+    native, _emulated = _cpu_kernels.NATIVE, True
+    _cpu_kernels.NATIVE = False  # the C kernels would take CPU tensors first
+    try:
+        yield
+    finally:
+        _emulated, _cpu_kernels.NATIVE = False, native

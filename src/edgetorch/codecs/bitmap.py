@@ -161,6 +161,11 @@ class CappedBitmapTensor(HeldValues):
         return int(self.count[0])
 
     @property
+    def lazy_nnz(self) -> torch.Tensor:
+        """The kept count as the device tensor it is (no sync): what a ledger records."""
+        return self.count
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: bitmap, every value slot (unused ones included) and the 8-byte count."""
         return self.bitmap.numel() + self.values.numel() * self.values.element_size() + 8

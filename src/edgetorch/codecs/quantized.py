@@ -288,6 +288,11 @@ class QuantizedValues:
         return self.held.nnz if hasattr(self.held, "counts") else self.values.numel
 
     @property
+    def lazy_nnz(self) -> int | torch.Tensor:
+        """:attr:`nnz` without a host sync (a device tensor of counts where reading it would sync)."""
+        return self.held.counts if hasattr(self.held, "counts") else self.values.numel
+
+    @property
     def nbytes(self) -> int:
         return self.held.nbytes + self.values.nbytes
 

@@ -115,6 +115,11 @@ class TopkRowsTensor(HeldValues):
         return int(self.counts.sum())
 
     @property
+    def lazy_nnz(self) -> torch.Tensor:
+        """The per-row kept counts as the device tensor they are (no sync): what a ledger records."""
+        return self.counts
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: bitmap, every value slot (padding included) and the row counts."""
         return (self.bitmap.numel() + self.values.numel() * self.values.element_size()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -91,13 +91,32 @@ class SavedTensorLedger:
         True
     """
 
-    records: list[SavedRecord] = field(default_factory=list)
+    rows: list[SavedRecord] = field(default_factory=list)
     live_bytes: int = 0
     peak_live_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, record: SavedRecord) -> None:
-        self.records.append(record)
+    @property
+    def records(self) -> list[SavedRecord]:
+        """The rows, with every kept count read (on a GPU, one host sync for all of them)."""
+        counted = [i for i, r in enumerate(self.rows) if isinstance(r.nnz, torch.Tensor)]
+        if counted:
+            counts = [self.rows[i].nnz.sum() for i in counted]
+            values = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
+            for i, value in zip(counted, values):
+                self.rows[i] = replace(self.rows[i], nnz=int(value))
+        return self.rows
+
+    def add(self, record: SavedRecord) -> int:
+        """Append ``record`` and return its index. Its ``nnz`` may be a device tensor of counts
+        (summed): a codec's kept count, read only when :attr:`records` is, so that recording
+        makes no host sync during a GPU forward."""
+        self.rows.append(record)
+        return len(self.rows) - 1
+
+    def replace(self, index: int, **changes) -> None:
+        """Change fields of row ``index`` (no host sync)."""
+        self.rows[index] = replace(self.rows[index], **changes)
 
     def hold(self, nbytes: int) -> None:
         """Count ``nbytes`` of saved-tensor memory as live (called when it is stored)."""
