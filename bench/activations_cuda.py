@@ -42,6 +42,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import os
 import signal
 import statistics
 import time
@@ -289,7 +290,7 @@ def _attempt(runner: Runner, what: str, fn: Callable[[], object], default=None):
 
 def run_model(name: str, device: torch.device, batch: int, size: int, warmup: int, steps: int) -> list[dict]:
     print(f"{name}: building", flush=True)
-    configs = configurations(device.type == "cuda")
+    configs = configurations(device.type == "cuda" and os.environ.get("ACT_NO_CAPTURED") != "1")
     torch.manual_seed(0)
     base = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
     x = torch.randn(batch, 3, size, size, device=device)

@@ -569,6 +569,10 @@ def _on_its_device(fn):
 _WARPS = 8
 _AGG_ONLY = False  # tests: look-backs walk to tile 0 through aggregates (see _flat_prefix)
 _SCRATCH: dict = {}
+# Outgrown buffers are kept, never freed: a kernel captured into a CUDA graph holds its buffer's
+# address, and a buffer freed in the middle of a capture would be handed to a later allocation of
+# the same graph, which then overwrites the tickets (an illegal address on replay, seen on an H200).
+_RETIRED: list = []
 
 
 def _scratch(device: torch.device, words: int) -> torch.Tensor:
@@ -578,7 +582,9 @@ def _scratch(device: torch.device, words: int) -> torch.Tensor:
     key = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else device
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < words:
-        size = max(words, 4096, 2 * (0 if buf is None else buf.numel()))
+        if buf is not None:
+            _RETIRED.append(buf)
+        size = max(words, 1 << 16, 2 * (0 if buf is None else buf.numel()))
         buf = _SCRATCH[key] = torch.zeros(size, dtype=torch.int64, device=device)
     return buf
 
