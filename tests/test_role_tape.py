@@ -148,3 +148,20 @@ def test_freezing_a_layer_records_a_new_tape():
     loss.backward()
     # a frozen convolution's input feeds no weight gradient: only its shape is kept
     assert ("convolution", "shape") in [(r.op, r.form) for r in ledger.records]
+
+
+def test_a_replaced_layer_is_seen_as_a_parameter_on_the_next_step():
+    # The walk over modules, parameters and buffers is cached until anything is registered: a new
+    # head (transfer learning) must count as the model's, not as an activation to store.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 30 * 30, 3))
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+    policy = et.BackRazor(0.9)
+    run(model, x, y, policy)
+    run(model, x, y, policy)
+    model[3] = nn.Linear(8 * 30 * 30, 5)
+    ledger = et.SavedTensorLedger()
+    grads, _ = run(model, x, torch.tensor([0, 4]), policy, ledger)
+    assert grads[-2].shape == (5, 8 * 30 * 30)
+    weight_rows = [r for r in ledger.records if r.shape == (5, 8 * 30 * 30) or r.shape == (8 * 30 * 30, 5)]
+    assert weight_rows and all(r.storage == "external" for r in weight_rows)

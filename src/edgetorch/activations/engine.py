@@ -261,7 +261,8 @@ class compress_activations(contextlib.ContextDecorator):
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> compress_activations:
         self._check_can_act()
-        storages, state = model_state(self.model)
+        self._tapes = tapes_of(self.model)
+        storages, state = model_state(self.model, self._tapes)
         self._external = storages | self._keep
         self._inputs: set[int] = set()
         self._batch: int | None = None  # the model input's first extent: samples, for per-sample rows
@@ -277,7 +278,6 @@ class compress_activations(contextlib.ContextDecorator):
         self._modules_hooked = False
         # Roles come from a tape recorded on an earlier step of this model (no dispatch mode, no
         # module hooks), else from watching this step, which records one (see .tape).
-        self._tapes = tapes_of(self.model)
         self._roles = self.ledger is not None or self.policy.needs_roles
         # Dense keeps every tensor as it is: with nothing to record there is nothing to dedupe
         # or look up, so each pack is held as plain PyTorch would hold it.
@@ -451,9 +451,11 @@ class compress_activations(contextlib.ContextDecorator):
             self._candidates, self._undecided = [tape for _, tape in self._undecided], None
         if self._candidates:  # replaying: the tapes whose slots this step's packs matched so far
             candidates = self._candidates
-            if len(candidates) == 1:  # the usual case: one tape
+            if len(candidates) == 1:  # the usual case: one tape (Slot.matches, inlined)
                 tape = candidates[0]
-                live = candidates if index < len(tape) and tape[index].matches(t) else None
+                slot = tape[index] if index < len(tape) else None
+                live = candidates if (slot is not None and slot.shape == t.shape and slot.dtype is t.dtype
+                                      and slot.node is type(t.grad_fn)) else None
             else:
                 live = [tape for tape in candidates if index < len(tape) and tape[index].matches(t)]
             if live:
@@ -627,7 +629,8 @@ def _rows(t: torch.Tensor, entry: _Entry) -> int:
     """
     if t.dim() == 0:
         return 1
-    outer = max(range(t.dim()), key=lambda d: (t.stride(d), -d))
+    # Row-major: the first dimension has the largest stride (ties go to the first dimension too).
+    outer = 0 if t.is_contiguous() else max(range(t.dim()), key=lambda d: (t.stride(d), -d))
     n = t.shape[outer]
     return n if n > 0 and (entry.hi - entry.lo) % n == 0 else 1
 
@@ -699,10 +702,11 @@ class _SampleMajor:
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """Element range [lo, hi) of the storage that ``t`` touches."""
     lo = t.storage_offset()
+    if t.is_contiguous():  # most saved tensors: no walk over the strides
+        return lo, lo + t.numel()
     if t.numel() == 0:
         return lo, lo
     return lo, lo + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-
 
 
 def _geometry(t: torch.Tensor) -> tuple:

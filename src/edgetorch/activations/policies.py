@@ -128,7 +128,10 @@ class Bitmap(Policy):
         """
         flat = t.reshape(-1)
         sample = flat[:: max(1, flat.numel() // _SAMPLE)]
-        kept = (~(sample.abs() <= self.threshold)).float().mean().item()  # NaN counts as kept
+        if self.threshold == 0:  # lossless: one counting op (NaN is not zero, -0.0 is)
+            kept = int(torch.count_nonzero(sample)) / max(1, sample.numel())
+        else:
+            kept = (~(sample.abs() <= self.threshold)).float().mean().item()  # NaN counts as kept
         value_bytes = (self.value_dtype or t.dtype).itemsize
         return value_bytes * kept + 1 / 8 < _WORTHWHILE * t.element_size()
 
