@@ -4,7 +4,7 @@
 # Runs on the device image's own python (torch + triton there), the library from src/ (the C
 # extension is not built there: only the CPU fallback needs it). BENCH_COMMIT names the commit.
 # SKIP_TESTS=1 / SKIP_CODEC=1 leave those parts out; if the step bench dies (a CUDA error ends the
-# process), it is run again without the captured rows, so the eager rows are still measured.
+# process), it is run again without the captured rows (RERUN=0: not), so the eager rows are still measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -24,7 +24,7 @@ fi
 timeout "${ACT_TIMEOUT:-330}" python3 bench/activations_cuda.py --budget-s "${ACT_BUDGET:-270}" > "$OUT/activations_cuda.log" 2>&1
 rc=$?
 tail -60 "$OUT/activations_cuda.log"
-if [ $rc != 0 ]; then
+if [ $rc != 0 ] && [ "${RERUN:-1}" = 1 ]; then
   echo "step bench ended with $rc: again without the captured rows"
   ACT_NO_CAPTURED=1 timeout "${ACT_TIMEOUT:-330}" python3 bench/activations_cuda.py --budget-s "${ACT_BUDGET:-270}" \
     > "$OUT/activations_eager.log" 2>&1
