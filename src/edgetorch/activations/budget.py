@@ -268,7 +268,13 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             if index is None:
                 break
             c = candidates[index]
-            increase, _ = _measure(model, *sample(c.batch), parse_training_policy(c.policy), loss_fn, None, step)
+            try:
+                increase, _ = _measure(model, *sample(c.batch), parse_training_policy(c.policy), loss_fn, None, step)
+            except ValueError:
+                # The model cannot train at this batch (batch norm on one sample of a 1x1 feature
+                # map): the candidate is out, whatever its line predicted.
+                candidates[index] = dataclasses.replace(c, fits=False)
+                continue
             measured = held + state_bytes + increase + c.batch * sample_bytes
             candidates[index] = c = dataclasses.replace(c, measured_peak_bytes=int(measured),
                                                         fits=measured * (1 + margin) <= budget_bytes)
