@@ -165,3 +165,17 @@ def test_a_replaced_layer_is_seen_as_a_parameter_on_the_next_step():
     assert grads[-2].shape == (5, 8 * 30 * 30)
     weight_rows = [r for r in ledger.records if r.shape == (5, 8 * 30 * 30) or r.shape == (8 * 30 * 30, 5)]
     assert weight_rows and all(r.storage == "external" for r in weight_rows)
+
+
+def test_a_trained_model_is_not_kept_alive_by_its_tapes():
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 30 * 30, 3))
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+    for _ in range(2):
+        run(model, x, y, et.BackRazor(0.9))
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

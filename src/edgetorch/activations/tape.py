@@ -142,12 +142,16 @@ def model_state(model: nn.Module, tapes: ModelTapes) -> tuple[set[int], tuple]:
     under its op's need like an activation, which costs memory, never exactness.)
     """
     walk = tapes.walk
-    if walk is None or walk[0] != _generation:
+    modules = None if walk is None or walk[0] != _generation else [ref() for ref in walk[1]]
+    if modules is None or None in modules:
         modules = list(model.modules())
         params = [p for m in modules for p in m._parameters.values() if p is not None]
         buffers = [b for m in modules for b in m._buffers.values() if b is not None]
-        walk = tapes.walk = (_generation, modules, params, buffers)
-    _, modules, params, buffers = walk
+        # Modules by weak reference: the tapes live in a dict keyed weakly by the model, and a
+        # strong reference to the model from its own entry would keep every model ever trained
+        # alive. Parameters and buffers hold no reference to their module.
+        walk = tapes.walk = (_generation, [weakref.ref(m) for m in modules], params, buffers)
+    _, _, params, buffers = walk
     storages = {t.untyped_storage().data_ptr() for t in params}
     storages.update(t.untyped_storage().data_ptr() for t in buffers)
     state = (tuple(m.training for m in modules), tuple(p.requires_grad for p in params),
