@@ -112,9 +112,13 @@ def measured(name: str):
 
 
 # squeezenet's prune-ls search alone took 20 s of the suite; its naive curves and the other
-# networks' prune-ls curves keep both kinds of curve covered.
+# networks' prune-ls curves keep both kinds of curve covered. mobilenet_v2's naive curves are left
+# out: on 2026-11-26 their exact search ran into its 600 s limit at a 4.9e-5 gap on this machine, at
+# this commit and at a546823 alike (a solver speed issue, not a wrong answer), and a test must not
+# pass or fail by the clock.
 @pytest.mark.parametrize(("name", "method"), [
-    *((name, method) for name in ("resnet18", "mobilenet_v2", "zoo:cnn") for method in ("prune", "prune-ls")),
+    *((name, method) for name in ("resnet18", "mobilenet_v2", "zoo:cnn") for method in ("prune", "prune-ls")
+      if (name, method) != ("mobilenet_v2", "prune")),
     ("squeezenet1_0", "prune"),
 ])
 def test_exact_allocation_is_never_worse_than_pso_or_uniform(name, method):
