@@ -1,0 +1,259 @@
+"""Step-time overhead at Raspberry-Pi scale: resnet18 and mobilenet_v2, batch 2, 32 px, one thread.
+
+The CPU proxy of issue 23's targets: small-batch fine-tuning on a weak CPU, where a step is tens
+of milliseconds and the engine's Python per saved tensor, and the role dispatch mode per op, are
+a large share of it. Targets against plain PyTorch: ``Dense()`` <= 1.03x, bitmap <= 1.10x,
+Back Razor@0.9 and ``Quantized(8)`` <= 1.15x (Back Razor with ``exact="int8"`` is held to Back
+Razor's bound).
+
+One model per architecture (random init, 10 classes, train mode) and one SGD-with-momentum
+optimizer are built once and reused by every configuration and round, so every configuration
+sees a model it has stepped many times before (what per-model caching in the library relies
+on). Each timed unit is a block of several consecutive steps, timed with ``time.perf_counter``.
+Configurations run interleaved: every round runs each configuration's block once, in an order
+rotated per round, so machine noise (the machine may be shared) hits all of them alike.
+Reported per configuration: the median of per-round ratios (block time / plain's block time in
+the same round) and the ratio of minima (least-disturbed blocks).
+
+Also reported, on one untimed steady-state step per configuration after the timed rounds: how
+many times the role dispatch mode (``edgetorch.activations.roles.OpWatch.__torch_dispatch__``)
+ran, and how many saved tensors the step packed (``compress_activations(...).saved_count``).
+Issue 23 asks for 0 dispatch-mode calls on a steady-state step of a static model.
+
+Run: ``python bench/step_overhead_small.py`` (about 3-4 minutes on 2 cores) or with ``--quick``
+(fewer rounds, well under a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from _common import median, source_state, table, write_results
+from torch import nn
+
+import edgetorch
+from edgetorch.activations import roles
+
+ARCHS = ("resnet18", "mobilenet_v2")
+RESOLUTION, BATCH, CLASSES = 32, 2, 10
+POOL = 8  # distinct random batches, cycled step by step (a fine-tune sees new data each step)
+BASELINE = "plain PyTorch"
+# None: plain PyTorch, no hooks at all (the baseline every ratio divides by).
+CONFIGS: dict[str, edgetorch.Policy | None] = {
+    BASELINE: None,
+    "Dense()": edgetorch.Dense(),
+    "Bitmap()": edgetorch.Bitmap(),
+    "BackRazor(0.9)": edgetorch.BackRazor(0.9),
+    "Quantized(bits=8)": edgetorch.Quantized(bits=8),
+    'BackRazor(0.9, exact="int8")': edgetorch.BackRazor(0.9, exact="int8"),
+}
+# Issue 23, CPU proxies.
+TARGETS = {
+    "Dense()": 1.03,
+    "Bitmap()": 1.10,
+    "BackRazor(0.9)": 1.15,
+    "Quantized(bits=8)": 1.15,
+    'BackRazor(0.9, exact="int8")': 1.15,
+}
+
+
+class Bench:
+    """One architecture's model, optimizer and batches, shared by every configuration."""
+
+    def __init__(self, arch: str, seed: int = 0):
+        torch.manual_seed(seed)
+        self.arch = arch
+        self.model: nn.Module = torchvision.models.get_model(arch, weights=None, num_classes=CLASSES).train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.batches = [(torch.randn(BATCH, 3, RESOLUTION, RESOLUTION), torch.randint(0, CLASSES, (BATCH,)))
+                        for _ in range(POOL)]  # fmt: skip
+        self.steps = 0
+
+    def step(self, policy: edgetorch.Policy | None) -> edgetorch.compress_activations | None:
+        """One forward (inside compress_activations unless plain), backward and SGD step."""
+        x, y = self.batches[self.steps % POOL]
+        self.steps += 1
+        scope = None if policy is None else edgetorch.compress_activations(self.model, policy)
+        with scope if scope is not None else contextlib.nullcontext():
+            loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return scope
+
+    def block(self, policy: edgetorch.Policy | None, steps: int) -> float:
+        """Seconds per step over ``steps`` consecutive steps."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.step(policy)
+        return (time.perf_counter() - start) / steps
+
+
+@contextlib.contextmanager
+def count_dispatch():
+    """Count calls of ``OpWatch.__torch_dispatch__`` (patched on the class, restored after)."""
+    original = vars(roles.OpWatch)["__torch_dispatch__"]
+    calls = [0]
+
+    def counting(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    roles.OpWatch.__torch_dispatch__ = counting
+    try:
+        yield calls
+    finally:
+        roles.OpWatch.__torch_dispatch__ = original
+
+
+def plain_saved_count(bench: Bench) -> int:
+    """Tensors autograd saves in one plain step, counted by identity saved_tensors_hooks."""
+    count = [0]
+
+    def pack(t):
+        count[0] += 1
+        return t
+
+    x, y = bench.batches[bench.steps % POOL]
+    bench.steps += 1
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(bench.model(x), y)
+    loss.backward()
+    bench.optimizer.step()
+    bench.optimizer.zero_grad(set_to_none=True)
+    return count[0]
+
+
+def one_step_counts(bench: Bench, policy: edgetorch.Policy | None) -> dict:
+    """Dispatch-mode calls and packed tensors of one untimed step."""
+    if policy is None:
+        with count_dispatch() as calls:
+            saved = plain_saved_count(bench)
+        return {"dispatch_calls": calls[0], "saved_count": saved}
+    with count_dispatch() as calls:
+        scope = bench.step(policy)
+    return {"dispatch_calls": calls[0], "saved_count": scope.saved_count}
+
+
+def verdict(ratios: tuple[float, float], bound: float) -> str:
+    return "met" if max(ratios) <= bound else "NOT met"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 60, 6 with --quick)")
+    parser.add_argument("--block-steps", type=int, default=4, help="consecutive steps timed as one block")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration first")
+    parser.add_argument("--quick", action="store_true", help="few rounds: a smoke run, noisy numbers")
+    args = parser.parse_args()
+    rounds = args.rounds if args.rounds is not None else (6 if args.quick else 60)
+    torch.set_num_threads(1)  # before write_results records the machine, which notes the threads
+    wall_start = time.perf_counter()
+    # The library was imported above, so this is the code measured; write_results records the
+    # tree as it is at the end, which can differ (the tree is shared and edited).
+    start_source = source_state()
+
+    benches = {arch: Bench(arch) for arch in ARCHS}
+    names = list(CONFIGS)
+
+    # Warm-up: optimizer state, allocator, codec kernels; the first step of each configuration
+    # (with the same model, after the other configurations' steps) also has its dispatch calls counted.
+    first_step: dict[str, dict[str, dict]] = {arch: {} for arch in ARCHS}
+    for arch, bench in benches.items():
+        bench.step(None)  # the model's very first step is plain: momentum buffers made
+        for name in names:
+            first_step[arch][name] = one_step_counts(bench, CONFIGS[name])
+            for _ in range(args.warmup):
+                bench.step(CONFIGS[name])
+
+    times: dict[str, dict[str, list[float]]] = {arch: {n: [] for n in names} for arch in ARCHS}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]  # no config always runs first
+        for arch, bench in benches.items():
+            for name in order:
+                times[arch][name].append(bench.block(CONFIGS[name], args.block_steps))
+        print(f"round {r + 1}/{rounds}: " + "; ".join(
+            f"{arch} " + " ".join(f"{1e3 * times[arch][n][-1]:.1f}" for n in names) for arch in ARCHS) + " ms/step",
+            flush=True)  # fmt: skip
+
+    steady: dict[str, dict[str, dict]] = {arch: {} for arch in ARCHS}
+    for arch, bench in benches.items():
+        for name in names:
+            steady[arch][name] = one_step_counts(bench, CONFIGS[name])
+
+    results: dict[str, dict] = {arch: {} for arch in ARCHS}
+    sections, verdicts = [], []
+    for arch in ARCHS:
+        base = times[arch][BASELINE]
+        base_min = min(base)
+        rows = []
+        for name in names:
+            t = times[arch][name]
+            paired = median(a / b for a, b in zip(t, base))
+            minima = min(t) / base_min
+            bound = TARGETS.get(name)
+            results[arch][name] = {
+                "policy": None if CONFIGS[name] is None else CONFIGS[name].spec(),
+                "seconds_per_step": t, "median_s": median(t), "min_s": min(t),
+                "ratio_of_minima": minima, "median_paired_ratio": paired, "target": bound,
+                "met": None if bound is None else max(paired, minima) <= bound,
+                "steady_step": steady[arch][name], "first_step_of_config": first_step[arch][name],
+            }  # fmt: skip
+            target = "" if bound is None else f"<= {bound:.2f}x: {verdict((paired, minima), bound)}"
+            rows.append([name, f"{1e3 * median(t):.1f}", f"{1e3 * min(t):.1f}", f"{minima:.3f}x",
+                         f"{paired:.3f}x", target, steady[arch][name]["dispatch_calls"],
+                         first_step[arch][name]["dispatch_calls"], steady[arch][name]["saved_count"]])  # fmt: skip
+            if bound is not None:
+                verdicts.append(f"{arch}, {name}: target <= {bound:.2f}x; measured {paired:.3f}x (median paired), "
+                                f"{minima:.3f}x (minima): {verdict((paired, minima), bound)}.")  # fmt: skip
+        sections.append(f"## {arch}\n\n" + table(
+            ["configuration", "median ms/step", "min ms/step", "ratio of minima", "median paired ratio",
+             "target", "dispatch-mode calls, steady step", "dispatch-mode calls, first step of config",
+             "saved tensors per step"], rows))  # fmt: skip
+    wall = time.perf_counter() - wall_start
+    end_source = source_state()
+    changed = end_source != start_source
+    tree_note = (f"The tree changed during the run: the library was imported at its start, at commit "
+                 f"{str(start_source['commit'])[:10]} with uncommitted library files "
+                 f"{start_source['uncommitted_library_files'] or 'none'}; that is the code measured "
+                 "(`source_at_start` in the JSON; the machine line names the tree at the end)."
+                 if changed else "")
+
+    body = "\n\n".join([
+        f"torchvision resnet18 and mobilenet_v2, random init, {CLASSES} classes, train mode, batch {BATCH}, "
+        f"{RESOLUTION} px, CPU, one torch thread, SGD with momentum; {POOL} random batches cycled step by step. "
+        "A step is forward inside `compress_activations(model, policy)` (plain: no edgetorch at all), then "
+        "backward and optimizer step. One model per architecture, reused by every configuration and round. "
+        f"{args.warmup} warm-up steps per configuration, then {rounds} rounds; each round runs every "
+        f"configuration once as a block of {args.block_steps} consecutive steps, in an order rotated per "
+        "round. Times are per step (block time / steps). Paired ratio = this configuration's block / "
+        "plain's block in the same round; the machine may be shared, and contention only adds time, so the "
+        "ratio of minima is the least-disturbed estimate. A target counts as met only if both ratios are "
+        "within it.",
+        "Dispatch-mode calls: calls of `edgetorch.activations.roles.OpWatch.__torch_dispatch__` in one "
+        "untimed step after the timed rounds (steady state), and in the first step each configuration ran "
+        "(after the model's earlier steps under other configurations). Saved tensors: "
+        "`compress_activations(...).saved_count` of that steady step; for plain, the packs seen by identity "
+        "`saved_tensors_hooks`. Issue 23 asks for 0 dispatch-mode calls on a steady-state step.",
+        *sections,
+        "## Targets (issue 23, CPU proxies)\n\n" + "\n".join(f"- {v}" for v in verdicts),
+        f"Wall time of the run: {wall:.0f} s{' (--quick)' if args.quick else ''}. {tree_note}",
+    ])  # fmt: skip
+    write_results(
+        "step_overhead_small",
+        f"Step-time overhead at Raspberry-Pi scale (resnet18, mobilenet_v2; batch {BATCH}, {RESOLUTION} px, "
+        "one CPU thread)",
+        body,
+        {"archs": list(ARCHS), "resolution": RESOLUTION, "batch": BATCH, "classes": CLASSES, "pool": POOL,
+         "rounds": rounds, "block_steps": args.block_steps, "warmup": args.warmup, "quick": args.quick,
+         "targets": TARGETS, "wall_s": wall, "source_at_start": start_source, "results": results},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
