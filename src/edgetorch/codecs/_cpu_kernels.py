@@ -32,9 +32,14 @@ _ABI = 2  # _native.c's NATIVE_ABI: the functions this module calls
 def _load():
     if _FORCED_OFF:
         return None, "EDGETORCH_NO_NATIVE is set"
+    import importlib.util
+
+    if importlib.util.find_spec(f"{__package__}._native") is None:
+        # Python's own message here blames a "partially initialized module" (a circular import)
+        return None, "the C extension is not built (no compiler at install time, or run from a source tree)"
     try:
         from . import _native
-    except ImportError as exc:  # not built (no compiler at install time) or built for another Python
+    except ImportError as exc:  # built for another Python or platform
         return None, f"{type(exc).__name__}: {exc}"
     if _native.ABI != _ABI:  # an editable install whose extension predates its source
         return None, f"the built extension is ABI {_native.ABI}, this source needs {_ABI} (rebuild it)"
