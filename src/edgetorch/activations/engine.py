@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..codecs.narrow import WIDE_INTS, pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
-from .policies import Dense, Policy
+from .policies import Policy
 from .roles import EXACT, Need, OpWatch
 from .tape import Slot, model_state, signature, tapes_of
 
@@ -279,9 +279,9 @@ class compress_activations(contextlib.ContextDecorator):
         # Roles come from a tape recorded on an earlier step of this model (no dispatch mode, no
         # module hooks), else from watching this step, which records one (see .tape).
         self._roles = self.ledger is not None or self.policy.needs_roles
-        # Dense keeps every tensor as it is: with nothing to record there is nothing to dedupe
-        # or look up, so each pack is held as plain PyTorch would hold it.
-        self._as_is = isinstance(self.policy, Dense) and self.ledger is None
+        # A policy that stores nothing in another form, with nothing to record: each pack is held
+        # as plain PyTorch would hold it, with no dedupe or lookup.
+        self._as_is = not self.policy.encodes and self.ledger is None
         nested = self._tapes.busy
         self._owns_tapes = not nested
         self._candidates: list[list[Slot]] | None = None  # replaying: the tapes still matched
@@ -429,7 +429,8 @@ class compress_activations(contextlib.ContextDecorator):
             )
 
     def _leave_module(self, module, args, output) -> None:
-        # A module entered before the hooks were (watching began mid-step) was never pushed.
+        # A module entered before the hooks were registered (watching began at the model's
+        # pre-hook, inside the root's call) was never pushed.
         if self._stack[-1][0] == id(module) and len(self._stack) > 1 and threading.get_ident() == self._thread:
             self._stack.pop()
 
@@ -445,17 +446,15 @@ class compress_activations(contextlib.ContextDecorator):
     def _pack(self, t: torch.Tensor):
         index = self.saved_count
         self.saved_count = index + 1
-        if self._as_is:  # Dense with no ledger: held as PyTorch holds it, at the least Python per pack
+        if self._as_is:  # nothing to encode or record: held as PyTorch holds it
             return _Kept(t.detach(), t._version)
         if self._undecided is not None:  # a pack before the model's call: any tape of this state
             self._candidates, self._undecided = [tape for _, tape in self._undecided], None
         if self._candidates:  # replaying: the tapes whose slots this step's packs matched so far
             candidates = self._candidates
-            if len(candidates) == 1:  # the usual case: one tape (Slot.matches, inlined)
+            if len(candidates) == 1:  # the usual case: one tape, no list to build
                 tape = candidates[0]
-                slot = tape[index] if index < len(tape) else None
-                live = candidates if (slot is not None and slot.shape == t.shape and slot.dtype is t.dtype
-                                      and slot.node is type(t.grad_fn)) else None
+                live = candidates if index < len(tape) and tape[index].matches(t) else None
             else:
                 live = [tape for tape in candidates if index < len(tape) and tape[index].matches(t)]
             if live:
@@ -551,7 +550,7 @@ class compress_activations(contextlib.ContextDecorator):
         superseded = entry.add(form, rep, self.policy.covers)
         storage = "dense" if isinstance(rep, _Region) else "stored"
         # A form added to an entry already counted adds bytes, not elements.
-        if self.ledger is None:  # nnz can take a host sync on a GPU: only a ledger reads it
+        if self.ledger is None:  # only a ledger reads the kept counts
             return
         kept = _kept_count(rep)
         numel, nnz = (region.numel(), kept) if dense_bytes else (0, 0)
@@ -573,8 +572,7 @@ class compress_activations(contextlib.ContextDecorator):
             index = entry.records.pop(form, None)
             if index is None:
                 continue
-            row = self.ledger.rows[index]
-            self.ledger.replace(index, stored_bytes=0, storage="superseded", nnz=nnz if row.numel else 0)
+            self.ledger.supersede(index, nnz)
 
     @staticmethod
     def _unpack(packed) -> torch.Tensor:

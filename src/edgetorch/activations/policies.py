@@ -35,6 +35,9 @@ class Policy:
     # Whether the engine may hold int16/int32/int64 saved tensors (max-pool indices) in the
     # narrowest integer dtype that holds their values (lossless; see edgetorch.codecs.narrow).
     narrows_integers = False
+    # Whether ``encode`` ever stores a tensor in another form. A policy that never does (Dense)
+    # has nothing to dedupe or look up: with no ledger the engine holds each pack as it is.
+    encodes = True
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
@@ -69,6 +72,7 @@ class Dense(Policy):
     """Plain PyTorch: keep every saved tensor as is (the baseline; still fills the ledger)."""
 
     name = "dense"
+    encodes = False
 
     def encode(self, t: torch.Tensor, need: Need = EXACT) -> None:
         return None

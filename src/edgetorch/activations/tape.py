@@ -30,7 +30,6 @@ recorded under another state are dropped.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -58,35 +57,33 @@ class Slot:
 
 
 class ModelTapes:
-    """The tapes of one model under its current state, each with the input signature it was
-    recorded for, most recent last."""
+    """The tapes of one model under its current state, newest first, each with the input
+    signature it was recorded for."""
 
-    __slots__ = ("state", "tapes", "newest_first", "busy", "seen", "watch", "walk")
+    __slots__ = ("state", "tapes", "busy", "seen", "watch", "walk")
 
     def __init__(self):
         self.state: tuple | None = None
-        self.tapes: OrderedDict[tuple, tuple[tuple | None, list[Slot]]] = OrderedDict()
-        self.newest_first: list[tuple[tuple | None, list[Slot]]] = []
+        self.tapes: list[tuple[tuple | None, list[Slot]]] = []
         self.busy = False  # a block of this model is running (a nested block watches, as before)
         self.seen = False  # a block of this model ran with module hooks (their warnings)
         self.watch = 0  # steps still to watch after one left every tape
         self.walk: tuple | None = None  # (generation, modules, parameters, buffers): see model_state
 
     def for_state(self, state: tuple) -> list[tuple[tuple | None, list[Slot]]]:
-        """The tapes recorded under ``state``, most recent first (none if the state changed)."""
+        """The tapes recorded under ``state``, newest first (none if the state changed)."""
         if state != self.state:
-            self.state, self.tapes, self.newest_first, self.watch = state, OrderedDict(), [], 0
-        return self.newest_first
+            self.state, self.tapes, self.watch = state, [], 0
+        return self.tapes
 
     def keep(self, signature: tuple | None, tape: list[Slot]) -> None:
         """Add a watched step's tape; a step that took a known path leaves the watch on."""
-        key = (signature, tuple(slot.key() for slot in tape))
-        known = self.tapes.pop(key, None) is not None
-        self.tapes[key] = (signature, tape)
-        while len(self.tapes) > MAX_TAPES:
-            self.tapes.popitem(last=False)
-        # Kept as a list: walking an OrderedDict backwards hashes every key (a whole tape each).
-        self.newest_first = list(reversed(self.tapes.values()))
+        keys = [slot.key() for slot in tape]
+        known = [i for i, (sig, old) in enumerate(self.tapes)
+                 if sig == signature and [slot.key() for slot in old] == keys]
+        for i in reversed(known):
+            del self.tapes[i]
+        self.tapes = [(signature, tape), *self.tapes][:MAX_TAPES]
         self.watch = max(0, self.watch - 1) if known else 0
 
     def missed(self) -> None:

@@ -91,7 +91,7 @@ class SavedTensorLedger:
         True
     """
 
-    rows: list[SavedRecord] = field(default_factory=list)
+    _rows: list[SavedRecord] = field(default_factory=list)
     live_bytes: int = 0
     peak_live_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -99,24 +99,26 @@ class SavedTensorLedger:
     @property
     def records(self) -> list[SavedRecord]:
         """The rows, with every kept count read (on a GPU, one host sync for all of them)."""
-        counted = [i for i, r in enumerate(self.rows) if isinstance(r.nnz, torch.Tensor)]
+        counted = [i for i, r in enumerate(self._rows) if isinstance(r.nnz, torch.Tensor)]
         if counted:
-            counts = [self.rows[i].nnz.sum() for i in counted]
+            counts = [self._rows[i].nnz.sum() for i in counted]
             values = torch.stack([c.to(counts[0].device) for c in counts]).tolist()
             for i, value in zip(counted, values):
-                self.rows[i] = replace(self.rows[i], nnz=int(value))
-        return self.rows
+                self._rows[i] = replace(self._rows[i], nnz=int(value))
+        return self._rows
 
     def add(self, record: SavedRecord) -> int:
         """Append ``record`` and return its index. Its ``nnz`` may be a device tensor of counts
         (summed): a codec's kept count, read only when :attr:`records` is, so that recording
         makes no host sync during a GPU forward."""
-        self.rows.append(record)
-        return len(self.rows) - 1
+        self._rows.append(record)
+        return len(self._rows) - 1
 
-    def replace(self, index: int, **changes) -> None:
-        """Change fields of row ``index`` (no host sync)."""
-        self.rows[index] = replace(self.rows[index], **changes)
+    def supersede(self, index: int, nnz: int | torch.Tensor) -> None:
+        """Row ``index``'s stored form was replaced by an exact one that keeps ``nnz`` values
+        (no host sync): it holds no bytes of its own now, and a row with elements takes ``nnz``."""
+        row = self._rows[index]
+        self._rows[index] = replace(row, stored_bytes=0, storage="superseded", nnz=nnz if row.numel else 0)
 
     def hold(self, nbytes: int) -> None:
         """Count ``nbytes`` of saved-tensor memory as live (called when it is stored)."""
