@@ -161,3 +161,24 @@ def test_a_candidate_is_run_at_its_own_batch_before_it_is_chosen(small, monkeypa
     assert rejected.measured_peak_bytes > 2**31 and not rejected.fits
     assert (roomy.chosen.policy, roomy.chosen.batch) == ("bitmap", 4)  # the next exact candidate, measured
     assert "did not when run" in roomy.reason
+
+
+def test_a_batch_the_model_cannot_train_at_is_ruled_out_not_raised(small, monkeypatch):
+    """resnet18 at 32 px cannot train at batch 1 (batch norm on a 1x1 map). With min_batch=1 and a
+    budget only a batch-1 line fits, the planner runs that candidate, which raises: it is ruled out
+    and the plan says nothing fits, instead of ending in the model's traceback. (Simulated: every
+    sample adds 2 GiB, so only batch 1 is predicted under 2.5 GiB.)"""
+    import edgetorch.activations.budget as budget
+
+    real = budget._measure
+
+    def measure(model, x, y, how, *args):
+        increase, seconds = real(model, x, y, how, *args)
+        return increase + 2**31 * (len(x) - 1), seconds
+
+    monkeypatch.setattr(budget, "_measure", measure)
+    model, batch = small
+    plan = plan_memory(model, batch, "2.5GiB", policies=["dense"], min_batch=1)
+    one = next(c for c in plan.candidates if c.batch == 1)
+    assert one.untrainable and not one.fits and one.measured_peak_bytes is None
+    assert plan.chosen is None and "nothing fits" in plan.reason and "at batch 1," not in plan.reason

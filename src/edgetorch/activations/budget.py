@@ -106,6 +106,9 @@ class Candidate:
         measured_peak_bytes: for the candidates run once at their own batch before choosing
             (the chosen one, and any preferred one whose measurement did not fit), the peak
             that step reached; ``fits`` then follows it. None for the others.
+        untrainable: the model raised a ValueError when run at this batch, which lies below every
+            calibration batch (batch norm cannot train on one sample of a 1x1 feature map); such
+            a candidate never fits.
     """
 
     policy: str
@@ -117,6 +120,7 @@ class Candidate:
     step_time_ratio: float
     saved_bytes: int
     measured_peak_bytes: int | None = None
+    untrainable: bool = False
 
 
 @dataclass(frozen=True)
@@ -271,9 +275,11 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             try:
                 increase, _ = _measure(model, *sample(c.batch), parse_training_policy(c.policy), loss_fn, None, step)
             except ValueError:
-                # The model cannot train at this batch (batch norm on one sample of a 1x1 feature
-                # map): the candidate is out, whatever its line predicted.
-                candidates[index] = dataclasses.replace(c, fits=False)
+                if c.batch >= firsts[c.policy][0]:  # a batch the calibration ran: not the batch's fault
+                    raise
+                # Below every calibration batch the model may not train at all (batch norm on one
+                # sample of a 1x1 feature map): the candidate is out, whatever its line predicted.
+                candidates[index] = dataclasses.replace(c, fits=False, untrainable=True)
                 continue
             measured = held + state_bytes + increase + c.batch * sample_bytes
             candidates[index] = c = dataclasses.replace(c, measured_peak_bytes=int(measured),
@@ -325,7 +331,8 @@ def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, 
                 f"{untried[0].predicted_peak_bytes / mib:,.0f} MiB but not measured; raise the budget or give it as "
                 "the only policy")
     if chosen is None:
-        least = min(candidates, key=lambda c: c.measured_peak_bytes or c.predicted_peak_bytes)
+        trainable = [c for c in candidates if not c.untrainable] or candidates
+        least = min(trainable, key=lambda c: c.measured_peak_bytes or c.predicted_peak_bytes)
         what = "measurement" if least.measured_peak_bytes else "prediction"
         # Say the headroom: "the smallest is 1,172 MiB" under a 1,230 MiB budget reads as a bug.
         return (f"nothing fits {budget / mib:,.0f} MiB with {margin:.0%} headroom: the smallest {what} is "
