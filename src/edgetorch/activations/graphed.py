@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .engine import compress_activations
 from .policies import Policy
+from .step import TrainingPolicy, storing
 
 CAPTURABLE = "plain PyTorch (policy=None), Dense() without a ledger, BackRazor and Quantized(stochastic=False)"
 
@@ -206,8 +206,8 @@ def _step(model, policy, optimizer, x, y, loss_fn, *, check: str | None = None, 
     """One training step; with ``check`` (the step's name) a host sync raises a CaptureError."""
     if zero_grad:
         optimizer.zero_grad(set_to_none=True)
-    scope = compress_activations(model, policy) if policy is not None else contextlib.nullcontext()
-    with scope:
+    # The forward under the policy as every training step runs it (edgetorch.activations.step)
+    with storing(model, TrainingPolicy(policy)) if policy is not None else contextlib.nullcontext():
         with _no_sync(check, f"the forward under {check}"):
             out = model(x)
         with _no_sync(check, f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r}"):
