@@ -31,9 +31,8 @@ import contextlib
 import time
 
 import torch
-import torch.nn.functional as F
 import torchvision
-from _common import median, source_state, table, write_results
+from _common import median, source_state, table, timed_step, write_results
 from torch import nn
 
 import edgetorch
@@ -79,11 +78,7 @@ class Bench:
         x, y = self.batches[self.steps % POOL]
         self.steps += 1
         scope = None if policy is None else edgetorch.compress_activations(self.model, policy)
-        with scope if scope is not None else contextlib.nullcontext():
-            loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        timed_step(self.model, scope if scope is not None else contextlib.nullcontext(), x, y, self.optimizer)
         return scope
 
     def block(self, policy: edgetorch.Policy | None, steps: int) -> float:
@@ -121,11 +116,7 @@ def plain_saved_count(bench: Bench) -> int:
 
     x, y = bench.batches[bench.steps % POOL]
     bench.steps += 1
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(bench.model(x), y)
-    loss.backward()
-    bench.optimizer.step()
-    bench.optimizer.zero_grad(set_to_none=True)
+    timed_step(bench.model, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), x, y, bench.optimizer)
     return count[0]
 
 
