@@ -47,6 +47,7 @@ import signal
 import statistics
 import time
 import warnings
+from pathlib import Path
 from collections.abc import Callable
 
 import torch
@@ -57,6 +58,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import edgetorch
+from edgetorch.activations import capacity
 
 MODELS = ("resnet18", "resnet50", "vgg11_bn", "mobilenet_v2")
 BATCH, SIZE, WARMUP, STEPS = 32, 224, 3, 10
@@ -218,9 +220,11 @@ def peak_of(run: Callable[[], None], device) -> tuple[int | None, int | None]:
 
 
 def syncs_of(run: Callable[[], None], device) -> int | None:
-    """Host syncs one step makes, as torch's sync debug mode warns them."""
+    """Host syncs one step makes: those torch's sync debug mode warns (reads of device values),
+    plus edgetorch's waits for bitmap counts (``Event.synchronize``, which the mode does not see)."""
     if device.type != "cuda":
         return None
+    waits = capacity.host_waits()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -229,7 +233,7 @@ def syncs_of(run: Callable[[], None], device) -> int | None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     _sync(device)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return sum("synchroniz" in str(w.message) for w in caught) + capacity.host_waits() - waits
 
 
 def profile_of(run: Callable[[], None], device) -> dict:
@@ -266,6 +270,32 @@ def profile_of(run: Callable[[], None], device) -> dict:
     return {"profiled_wall_ms": 1e3 * wall, "kernel_ms": kernel_ns / 1e6 if gpu else None,
             "kernels": kernels if gpu else None, "copies": copies if gpu else None,
             "host_launch_calls": launches if gpu else None}
+
+
+def host_profile_of(run: Callable[[], None], device, top: int = 12) -> dict:
+    """One step under cProfile: where the host's Python time goes (the profiler inflates every
+    call, so read shares, not absolute times): the functions with the most self time, and the
+    Triton kernel launches (``JITFunction.run``) with their total time."""
+    import cProfile
+    import pstats
+
+    _sync(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    _sync(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, self, cumulative, callers)
+    total = sum(v[2] for v in stats.values())
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    launches = [(v[0], v[3]) for (f, _, name), v in stats.items() if name == "run" and "triton" in f and "jit" in f]
+    return {
+        "host_profile_ms": total * 1e3,
+        "host_top": [{"function": f"{Path(f).name}:{line}:{name}", "calls": v[0], "self_ms": v[2] * 1e3}
+                     for (f, line, name), v in rows],
+        "triton_launches": sum(n for n, _ in launches),
+        "triton_launch_ms": sum(t for _, t in launches) * 1e3,
+    }
 
 
 def _duration_ns(event) -> int:
@@ -350,6 +380,8 @@ def run_model(name: str, device: torch.device, batch: int, size: int, warmup: in
             _attempt(r, "ledger step", lambda r=r: r.step(x, y, ledger=ledger))
             m["ledger"] = ledger.total().stored_bytes if r.error is None else None
         m.update(_attempt(r, "profiled step", lambda r=r: profile_of(lambda: r.step(x, y), device), {}))
+        if r.config.kind == "eager" and not r.config.bf16:
+            m.update(_attempt(r, "host profile", lambda r=r: host_profile_of(lambda: r.step(x, y), device), {}))
 
     rows = []
     med = {label: statistics.median(ts) for label, ts in times.items() if ts}
@@ -367,7 +399,8 @@ def run_model(name: str, device: torch.device, batch: int, size: int, warmup: in
             "time_vs_captured_plain": (med[c.label] / med["captured plain"]
                                        if c.kind == "captured" and c.label in med and "captured plain" in med else None),
             "host_syncs_per_step": m.get("syncs"),
-            **{k: m.get(k) for k in ("profiled_wall_ms", "kernel_ms", "kernels", "copies", "host_launch_calls")},
+            **{k: m.get(k) for k in ("profiled_wall_ms", "kernel_ms", "kernels", "copies", "host_launch_calls",
+                                     "host_profile_ms", "host_top", "triton_launches", "triton_launch_ms")},
             "error": r.error,
         })
     return rows
@@ -517,6 +550,13 @@ def report(rows: list[dict], compiled: list[dict], settings: dict, notes: list[s
           _f(c["step_time_ratio"], ".2f"), _f(c.get("profiled_wall_ms"), ".1f"), _f(c.get("kernel_ms"), ".1f"),
           _f(c.get("kernels"), "d"), _f(c["host_syncs_per_step"], "d"), c["error"] or ""]
          for c in compiled]) if compiled else "Not run."
+    profiled = [r for r in rows if r.get("host_top")]
+    host = table(
+        ["model", "config", "host ms (cProfile)", "Triton launches", "their ms", "most self time (ms, calls)"],
+        [[r["model"], r["config"], _f(r["host_profile_ms"], ".1f"), _f(r["triton_launches"], "d"),
+          _f(r["triton_launch_ms"], ".1f"),
+          "; ".join(f"{t['function']} {t['self_ms']:.1f} ({t['calls']})" for t in r["host_top"][:5])]
+         for r in profiled]) if profiled else "Not measured."
     lines = "\n".join(verdicts(rows, compiled))
     extra = "\n".join(f"- {n}" for n in notes)
     return f"""
@@ -536,7 +576,9 @@ steps each, interleaved step by step. Ratios are to `plain` (or `bf16 plain` for
   counted); host launch calls: the host's kernel and graph launch API calls (a graph replay is one).
   A captured row with 0 kernels means the profiler (CUPTI) did not trace the kernels inside the
   graph replay, not that none ran; its GPU kernel ms is then not measured either.
-- Host syncs: `torch.cuda.set_sync_debug_mode("warn")` warnings over one whole step.
+- Host syncs: `torch.cuda.set_sync_debug_mode("warn")` warnings over one whole step, plus the times the
+  host waited for a lossless bitmap's kept count (`edgetorch.activations.capacity.host_waits()`: an
+  `Event.synchronize`, which the debug mode does not report).
 - Ledger stored: the ledger's stored bytes from a separate untimed step with a ledger attached (eager
   policy rows); the timed and peak steps run without one.
 - Per-block checkpoint peer: non-reentrant `torch.utils.checkpoint` around every ResNet block, every
@@ -555,6 +597,14 @@ steps each, interleaved step by step. Ratios are to `plain` (or `bf16 plain` for
 {extra}
 
 {main}
+
+### Where an eager step's host time goes
+
+One step per eager fp32 configuration under `cProfile` (which slows every Python call, so read shares,
+not absolute times): its total, the Triton kernel launches (`JITFunction.run`) and their cumulative time,
+and the five functions with the most self time.
+
+{host}
 
 ### torch.compile peer
 

@@ -1019,40 +1019,127 @@ class Mixed(torch.nn.Module):
 
 @interpreted
 @quiet
-@pytest.mark.parametrize("spec,allowed", [("backrazor:sparsity=0.9", 0), ("quantized:bits=8", 0),
-                                          ("backrazor:sparsity=0.9,exact=int8", 0), ("bitmap", None)])
-def test_gpu_path_forward_reads_nothing_back(spec, allowed) -> None:
+@pytest.mark.parametrize("spec", ["backrazor:sparsity=0.9", "quantized:bits=8", "backrazor:sparsity=0.9,exact=int8",
+                                  "bitmap", "bitmap:threshold=0.05"])
+def test_gpu_path_forward_reads_nothing_back(spec) -> None:
     """Issue 23: on the GPU path (Triton kernels, the policies' GPU branches; emulated on CPU
     tensors) the forward of Back Razor and Quantized reads no value back to the host, with a ledger
-    attached too, on the watched first step and the replayed ones. Lossless bitmap sizes each
-    packed tensor's values from its kept count: one read per packed tensor (not yet once per step)."""
+    attached too, on the watched first step and the replayed ones. A bitmap's size depends on its
+    data: the first step after the model's tapes were dropped reads each packed tensor's count (at
+    most one read per tensor), later steps size the values from those counts and read nothing in
+    the forward; backward waits once for the counts (edgetorch.activations.capacity)."""
     import torch.nn.functional as F
 
     import edgetorch as et
+    from edgetorch.activations import capacity, tape
     from edgetorch.codecs import _cuda
 
     torch.manual_seed(0)
     model = Mixed()
     x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 3])
     policy = et.parse_policy(spec)
-    from edgetorch.activations import tape
-
-    reads = []
+    sized = policy.sized_by_count
+    reads, waits = [], []
     with _cuda.emulate_gpu_path():
         for step in range(3):
             if step == 1:  # the warm-up step filled the kernels' host-side constant caches
                 tape.forget(model)  # so this step is watched again, and the next replayed
             ledger = et.SavedTensorLedger()
             counter = SyncCounter()
+            before = capacity.host_waits()
             with counter, et.compress_activations(model, policy, ledger=ledger):
                 loss = F.cross_entropy(model(x), y)
+            forward = capacity.host_waits()
             loss.backward()
             if step:
                 reads.append(counter.syncs)
+                waits.append((forward - before, capacity.host_waits() - forward))
             total = ledger.total()  # reading the ledger reads the counts: after the step
             assert 0 < total.stored_bytes < total.dense_bytes
-    if allowed is not None:
-        assert reads == [[], []], reads
-    else:  # at most one read per tensor it considered packing (stored, or kept when not smaller)
+    if not sized:
+        assert reads == [[], []] and waits == [(0, 0), (0, 0)], (reads, waits)
+    else:  # one read per tensor it considered packing (stored, or kept when not smaller), then none
         candidates = sum(r.storage in ("stored", "dense") for r in ledger.records)
-        assert 0 < len(reads[1]) <= candidates, (reads, candidates)
+        assert 0 < len(reads[0]) <= candidates and reads[1] == [], (reads, candidates)
+        assert waits == [(0, 0), (0, 1)], waits
+
+
+class DenserEachStep(torch.nn.Module):
+    """A ReLU of its input (what it keeps is the input's positives), then layers whose saved
+    tensors do not depend on it much: a step with more positives overflows the first's slots."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(4096, 1024), torch.nn.Linear(1024, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(torch.relu(x))))
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@interpreted
+@quiet
+@pytest.mark.parametrize("hold", [None, 0])
+def test_capped_bitmap_overflow_repacks_exactly(hold, monkeypatch) -> None:
+    """A step that keeps more values than the previous step's count and margin overflows its
+    value slots; the held source is re-packed exactly when the count is seen, so gradients stay
+    bit-identical to plain PyTorch, and the ledger row is restated with the bytes held then.
+    ``hold=0``: no source may be held past the next pack, so the host waits for each count
+    during the forward instead of once in backward (the bound on held sources)."""
+    from edgetorch.activations import capacity
+    from edgetorch.codecs import _cuda
+
+    if hold is not None:
+        monkeypatch.setattr(capacity, "HOLD_BYTES", hold)
+    with _cuda.emulate_gpu_path():
+        _overflowing_steps(torch.device("cpu"), bounded=hold == 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_capped_bitmap_overflow_repacks_exactly_on_cuda() -> None:
+    """The same on a GPU: pinned count copies and CUDA events instead of the emulation's."""
+    _overflowing_steps(torch.device("cuda"), bounded=False, waits_known=False)
+
+
+def _overflowing_steps(device: torch.device, bounded: bool, waits_known: bool = True) -> None:
+    import torch.nn.functional as F
+
+    import edgetorch as et
+    from edgetorch.activations import capacity
+    from edgetorch.codecs.bitmap import pack_bitmap
+
+    torch.manual_seed(0)
+    model = DenserEachStep().to(device)
+    y = torch.tensor([0, 2, 1, 0], device=device)
+    base = torch.randn(4, 4096).abs()
+    # positives per step: 10% (sizes the slots), 12% (within the margin), 60% (overflows), 15%
+    inputs = [torch.where(torch.rand(4, 4096) < share, base, -base).to(device) for share in (0.1, 0.12, 0.6, 0.15)]
+    previous = None
+    for step, x in enumerate(inputs):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        expected = _grads(model)
+        model.zero_grad()
+        ledger = et.SavedTensorLedger()
+        before = capacity.host_waits()
+        with et.compress_activations(model, et.Bitmap(), ledger=ledger):
+            loss = F.cross_entropy(model(x), y)
+        forward = capacity.host_waits() - before
+        loss.backward()
+        assert all(torch.equal(a, b) for a, b in zip(_grads(model), expected)), step
+        row = next(r for r in ledger.records if r.shape == (4, 4096) and r.storage == "stored")
+        exact = pack_bitmap(torch.relu(x))
+        assert row.nnz == exact.nnz
+        if step == 0:  # sized exactly: the count is read, nothing is checked later
+            assert row.stored_bytes == exact.nbytes and forward == 0
+        elif step == 2:  # overflowed: re-packed exactly, the row restated
+            assert row.stored_bytes == exact.nbytes
+        else:  # capped: the bitmap, slots for the last step's count and margin, and the count
+            slots = int(previous * capacity.MARGIN) + capacity.SLACK
+            assert exact.nbytes < row.stored_bytes == exact.bitmap.numel() + 4 * slots + 8
+        previous = exact.nnz
+        if step and waits_known:  # a real GPU may have finished before the host looks: no wait
+            assert forward >= 1 if bounded else forward == 0

@@ -30,8 +30,11 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._pytree import tree_flatten
 
+from ..codecs import _cuda
+from ..codecs.bitmap import CappedBitmapTensor
 from ..codecs.narrow import WIDE_INTS, pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
+from .capacity import LateChecks, capacity
 from .policies import Policy
 from .roles import EXACT, Need, OpWatch
 from .tape import Slot, model_state, signature, tapes_of
@@ -133,6 +136,9 @@ class _Region:
         self.tensor, self.probe = region, probe
         self.nbytes = region.numel() * region.element_size()
         self.nnz = region.numel()
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
 
 
 class _Decoded:
@@ -282,6 +288,10 @@ class compress_activations(contextlib.ContextDecorator):
         # A policy that stores nothing in another form, with nothing to record: each pack is held
         # as plain PyTorch would hold it, with no dedupe or lookup.
         self._as_is = not self.policy.encodes and self.ledger is None
+        # Bitmaps on the GPU path: sized from an earlier step's counts, checked late (.capacity).
+        self._sized = self.policy.sized_by_count
+        self._checks: LateChecks | None = None
+        self._index = 0  # the pack being stored: its position in the step
         nested = self._tapes.busy
         self._owns_tapes = not nested
         self._candidates: list[list[Slot]] | None = None  # replaying: the tapes still matched
@@ -346,6 +356,7 @@ class compress_activations(contextlib.ContextDecorator):
         finally:  # process-wide hooks must never outlive the block, even if the flush raised
             self._unhook()
             self._table.clear()
+            self._checks = None  # the tensors stored hold it until their counts are looked at
             if self._owns_tapes:
                 self._tapes.busy = False
         recorded = self._recording
@@ -444,7 +455,7 @@ class compress_activations(contextlib.ContextDecorator):
         return t.untyped_storage().data_ptr() in self._external
 
     def _pack(self, t: torch.Tensor):
-        index = self.saved_count
+        index = self._index = self.saved_count
         self.saved_count = index + 1
         if self._as_is:  # nothing to encode or record: held as PyTorch holds it
             return _Kept(t.detach(), t._version)
@@ -477,6 +488,7 @@ class compress_activations(contextlib.ContextDecorator):
             slots = self._recording
             slots.extend([None] * (pending.index + 1 - len(slots)))
             slots[pending.index] = Slot(t, need, pending.module, param_copy)
+        self._index = pending.index  # the position the stored form is sized by (.capacity)
         pending.target = self._hold(t, pending.detached, need, pending.module, param_copy)
         pending.tensor = pending.detached = None
 
@@ -540,6 +552,8 @@ class compress_activations(contextlib.ContextDecorator):
                 rep = pack_narrow(region, need.bound)
             elif split:
                 rep = _encode_per_sample(self.policy, region, *split, need)
+            elif self._sized and _cuda.gpu_path(region):
+                rep = self._encode_sized(region.view(rows, -1), need, entry, form)
             else:
                 rep = self.policy.encode(region.view(rows, -1), need)
             region_bytes = region.numel() * region.element_size()
@@ -559,6 +573,24 @@ class compress_activations(contextlib.ContextDecorator):
         if rep.nbytes:
             self.ledger.hold(rep.nbytes)
             weakref.finalize(rep, self.ledger.release, rep.nbytes)
+
+    def _encode_sized(self, x: torch.Tensor, need: Need, entry: _Entry, form: str):
+        """Encode ``x`` into value slots sized from the count kept at this position of an earlier
+        step, with no host sync; its count is checked later (see .capacity). Where none was seen,
+        exactly, reading its count (one sync), which sizes the next step's."""
+        if self._checks is None:
+            self._checks = LateChecks(self._tapes.capacities.of(self._signature))
+        counts = self._checks.counts
+        slots = capacity(counts, self._index, x.numel())
+        if slots is None:
+            rep = self.policy.encode(x, need)
+            counts[self._index] = (x.numel(), x.numel() if rep is None else rep.nnz)
+            return rep
+        rep = self.policy.encode(x, need, capacity=slots)
+        if not isinstance(rep, CappedBitmapTensor):
+            return rep
+        repack = _Repack(self.policy, need, self.ledger, entry, form)
+        return self._checks.track(rep, x, self._index, repack)
 
     def _supersede(self, entry: _Entry, forms: list[str], nnz: int) -> None:
         """Zero the stored bytes of ledger rows whose forms an exact form replaced.
@@ -597,6 +629,28 @@ class compress_activations(contextlib.ContextDecorator):
                 form=form,
             )
         )
+
+
+class _Repack:
+    """Store a tensor exactly after its capped bitmap overflowed (rare: see .capacity), and
+    restate its ledger row."""
+
+    __slots__ = ("policy", "need", "ledger", "entry", "form")
+
+    def __init__(self, policy: Policy, need: Need, ledger: SavedTensorLedger | None, entry: _Entry, form: str):
+        self.policy, self.need, self.ledger, self.form = policy, need, ledger, form
+        self.entry = weakref.ref(entry)  # an entry holds what holds this: no cycle
+
+    def __call__(self, source: torch.Tensor, held) -> object:
+        rep = self.policy.encode(source, self.need)  # exact size: one sync
+        rep = _Region(source, source) if rep is None else rep
+        entry = self.entry()
+        index = None if entry is None or self.ledger is None else entry.records.get(self.form)
+        if index is not None:
+            self.ledger.restate(index, rep.nbytes, "dense" if isinstance(rep, _Region) else "stored")
+            self.ledger.hold(rep.nbytes - held.nbytes)
+            weakref.finalize(held, self.ledger.release, rep.nbytes - held.nbytes)
+        return rep
 
 
 def _kept_count(rep) -> int | torch.Tensor:

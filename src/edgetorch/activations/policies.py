@@ -8,7 +8,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..codecs import FLOAT_DTYPES, _cuda, pack_bitmap
-from ..codecs.bitmap import BitmapTensor, pack_bitmap_if_smaller, zero_limit_bits
+from ..codecs.bitmap import (BitmapTensor, CappedBitmapTensor, pack_bitmap_capped, pack_bitmap_if_smaller,
+                             zero_limit_bits)
 from ..codecs.mask import pack_mask
 from ..codecs.quantized import check_bits, pack_quantized, pack_quantized_sided, quantize_values
 from ..codecs.topk import check_sparsity, pack_topk
@@ -38,6 +39,10 @@ class Policy:
     # Whether ``encode`` ever stores a tensor in another form. A policy that never does (Dense)
     # has nothing to dedupe or look up: with no ledger the engine holds each pack as it is.
     encodes = True
+    # Whether ``encode`` takes ``capacity=``: on the GPU path the stored size depends on the data
+    # (a bitmap's kept count), and the engine sizes it from the count kept at the same position of
+    # an earlier step instead of reading it back (see edgetorch.activations.capacity).
+    sized_by_count = False
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
@@ -96,6 +101,7 @@ class Bitmap(Policy):
 
     name = "bitmap"
     narrows_integers = True
+    sized_by_count = True
     threshold: float = 0.0
     value_dtype: torch.dtype | None = None
 
@@ -112,11 +118,20 @@ class Bitmap(Policy):
                 f"got {self.value_dtype!r}"
             )
 
-    def encode(self, t: torch.Tensor, need: Need = EXACT) -> BitmapTensor | None:
+    def encode(self, t: torch.Tensor, need: Need = EXACT, capacity: int | None = None
+               ) -> BitmapTensor | CappedBitmapTensor | None:
+        """``t`` as a bitmap, or None where that is not smaller. ``capacity`` (GPU path only):
+        pack into that many value slots without a host sync, or None if that many would not be
+        smaller; the caller checks :meth:`CappedBitmapTensor.overflowed` later."""
+        limit = int(_WORTHWHILE * t.numel() * t.element_size())
+        if capacity is not None and _cuda.gpu_path(t):
+            value_bytes = (self.value_dtype or t.dtype).itemsize
+            if (t.numel() + 7) // 8 + capacity * value_bytes >= limit:
+                return None
+            return pack_bitmap_capped(t, capacity, self.threshold, self.value_dtype)
         if _cuda.gpu_path(t):
             # On a GPU packing reads the kept count back once anyway (to size the values); the
             # decision uses that exact count instead of a sample, which would be a second sync.
-            limit = int(_WORTHWHILE * t.numel() * t.element_size())
             return pack_bitmap_if_smaller(t, self.threshold, self.value_dtype, limit)
         if not self._worth_packing(t):
             return None

@@ -34,6 +34,7 @@ import weakref
 import torch
 from torch import nn
 
+from .capacity import Capacities
 from .roles import Need
 
 MAX_TAPES = 8  # per model and state: signatures and paths seen (a last smaller batch, a branch)
@@ -60,7 +61,7 @@ class ModelTapes:
     """The tapes of one model under its current state, newest first, each with the input
     signature it was recorded for."""
 
-    __slots__ = ("state", "tapes", "busy", "seen", "watch", "walk")
+    __slots__ = ("state", "tapes", "busy", "seen", "watch", "walk", "capacities")
 
     def __init__(self):
         self.state: tuple | None = None
@@ -69,6 +70,7 @@ class ModelTapes:
         self.seen = False  # a block of this model ran with module hooks (their warnings)
         self.watch = 0  # steps still to watch after one left every tape
         self.walk: tuple | None = None  # (generation, modules, parameters, buffers): see model_state
+        self.capacities = Capacities()  # kept counts of packed bitmaps, by position (GPU path)
 
     def for_state(self, state: tuple) -> list[tuple[tuple | None, list[Slot]]]:
         """The tapes recorded under ``state``, newest first (none if the state changed)."""

@@ -11,6 +11,7 @@ over the tensor's logical shape, whatever its strides.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -244,6 +245,13 @@ def zero_limit_bits(dtype: torch.dtype, threshold: float) -> int:
         threshold = float(threshold)
     except OverflowError:  # an int beyond float range exceeds every finite value, like inf
         threshold = math.inf
+    return _limit_bits(dtype, threshold)
+
+
+@functools.lru_cache(maxsize=256)
+def _limit_bits(dtype: torch.dtype, threshold: float) -> int:
+    # Cached: a policy packs every tensor at the same threshold, and the two reads below are
+    # ~10 us of host time per packed tensor (and look like device reads to a sync counter).
     as_dtype = torch.tensor(threshold, dtype=torch.float64).to(dtype)
     bits = int(as_dtype.view(_INT_VIEW[dtype]).item())
     # Rounding to dtype may land above the threshold; then the largest value <= threshold is

@@ -120,6 +120,11 @@ class SavedTensorLedger:
         row = self._rows[index]
         self._rows[index] = replace(row, stored_bytes=0, storage="superseded", nnz=nnz if row.numel else 0)
 
+    def restate(self, index: int, stored_bytes: int, storage: str) -> None:
+        """Row ``index``'s tensor was stored again, now in ``stored_bytes`` as ``storage``
+        (a capped bitmap re-packed exactly after its value slots overflowed)."""
+        self._rows[index] = replace(self._rows[index], stored_bytes=stored_bytes, storage=storage)
+
     def hold(self, nbytes: int) -> None:
         """Count ``nbytes`` of saved-tensor memory as live (called when it is stored)."""
         with self._lock:
