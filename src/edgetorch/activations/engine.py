@@ -262,11 +262,15 @@ class compress_activations(contextlib.ContextDecorator):
         self.model, self.policy, self.min_bytes, self.ledger = model, policy, min_bytes, ledger
         self._keep = {t.untyped_storage().data_ptr() for t in keep}
         self.saved_count = 0
-        self._pack_fn = self._pack  # one bound object, so the hook on top can be recognised
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> compress_activations:
         self._check_can_act()
+        # One bound object, so the hook on top can be recognised. Made here and dropped at exit:
+        # held from __init__ on, it made the block a reference cycle that kept the model (and
+        # what the block held) alive until the garbage collector ran, which freed it in the middle
+        # of a later step's forward (a negative forward increase was measured on an H100).
+        self._pack_fn = self._pack
         self._tapes = tapes_of(self.model)
         storages, state = model_state(self.model, self._tapes)
         self._external = storages | self._keep
@@ -373,6 +377,7 @@ class compress_activations(contextlib.ContextDecorator):
             )
         elif exc[0] is None and self.saved_count and _is_compiled(self.model):
             self._warn_compiled()
+        self._pack_fn = self._watch = None  # bound to this block: cycles (see __enter__)
         return False
 
     def _warn_compiled(self) -> None:

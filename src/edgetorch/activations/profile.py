@@ -17,6 +17,7 @@ step, so the measurement does not include it.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -140,6 +141,7 @@ def profile_one(request: ProfileRequest) -> dict:
 
     train_step(None)
     ledger = SavedTensorLedger()
+    gc.collect()  # garbage from before (reference cycles of the caller's) must not be freed mid-step
     rss_before, before = rss_bytes(), held_bytes(device)
     reset_peak(device)
     start = time.perf_counter()
