@@ -298,6 +298,49 @@ def host_profile_of(run: Callable[[], None], device, top: int = 12) -> dict:
     }
 
 
+def launch_costs(device, calls: int = 300) -> list[dict]:
+    """Host microseconds per call of each codec on a tiny tensor (so the host sets the pace), with the
+    compiled kernels launched directly and through Triton's own launch path, next to one torch op."""
+    from edgetorch.codecs import _cuda
+    from edgetorch.codecs import _triton as T
+
+    _cuda.kernels(torch.zeros(1, device=device))  # loads the kernels and checks the direct launch
+    x = torch.randn(4096, device=device)
+    bits, rows = x.view(torch.int32), x.view(4, 1024)
+    bitmap = torch.zeros(512, dtype=torch.uint8, device=device)
+    calls_of = {
+        "torch add_ (reference)": lambda: x.add_(0),
+        "pack_mask": lambda: T.pack_mask(x, 0.0),
+        "pack_bitmap_capped": lambda: T.pack_bitmap_capped(bits, 0, 4096),
+        "unpack_bitmap": lambda: T.unpack_bitmap(bitmap, bits, 4096),
+        "pack_topk_rows": lambda: T.pack_topk_rows(rows, 100),
+        "quantize": lambda: T.quantize(rows, 8, 64),
+    }
+
+    def per_call(fn) -> float:
+        for _ in range(20):
+            fn()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = time.perf_counter() - start
+        _sync(device)
+        return host / calls * 1e6
+
+    direct = T._DIRECT
+    out = []
+    try:
+        for name, fn in calls_of.items():
+            T._DIRECT = False
+            ordinary = per_call(fn)
+            T._DIRECT = direct
+            out.append({"call": name, "host_us_direct": per_call(fn) if direct else None, "host_us_triton": ordinary})
+    finally:
+        T._DIRECT = direct
+    return out
+
+
 def _duration_ns(event) -> int:
     if hasattr(event, "duration_ns"):
         return event.duration_ns()
@@ -529,7 +572,8 @@ def _f(v, fmt: str, scale: float = 1.0) -> str:
     return "n/a" if v is None else format(v * scale if scale != 1.0 else v, fmt)
 
 
-def report(rows: list[dict], compiled: list[dict], settings: dict, notes: list[str]) -> str:
+def report(rows: list[dict], compiled: list[dict], settings: dict, notes: list[str],
+           launches: list[dict] | None = None) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke)"
     main = table(
         ["model", "config", "step peak MiB", "peak vs base", "step ms", "time vs base", "vs captured plain",
@@ -557,6 +601,9 @@ def report(rows: list[dict], compiled: list[dict], settings: dict, notes: list[s
           _f(r["triton_launch_ms"], ".1f"),
           "; ".join(f"{t['function']} {t['self_ms']:.1f} ({t['calls']})" for t in r["host_top"][:5])]
          for r in profiled]) if profiled else "Not measured."
+    costs = table(["call (4,096 elements)", "host us, compiled kernel launched directly", "host us, Triton's launch path"],
+                  [[c["call"], _f(c["host_us_direct"], ".1f"), _f(c["host_us_triton"], ".1f")]
+                   for c in launches]) if launches else "Not measured."
     lines = "\n".join(verdicts(rows, compiled))
     extra = "\n".join(f"- {n}" for n in notes)
     return f"""
@@ -597,6 +644,10 @@ steps each, interleaved step by step. Ratios are to `plain` (or `bf16 plain` for
 {extra}
 
 {main}
+
+### Host time per codec call
+
+{costs}
 
 ### Where an eager step's host time goes
 
@@ -684,6 +735,9 @@ def main() -> None:
     compiled: list[dict] = []
     notes: list[str] = []
     models = [m for m in args.models.split(",") if m]
+    launches = launch_costs(device)
+    for row in launches:
+        print(row, flush=True)
     try:
         for name in models:
             spent = time.perf_counter() - started
@@ -716,12 +770,12 @@ def main() -> None:
     notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
     settings = {"batch": BATCH, "size": SIZE, "warmup": args.warmup, "steps": args.steps}
     try:
-        body = report(rows, compiled, settings, notes)
+        body = report(rows, compiled, settings, notes, launches)
     except Exception as e:  # the measurements must reach the JSON even if the markdown cannot be made
         body = f"Report failed ({type(e).__name__}: {e}); the rows are in activations_cuda.json."
     write_results("activations_cuda",
                   "Activation compression on a GPU: allocator peak, step time, kernel time, launches, host syncs",
-                  body, {**settings, "notes": notes, "rows": rows, "compiled": compiled})
+                  body, {**settings, "notes": notes, "launch_costs": launches, "rows": rows, "compiled": compiled})
 
 
 if __name__ == "__main__":

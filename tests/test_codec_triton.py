@@ -1099,7 +1099,7 @@ def test_capped_bitmap_overflow_repacks_exactly(hold, monkeypatch) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_capped_bitmap_overflow_repacks_exactly_on_cuda() -> None:
+def test_cuda_capped_bitmap_overflow_repacks_exactly() -> None:
     """The same on a GPU: pinned count copies and CUDA events instead of the emulation's."""
     _overflowing_steps(torch.device("cuda"), bounded=False, waits_known=False)
 
@@ -1143,3 +1143,23 @@ def _overflowing_steps(device: torch.device, bounded: bool, waits_known: bool = 
         previous = exact.nnz
         if step and waits_known:  # a real GPU may have finished before the host looks: no wait
             assert forward >= 1 if bounded else forward == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_direct_launch_is_on_and_exact() -> None:
+    """The codecs launch their compiled kernels directly on this GPU (Triton >= 3.3), and the direct
+    launches write the same bytes as Triton's own, across alignments, sizes and repeated calls."""
+    from edgetorch.codecs import _cuda
+
+    assert _cuda.kernels(torch.zeros(1, device="cuda")) is not None
+    assert T._DIRECT == (tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3))
+    torch.manual_seed(0)
+    for n in (7, 4096, 4097, 100_003):
+        x = torch.relu(torch.randn(n + 3, device="cuda"))
+        for view in (x[:n], x[1 : n + 1], x[3:]):
+            bits = view.view(torch.int32)
+            ref_bitmap, ref_values = pack_torch(bits, 0)
+            for _ in range(3):  # first: Triton's path, then the kept compiled kernel
+                bitmap, values = T.pack_bitmap(bits, 0)
+                assert torch.equal(bitmap, ref_bitmap) and torch.equal(values, ref_values)
+                assert torch.equal(T.unpack_bitmap(bitmap, values, n), bits)

@@ -56,6 +56,7 @@ cover many blocks with few elements.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import struct
 
@@ -553,7 +554,9 @@ def _on_its_device(fn):
     @functools.wraps(fn)
     def on_device(*args, **kwargs):
         t = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if t is not None and t.device.type == "cuda":
+        # Entering torch.cuda.device costs ~4 us of host a call (measured on an H100): only when
+        # the tensor is not on the current device.
+        if t is not None and t.is_cuda and t.device.index != torch._C._cuda_getDevice():
             with torch.cuda.device(t.device):
                 return fn(*args, **kwargs)
         return fn(*args, **kwargs)
@@ -566,6 +569,73 @@ def _on_its_device(fn):
 
 # Streaming kernels run 8 warps (256 threads) over BLOCK = 4096 elements: 16 consecutive elements
 # a thread, i.e. 64-byte vector loads of float32, and 512 whole bitmap bytes a program.
+# Triton's launch path (``kernel[grid](...)``: binding the arguments, computing their
+# specialization, a cache-key string, hook lookups) cost 30-50 us of host time per launch on an H100
+# (36-52 us for the one-launch codecs, against 9 us for a torch op): more than most of these kernels
+# take on the device, and the whole of an eager step's extra time is host time. So the compiled
+# kernel of each specialization is kept and launched directly (``CompiledKernel[grid]``) from the
+# second launch on. The key is at least as fine as Triton's own specialization (a tensor's dtype and
+# 16-byte alignment; an int's range class, divisibility by 16 and equality to 1; every constexpr and
+# option by value), so a kept kernel is the one Triton would pick. Triton >= 3.3 passes every
+# parameter to the launcher (constexprs included); older versions and the interpreter take the
+# ordinary path. The first CUDA use checks the direct path against the ordinary one
+# (:func:`check_direct_launch`) and turns it off if they differ or it fails.
+_DIRECT = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3)
+_COMPILED: dict = {}
+_TAILS: dict = {}
+
+
+def _spec(a) -> object:
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if a.__class__ is int:
+        return a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a >= 1 << 63
+    if a.__class__ is float:
+        return float
+    return a.__class__, a  # bool, None: by value
+
+
+def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, directly through its compiled kernel once Triton has
+    compiled it for this specialization (see above). ``args``: the kernel's leading parameters,
+    positionally; ``kwargs``: its constexprs and launch options by name."""
+    first = args[0]
+    if not (_DIRECT and first.is_cuda):
+        kernel[grid](*args, **kwargs)
+        return
+    key = (kernel, first.device.index, *map(_spec, args), *kwargs.items())
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)  # compiles (or finds) it, and launches
+        names = kernel.arg_names[len(args):]
+        defaults = {n: p.default for n, p in inspect.signature(kernel.fn).parameters.items()}
+        _TAILS[key] = tuple(kwargs[n] if n in kwargs else defaults[n] for n in names)
+        if compiled is not None:
+            _COMPILED[key] = compiled
+        return
+    compiled[grid](*args, *_TAILS[key])
+
+
+def check_direct_launch() -> bool:
+    """Compare the direct launch with Triton's own on one kernel (called once per process, on the
+    first CUDA use); turn it off if it fails or differs. Returns whether it is on."""
+    global _DIRECT
+    if not _DIRECT:
+        return False
+    try:
+        x = torch.arange(-3000, 3000, dtype=torch.float32, device="cuda") / 7
+        ordinary, saved = [], _DIRECT
+        _DIRECT = False
+        ordinary = [pack_mask(x[1:], 0.5), pack_mask(x, -0.25)]
+        _DIRECT = saved
+        direct = [pack_mask(x[1:], 0.5) for _ in range(2)] + [pack_mask(x, -0.25) for _ in range(2)]
+        same = all(torch.equal(d, o) for d, o in zip(direct, [ordinary[0]] * 2 + [ordinary[1]] * 2))
+    except Exception:  # noqa: BLE001 - any failure means: launch the ordinary way
+        same = False
+    _DIRECT = same
+    return same
+
+
 _WARPS = 8
 _AGG_ONLY = False  # tests: look-backs walk to tile 0 through aggregates (see _flat_prefix)
 _SCRATCH: dict = {}
@@ -579,7 +649,8 @@ def _scratch(device: torch.device, words: int) -> torch.Tensor:
     """A zeroed int64 buffer of at least ``words`` entries, one per device and stream, kept across
     calls: every kernel that uses it leaves it zeroed again (tickets, status words, histograms),
     so no call pays a zeroing launch; it is only allocated (torch.zeros) when it must grow."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else device
+    # The raw stream handle: torch.cuda.current_stream() builds a Stream object (~5 us of host).
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index)) if device.type == "cuda" else device
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < words:
         if buf is not None:
@@ -614,7 +685,7 @@ def count(bits: torch.Tensor, limit: int, *, block: int = BLOCK) -> torch.Tensor
     if not n:
         return torch.zeros(1, dtype=torch.int64, device=bits.device)
     prefix = torch.empty(nblocks + 1, dtype=torch.int64, device=bits.device)
-    _scan_kernel[(nblocks,)](bits, prefix, _scratch(bits.device, 2 + nblocks), n, nblocks, limit,
+    _launch(_scan_kernel, (nblocks,), bits, prefix, _scratch(bits.device, 2 + nblocks), n, nblocks, limit,
                              ABS_MASK=_ABS_MASK[bits.dtype], BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
     return prefix
 
@@ -643,7 +714,7 @@ def compact(
     bitmap = torch.empty((n + 7) // 8, dtype=torch.uint8, device=bits.device)
     values = torch.empty(nnz, dtype=bits.dtype, device=bits.device)
     if n:
-        _compact_kernel[(nblocks,)](bits, bitmap, values, prefix, n, bitmap.numel(), nnz, limit,
+        _launch(_compact_kernel, (nblocks,), bits, bitmap, values, prefix, n, bitmap.numel(), nnz, limit,
                                     ABS_MASK=_ABS_MASK[bits.dtype], BLOCK=block, num_warps=_WARPS)
     return bitmap, values
 
@@ -693,7 +764,7 @@ def pack_bitmap_capped(
         return bitmap, values, torch.zeros(1, dtype=torch.int64, device=dev)
     total = torch.empty(1, dtype=torch.int64, device=dev)
     nblocks = triton.cdiv(n, block)
-    _capped_kernel[(nblocks,)](bits, bitmap, values, total, _scratch(dev, 2 + nblocks), n, bitmap.numel(),
+    _launch(_capped_kernel, (nblocks,), bits, bitmap, values, total, _scratch(dev, 2 + nblocks), n, bitmap.numel(),
                                capacity, nblocks, limit, ABS_MASK=_ABS_MASK[bits.dtype], BLOCK=block,
                                AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
     return bitmap, values, total
@@ -713,7 +784,7 @@ def unpack_bitmap(bitmap: torch.Tensor, values: torch.Tensor, numel: int, *, blo
     out = torch.empty(numel, dtype=ints.dtype, device=values.device)
     if numel:
         nblocks = triton.cdiv(numel, block)
-        _unpack_kernel[(nblocks,)](bitmap, ints.reshape(-1), out, _scratch(values.device, 2 + nblocks), numel,
+        _launch(_unpack_kernel, (nblocks,), bitmap, ints.reshape(-1), out, _scratch(values.device, 2 + nblocks), numel,
                                    ints.numel(), numel, 0, nblocks,
                                    ROWS=False, BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
     return out.view(values.dtype)
@@ -774,11 +845,11 @@ def pack_topk_rows(
     nbits = {torch.int16: 16, torch.int32: 32, torch.int64: 64}[bits.dtype]
     shifts = range(nbits - _RADIX_BITS, -1, -_RADIX_BITS)  # the sign bit is 0 in the magnitudes
     for shift in shifts:
-        _select_kernel[(rows * nchunks,)](bits, scratch, prefix, krem, thr, take, counts, values, n, nchunks, k,
+        _launch(_select_kernel, (rows * nchunks,), bits, scratch, prefix, krem, thr, take, counts, values, n, nchunks, k,
                                           width, shift, ABS_MASK=absmask, FIRST=shift == shifts[0],
                                           LAST=shift == 0, BLOCK=block, num_warps=_WARPS)
     bitmap = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=dev)
-    _topk_compact_kernel[(nblocks,)](bits, bitmap, values, thr, take, scratch, numel, bitmap.numel(), n, width,
+    _launch(_topk_compact_kernel, (nblocks,), bits, bitmap, values, thr, take, scratch, numel, bitmap.numel(), n, width,
                                      nblocks, ABS_MASK=absmask, BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
     return bitmap, values.view(x.dtype).view(rows, width), counts
 
@@ -799,7 +870,7 @@ def unpack_topk_rows(
     out = torch.empty(numel, dtype=ints.dtype, device=values.device)
     if numel:
         nblocks = triton.cdiv(numel, block)
-        _unpack_kernel[(nblocks,)](bitmap, ints.reshape(-1), out, _scratch(values.device, 2 + nblocks), numel,
+        _launch(_unpack_kernel, (nblocks,), bitmap, ints.reshape(-1), out, _scratch(values.device, 2 + nblocks), numel,
                                    ints.numel(), n, values.shape[1], nblocks,
                                    ROWS=True, BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
     return out.view(values.dtype).view(rows, n)
@@ -828,7 +899,7 @@ def pack_mask(x: torch.Tensor, low: float, high: float = math.inf, *, block: int
     if lo_nan or hi_nan:  # nothing compares true with NaN
         return bitmap.zero_()
     nan_above, _ = _order_key(math.inf, x.dtype)
-    _mask_pack_kernel[(triton.cdiv(n, block),)](bits, bitmap, n, bitmap.numel(), lo_key, hi_key, nan_above,
+    _launch(_mask_pack_kernel, (triton.cdiv(n, block),), bits, bitmap, n, bitmap.numel(), lo_key, hi_key, nan_above,
                                                 ABS_MASK=_ABS_MASK[bits.dtype], HAS_HIGH=has_high, BLOCK=block,
                                                 num_warps=_WARPS)
     return bitmap
@@ -847,7 +918,7 @@ def unpack_mask(
     in_bits, out_bits = _bits_of(inside, dtype), _bits_of(outside, dtype)
     out = torch.empty(numel, dtype=ints, device=bitmap.device)
     if numel:
-        _mask_unpack_kernel[(triton.cdiv(numel, block),)](bitmap, out, numel, in_bits, out_bits, BLOCK=block,
+        _launch(_mask_unpack_kernel, (triton.cdiv(numel, block),), bitmap, out, numel, in_bits, out_bits, BLOCK=block,
                                                           num_warps=_WARPS)
     return out.view(dtype)
 
@@ -897,7 +968,7 @@ def quantize(
         chunk = min(triton.next_power_of_2(group), block)
         per = block // chunk
         blocks = triton.cdiv(groups, per)
-        _quantize_kernel[(rows * blocks,)](x.view(torch.int16) if bf16 else x, codes, lo, scale, n, groups, blocks,
+        _launch(_quantize_kernel, (rows * blocks,), x.view(torch.int16) if bf16 else x, codes, lo, scale, n, groups, blocks,
                                            row_bytes, group, 0 if seed is None else _mix32_int(seed),
                                            BITS=bits, STOCHASTIC=seed is not None, GROUPS=per, CHUNK=chunk,
                                            BF16=bf16, enable_fp_fusion=False)
@@ -937,7 +1008,7 @@ def dequantize(
     out = torch.empty((rows, n), dtype=torch.int16 if bf16 else dtype, device=codes.device)
     if rows and n:
         blocks = triton.cdiv(n, block)
-        _dequantize_kernel[(rows * blocks,)](codes, lo, scale, out, n, groups, blocks, row_bytes, group,
+        _launch(_dequantize_kernel, (rows * blocks,), codes, lo, scale, out, n, groups, blocks, row_bytes, group,
                                              BITS=bits, BLOCK=block, BF16=bf16, enable_fp_fusion=False)
     return out.view(dtype)
 
