@@ -702,6 +702,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=BUDGET_S,
                         help="skip models (and torch.compile) not started when this much time is spent")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    parser.add_argument("--out", default="activations_cuda", help="results name under docs/results/")
     args = parser.parse_args()
     started = time.perf_counter()
 
@@ -773,7 +774,7 @@ def main() -> None:
         body = report(rows, compiled, settings, notes, launches)
     except Exception as e:  # the measurements must reach the JSON even if the markdown cannot be made
         body = f"Report failed ({type(e).__name__}: {e}); the rows are in activations_cuda.json."
-    write_results("activations_cuda",
+    write_results(args.out,
                   "Activation compression on a GPU: allocator peak, step time, kernel time, launches, host syncs",
                   body, {**settings, "notes": notes, "launch_costs": launches, "rows": rows, "compiled": compiled})
 

@@ -59,6 +59,7 @@ import functools
 import inspect
 import math
 import struct
+import warnings
 
 import torch
 import triton
@@ -580,7 +581,8 @@ def _on_its_device(fn):
 # parameter to the launcher (constexprs included); older versions and the interpreter take the
 # ordinary path. The first CUDA use checks the direct path against the ordinary one
 # (:func:`check_direct_launch`) and turns it off if they differ or it fails.
-_DIRECT = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3)
+_SUPPORTED = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3)
+_DIRECT: bool | None = None if _SUPPORTED else False  # None: not checked yet on this machine
 _COMPILED: dict = {}
 _TAILS: dict = {}
 
@@ -600,6 +602,8 @@ def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
     compiled it for this specialization (see above). ``args``: the kernel's leading parameters,
     positionally; ``kwargs``: its constexprs and launch options by name."""
     first = args[0]
+    if _DIRECT is None and first.is_cuda:
+        check_direct_launch()
     if not (_DIRECT and first.is_cuda):
         kernel[grid](*args, **kwargs)
         return
@@ -613,26 +617,29 @@ def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
         if compiled is not None:
             _COMPILED[key] = compiled
         return
-    compiled[grid](*args, *_TAILS[key])
+    compiled[(*grid, 1, 1)[:3]](*args, *_TAILS[key])  # a compiled kernel takes a 3-d grid
 
 
 def check_direct_launch() -> bool:
     """Compare the direct launch with Triton's own on one kernel (called once per process, on the
     first CUDA use); turn it off if it fails or differs. Returns whether it is on."""
     global _DIRECT
-    if not _DIRECT:
+    if not _SUPPORTED:
         return False
     try:
         x = torch.arange(-3000, 3000, dtype=torch.float32, device="cuda") / 7
-        ordinary, saved = [], _DIRECT
         _DIRECT = False
         ordinary = [pack_mask(x[1:], 0.5), pack_mask(x, -0.25)]
-        _DIRECT = saved
+        _DIRECT = True
         direct = [pack_mask(x[1:], 0.5) for _ in range(2)] + [pack_mask(x, -0.25) for _ in range(2)]
         same = all(torch.equal(d, o) for d, o in zip(direct, [ordinary[0]] * 2 + [ordinary[1]] * 2))
     except Exception:  # noqa: BLE001 - any failure means: launch the ordinary way
         same = False
     _DIRECT = same
+    if not same:
+        warnings.warn(f"edgetorch: launching Triton {triton.__version__}'s compiled kernels directly did not match "
+                      "its own launch; the codecs use Triton's launch path (correct, ~30 us more host time per "
+                      "call)", RuntimeWarning, stacklevel=2)
     return same
 
 
