@@ -84,7 +84,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
-def write_results(name: str, title: str, body: str, data: dict) -> tuple[Path, Path]:
+def write_results(name: str, title: str, body: str, data: dict, script: str | None = None) -> tuple[Path, Path]:
     """Write ``docs/results/NAME.json`` and ``NAME.md`` and print the markdown.
 
     Args:
@@ -92,6 +92,7 @@ def write_results(name: str, title: str, body: str, data: dict) -> tuple[Path, P
         title: the markdown heading.
         body: markdown below the machine line (tables and notes).
         data: the raw results; machine, date and torch version are added to it.
+        script: the command that wrote them, where it is not ``bench/NAME.py``.
 
     Returns:
         The JSON and markdown paths.
@@ -109,7 +110,7 @@ def write_results(name: str, title: str, body: str, data: dict) -> tuple[Path, P
     markdown = (
         f"# {title}\n\n"
         f"Machine: {machine_line(info)}. Date: {date}. "
-        f"Produced by `bench/{name}.py` at commit {str(source['commit'])[:10]}{state}"
+        f"Produced by `{script or f'bench/{name}.py'}` at commit {str(source['commit'])[:10]}{state}"
         f"; raw numbers in `{name}.json`.\n\n{body.strip()}\n"
     )
     md_path.write_text(markdown)

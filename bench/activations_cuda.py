@@ -773,10 +773,11 @@ def main() -> None:
     try:
         body = report(rows, compiled, settings, notes, launches)
     except Exception as e:  # the measurements must reach the JSON even if the markdown cannot be made
-        body = f"Report failed ({type(e).__name__}: {e}); the rows are in activations_cuda.json."
+        body = f"Report failed ({type(e).__name__}: {e}); the rows are in {args.out}.json."
     write_results(args.out,
                   "Activation compression on a GPU: allocator peak, step time, kernel time, launches, host syncs",
-                  body, {**settings, "notes": notes, "launch_costs": launches, "rows": rows, "compiled": compiled})
+                  body, {**settings, "notes": notes, "launch_costs": launches, "rows": rows, "compiled": compiled},
+                  script=None if args.out == "activations_cuda" else f"bench/activations_cuda.py --out {args.out}")
 
 
 if __name__ == "__main__":
