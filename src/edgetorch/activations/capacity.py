@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-MARGIN = 1.05  # slots per kept value of the last count: ReLU outputs' counts moved <2% step to step
+MARGIN = 1.05  # slots per kept value of the last count: room for drift between steps (more: re-packed)
 SLACK = 1024  # slots beyond the margin: a small tensor's count moves by more than 5% of itself
 HOLD_BYTES = 128 << 20  # sources held for their counts, at most, before the host waits for one
 MAX_SIGNATURES = 8  # input signatures whose counts a model keeps (as tape.MAX_TAPES)
@@ -76,15 +76,10 @@ def capacity(counts: dict[int, tuple[int, int]], index: int, numel: int) -> int 
     return min(numel, int(seen[1] * MARGIN) + SLACK)
 
 
-class Unchecked:
-    """A capped bitmap whose kept count the host may not have seen: reading it settles its block's
-    counts first, and it then reads what holds the tensor (the capped copy, or the exact re-pack
-    after an overflow)."""
+class Wrapper:
+    """A stored form that holds another (``rep``) and answers for its bytes and kept values."""
 
-    __slots__ = ("rep", "count", "checks", "__weakref__")
-
-    def __init__(self, rep, checks: LateChecks):
-        self.rep, self.count, self.checks = rep, rep.count, checks
+    __slots__ = ("rep", "__weakref__")
 
     @property
     def nbytes(self) -> int:
@@ -92,11 +87,22 @@ class Unchecked:
 
     @property
     def nnz(self) -> int:
-        return int(self.count[0])
+        return self.rep.nnz
+
+
+class Unchecked(Wrapper):
+    """A capped bitmap whose kept count the host may not have seen: reading it settles its block's
+    counts first, and it then reads what holds the tensor (the capped copy, or the exact re-pack
+    after an overflow)."""
+
+    __slots__ = ("count", "checks")
+
+    def __init__(self, rep, checks: LateChecks):
+        self.rep, self.count, self.checks = rep, rep.count, checks
 
     @property
     def lazy_nnz(self) -> torch.Tensor:
-        """The true kept count on the device (exact whether or not the slots overflowed)."""
+        """The true kept count as a device tensor, overflowed or not: what a ledger records."""
         return self.count
 
     def unpack(self) -> torch.Tensor:
@@ -157,13 +163,6 @@ class LateChecks:
                 self._wait(self._queue[0])
                 self._check_first()
         return held
-
-    def poll(self) -> None:
-        """Look at the counts that have arrived (no waiting)."""
-        if self._queue:
-            with self._lock:
-                while self._queue and self._arrived(self._queue[0]):
-                    self._check_first()
 
     def settle(self) -> None:
         """Look at every count, waiting once for the newest (the step's one sync)."""

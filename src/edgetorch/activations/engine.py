@@ -34,7 +34,7 @@ from ..codecs import _cuda
 from ..codecs.bitmap import CappedBitmapTensor
 from ..codecs.narrow import WIDE_INTS, pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
-from .capacity import LateChecks, capacity
+from .capacity import LateChecks, Wrapper, capacity
 from .policies import Policy
 from .roles import EXACT, Need, OpWatch
 from .tape import Slot, model_state, signature, tapes_of
@@ -731,22 +731,14 @@ def _encode_per_sample(policy, region: torch.Tensor, shape: tuple[int, ...], pos
     return None if rep is None else _SampleMajor(rep, tuple(moved.shape), position)
 
 
-class _SampleMajor:
+class _SampleMajor(Wrapper):
     """A form encoded from a copy with the samples gathered outermost; decodes to the region's
     own order (one more copy at decode, the price of per-sample rows in a token-major layout)."""
 
-    __slots__ = ("rep", "shape", "position", "__weakref__")
+    __slots__ = ("shape", "position")
 
     def __init__(self, rep, shape: tuple[int, ...], position: int):
         self.rep, self.shape, self.position = rep, shape, position
-
-    @property
-    def nbytes(self) -> int:
-        return self.rep.nbytes
-
-    @property
-    def nnz(self) -> int:
-        return self.rep.nnz
 
     @property
     def lazy_nnz(self) -> int | torch.Tensor:
