@@ -11,9 +11,10 @@ static inputs and one graph launch, with no per-op Python and no host sync.
 What can be captured is what launches the same kernels on the same shapes every step without
 reading anything back to the host: plain PyTorch (``policy=None``), ``Dense()`` (no ledger),
 ``BackRazor`` and ``Quantized`` (non-stochastic) where their CUDA paths do not sync. A policy
-whose forward waits for the host (bitmap's lossless GPU path reads each tensor's non-zero count
-back to size its values) is refused with :class:`CaptureError` before any capture is tried:
-the last warm-up step runs under ``torch.cuda.set_sync_debug_mode("error")``, phase by phase.
+whose step depends on the host is refused with :class:`CaptureError` before any capture is tried:
+bitmap (its values are sized from earlier steps' counts, which the host checks: a replay would
+skip the check) by name, and any other host sync by running the last warm-up step under
+``torch.cuda.set_sync_debug_mode("error")``, phase by phase.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def capture_step(
         model: a module whose parameters are all on one CUDA device, in the mode to train in.
         policy: an edgetorch policy, or None for plain PyTorch (the baseline to compare a
             captured compressed step with). Capturable: ``BackRazor``, ``Quantized`` and ``Dense()``
-            (no ledger is attached); bitmap's lossless GPU path syncs and is refused.
+            (no ledger is attached); bitmap is refused (its sizes are checked on the host).
         optimizer: the optimizer over ``model``'s parameters; Adam, AdamW and the others that
             have a ``capturable`` flag must be built with ``capturable=True``.
         x, y: a batch: its shape and dtype are the captured step's. Copied; the caller keeps them.
@@ -180,6 +181,13 @@ def _check_arguments(model, policy, optimizer, x, y, warmup) -> torch.device:
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"warmup must be an int >= 1 (steps that compile kernels and create the "
                          f"optimizer's state before capture), got {warmup!r}")
+    if policy is not None and policy.sized_by_count:
+        raise CaptureError(
+            f"{policy.spec()!r} sizes each bitmap from the counts of earlier steps and checks them on the host "
+            "(edgetorch.activations.capacity): a replayed graph would skip the check and silently lose the "
+            f"values of a tensor that kept more than its slots. Capturable: {CAPTURABLE}. Train this one "
+            "eagerly under compress_activations."
+        )
     if getattr(policy, "stochastic", False):
         raise ValueError(
             f"{policy.spec()!r} draws its rounding seeds on the host each step: a captured step would "
@@ -233,8 +241,7 @@ def _no_sync(check: str | None, part: str):
             raise
         raise CaptureError(
             f"{part} syncs with the host (it read a value back from the GPU: {e}), so the step cannot "
-            f"be captured as a CUDA graph. Capturable: {CAPTURABLE}; bitmap's lossless GPU path "
-            "reads each tensor's non-zero count back today. Train this one eagerly under "
+            f"be captured as a CUDA graph. Capturable: {CAPTURABLE}. Train this one eagerly under "
             "compress_activations."
         ) from e
     finally:
