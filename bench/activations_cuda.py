@@ -652,8 +652,11 @@ steps each, interleaved step by step. Ratios are to `plain` (or `bf16 plain` for
 ### Where an eager step's host time goes
 
 One step per eager fp32 configuration under `cProfile` (which slows every Python call, so read shares,
-not absolute times): its total, the Triton kernel launches (`JITFunction.run`) and their cumulative time,
-and the five functions with the most self time.
+not absolute times): its total, the launches that went through Triton's own path (`JITFunction.run`;
+with direct launches on, only each kernel specialization's first) and their cumulative time, and the
+five functions with the most self time. cProfile sees the calling thread only: on CUDA, backward's
+unpack hooks run on autograd's device thread and are not in it (`run_backward` is the main thread
+waiting for them).
 
 {host}
 

@@ -29,8 +29,7 @@ def _load():
 
         # One tiny launch: Triton builds its launcher with a C compiler and needs a GPU it can
         # generate code for (compute capability 7.0+); either can fail only when first used.
-        _triton.pack_bitmap(torch.zeros(16, dtype=torch.int32, device="cuda"), 0)
-        _triton.check_direct_launch()  # launches through the compiled kernels where that is exact
+        _triton.pack_bitmap(torch.zeros(16, dtype=torch.int32, device="cuda"), 0)  # checks direct launches too
     except Exception as exc:  # noqa: BLE001 - any failure means: use torch ops
         warnings.warn(
             f"edgetorch's Triton codec kernels are not available ({type(exc).__name__}: {exc}); on "

@@ -571,11 +571,11 @@ def _on_its_device(fn):
 # Streaming kernels run 8 warps (256 threads) over BLOCK = 4096 elements: 16 consecutive elements
 # a thread, i.e. 64-byte vector loads of float32, and 512 whole bitmap bytes a program.
 # Triton's launch path (``kernel[grid](...)``: binding the arguments, computing their
-# specialization, a cache-key string, hook lookups) cost 30-50 us of host time per launch on an H100
-# (36-52 us for the one-launch codecs, against 9 us for a torch op): more than most of these kernels
-# take on the device, and the whole of an eager step's extra time is host time. So the compiled
-# kernel of each specialization is kept and launched directly (``CompiledKernel[grid]``) from the
-# second launch on. The key is at least as fine as Triton's own specialization (a tensor's dtype and
+# specialization, a cache-key string, hook lookups) is Python on every launch, and an eager step's
+# extra time is host time. So the compiled kernel of each specialization is kept and launched
+# directly (``CompiledKernel[grid]``) from the second launch on. Measured on an H100 (bench
+# activations_cuda, a 4,096-element call): 3-9 us less host time per launch (top-k's five: 249 ->
+# 142 us a call); a whole one-launch codec call still costs 26-36 us, against 6 us for a torch op. The key is at least as fine as Triton's own specialization (a tensor's dtype and
 # 16-byte alignment; an int's range class, divisibility by 16 and equality to 1; every constexpr and
 # option by value), so a kept kernel is the one Triton would pick. Triton >= 3.3 passes every
 # parameter to the launcher (constexprs included); older versions and the interpreter take the
@@ -643,8 +643,8 @@ def check_direct_launch() -> bool:
     _DIRECT = same
     if not same:
         warnings.warn(f"edgetorch: launching Triton {triton.__version__}'s compiled kernels directly did not match "
-                      "its own launch; the codecs use Triton's launch path (correct, ~30 us more host time per "
-                      "call)", RuntimeWarning, stacklevel=2)
+                      "its own launch; the codecs use Triton's launch path (correct, a few us more host time "
+                      "per launch)", RuntimeWarning, stacklevel=2)
     return same
 
 
