@@ -437,7 +437,7 @@ def test_a_manifest_declaring_a_huge_model_allocates_nothing_before_refusing(cop
 def test_each_file_is_read_once_and_parsed_from_the_hashed_bytes(copy_of, monkeypatch, artifact):
     """TOCTOU: swap every file right after it is read; the load uses what was hashed."""
     reads: dict[str, int] = {}
-    original = export._read_regular
+    original = export.read_bytes
     junk = (artifact / "tail.safetensors").read_bytes()
 
     def read_then_swap(path, *args, **kwargs):
@@ -447,7 +447,7 @@ def test_each_file_is_read_once_and_parsed_from_the_hashed_bytes(copy_of, monkey
         path.write_bytes(junk if path.suffix == ".safetensors" else b"{}")  # a swapped file on disk
         return data
 
-    monkeypatch.setattr(export, "_read_regular", read_then_swap)
+    monkeypatch.setattr(export, "read_bytes", read_then_swap)
     head, tail = load(copy_of)
     assert reads == {"manifest.json": 1, "head.safetensors": 1, "tail.safetensors": 1}
     monkeypatch.undo()
@@ -469,7 +469,7 @@ def test_a_file_that_grows_after_its_size_is_checked_is_still_capped(tmp_path, m
 
     monkeypatch.setattr(os, "fstat", fstat_before_growth)
     with pytest.raises(SplitArtifactError, match="grew past the 100-byte limit"):
-        export._read_regular(path, 100)
+        export.read_bytes(path, 100, error=SplitArtifactError)
 
 
 # --------------------------------------------------------------------------------------------

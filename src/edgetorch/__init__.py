@@ -23,6 +23,7 @@ _EXPORTS = {
     "load_dataset": "data",
     "SavedTensorLedger": "measure", "model_memory": "measure",
     "build_model": "zoo", "pretrained": "zoo",
+    "InputFileError": "_files",
 }
 __all__ = sorted(_EXPORTS)
 _SUBPACKAGES = ("activations", "codecs", "data", "integrations", "measure", "reduce", "split", "zoo")
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from .activations import (BackRazor, Bitmap, CapturedStep, CaptureError, CheckpointEvery, Dense, GradientFidelity,
                               Policy, Quantized, capture_step, compress_activations, freeze_batchnorm,
                               gradient_fidelity, parse_policy, plan_memory)
+    from ._files import InputFileError
     from .codecs import BitmapTensor, pack_bitmap
     from .data import load_dataset
     from .measure import SavedTensorLedger, model_memory

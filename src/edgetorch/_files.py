@@ -1,11 +1,39 @@
-"""Files written so a reader never sees half of one: a temporary name in the same folder, then a rename."""
+"""Files in and out: written so a reader never sees half of one, read within bounds fixed before reading.
+
+Every file edgetorch reads may have been made by someone else (weights, artifacts, checkpoints,
+datasets), so every loader reads through :func:`open_regular` / :func:`read_bytes` /
+:func:`read_json`. Their rules, each from a case that took a process down before it existed:
+
+* regular files only: a FIFO named ``*.json`` or ``*.png`` blocked the reader forever, so files
+  are opened with ``O_NONBLOCK`` and anything but a regular file is refused by ``fstat``;
+* a size limit known before reading, checked against the real size (a 1 TB sparse file beside a
+  tiny manifest was read whole), and never more than ``limit + 1`` bytes read even if the file
+  grows;
+* JSON with a depth limit (deeply nested arrays made seven loaders die in ``RecursionError``) and
+  only real JSON (``NaN``, ``Infinity`` and 4,300-digit integers are refused, not half-parsed).
+
+Errors are :class:`InputFileError` (a ``ValueError``) or the loader's own subclass of it, with the
+path, what was wrong and what is accepted.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+MAX_JSON_BYTES = 16 << 20  # every JSON file edgetorch writes is far smaller (manifests, records, histories)
+MAX_JSON_DEPTH = 32  # the deepest JSON edgetorch writes nests 5 levels
+
+
+class InputFileError(ValueError):
+    """A file edgetorch will not read: missing, not a regular file, over its size limit, or malformed.
+
+    Every loader's own error type (``CheckpointError``, ``SplitArtifactError``, ...) is a subclass,
+    so ``except edgetorch.InputFileError`` catches a refused file from any of them.
+    """
 
 
 def write_json_atomically(path: str | Path, data: Any) -> None:
@@ -19,3 +47,119 @@ def write_json_atomically(path: str | Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def open_regular(path: str | Path, limit: int, *, error: type[InputFileError] = InputFileError,
+                 follow_symlinks: bool = True, why: str = "") -> BinaryIO:
+    """Open a regular file for reading, refusing anything else and anything over ``limit`` bytes.
+
+    Args:
+        path: the file.
+        limit: the most bytes it may have (checked against its real size before any read).
+        error: the exception type raised (the loader's own subclass of :class:`InputFileError`).
+        follow_symlinks: False refuses a symlink at ``path`` itself (an artifact's files must
+            be its own).
+        why: appended to the over-limit message (what the limit is for).
+
+    Returns:
+        A binary file object positioned at 0; read at most ``limit + 1`` bytes from it.
+
+    Raises:
+        error: missing, a directory, FIFO, device or socket, a refused symlink, or too large.
+    """
+    path = Path(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        # O_NONBLOCK: opening a FIFO would otherwise block until some writer appears (a hang);
+        # with it the open returns and fstat refuses it.
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise error(f"{path} is missing") from None
+    except OSError as exc:  # ELOOP: a refused symlink or a loop; EACCES; ENXIO: a socket
+        symlinks = "" if follow_symlinks else " (symlinks are refused)"
+        raise error(f"{path}: cannot be opened as a regular file{symlinks}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)  # before fdopen, which raises IsADirectoryError for a directory
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO, device or socket"
+            raise error(f"{path} is not a regular file ({kind}); a regular file is expected")
+        if info.st_size > limit:
+            raise error(f"{path} is {info.st_size} bytes, over the {limit}-byte limit{why}")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path: str | Path, limit: int, *, error: type[InputFileError] = InputFileError,
+               follow_symlinks: bool = True, why: str = "") -> bytes:
+    """A regular file's bytes, at most ``limit`` of them (see :func:`open_regular` for the checks).
+
+    The buffer is sized from the real file size, never from ``limit``: a limit computed from a
+    manifest's claims can be huge, and reading ``limit`` bytes allocated that much up front.
+
+    Example:
+        >>> read_bytes("weights.safetensors", 64 << 20)  # doctest: +SKIP
+    """
+    with open_regular(path, limit, error=error, follow_symlinks=follow_symlinks, why=why) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(min(size, limit) + 1)
+        if len(data) > min(size, limit):  # it grew after fstat: read the rest, still bounded
+            data += f.read(limit + 1 - len(data))
+    if len(data) > limit:
+        raise error(f"{path} grew past the {limit}-byte limit while it was read")
+    return data
+
+
+def read_json(path: str | Path, limit: int = MAX_JSON_BYTES, *, error: type[InputFileError] = InputFileError,
+              follow_symlinks: bool = True) -> Any:
+    """Parse a JSON file within a size and depth limit (see :func:`parse_json`).
+
+    Example:
+        >>> record = read_json("runs/ci/model.json")  # doctest: +SKIP
+    """
+    data = read_bytes(path, limit, error=error, follow_symlinks=follow_symlinks)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return parse_json(text, what=str(path), error=error)
+
+
+def parse_json(text: str, *, what: str, error: type[InputFileError] = InputFileError,
+               max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse JSON text, refusing what is not plain JSON or nests deeper than ``max_depth``.
+
+    Args:
+        text: the JSON text.
+        what: names the source in errors (a path, "the request body").
+        error: the exception type raised.
+        max_depth: the most nested arrays/objects accepted.
+
+    Returns:
+        The parsed value (dicts, lists, str, int, float, bool, None).
+
+    Raises:
+        error: not JSON, ``NaN``/``Infinity``, an integer of over 4,300 digits, or too deep.
+    """
+    def constant(name: str) -> None:
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        value = json.loads(text, parse_constant=constant)
+    # ValueError, not only JSONDecodeError: an integer of over 4,300 digits raises a plain one.
+    # RecursionError: thousands of nested brackets exhaust the parser's recursion.
+    except (ValueError, RecursionError) as exc:
+        message = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise error(f"{what} is not valid JSON ({message})") from None
+    stack = [(value, 1)]
+    while stack:  # iterative: the check itself must not recurse
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > max_depth:
+                raise error(f"{what}: JSON nested deeper than {max_depth} levels")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return value

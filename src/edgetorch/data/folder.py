@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .._files import InputFileError
+
 SPLITS = ("train", "val", "all")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Eval transform: resize the short side to size * 256/224, then centre-crop (the torchvision
@@ -33,7 +35,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 _RESIZE_RATIO = 256 / 224
 
 
-class ImageFolderError(ValueError):
+class ImageFolderError(InputFileError):
     """An image folder or CSV that cannot make a classification dataset (the message says why)."""
 
 

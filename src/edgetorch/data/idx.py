@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._files import InputFileError
+
 # IDX dtype codes and their big-endian numpy equivalents.
 IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(">u1"),
@@ -27,7 +29,7 @@ IDX_DTYPES: dict[int, np.dtype] = {
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-class IDXFormatError(ValueError):
+class IDXFormatError(InputFileError):
     """An IDX file is malformed (bad magic, unknown dtype, or a size that does not match)."""
 
 

@@ -46,7 +46,6 @@ import io
 import json
 import math
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -56,6 +55,7 @@ import torch
 from torch import nn
 
 from .. import __version__
+from .._files import InputFileError, read_bytes
 from . import payload
 from .bottleneck import BottleneckModel, rebuild
 
@@ -76,7 +76,7 @@ _EXPORT_TOLERANCE = 1e-5
 _ONNX_TOLERANCE = 1e-3
 
 
-class SplitArtifactError(ValueError):
+class SplitArtifactError(InputFileError):
     """An artifact directory is incomplete, malformed, tampered with, or fails a check."""
 
 
@@ -467,7 +467,7 @@ def _signed_manifest(root: Path, key: bytes | str | None) -> SplitManifest:
     """The parsed manifest, its HMAC checked when a key is given (the files are checked as read)."""
     if not root.is_dir():
         raise SplitArtifactError(f"{root} is not a directory; export one with `edgetorch split export`")
-    manifest = SplitManifest.from_json(_read_regular(root / MANIFEST_NAME, _MAX_MANIFEST_BYTES).decode("utf-8", "replace"))
+    manifest = SplitManifest.from_json(read_bytes(root / MANIFEST_NAME, _MAX_MANIFEST_BYTES, error=SplitArtifactError, follow_symlinks=False).decode("utf-8", "replace"))
     if key is not None:
         if manifest.signature is None:
             raise SplitArtifactError(f"{root}: the manifest is not signed, but a key was given; export it "
@@ -479,41 +479,13 @@ def _signed_manifest(root: Path, key: bytes | str | None) -> SplitManifest:
     return manifest
 
 
-def _read_regular(path: Path, limit: int, why: str = "") -> bytes:
-    """A regular file's bytes, refusing symlinks (O_NOFOLLOW) and anything over ``limit`` (``why``
-    ends the message that says so)."""
-    try:
-        # O_NONBLOCK: opening a FIFO planted under a file's name would otherwise block until some
-        # writer appears (the loader hangs); with it the open returns and fstat refuses it.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NOCTTY", 0))
-    except FileNotFoundError:
-        raise SplitArtifactError(f"{path.parent}: {path.name} is missing") from None
-    except OSError as exc:  # ELOOP: a symlink
-        raise SplitArtifactError(f"{path}: cannot be opened as a regular file (symlinks are refused): "
-                                 f"{exc.strerror}") from None
-    try:
-        info = os.fstat(fd)  # before fdopen, which raises IsADirectoryError for a directory
-        if not stat.S_ISREG(info.st_mode):
-            raise SplitArtifactError(f"{path} is not a regular file")
-        if info.st_size > limit:
-            raise SplitArtifactError(f"{path} is {info.st_size} bytes, over the {limit}-byte limit{why}")
-    except BaseException:
-        os.close(fd)
-        raise
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)  # at most limit + 1 bytes, even if the file grew after fstat
-    if len(data) > limit:
-        raise SplitArtifactError(f"{path} grew past the {limit}-byte limit while it was read")
-    return data
-
-
 def _verified_bytes(root: Path, manifest: SplitManifest, part: str, model: BottleneckModel) -> bytes:
     """A part's bytes, read once (at most what ``model``'s weights can take) and checked against
     the manifest's SHA-256."""
     entry = manifest.files[part]
-    data = _read_regular(root / entry["path"], _size_limit(model, part),
-                         f" for this manifest's model: the {part} weights do not fit the manifest's model "
-                         "(head and tail swapped, or another model)")
+    data = read_bytes(root / entry["path"], _size_limit(model, part), error=SplitArtifactError,
+                      follow_symlinks=False, why=f" for this manifest's model: the {part} weights do not fit "
+                      "the manifest's model (head and tail swapped, or another model)")
     # Bytes, not str: compare_digest raises TypeError for a str with non-ASCII characters.
     if not hmac.compare_digest(hashlib.sha256(data).hexdigest().encode(), entry["sha256"].encode("utf-8", "replace")):
         raise SplitArtifactError(f"{root / entry['path']}: SHA-256 does not match the manifest (modified or swapped)")

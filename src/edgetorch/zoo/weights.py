@@ -17,12 +17,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .._files import InputFileError
+
 SAFETENSORS_SUFFIX = ".safetensors"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 _SHOWN = 5  # how many offending keys an error lists
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputFileError):
     """A weight file is unreadable, corrupted, or does not match the model it is loaded into."""
 
 
