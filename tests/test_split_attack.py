@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _bounded import run_child
 from _tamper import edit_manifest, rehash
 import torch
 import torchvision
@@ -426,35 +427,93 @@ def test_a_manifest_declaring_a_huge_model_allocates_nothing_before_refusing(cop
     """A 10**6-class tail is 2 GB of float32; the manifest says so, the file is 0.5 MB. The layers
     are built on the meta device, so the refusal comes without allocating them."""
     edit_manifest(copy_of, lambda m: (m["model"].update(num_classes=10**6), m.update(num_classes=10**6)))
-    before, start = _max_rss_bytes(), time.perf_counter()
+    before = _max_rss_bytes()
     _refused(copy_of, r"tail weight classifier.2.* needs torch.float32 \[1000000")
     edit_manifest(copy_of, lambda m: (m["model"].update(num_classes=5, channels=10**6), m.update(
         num_classes=5, bottleneck_shape=[10**6, 4, 4])))  # a 2.3 GB head
-    _refused(copy_of, r"head weight encoder.* needs torch.float32 \[1000000")
-    assert _max_rss_bytes() - before < 64 << 20 and time.perf_counter() - start < 10
+    _refused(copy_of, r"needs 2308187152 bytes of weights, over the 2147483648 an artifact part may have")
+    assert _max_rss_bytes() - before < 64 << 20
 
 
-def test_each_file_is_read_once_and_parsed_from_the_hashed_bytes(copy_of, monkeypatch, artifact):
-    """TOCTOU: swap every file right after it is read; the load uses what was hashed."""
-    reads: dict[str, int] = {}
-    original = export.read_bytes
+@pytest.mark.parametrize("channels", [10**6, 10**9])
+def test_a_manifest_over_the_part_size_limit_is_refused_before_any_file_is_read(copy_of, channels):
+    """channels = 10**9 raised the allowed file size to ~2 TB and the reader allocated it up front
+    (MemoryError from `split serve`); the manifest's claims now meet a fixed limit first."""
+    edit_manifest(copy_of, lambda m: (m["model"].update(channels=channels), m.update(bottleneck_shape=[channels, 4, 4])))
+    (copy_of / "tail.safetensors").unlink()  # nothing is read: a missing file is not even noticed
+    run_child(f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')").refused_with(
+        "SplitArtifactError", "bytes of weights, over the 2147483648 an artifact part may have")
+
+
+def test_a_sparse_file_of_a_legal_size_with_the_wrong_bytes_is_refused_in_bounded_memory(copy_of):
+    """Within the limit (resnet18 with 400,000 classes: a 0.8 GB tail) the bytes are hashed in chunks before they
+    are held: a sparse file of that size beside an unsigned manifest cost 2.5 GB RSS before."""
+    edit_manifest(copy_of, lambda m: (m["model"].update(num_classes=400_000), m.update(num_classes=400_000,
+                                                                                        class_names=None)))
+    limit = export._size_limit(export._skeleton(read_manifest_unchecked(copy_of)), "tail")
+    assert limit > 800_000_000
+    with open(copy_of / "tail.safetensors", "wb") as f:
+        f.truncate(limit)  # sparse: no disk, all zeros
+    run_child(f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')").refused_with(
+        "SplitArtifactError", "SHA-256 does not match the manifest")
+
+
+def read_manifest_unchecked(directory: Path) -> export.SplitManifest:
+    return export.SplitManifest.from_json((directory / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["\x1b[31mred", "two\nlines", "\u202eevil", "tab\there", "nul\x00"],
+                         ids=["ansi", "newline", "bidi-override", "tab", "nul"])
+def test_class_names_with_control_characters_are_refused(copy_of, name):
+    """Names are printed on the device's terminal: an ANSI escape went out raw, a newline forged lines."""
+    edit_manifest(copy_of, lambda m: m.update(class_names=[name, "b", "c", "d", "e"]))
+    _refused(copy_of, "holds the control character U\\+00|holds the control character U\\+202E")
+
+
+def test_each_file_is_opened_once_and_parsed_from_the_hashed_bytes(copy_of, monkeypatch, artifact):
+    """TOCTOU: swap every file right after it is opened; the load uses what was hashed."""
+    opened: dict[str, int] = {}
     junk = (artifact / "tail.safetensors").read_bytes()
 
-    def read_then_swap(path, *args, **kwargs):
-        data = original(path, *args, **kwargs)
-        reads[path.name] = reads.get(path.name, 0) + 1
+    def swap(path):
+        opened[path.name] = opened.get(path.name, 0) + 1
         path.unlink()
         path.write_bytes(junk if path.suffix == ".safetensors" else b"{}")  # a swapped file on disk
+
+    def read_then_swap(path, *args, **kwargs):
+        data = real_read(path, *args, **kwargs)
+        swap(path)
         return data
 
+    def open_then_swap(path, *args, **kwargs):
+        f = real_open(path, *args, **kwargs)
+        swap(path)
+        return f
+
+    real_read, real_open = export.read_bytes, export.open_regular
     monkeypatch.setattr(export, "read_bytes", read_then_swap)
+    monkeypatch.setattr(export, "open_regular", open_then_swap)
     head, tail = load(copy_of)
-    assert reads == {"manifest.json": 1, "head.safetensors": 1, "tail.safetensors": 1}
+    assert opened == {"manifest.json": 1, "head.safetensors": 1, "tail.safetensors": 1}
     monkeypatch.undo()
     reference_head, reference_tail = load(artifact)
     x = torch.rand(2, 3, 32, 32)
     with torch.inference_mode():
         assert torch.equal(tail(head(x)), reference_tail(reference_head(x)))
+
+
+def test_a_file_rewritten_in_place_between_hash_and_read_is_refused(copy_of, monkeypatch):
+    """The bytes are hashed in chunks, then read and hashed again: what is parsed is what was hashed."""
+    real_check = export._check_digest
+
+    def check_then_rewrite(path, digest, entry):
+        real_check(path, digest, entry)
+        with open(path, "r+b") as f:  # same inode: the open descriptor sees the new bytes
+            f.seek(100)
+            f.write(b"tampered")
+
+    monkeypatch.setattr(export, "_check_digest", check_then_rewrite)
+    _refused(copy_of, "SHA-256 does not match the manifest")
 
 
 def test_a_file_that_grows_after_its_size_is_checked_is_still_capped(tmp_path, monkeypatch):
@@ -549,13 +608,15 @@ def test_reformatting_a_signed_manifest_keeps_its_meaning_and_its_signature(sign
 
 
 def _onnx_head(*, pool: int = 8, declared: list | None = None, extra_nodes=(), extra_inits=(),
-               final: str = "bottleneck", domain: str | None = None, px: int = 32) -> bytes:
+               final: str = "bottleneck", domain: str | None = None, px: int = 32, symbolic_input: bool = False) -> bytes:
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    image = helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, px, px])
+    image = helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, "h", "w"] if symbolic_input
+                                          else ["batch", 3, px, px])
     out = helper.make_tensor_value_info("bottleneck", TensorProto.FLOAT, declared or ["batch", 2, px // pool, px // pool])
-    inits = [numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "w1x1")]
+    inits = [numpy_helper.from_array(np.ones((2, 3, 1, 1), np.float32), "w1x1"),
+             numpy_helper.from_array(np.ones((2, 2, 1, 1), np.float32), "w2")]
     nodes = [helper.make_node("Conv", ["image", "w1x1"], ["sliced"], kernel_shape=[1, 1]),
              helper.make_node("AveragePool", ["sliced"], [final], kernel_shape=[pool] * 2, strides=[pool] * 2),
              *extra_nodes]
@@ -628,7 +689,47 @@ def _onnx_attacks():
         "output shape not the manifest's": (lambda: _onnx_head(pool=4), r"one output \[N, 2, 4, 4\]"),
         "input shape not the manifest's": (lambda: _onnx_head(px=64, pool=16), r"one input \[N, 3, 32, 32\]"),
         "junk": (lambda: b"\x08\x07junk" * 8, "not an ONNX model"),
+        # 2,342 bytes that reached 3.5 GB for one 32 px image: each padded conv grows the map by 128 px.
+        "padded conv chain": (lambda: _onnx_head(final="pooled", extra_nodes=_padded_chain(40)),
+                              r"values per image, over the \d+ that 3x this manifest's own head computes"),
+        "120 padded convs": (lambda: _onnx_head(final="pooled", extra_nodes=_padded_chain(120)), "values per image"),
+        # 5 MB of weights that peaked at 1.67 GB: a 1x1 conv of the image to 250,000 channels and back.
+        "wide conv": (lambda: _onnx_head(final="pooled", extra_inits=[_ones("wide", (250_000, 3, 1, 1)),
+                                                                      _ones("narrow", (2, 250_000, 1, 1))], extra_nodes=[
+            helper.make_node("Conv", ["image", "wide"], ["wider"], kernel_shape=[1, 1]),
+            helper.make_node("Conv", ["wider", "narrow"], ["back"], kernel_shape=[1, 1]),
+            helper.make_node("AveragePool", ["back"], ["small"], kernel_shape=[8, 8], strides=[8, 8]),
+            *_add("small")]), "values per image"),
+        "symbolic input dims": (lambda: _onnx_head(symbolic_input=True), r"one input \[N, 3, 32, 32\]"),
+        "too many nodes": (lambda: _onnx_head(final="i1000", extra_nodes=[
+            helper.make_node("Identity", [f"i{k}" if k else "pooled"], [f"i{k + 1}" if k < 999 else "bottleneck"])
+            for k in range(1000)]), "1002 nodes; a bottleneck head has at most 1000"),
     }
+
+
+def _ones(name: str, shape: tuple[int, ...]):
+    import numpy as np
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.ones(shape, np.float32), name)
+
+
+def _padded_chain(count: int) -> list:
+    """``count`` 1x1 convs on the 2-channel pooled map, each padded by 64 on every side, then pooled
+    back to the manifest's [2, 4, 4] (the output check alone caught this only after running)."""
+    from onnx import helper
+
+    nodes, name = [], "pooled"
+    for k in range(count):
+        nodes.append(helper.make_node("Conv", [name, "w2"], [f"c{k}"], kernel_shape=[1, 1], pads=[64] * 4))
+        name = f"c{k}"
+    side, pools = 4 + 128 * count, []
+    while side > 4:  # windows of at most 64, as the window check allows
+        stride = 64 if side // 64 >= 4 else side // 4
+        side //= stride
+        pools.append(helper.make_node("MaxPool", [name], [name := f"p{len(pools)}"], kernel_shape=[stride] * 2,
+                                      strides=[stride] * 2))
+    return [*nodes, *pools, helper.make_node("Identity", [name], ["bottleneck"])]
 
 
 def _with_onnx(directory: Path, blob: bytes) -> Path:
@@ -647,12 +748,28 @@ def test_a_well_formed_onnx_head_loads(copy_of):
 
 @pytest.mark.parametrize("attack", ["external initializer", "external Constant value", "external data in an If branch",
                                     "custom op domain", "huge declared initializer", "ConstantOfShape bomb", "huge pads",
-                                    "output shape not the manifest's", "input shape not the manifest's", "junk"])
+                                    "output shape not the manifest's", "input shape not the manifest's", "junk",
+                                    "padded conv chain", "120 padded convs", "wide conv", "symbolic input dims",
+                                    "too many nodes"])
 def test_onnx_attacks_are_refused(copy_of, attack):
     pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
     make, match = _onnx_attacks()[attack]
     _refused(_with_onnx(copy_of, make()), match, load_onnx_head)
+
+
+def test_the_padded_conv_head_is_refused_before_it_runs_within_the_memory_bound(copy_of):
+    """The 2,342-byte head that reached 3.5 GB RSS: refused at load, measured in a fresh process."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    make, _ = _onnx_attacks()["padded conv chain"]
+    blob = make()
+    assert len(blob) < 4096
+    directory = _with_onnx(copy_of, blob)
+    run_child(f"""
+        head, _ = edgetorch.split.load_onnx_head({str(directory)!r})
+        head(torch.rand(1, 3, 32, 32))
+    """).refused_with("SplitArtifactError", "values per image")
 
 
 def test_an_onnx_head_whose_output_is_not_the_manifests_is_refused_when_run():

@@ -17,7 +17,9 @@ if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty() and "COLUMNS" 
 
 app = typer.Typer(help="edgetorch: memory-efficient training and deployment on edge devices.",
                   no_args_is_help=True, add_completion=False)
-console = Console(width=130)
+# markup=False: what commands print holds file names, class names and error messages taken from
+# files; as rich markup a class name "[/bold]" crashed `split infer`. Style goes in style=.
+console = Console(width=130, markup=False, emoji=False)
 
 
 def _print_version(value: bool) -> None:

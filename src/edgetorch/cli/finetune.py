@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from ._app import app, console, device_option, mib, output_dir, output_file, plot_file, write_json
 
@@ -106,7 +107,7 @@ def finetune(
         with _Display() as display:
             result = run(net, images.train, images.val, config, out, metadata=metadata, on_progress=display.update)
     except CheckpointError as err:
-        console.print(f"[red]{err}[/red]")
+        console.print(str(err), style="red")
         raise typer.Exit(1) from None
 
     summary = {**metadata, "config": dataclasses.asdict(config), "history": result.history,
@@ -121,9 +122,9 @@ def finetune(
         within = max(result.peak_bytes, result.process_peak_bytes or 0) <= plan.budget_bytes
         summary["plan"] = _plan_dict(plan) | {"measured_peak_bytes": result.peak_bytes, "within_budget": within,
                                               "prediction_error": predicted / result.peak_bytes - 1}
-        verdict = "within" if within else "[red]OVER[/red]"
-        console.print(f"{measured}, {verdict} the budget of {mib(plan.budget_bytes)} MiB; predicted "
-                      f"{mib(predicted)} MiB ({predicted / result.peak_bytes - 1:+.1%})")
+        console.print(f"{measured}, {'within' if within else 'OVER'} the budget of {mib(plan.budget_bytes)} MiB; "
+                      f"predicted {mib(predicted)} MiB ({predicted / result.peak_bytes - 1:+.1%})",
+                      style=None if within else "red")
     else:
         console.print(measured)
     if result.resumed_from:
@@ -188,7 +189,7 @@ def _print_plan(plan) -> None:
             rows[c.policy] = c
     shown = {id(c) for c in rows.values()} | {id(c) for c in plan.candidates if c.measured_peak_bytes is not None}
     for c in (c for c in plan.candidates if id(c) in shown):
-        mark = "[green]chosen[/green]" if c == plan.chosen else ("yes" if c.fits else "no")
+        mark = Text("chosen", style="green") if c == plan.chosen else ("yes" if c.fits else "no")
         table.add_row(c.policy, str(c.batch), mib(c.predicted_peak_bytes), mib(c.measured_peak_bytes), mark,
                       f"{c.step_time_ratio:.2f}", mib(c.saved_bytes))
     console.print(table)

@@ -154,10 +154,10 @@ def reduce(
     except (ValueError, TypeError, DatasetNotFoundError) as err:  # CheckpointError is a ValueError
         raise typer.BadParameter(str(err)) from None
     except ImportError as err:  # a network that is not a chain, without Torch-Pruning
-        console.print(f"[red]reduce failed: {err}[/red]")
+        console.print(f"reduce failed: {err}", style="red")
         raise typer.Exit(1) from None
     except RuntimeError as err:  # torch refusing the data, e.g. images that do not fit the model
-        console.print(f"[red]reduce failed: {err}[/red]")
+        console.print(f"reduce failed: {err}", style="red")
         raise typer.Exit(1) from None
 
     one = test.tensors[0][:1]
@@ -210,8 +210,8 @@ def reduce(
 
             console.print(f"wrote {plot_layer_factors(result.layers, a.alpha, plot, title)}")
     except OSError as err:  # the disk filled up, a directory vanished mid-run
-        console.print(f"[red]reduce could not write its outputs: {err}[/red]")
+        console.print(f"reduce could not write its outputs: {err}", style="red")
         raise typer.Exit(1) from None
     except (TypeError, ValueError) as err:  # a model whose constructor the checkpoint cannot name
-        console.print(f"[red]reduce could not save the reduced model: {err}[/red]")
+        console.print(f"reduce could not save the reduced model: {err}", style="red")
         raise typer.Exit(1) from None

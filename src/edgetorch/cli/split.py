@@ -75,11 +75,11 @@ def train(
     except ValueError as err:  # bad input, found before training starts (ImageFolderError, CheckpointError)
         raise typer.BadParameter(str(err)) from None
     except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted: finished epochs are checkpointed under {out}; run the same command "
-                      "again to resume[/yellow]")
+        console.print(f"interrupted: finished epochs are checkpointed under {out}; run the same command "
+                      "again to resume", style="yellow")
         raise typer.Exit(130) from None
     except (RuntimeError, FloatingPointError, OSError) as err:
-        console.print(f"[red]split train failed: {err}[/red]")
+        console.print(f"split train failed: {err}", style="red")
         raise typer.Exit(1) from None
     _print_evaluation(record)
     write_json(json_path, record)
@@ -199,9 +199,9 @@ def serve(
         if ray:
             from ..split import ray_app
 
-            console.print("[yellow]Ray's own services listen on this machine's network address, whatever "
+            console.print("Ray's own services listen on this machine's network address, whatever "
                           "--host says; the Ray proxy does not enforce --header-timeout, --keep-alive or "
-                          "--max-connections (docs/split_ray.md)[/yellow]")
+                          "--max-connections (docs/split_ray.md)", style="yellow")
             ray_app.run(artifact_dir, host, port, replicas, config, key=key, num_cpus_per_replica=num_cpus_per_replica)
             return
         server = app_from_dir(artifact_dir, config, key)
@@ -237,11 +237,11 @@ def infer(
     except (SplitArtifactError, ValueError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None
     except (SplitClientError, httpx.HTTPError) as err:
-        console.print(f"[red]request failed: {err}[/red]")
+        console.print(f"request failed: {err}", style="red")
         raise typer.Exit(1) from None
     predictions = result.top(top_k, client.manifest.class_names)
     for path, ranked in zip(images, predictions):
-        console.print(f"{path}: " + ", ".join(f"{name} {p:.1%}" for name, p in ranked))
+        console.print(f"{path}: " + ", ".join(f"{name} {p:.1%}" for name, p in ranked), highlight=False)
     stages = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     console.print(f"payload {result.payload_bytes:,} bytes for {len(images)} image(s); {stages}")
     write_json(json_path, {"images": [{"path": str(path), "top": [{"class": name, "probability": p} for name, p in ranked]}

@@ -84,7 +84,10 @@ def start_model(spec: str, num_classes: int | None, weights: str | Path | None =
         model = build_model(spec)
         head = classifier_name(model)
         saved = state.get(f"{head}.weight")
-        if saved is not None and saved.dim() == 2:  # the file's own class count (e.g. 1,000)
+        in_features = model.get_submodule(head).in_features
+        # The file's own class count (e.g. 1,000), taken only from a classifier the file really
+        # holds: a [10**9, 0] weight in an 88-byte file asked for a 2 TB classifier.
+        if saved is not None and saved.dim() == 2 and saved.shape[1] == in_features:
             replace_classifier(model, saved.shape[0])
         load_weights(model, weights, state)
         origin = f"weights from {weights}"

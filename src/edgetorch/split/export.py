@@ -46,6 +46,7 @@ import io
 import json
 import math
 import os
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -55,7 +56,7 @@ import torch
 from torch import nn
 
 from .. import __version__
-from .._files import InputFileError, read_bytes
+from .._files import InputFileError, open_regular, read_bytes
 from . import payload
 from .bottleneck import BottleneckModel, rebuild
 
@@ -65,8 +66,12 @@ FORMAT = "edgetorch-split"
 MAX_BATCH = 1024  # the ONNX head's declared batch range (the eager modules take any batch)
 MAX_RESOLUTION = 4096  # input height/width a manifest may declare (the head is run on it to check shapes)
 _MAX_MANIFEST_BYTES = 1 << 20
+# The largest head or tail an artifact may declare, checked on meta layers before any file is read.
+# The largest accepted teacher's tail (resnet152 with 100,000 classes) needs 1.05 GB; ImageNet-21k classes, 0.41 GB.
+MAX_PART_BYTES = 2 << 30
 _MIN_KEY_BYTES = 16  # an HMAC key shorter than this is guessable; RFC 2104 advises >= the hash's 32
 _PARTS = ("head", "tail")
+_UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp"})  # controls, format (bidi) and line/paragraph separators
 _ONNX = "head_onnx"
 _FILE_NAMES = {"head": "head.safetensors", "tail": "tail.safetensors", _ONNX: "head.onnx"}
 _FORMATS = {"head": "safetensors", "tail": "safetensors", _ONNX: "onnx"}
@@ -244,6 +249,13 @@ def _check_class_names(names: Sequence[str] | None, num_classes: int) -> None:
     if len(names) != num_classes or not all(isinstance(n, str) and 0 < len(n) <= 200 for n in names):
         raise ValueError(f"class_names must be {num_classes} non-empty strings of at most 200 characters, "
                          f"got {len(names)}")
+    for name in names:
+        # Names are printed to the device's terminal: an ANSI escape was written raw to it, a
+        # newline forged output lines, and a bidi override can reorder what the user reads.
+        bad = next((c for c in name if unicodedata.category(c) in _UNPRINTABLE), None)
+        if bad is not None:
+            raise ValueError(f"class name {name!r} holds the control character U+{ord(bad):04X}; class names "
+                             "must be printable text (letters, digits, spaces, punctuation)")
 
 
 def _positive(value: object) -> int:
@@ -480,27 +492,52 @@ def _signed_manifest(root: Path, key: bytes | str | None) -> SplitManifest:
 
 
 def _verified_bytes(root: Path, manifest: SplitManifest, part: str, model: BottleneckModel) -> bytes:
-    """A part's bytes, read once (at most what ``model``'s weights can take) and checked against
-    the manifest's SHA-256."""
+    """A part's bytes, checked against the manifest's SHA-256 before they are held in memory.
+
+    The file is hashed in chunks first: a file of the right size class but the wrong bytes (a
+    sparse 1 GiB file beside an unsigned manifest) is refused in bounded memory. Only then are the
+    bytes read and hashed again (what is parsed is what was hashed, even if the file changed)."""
     entry = manifest.files[part]
-    data = read_bytes(root / entry["path"], _size_limit(model, part), error=SplitArtifactError,
-                      follow_symlinks=False, why=f" for this manifest's model: the {part} weights do not fit "
-                      "the manifest's model (head and tail swapped, or another model)")
-    # Bytes, not str: compare_digest raises TypeError for a str with non-ASCII characters.
-    if not hmac.compare_digest(hashlib.sha256(data).hexdigest().encode(), entry["sha256"].encode("utf-8", "replace")):
-        raise SplitArtifactError(f"{root / entry['path']}: SHA-256 does not match the manifest (modified or swapped)")
+    path = root / entry["path"]
+    high = _size_limit(model, part)
+    with open_regular(path, high, error=SplitArtifactError, follow_symlinks=False,
+                      why=f" for this manifest's model: the {part} weights do not fit the manifest's model "
+                      "(head and tail swapped, or another model)") as f:
+        streamed = hashlib.sha256()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            streamed.update(chunk)
+        _check_digest(path, streamed, entry)
+        f.seek(0)
+        data = f.read(high + 1)
+    if len(data) > high:
+        raise SplitArtifactError(f"{path} grew past the {high}-byte limit while it was read")
+    _check_digest(path, hashlib.sha256(data), entry)
     return data
 
 
+def _check_digest(path: Path, digest: Any, entry: dict[str, str]) -> None:
+    # Bytes, not str: compare_digest raises TypeError for a str with non-ASCII characters.
+    if not hmac.compare_digest(digest.hexdigest().encode(), entry["sha256"].encode("utf-8", "replace")):
+        raise SplitArtifactError(f"{path}: SHA-256 does not match the manifest (modified or swapped)")
+
+
 def _size_limit(model: BottleneckModel, part: str) -> int:
-    """The most bytes ``part``'s file may have for this model: its weights plus room for the
-    header (safetensors) or graph (ONNX). Without it a sparse file of 1 TB beside a tiny
-    manifest was read into memory whole (MemoryError, or all of RAM) before any check."""
-    state = (model.tail if part == "tail" else model.head).state_dict()
-    weights = sum(t.numel() * t.element_size() for t in state.values())  # meta tensors: no memory
+    """The most bytes ``part``'s file may have for this model: its weights, plus room for the
+    header (safetensors) or graph (ONNX). Without the upper bound a sparse file of 1 TB
+    beside a tiny manifest was read into memory whole (MemoryError, or all of RAM) before any
+    check; :func:`_skeleton` has already refused a model over :data:`MAX_PART_BYTES`."""
+    weights = _weight_bytes(model, part)  # meta tensors: no memory
     if part == _ONNX:
         return 2 * weights + (16 << 20)
-    return weights + (1 << 20) + 1024 * len(state)
+    return weights + (1 << 20) + 1024 * len(_part(model, part).state_dict())
+
+
+def _part(model: BottleneckModel, part: str) -> nn.Module:
+    return model.tail if part == "tail" else model.head
+
+
+def _weight_bytes(model: BottleneckModel, part: str) -> int:
+    return sum(t.numel() * t.element_size() for t in _part(model, part).state_dict().values())
 
 
 def _skeleton(manifest: SplitManifest) -> BottleneckModel:
@@ -519,6 +556,11 @@ def _skeleton(manifest: SplitManifest) -> BottleneckModel:
     if logits.shape[1] != manifest.num_classes:
         raise SplitArtifactError(f"{MANIFEST_NAME}: num_classes {manifest.num_classes} is not the model's "
                                  f"{logits.shape[1]}")
+    for part in _PARTS:
+        if _weight_bytes(model, part) > MAX_PART_BYTES:
+            raise SplitArtifactError(f"{MANIFEST_NAME}: the {part} of model {manifest.model} needs "
+                                     f"{_weight_bytes(model, part)} bytes of weights, over the {MAX_PART_BYTES} "
+                                     "an artifact part may have")
     return model
 
 
@@ -613,7 +655,10 @@ class OnnxHead:
         if tuple(x.shape[1:]) != self.sample_shape:
             raise ValueError(f"this head was exported for inputs [N, {', '.join(map(str, self.sample_shape))}], "
                              f"got {list(x.shape)}")
-        out = self._session.run(None, {self._session.get_inputs()[0].name: x.detach().float().contiguous().numpy()})[0]
+        try:
+            out = self._session.run(None, {self._session.get_inputs()[0].name: x.detach().float().contiguous().numpy()})[0]
+        except Exception as exc:  # onnxruntime's own types (Fail, RuntimeException, ...): a graph that cannot run
+            raise SplitArtifactError(f"head.onnx failed to run ({exc})") from None
         # Symbolic dims in the graph's declaration are not checked at load: check what it gave.
         if self.output_shape is not None and tuple(out.shape) != (x.shape[0], *self.output_shape):
             raise SplitArtifactError(f"head.onnx gave {list(out.shape)}, the manifest's bottleneck is "
@@ -648,8 +693,9 @@ def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> 
     manifest = _signed_manifest(Path(artifact_dir), key)
     if _ONNX not in manifest.files:
         raise SplitArtifactError(f"{artifact_dir}: no head.onnx; export with --onnx (onnx=True)")
-    data = _verified_bytes(Path(artifact_dir), manifest, _ONNX, _skeleton(manifest))
-    _refuse_external_data(data)
+    model = _skeleton(manifest)
+    data = _verified_bytes(Path(artifact_dir), manifest, _ONNX, model)
+    _check_onnx_graph(data, manifest, model)
     try:
         session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types for a malformed model
@@ -659,8 +705,10 @@ def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> 
     inputs, outputs = session.get_inputs(), session.get_outputs()
     for what, args, shape in (("input", inputs, manifest.input_shape), ("output", outputs, manifest.bottleneck_shape)):
         declared = list(args[0].shape) if len(args) == 1 else None
+        # Every dim but the batch concrete: a symbolic one passed this check, and the memory bound
+        # below is computed for the manifest's shape.
         if declared is None or len(declared) != 1 + len(shape) or any(
-                isinstance(d, int) and d != want for d, want in zip(declared[1:], shape)):
+                not isinstance(d, int) or d != want for d, want in zip(declared[1:], shape)):
             raise SplitArtifactError(f"{artifact_dir}: head.onnx must have one {what} [N, "
                                      f"{', '.join(map(str, shape))}] as the manifest says, got "
                                      f"{[list(a.shape) for a in args]}")
@@ -675,10 +723,14 @@ def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> 
 _ONNX_OPS = frozenset({"Conv", "BatchNormalization", "Relu", "MaxPool", "Identity", "Add", "AveragePool", "Clip"})
 _ONNX_WINDOW_ATTRS = frozenset({"kernel_shape", "pads", "strides", "dilations"})
 _ONNX_WINDOW_MAX = 64
+# Measured on the eager heads at 224 px: every accepted architecture's head outputs 17-21x its
+# input's values per image, over at most ~60 layers.
+_ONNX_MAX_NODES = 1000
+_ONNX_MEMORY_FACTOR = 3
 
 
-def _refuse_external_data(data: bytes) -> None:
-    """Refuse a head.onnx that reads other files, or that could compute more than a bottleneck head."""
+def _check_onnx_graph(data: bytes, manifest: SplitManifest, skeleton: BottleneckModel) -> None:
+    """Refuse a head.onnx that reads other files, or that could compute or hold more than a bottleneck head."""
     try:
         import onnx
         from onnx.external_data_helper import uses_external_data
@@ -686,11 +738,11 @@ def _refuse_external_data(data: bytes) -> None:
         raise ImportError("loading head.onnx needs the onnx package to check its graph: pip install "
                           "'edgetorch[onnx]'") from None
     try:
-        model = onnx.load_from_string(data)
+        proto = onnx.load_from_string(data)
     except Exception as exc:  # protobuf's DecodeError and onnx's own errors
         raise SplitArtifactError(f"head.onnx is not an ONNX model ({exc})") from None
-    nodes = [*model.graph.node, *(n for f in model.functions for n in f.node)]
-    if any(uses_external_data(t) for t in _onnx_tensors(model.graph.initializer, model.graph.sparse_initializer, nodes)):
+    nodes = [*proto.graph.node, *(n for f in proto.functions for n in f.node)]
+    if any(uses_external_data(t) for t in _onnx_tensors(proto.graph.initializer, proto.graph.sparse_initializer, nodes)):
         raise SplitArtifactError("head.onnx refers to external data files; an artifact's head must be self-contained")
     for node in nodes:
         if node.op_type not in _ONNX_OPS or node.domain not in ("", "ai.onnx"):
@@ -700,6 +752,64 @@ def _refuse_external_data(data: bytes) -> None:
             if attribute.name in _ONNX_WINDOW_ATTRS and any(abs(v) > _ONNX_WINDOW_MAX for v in attribute.ints):
                 raise SplitArtifactError(f"head.onnx: {node.op_type} {attribute.name} {list(attribute.ints)} exceeds "
                                          f"{_ONNX_WINDOW_MAX}; a bottleneck head's windows are small")
+    if len(nodes) > _ONNX_MAX_NODES:
+        raise SplitArtifactError(f"head.onnx has {len(nodes)} nodes; a bottleneck head has at most {_ONNX_MAX_NODES}")
+    elements, bound = _onnx_elements_per_sample(proto, manifest), _head_elements_bound(skeleton, manifest)
+    if elements > bound:
+        raise SplitArtifactError(f"head.onnx computes {elements} values per image, over the {bound} that "
+                                 f"{_ONNX_MEMORY_FACTOR}x this manifest's own head computes; it would allocate "
+                                 "far more memory than a bottleneck head")
+
+
+def _onnx_elements_per_sample(proto: Any, manifest: SplitManifest) -> int:
+    """The values every node of the graph outputs for one image, from ONNX's static shape
+    inference at the manifest's input shape (a 2 KB head of padded convolutions reached 3.5 GB
+    at inference before this; onnxruntime has no memory limit of its own)."""
+    import onnx
+
+    graph = onnx.ModelProto()
+    graph.CopyFrom(proto)
+    initialized = {t.name for t in graph.graph.initializer}
+    inputs = [i for i in graph.graph.input if i.name not in initialized]
+    if len(inputs) != 1:
+        raise SplitArtifactError(f"head.onnx must have one input, got {[i.name for i in inputs]}")
+    dims = inputs[0].type.tensor_type.shape.dim
+    declared = [d.dim_value if d.HasField("dim_value") else d.dim_param or "?" for d in dims]
+    if declared[1:] != list(manifest.input_shape):  # every dim but the batch fixed, and the manifest's
+        raise SplitArtifactError(f"head.onnx must have one input [N, {', '.join(map(str, manifest.input_shape))}] "
+                                 f"as the manifest says, got {declared}")
+    for dim, size in zip(dims, (1, *manifest.input_shape)):
+        dim.Clear()
+        dim.dim_value = size
+    try:
+        inferred = onnx.shape_inference.infer_shapes(graph, strict_mode=True, data_prop=True)
+    except Exception as exc:  # onnx's InferenceError, ValidationError
+        first = str(exc).strip().splitlines()[:2]  # one error per node: a long graph repeats it hundreds of times
+        raise SplitArtifactError(f"head.onnx: shape inference fails at the manifest's input ({' '.join(first)})") from None
+    shapes = {v.name: v.type.tensor_type.shape for v in (*inferred.graph.value_info, *inferred.graph.output)}
+    total = 0
+    for node in inferred.graph.node:
+        for name in node.output:
+            shape = shapes.get(name)
+            if shape is None or not all(d.HasField("dim_value") for d in shape.dim):
+                raise SplitArtifactError(f"head.onnx: the shape of {node.op_type} output {name!r} is not fixed by "
+                                         "the manifest's input, so its memory cannot be bounded")
+            total += math.prod(d.dim_value for d in shape.dim)
+    return total
+
+
+def _head_elements_bound(model: BottleneckModel, manifest: SplitManifest) -> int:
+    """:data:`_ONNX_MEMORY_FACTOR` times the values the manifest's own head outputs from its
+    layers for one image (on meta layers: no memory)."""
+    counted = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: counted.append(out.numel()))
+             for m in model.head.modules() if not list(m.children())]
+    try:
+        model.head(torch.empty(1, *manifest.input_shape, device="meta"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return _ONNX_MEMORY_FACTOR * sum(counted)
 
 
 def _onnx_tensors(initializers: Any, sparse: Any, nodes: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,11 +18,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .._files import InputFileError
+from .._files import InputFileError, open_regular
 
 SAFETENSORS_SUFFIX = ".safetensors"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 _SHOWN = 5  # how many offending keys an error lists
+MAX_WEIGHTS_BYTES = 8 << 30  # a weight file larger than this is refused before it is read
 
 
 class CheckpointError(InputFileError):
@@ -67,27 +69,55 @@ def save_weights(model: nn.Module, path: str | Path) -> str:
 
 def _read_state(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == SAFETENSORS_SUFFIX:
+        # The header's offsets are checked against the file by safetensors, so a tensor can
+        # claim no more bytes than the file has; open_regular refuses FIFOs and oversized files.
+        open_regular(path, MAX_WEIGHTS_BYTES, error=CheckpointError).close()
         try:
-            return load_file(str(path))
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
-    if path.suffix in TORCH_SUFFIXES:
+            state = load_file(str(path))
+        except (SafetensorError, OSError, KeyError) as exc:  # KeyError: a dtype torch lacks (F4, ...)
+            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    elif path.suffix in TORCH_SUFFIXES:
+        state = _torch_state(path)
+    else:
+        accepted = ", ".join((SAFETENSORS_SUFFIX, *TORCH_SUFFIXES))
+        raise CheckpointError(f"{path}: unknown weight file suffix {path.suffix!r}; accepted: {accepted}")
+    for name, tensor in state.items():
+        # A tensor whose elements overlap in a smaller storage (stride 0, as from expand) is a few
+        # bytes in the file but as large as its shape says once copied: a 1.6 KB file cost 2.7 GB.
+        if tensor.numel() * tensor.element_size() > tensor.untyped_storage().nbytes():
+            raise CheckpointError(f"{path}: tensor {name} {list(tensor.shape)} is a view into a smaller "
+                                  "storage (overlapping elements); weight files must hold every element")
+    return state
+
+
+def _torch_state(path: Path) -> dict[str, torch.Tensor]:
+    """A ``.pt`` state dict, its zip checked before torch reads it: torch.save writes entries
+    uncompressed, and a 1 MB deflate-compressed entry inflated to 1 GiB inside torch.load."""
+    with open_regular(path, MAX_WEIGHTS_BYTES, error=CheckpointError) as f:
+        size = os.fstat(f.fileno()).st_size
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            with zipfile.ZipFile(f) as archive:
+                entries = archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+            raise CheckpointError(f"{path}: not a zip-format PyTorch file ({exc}); torch.save has written zip "
+                                  "files since PyTorch 1.6 (older files: load and save them again, or convert "
+                                  "to .safetensors)") from None
+        compressed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED]
+        if compressed:
+            raise CheckpointError(f"{path}: holds compressed entries ({_listed(compressed)}); torch.save writes "
+                                  "them uncompressed, so this file was not made by it")
+        if sum(e.file_size for e in entries) > size:
+            raise CheckpointError(f"{path}: its zip entries claim more bytes than the file's {size}")
+        f.seek(0)
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
         # torch.load raises many types here (UnpicklingError, RuntimeError, EOFError, ...).
         except Exception as exc:
-            raise CheckpointError(
-                f"{path}: not loadable with torch.load(weights_only=True) ({exc})"
-            ) from exc
-        if not isinstance(state, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-        ):
-            raise CheckpointError(f"{path}: expected a state dict (str -> tensor mapping)")
-        return dict(state)
-    accepted = ", ".join((SAFETENSORS_SUFFIX, *TORCH_SUFFIXES))
-    raise CheckpointError(
-        f"{path}: unknown weight file suffix {path.suffix!r}; accepted: {accepted}"
-    )
+            raise CheckpointError(f"{path}: not loadable with torch.load(weights_only=True) ({exc})") from None
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in state.items()):
+        raise CheckpointError(f"{path}: expected a state dict (str -> tensor mapping)")
+    return dict(state)
 
 
 def _listed(keys: list[str]) -> str:
@@ -109,7 +139,7 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
         CheckpointError: no such file (or a directory), or an unreadable file.
     """
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir() or not path.exists():  # other non-files (a FIFO) are refused by open_regular
         what = "is a directory, not a file" if path.is_dir() else "does not exist"
         raise CheckpointError(
             f"weight file {path} {what} (a local .safetensors/.pt/.pth/.bin file is "

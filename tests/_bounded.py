@@ -1,0 +1,60 @@
+"""Run a loader on a crafted input in a fresh process and report what it raised and how much memory it took.
+
+In-process ``ru_maxrss`` only ever rises, so an earlier test's peak hides what a later one
+allocates; a fresh child measures the loader alone. The timeout only catches hangs (a FIFO that
+blocks a reader forever): no assertion depends on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+MEMORY_BOUND = 256 << 20  # what a crafted input may cost above the process at rest (issue 24)
+HANG_GUARD_S = 300
+
+_CHILD = """
+import json, resource, sys, traceback
+import torch, edgetorch, edgetorch.split, edgetorch.split.export, edgetorch.zoo, edgetorch.finetune  # at rest
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+rest = peak()
+error = None
+try:
+{body}
+except BaseException as exc:
+    error = {{"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
+             "traceback": traceback.format_exc()}}
+print(json.dumps({{"error": error, "growth": peak() - rest}}))
+"""
+
+
+@dataclass
+class Outcome:
+    """What a loader did with a crafted input in a child process."""
+
+    error: dict | None  # type, mro (class names), message, traceback; None when it returned
+    growth: int  # peak RSS above the process at rest, bytes
+
+    def refused_with(self, error_type: str, match: str = "") -> None:
+        """Assert a clean refusal: ``error_type`` (by class name, or a base of it), its message
+        containing ``match``, within :data:`MEMORY_BOUND`."""
+        assert self.error is not None, "the loader accepted the crafted input"
+        assert error_type in self.error["mro"], self.error["traceback"]
+        assert match in self.error["message"], self.error["message"]
+        assert self.growth < MEMORY_BOUND, f"{self.growth / 2**20:.0f} MiB above the process at rest"
+
+
+def run_child(body: str, cwd: Path | None = None) -> Outcome:
+    """Run ``body`` (Python statements) in a fresh interpreter with torch and edgetorch imported."""
+    code = _CHILD.format(body=textwrap.indent(textwrap.dedent(body).strip(), "    "))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S,
+                          cwd=cwd, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    return Outcome(record["error"], record["growth"])
