@@ -193,6 +193,31 @@ def test_cli_rejects_a_source_that_is_neither_builtin_nor_a_path(tmp_path):
     assert result.exit_code == 2 and "neither a built-in dataset (digits, fashion-mnist)" in text
 
 
+def test_every_image_is_used_every_epoch_in_full_batches():
+    """The last partial batch used to be dropped: a few images unseen each epoch, and an
+    unreadable one among them went unnoticed."""
+    class Recorded(torch.utils.data.Dataset):
+        def __init__(self):
+            self.used = []
+
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, index):
+            self.used.append(index)
+            return torch.full((3, 4, 4), float(index)), index % 2
+
+    train, val, events = Recorded(), Recorded(), []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 2))
+    finetune(model, train, val, FinetuneConfig(epochs=2, batch_size=4), on_progress=events.append)
+    assert [len(train.used[i : i + 12]) for i in (0, 12)] == [12, 12] and len(train.used) == 24
+    for epoch in (train.used[:12], train.used[12:]):
+        assert set(epoch) == set(range(10))  # all of them, two again to fill the third batch of 4
+    assert train.used[:12] != train.used[12:]  # reshuffled
+    assert {e["steps"] for e in events if e["event"] == "step"} == {3}
+
+
 def test_checkpointed_stages_are_the_sequences_of_parameterised_blocks():
     from edgetorch.activations import find_stages
 
