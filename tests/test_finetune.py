@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -216,6 +218,36 @@ def test_every_image_is_used_every_epoch_in_full_batches():
         assert set(epoch) == set(range(10))  # all of them, two again to fill the third batch of 4
     assert train.used[:12] != train.used[12:]  # reshuffled
     assert {e["steps"] for e in events if e["event"] == "step"} == {3}
+
+
+def _with_truncated_image(folder, tmp_path):
+    copy = shutil.copytree(folder, tmp_path / "photos")
+    buffer = io.BytesIO()
+    Image.open(copy / "red" / "0.png").convert("RGB").resize((128, 128)).save(buffer, format="JPEG")
+    (copy / "red" / "cut.jpg").write_bytes(buffer.getvalue()[: buffer.tell() // 2])  # intact header, data cut off
+    return copy
+
+
+def test_cli_stops_at_a_truncated_image_with_its_name(folder, imagenet_weights, tmp_path):
+    result, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--size", 32,
+                         "--data", _with_truncated_image(folder, tmp_path), "--epochs", 1, "--batch", 8,
+                         "--out", tmp_path / "run"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), text  # no traceback
+    assert "cut.jpg:notareadableimage(imagefileistruncated" in text.replace(" ", "")
+    assert "--skip-bad-images" in text
+
+
+def test_cli_skip_bad_images_trains_on_the_rest_and_lists_what_it_left_out(folder, imagenet_weights, tmp_path):
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning, match="left out 1 of 31 images that cannot be read"):  # the library's report
+        result, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--size", 32,
+                             "--data", _with_truncated_image(folder, tmp_path), "--epochs", 1, "--batch", 8,
+                             "--out", out, "--skip-bad-images"])
+    assert result.exit_code == 0, text
+    assert "24 train, 6 val images, 3 classes, 1 unreadable left out" in text
+    assert "left out 1 unreadable image(s) (--skip-bad-images)" in text and "validation accuracy" in text
+    skipped = json.loads((out / "model.json").read_text())["skipped_images"]
+    assert len(skipped) == 1 and "cut.jpg: not a readable image (image file is truncated" in skipped[0]
 
 
 def test_checkpointed_stages_are_the_sequences_of_parameterised_blocks():
