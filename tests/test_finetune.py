@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -191,6 +193,61 @@ def test_cli_usage_errors_are_messages(folder, tmp_path, extra, message):
 def test_cli_rejects_a_source_that_is_neither_builtin_nor_a_path(tmp_path):
     result, text = _run(["--model", "zoo:cnn", "--data", tmp_path / "nowhere", "--out", tmp_path / "run"])
     assert result.exit_code == 2 and "neither a built-in dataset (digits, fashion-mnist)" in text
+
+
+def test_every_image_is_used_every_epoch_in_full_batches():
+    """The last partial batch used to be dropped: a few images unseen each epoch, and an
+    unreadable one among them went unnoticed."""
+    class Recorded(torch.utils.data.Dataset):
+        def __init__(self):
+            self.used = []
+
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, index):
+            self.used.append(index)
+            return torch.full((3, 4, 4), float(index)), index % 2
+
+    train, val, events = Recorded(), Recorded(), []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 2))
+    finetune(model, train, val, FinetuneConfig(epochs=2, batch_size=4), on_progress=events.append)
+    assert [len(train.used[i : i + 12]) for i in (0, 12)] == [12, 12] and len(train.used) == 24
+    for epoch in (train.used[:12], train.used[12:]):
+        assert set(epoch) == set(range(10))  # all of them, two again to fill the third batch of 4
+    assert train.used[:12] != train.used[12:]  # reshuffled
+    assert {e["steps"] for e in events if e["event"] == "step"} == {3}
+
+
+def _with_truncated_image(folder, tmp_path):
+    copy = shutil.copytree(folder, tmp_path / "photos")
+    buffer = io.BytesIO()
+    Image.open(copy / "red" / "0.png").convert("RGB").resize((128, 128)).save(buffer, format="JPEG")
+    (copy / "red" / "cut.jpg").write_bytes(buffer.getvalue()[: buffer.tell() // 2])  # intact header, data cut off
+    return copy
+
+
+def test_cli_stops_at_a_truncated_image_with_its_name(folder, imagenet_weights, tmp_path):
+    result, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--size", 32,
+                         "--data", _with_truncated_image(folder, tmp_path), "--epochs", 1, "--batch", 8,
+                         "--out", tmp_path / "run"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), text  # no traceback
+    assert "cut.jpg:notareadableimage(imagefileistruncated" in text.replace(" ", "")
+    assert "--skip-bad-images" in text
+
+
+def test_cli_skip_bad_images_trains_on_the_rest_and_lists_what_it_left_out(folder, imagenet_weights, tmp_path):
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning, match="left out 1 of 31 images that cannot be read"):  # the library's report
+        result, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--size", 32,
+                             "--data", _with_truncated_image(folder, tmp_path), "--epochs", 1, "--batch", 8,
+                             "--out", out, "--skip-bad-images"])
+    assert result.exit_code == 0, text
+    assert "24 train, 6 val images, 3 classes, 1 unreadable left out" in text
+    assert "left out 1 unreadable image(s) (--skip-bad-images)" in text and "validation accuracy" in text
+    skipped = json.loads((out / "model.json").read_text())["skipped_images"]
+    assert len(skipped) == 1 and "cut.jpg: not a readable image (image file is truncated" in skipped[0]
 
 
 def test_checkpointed_stages_are_the_sequences_of_parameterised_blocks():

@@ -188,7 +188,7 @@ def test_image_file_bytes_from_real_images(tmp_path, bomb_png):
     bomb_png(tmp_path / "a" / "bomb.png")
     with pytest.raises(ValueError, match="bomb.png: not a readable image .*decompression bomb"):
         image_file_bytes(32, images_dir=tmp_path)
-    with pytest.raises(ValueError, match="no .* images found"):
+    with pytest.raises(ValueError, match="0.png is not a folder; a folder of .* images is expected"):
         image_file_bytes(32, images_dir=tmp_path / "a" / "0.png")
 
 

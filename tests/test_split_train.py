@@ -484,3 +484,26 @@ def test_split_export_trained_refuses_an_unfinished_run_and_conflicting_options(
     assert both.exit_code == 2 and "drop --channels, --resolution" in _said(both)
     neither = runner.invoke(app, ["split", "export", "--random-init", "--out", str(tmp_path / "a")])
     assert neither.exit_code == 2 and "--model and --channels are required" in _said(neither)
+
+
+def test_split_train_stops_at_a_truncated_image_or_leaves_it_out(teacher_file, photos, tmp_path) -> None:
+    import io
+    import shutil
+
+    copy = shutil.copytree(photos, tmp_path / "photos")
+    buffer = io.BytesIO()
+    _draw("disc", 0, np.random.default_rng(1)).resize((128, 128)).save(buffer, format="JPEG")
+    (copy / "disc" / "cut.jpg").write_bytes(buffer.getvalue()[: buffer.tell() // 2])  # intact header, data cut off
+    stopped = CliRunner().invoke(app, _train_args(teacher_file, copy, tmp_path / "out"))
+    said = _said(stopped).replace(" ", "")
+    assert stopped.exit_code == 2 and "cut.jpg:notareadableimage(imagefileistruncated" in said, stopped.output
+    assert "--skip-bad-images" in said and not (tmp_path / "out").exists()
+
+    with pytest.warns(UserWarning, match="left out 1 of 37 images that cannot be read"):
+        skipped = CliRunner().invoke(app, [*_train_args(teacher_file, copy, tmp_path / "out", **{"--epochs": "1"}),
+                                           "--skip-bad-images"])
+    assert skipped.exit_code == 0, skipped.output
+    assert "left out 1 unreadable image(s) (skip_bad_images)" in _said(skipped)
+    record = json.loads((tmp_path / "out" / "student.json").read_text())
+    assert len(record["skipped_images"]) == 1 and "cut.jpg: not a readable image" in record["skipped_images"][0]
+    assert record["evaluation"]["val_images"] == 9  # the 36 readable images, split as before

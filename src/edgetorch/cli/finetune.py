@@ -46,6 +46,10 @@ def finetune(
     size: int = typer.Option(None, min=1, help="image height and width (default: 28 for zoo models, else 224)"),
     val_fraction: float = typer.Option(0.2, help="a folder's share of each class held out for validation"),
     limit: int = typer.Option(None, min=1, help="built-in datasets: use the first N training (and test) images"),
+    skip_bad_images: bool = typer.Option(False, "--skip-bad-images",
+                                         help="a folder: decode every image before training and leave out (and "
+                                              "list) the unreadable ones; default: an unreadable image is an error "
+                                              "that names it"),
     device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the run's summary as JSON here"),
     plot: Path = typer.Option(None, callback=plot_file, help="write loss and validation accuracy per epoch here (.png, .pdf, .svg)"),
@@ -75,7 +79,7 @@ def finetune(
         net, origin = start_model(model, None, weights)
         size = size or (28 if model.startswith("zoo:") else 224)
         images = image_data(data, size=size, channels=input_channels(net), val_fraction=val_fraction, seed=seed,
-                            limit=limit)
+                            limit=limit, skip_bad_images=skip_bad_images)
         if replace_classifier(net, len(images.classes)):
             origin += f"; new {len(images.classes)}-class classifier"
     except (ValueError, TypeError, ImportError, CheckpointError, ImageFolderError, DatasetNotFoundError) as err:
@@ -83,11 +87,18 @@ def finetune(
     net = net.to(device)
     console.print(f"model {model}: {origin}")
     console.print(f"data {images.description}; {size}x{size} px")
+    if images.skipped:  # the library's warning named the first few
+        console.print(f"left out {len(images.skipped)} unreadable image(s) (--skip-bad-images), each listed with "
+                      f"the reason in {out / 'model.json'}", style="yellow")
 
     plan = None
     if budget is not None:
         prepare(net, config)  # the plan measures the model as it will train
-        x, y = next(iter(torch.utils.data.DataLoader(images.train, batch_size=min(batch, len(images.train)))))
+        try:
+            x, y = next(iter(torch.utils.data.DataLoader(images.train, batch_size=min(batch, len(images.train)))))
+        except ImageFolderError as err:  # a damaged image behind an intact header
+            console.print(str(err), style="red")
+            raise typer.Exit(1) from None
         with console.status(f"measuring {len(policies) or len(DEFAULT_POLICIES)} candidate policies "
                             f"(two small steps each) against {memory_budget}"):
             plan = plan_memory(net, (x.to(device), y.to(device)), budget, policies=policies or DEFAULT_POLICIES,
@@ -102,11 +113,12 @@ def finetune(
                   f"epoch(s), {config.optimizer} lr {config.lr} ({config.schedule})")
     metadata = {"model": model, "weights": str(weights) if weights else None, "origin": origin,
                 "data": images.description, "classes": images.classes, "num_classes": len(images.classes),
-                "image_size": size, "channels": input_channels(net), "normalize": images.normalize}
+                "image_size": size, "channels": input_channels(net), "normalize": images.normalize,
+                "skipped_images": [why for _, why in images.skipped]}
     try:
         with _Display() as display:
             result = run(net, images.train, images.val, config, out, metadata=metadata, on_progress=display.update)
-    except CheckpointError as err:
+    except (CheckpointError, ImageFolderError) as err:  # ImageFolderError: a damaged image found when decoded
         console.print(str(err), style="red")
         raise typer.Exit(1) from None
 

@@ -55,6 +55,7 @@ def train(
     val_fraction: float = typer.Option(None, help="folder: share of each class held out for the evaluation (default 0.2)"),
     train_limit: int = typer.Option(None, min=1, help="built-ins: train on the first N training images"),
     val_limit: int = typer.Option(None, min=1, help="built-ins: evaluate on the first N test images"),
+    skip_bad_images: bool = typer.Option(False, "--skip-bad-images", help="folder: leave out the images that cannot be decoded (listed in student.json); default: one is an error that names it"),
     seed: int = typer.Option(0, help="seeds the new layers, the batch order and a folder's validation split"),
     device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="also write the training record (student.json) here"),
@@ -68,6 +69,7 @@ def train(
         config = RecipeConfig(teacher=teacher, data=data, size=size, color=color, normalize=normalize,
                               teacher_weights=None if teacher_weights is None else str(teacher_weights),
                               val_fraction=val_fraction, train_limit=train_limit, val_limit=val_limit,
+                              skip_bad_images=skip_bad_images,
                               bottlefit=BottleFitConfig(channels=channels, split_point=split_point, downsample=downsample,
                                                         architecture=architecture, stage2=stage2, freeze_encoder=freeze_encoder, epochs=epochs,
                                                         batch_size=batch_size, lr=lr, seed=seed))  # fmt: skip

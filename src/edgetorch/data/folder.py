@@ -1,13 +1,20 @@
 """The user's own images: a class-per-subfolder tree or a CSV of ``path,label`` rows.
 
 The tree follows torchvision's ``ImageFolder`` conventions (one subfolder per class, classes
-sorted by name, files filtered by image extension), and uses its ``find_classes`` and
-``make_dataset`` to list them. What is added here is what a fine-tuning run needs before it
-starts: every image's header is read once, so an unreadable file, an empty folder or a single
-class is an error that names the files, not an exception in the middle of epoch 3; mixed colour
-modes are reported with counts (they are all converted to the requested ``color``); and the
-train/validation split is deterministic and stratified, so the same folder and seed always give
-the same validation set.
+sorted by name, files filtered by image extension, listed in the same order). What is added
+here is what a fine-tuning run needs before it starts: every image's header is read once, so an
+unreadable file, an empty folder or a single class is an error that names the files, not an
+exception in the middle of epoch 3; mixed colour modes are reported with counts (they are all
+converted to the requested ``color``); and the train/validation split is deterministic and
+stratified, so the same folder and seed always give the same validation set.
+
+Files are listed and read through :mod:`edgetorch.data.images`: each real folder is entered once
+(symlink loops end), FIFOs and other non-regular files are refused, and files and pixel counts
+have limits. A header can be intact while the data after it is not (a truncated JPEG or PNG), so
+an image is fully decoded when it is used, and one that fails raises
+:class:`ImageFolderError` naming it. With ``skip_bad_images=True`` every image is decoded once
+while listing instead, and the unreadable ones (named with the reason in a warning and in
+``skipped``) are left out before the split, so the dataset's length is what training sees.
 
 Example:
     >>> train = image_folder("photos", size=224, split="train")  # doctest: +SKIP
@@ -18,6 +25,8 @@ Example:
 from __future__ import annotations
 
 import csv
+import io
+import os
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -26,13 +35,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .._files import InputFileError
+from .._files import InputFileError, read_bytes
+from .images import ACCEPTED, IMAGE_EXTENSIONS, MAX_LISTED, list_images, read_image
 
 SPLITS = ("train", "val", "all")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Eval transform: resize the short side to size * 256/224, then centre-crop (the torchvision
 # reference recipe), so a model sees the same framing at every size.
 _RESIZE_RATIO = 256 / 224
+MAX_CSV_BYTES = 256 << 20  # MAX_LISTED rows of ~130 characters each
+# The end of every "cannot be read" message: what to do about it.
+SKIP_HINT = ("or pass skip_bad_images=True (edgetorch finetune / split train: --skip-bad-images) to leave out "
+             "every image that cannot be read")
 
 
 class ImageFolderError(InputFileError):
@@ -48,11 +62,14 @@ class ImageFolderDataset(Dataset):
         size: the height = width images come out at.
         color: ``"rgb"`` (3 channels) or ``"gray"`` (1).
         modes: how many images of the whole source had each PIL mode (before conversion).
+        skipped: ``(path, why)`` of every image of the whole source left out as unreadable
+            (only with ``skip_bad_images=True``; otherwise empty).
     """
 
     def __init__(self, samples: list[tuple[Path, int]], classes: list[str], transform, size: int, color: str,
-                 modes: Counter):
+                 modes: Counter, skipped: list[tuple[Path, str]]):
         self.samples, self.classes, self.size, self.color, self.modes = samples, classes, size, color, modes
+        self.skipped = skipped
         self._transform = transform
 
     @property
@@ -69,22 +86,31 @@ class ImageFolderDataset(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        from PIL import Image
+        """The image, fully decoded and transformed, and its label.
 
+        Raises:
+            ImageFolderError: the file is unreadable (truncated, corrupt, or changed since it was
+                listed); the message names it.
+        """
         path, label = self.samples[index]
-        with Image.open(path) as image:
-            image = image.convert("RGB" if self.color == "rgb" else "L")
-        return self._transform(image), label
+        try:
+            image = read_image(path, error=ImageFolderError)
+        except ImageFolderError as exc:
+            raise ImageFolderError(f"{exc}. Remove or replace it, {SKIP_HINT} (every image is then decoded "
+                                   "once before training)") from None
+        return self._transform(image.convert("RGB" if self.color == "rgb" else "L")), label
 
 
 def image_folder(root: str | Path, size: int = 224, split: str = "train", *, val_fraction: float = 0.2,
                  seed: int = 0, color: str = "rgb", normalize: str | None = "imagenet",
-                 augment: bool | None = None) -> ImageFolderDataset:
+                 augment: bool | None = None, skip_bad_images: bool = False) -> ImageFolderDataset:
     """A classification dataset from a folder tree or a CSV file.
 
     Args:
-        root: a directory with one subfolder per class (``root/cat/1.jpg``), or a ``.csv`` file
-            of ``path,label`` rows (paths relative to the CSV's folder; a header row is allowed).
+        root: a directory with one subfolder per class (``root/cat/1.jpg``, also in nested
+            folders; folder symlinks are followed, each real folder once), or a ``.csv`` file of
+            ``path,label`` rows (UTF-8; paths relative to the CSV's folder; a header row is
+            allowed).
         size: output height = width.
         split: ``"train"``, ``"val"`` (``val_fraction`` of every class, at least one image of
             each class with two or more) or ``"all"``.
@@ -94,6 +120,10 @@ def image_folder(root: str | Path, size: int = 224, split: str = "train", *, val
         normalize: ``"imagenet"`` (the mean/std torchvision's pretrained weights expect) or
             ``None`` (pixels in [0, 1]).
         augment: random resized crops and horizontal flips; default: on for ``"train"`` only.
+        skip_bad_images: decode every image while listing and leave out the unreadable ones
+            (truncated, corrupt, not an image, a FIFO, over the size limits) before the split,
+            with a warning naming them; they are in ``skipped``. Default: an unreadable header is
+            an error here, and damaged data after an intact header an error when the image is used.
 
     Returns:
         An :class:`ImageFolderDataset` of float32 ``[C, size, size]`` images and int labels.
@@ -105,8 +135,28 @@ def image_folder(root: str | Path, size: int = 224, split: str = "train", *, val
     Example:
         >>> data = image_folder("photos", size=160, split="val", color="rgb")  # doctest: +SKIP
     """
-    if split not in SPLITS:
-        raise ImageFolderError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return image_folder_splits(root, size, (split,), val_fraction=val_fraction, seed=seed, color=color,
+                               normalize=normalize, augment=augment, skip_bad_images=skip_bad_images)[split]
+
+
+def image_folder_splits(root: str | Path, size: int = 224, splits: tuple[str, ...] = ("train", "val"), *,
+                        val_fraction: float = 0.2, seed: int = 0, color: str = "rgb",
+                        normalize: str | None = "imagenet", augment: bool | None = None,
+                        skip_bad_images: bool = False) -> dict[str, ImageFolderDataset]:
+    """Several splits of one source, listed and checked once (see :func:`image_folder` for the arguments).
+
+    With ``skip_bad_images`` the check decodes every image, so a train and a validation split
+    made by two :func:`image_folder` calls would decode each image twice.
+
+    Returns:
+        ``{split: dataset}`` for each of ``splits``.
+
+    Example:
+        >>> parts = image_folder_splits("photos", 160, ("train", "val"))  # doctest: +SKIP
+    """
+    for split in splits:
+        if split not in SPLITS:
+            raise ImageFolderError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if color not in ("rgb", "gray"):
         raise ImageFolderError(f"color must be 'rgb' or 'gray', got {color!r}")
     if normalize not in ("imagenet", None):
@@ -122,48 +172,79 @@ def image_folder(root: str | Path, size: int = 224, split: str = "train", *, val
         samples, classes = _from_tree(source)
     else:
         raise ImageFolderError(f"{source}: not a directory of class subfolders or a .csv file of path,label rows")
-    if len(classes) < 2:
-        raise ImageFolderError(f"{source}: found {len(classes)} class(es) {classes}; a classifier needs at least "
-                               "two (one subfolder, or one label, per class)")
-    modes = _check_readable(samples, source)
+    _check_classes(samples, classes, source, "images")
+    modes, bad = _check_images(samples, decode=skip_bad_images)
+    if bad:
+        shown = _first_few([why for _, why in bad], "; ")
+        if not skip_bad_images:
+            raise ImageFolderError(f"{source}: {len(bad)} of {len(samples)} images cannot be read: {shown}. "
+                                   f"Accepted: {ACCEPTED}. Remove or replace them, {SKIP_HINT}")
+        warnings.warn(f"{source}: left out {len(bad)} of {len(samples)} images that cannot be read "
+                      f"(skip_bad_images): {shown}", stacklevel=3)
+        unreadable = {path for path, _ in bad}
+        samples = [sample for sample in samples if sample[0] not in unreadable]
+        _check_classes(samples, classes, source, f"readable images ({len(bad)} were left out)")
     if len(modes) > 1:
         counts = ", ".join(f"{mode}: {n}" for mode, n in modes.most_common())
         warnings.warn(f"{source}: images have mixed colour modes ({counts}); all are converted to {color}",
-                      stacklevel=2)
-    if split != "all":
-        val = _validation_indices([label for _, label in samples], val_fraction, seed)
-        samples = [s for i, s in enumerate(samples) if (i in val) == (split == "val")]
-    return ImageFolderDataset(samples, classes, _transform(size, color, normalize,
-                                                           split == "train" if augment is None else augment),
-                              size, color, modes)
+                      stacklevel=3)
+    val = _validation_indices([label for _, label in samples], val_fraction, seed)
+    parts = {}
+    for split in splits:
+        chosen = (samples if split == "all"
+                  else [s for i, s in enumerate(samples) if (i in val) == (split == "val")])
+        transform = _transform(size, color, normalize, split == "train" if augment is None else augment)
+        parts[split] = ImageFolderDataset(chosen, classes, transform, size, color, modes, bad)
+    return parts
 
 
 def _from_tree(root: Path) -> tuple[list[tuple[Path, int]], list[str]]:
-    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
-
     try:
-        classes, class_to_index = find_classes(str(root))
-    except FileNotFoundError:
-        raise ImageFolderError(f"{root}: no class subfolders (expected root/<class>/<image>)") from None
-    found = make_dataset(str(root), class_to_index, extensions=IMG_EXTENSIONS, allow_empty=True)
-    if not found:
+        with os.scandir(root) as entries:
+            classes = sorted(entry.name for entry in entries if entry.is_dir())
+    except OSError as exc:
+        raise ImageFolderError(f"{root}: cannot be listed ({exc.strerror})") from None
+    if not classes:
+        raise ImageFolderError(f"{root}: no class subfolders (expected root/<class>/<image>)")
+    files, not_followed = list_images([root / name for name in classes], error=ImageFolderError, outside=[root])
+    if not_followed:
+        warnings.warn(f"{root}: {len(not_followed)} folder(s) lead to a folder already listed (a symlink loop, or "
+                      f"a second path to the same images) and were not entered again: "
+                      f"{_first_few(list(map(str, not_followed)), ', ')}", stacklevel=4)
+    samples = [(path, label) for label, paths in enumerate(files) for path in paths]
+    if not samples:
         raise ImageFolderError(f"{root}: the class subfolders hold no images with the extensions "
-                               f"{', '.join(IMG_EXTENSIONS)}")
-    empty = sorted(set(classes) - {classes[label] for _, label in found})
-    if empty:
-        raise ImageFolderError(f"{root}: class folder(s) {empty} hold no images; remove them or add images")
-    return [(Path(path), label) for path, label in found], classes
+                               f"{', '.join(IMAGE_EXTENSIONS)}")
+    return samples, classes
 
 
 def _from_csv(path: Path) -> tuple[list[tuple[Path, int]], list[str]]:
+    data = read_bytes(path, MAX_CSV_BYTES, error=ImageFolderError,
+                      why=" for a path,label CSV (it is read whole); list fewer images")
+    nul = data.find(b"\0")
+    if nul >= 0:  # csv reads NUL as text since Python 3.11; no path or label holds one
+        raise ImageFolderError(f"{path}:{_line(data, nul)}: a NUL byte; a CSV of "
+                               "path,label text rows is expected")
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark (Excel writes one) is not part of the first path
+    except UnicodeDecodeError as exc:
+        raise ImageFolderError(f"{path}:{_line(data, exc.start)}: not UTF-8 text ({exc.reason} at "
+                               f"byte {exc.start}); a UTF-8 CSV of path,label rows is expected") from None
     rows = []
-    with open(path, newline="") as f:
-        for number, row in enumerate(csv.reader(f), 1):
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        for row in reader:
             if not row or all(not cell.strip() for cell in row):
                 continue
             if len(row) != 2:
-                raise ImageFolderError(f"{path}:{number}: expected 2 columns path,label, got {len(row)}")
-            rows.append((number, row[0].strip(), row[1].strip()))
+                raise ImageFolderError(f"{path}:{reader.line_num}: expected 2 columns path,label, got {len(row)}")
+            if len(rows) == MAX_LISTED:
+                raise ImageFolderError(f"{path}: over {MAX_LISTED:,} rows; an image listing holds no more "
+                                       "(train on a part of them)")
+            rows.append((reader.line_num, row[0].strip(), row[1].strip()))
+    except csv.Error as exc:  # a field over csv.field_size_limit(), an unclosed quote, ...
+        raise ImageFolderError(f"{path}:{reader.line_num}: not a CSV row ({exc}); path,label rows are expected, "
+                               f"each field at most {csv.field_size_limit():,} characters") from None
     if rows and rows[0][1].lower() == "path" and rows[0][2].lower() == "label":
         rows = rows[1:]
     if not rows:
@@ -179,23 +260,37 @@ def _from_csv(path: Path) -> tuple[list[tuple[Path, int]], list[str]]:
     return samples, classes
 
 
-def _check_readable(samples: list[tuple[Path, int]], source: Path) -> Counter:
-    """Open every image's header (cheap: no pixels are decoded); the modes seen, counted."""
-    from PIL import Image, UnidentifiedImageError
+def _first_few(items: list[str], separator: str) -> str:
+    """The first five of ``items`` joined, and how many more there are."""
+    return separator.join(items[:5]) + (f"{separator}and {len(items) - 5} more" if len(items) > 5 else "")
 
+
+def _line(data: bytes, offset: int) -> int:
+    """The 1-based line of byte ``offset``."""
+    return data.count(b"\n", 0, offset) + 1
+
+
+def _check_classes(samples: list[tuple[Path, int]], classes: list[str], source: Path, what: str) -> None:
+    """At least two classes, each with at least one of ``samples``."""
+    if len(classes) < 2:
+        raise ImageFolderError(f"{source}: found {len(classes)} class(es) {classes}; a classifier needs at least "
+                               "two (one subfolder, or one label, per class)")
+    empty = sorted(set(classes) - {classes[label] for _, label in samples})
+    if empty:
+        raise ImageFolderError(f"{source}: class(es) {empty} hold no {what}; remove them or add images")
+
+
+def _check_images(samples: list[tuple[Path, int]], decode: bool) -> tuple[Counter, list[tuple[Path, str]]]:
+    """Read every image's header (cheap), or decode it whole: the modes seen, counted, and the
+    unreadable files with why (the suffix saying what is accepted is left to the caller's message)."""
     modes: Counter = Counter()
     bad = []
     for path, _ in samples:
         try:
-            with Image.open(path) as image:
-                modes[image.mode] += 1
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-            bad.append(f"{path} ({type(exc).__name__})")
-    if bad:
-        shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise ImageFolderError(f"{source}: {len(bad)} of {len(samples)} images cannot be read: {shown}. "
-                               "Remove or replace them")
-    return modes
+            modes[read_image(path, error=ImageFolderError, header_only=not decode).mode] += 1
+        except ImageFolderError as exc:
+            bad.append((path, str(exc).removesuffix(f"; accepted: {ACCEPTED}")))
+    return modes, bad
 
 
 def _validation_indices(labels: list[int], fraction: float, seed: int) -> set[int]:

@@ -12,7 +12,7 @@ at a time, so 60,000 Fashion-MNIST images at 224 px never exist at once (36 GB).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from .datasets import DATASETS, dataset_info, load_dataset
-from .folder import IMAGENET_MEAN, IMAGENET_STD, image_folder
+from .folder import IMAGENET_MEAN, IMAGENET_STD, image_folder_splits
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class ImageData:
         normalize: ``"imagenet"`` or ``None`` (pixels in [0, 1]): what a deployed model's
             inputs must go through.
         description: one line for logs, e.g. ``"photos/: 240 train, 60 val, 3 classes"``.
+        skipped: ``(path, why)`` of each unreadable image a folder left out (``skip_bad_images``).
     """
 
     train: Dataset
@@ -41,6 +42,7 @@ class ImageData:
     classes: list[str]
     normalize: str | None
     description: str
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
 
 
 class _Prepared(Dataset):
@@ -66,7 +68,7 @@ class _Prepared(Dataset):
 
 
 def image_data(source: str | Path, *, size: int, channels: int, val_fraction: float = 0.2, seed: int = 0,
-               limit: int | None = None) -> ImageData:
+               limit: int | None = None, skip_bad_images: bool = False) -> ImageData:
     """Resolve ``source`` to train and validation images for a model that takes ``channels`` x ``size`` x ``size``.
 
     Args:
@@ -78,6 +80,8 @@ def image_data(source: str | Path, *, size: int, channels: int, val_fraction: fl
         seed: a folder's split seed.
         limit: a built-in only: use the first ``limit`` training images (and as many test
             images, at most), for a quick run.
+        skip_bad_images: a folder: decode every image first and leave out the unreadable ones
+            (see :func:`edgetorch.data.image_folder`); they are in ``skipped``.
 
     Returns:
         An :class:`ImageData`.
@@ -85,7 +89,8 @@ def image_data(source: str | Path, *, size: int, channels: int, val_fraction: fl
     Raises:
         ValueError: channels other than 1 or 3, a bad limit, or a source that is neither a
             built-in name nor an existing path (the message lists both).
-        ImageFolderError: a folder that cannot make a dataset (the message says why).
+        ImageFolderError: a folder that cannot make a dataset (the message says why), or
+            unreadable images without ``skip_bad_images``.
         DatasetNotFoundError: Fashion-MNIST files are not installed.
 
     Example:
@@ -112,10 +117,13 @@ def image_data(source: str | Path, *, size: int, channels: int, val_fraction: fl
     if limit is not None:
         raise ValueError("limit applies to the built-in datasets; a folder is used whole")
     color, normalize = ("rgb", "imagenet") if channels == 3 else ("gray", None)
-    train = image_folder(path, size, "train", val_fraction=val_fraction, seed=seed, color=color, normalize=normalize)
-    val = image_folder(path, size, "val", val_fraction=val_fraction, seed=seed, color=color, normalize=normalize)
+    parts = image_folder_splits(path, size, ("train", "val"), val_fraction=val_fraction, seed=seed, color=color,
+                                normalize=normalize, skip_bad_images=skip_bad_images)
+    train, val = parts["train"], parts["val"]
     if len(val) == 0:
         raise ValueError(f"{path}: no image is held out for validation (val_fraction={val_fraction}); "
                          "raise it or add images")
+    skipped = f", {len(train.skipped)} unreadable left out" if train.skipped else ""
     return ImageData(train, val, train.classes, normalize,
-                     f"{path}: {len(train)} train, {len(val)} val images, {train.num_classes} classes")
+                     f"{path}: {len(train)} train, {len(val)} val images, {train.num_classes} classes{skipped}",
+                     train.skipped)

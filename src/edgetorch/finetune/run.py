@@ -62,7 +62,9 @@ class FinetuneConfig:
         freeze_batchnorm: batch norm uses its running statistics and its affine does not train (the
             Back Razor paper's setting for CNN transfer).
         epochs: passes over the training images.
-        batch_size: images per step; the last partial batch of an epoch is dropped.
+        batch_size: images per step. Every image is used once an epoch; the last batch is filled
+            up with images from the start of the epoch's order, so every step has ``batch_size``
+            images (all of them, if there are fewer).
         optimizer: ``sgd`` (with ``momentum``), ``adam`` or ``adamw``.
         lr: initial learning rate.
         momentum: SGD momentum.
@@ -176,8 +178,7 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     how = parse_training_policy(config.policy)
     params = prepare(model, config)
     optimizer = _optimizer(config, params)
-    batches_per_epoch = max(1, len(train) // config.batch_size) if len(train) > config.batch_size else 1
-    total_steps = config.epochs * batches_per_epoch
+    total_steps = config.epochs * -(-len(train) // config.batch_size)
     schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
                 if config.schedule == "cosine" else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
     out = Path(out) if out is not None else None
@@ -222,10 +223,7 @@ def _optimizer(config: FinetuneConfig, params: list[nn.Parameter]) -> torch.opti
 
 def _epoch(model: nn.Module, train: Dataset, config: FinetuneConfig, how, optimizer, schedule, epoch: int,
            device: torch.device, on_progress: ProgressFn | None) -> dict[str, Any]:
-    # The order depends on the seed and the epoch only, so a resumed run sees the same batches.
-    order = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch)
-    loader = DataLoader(train, batch_size=config.batch_size, shuffle=True, generator=order,
-                        drop_last=len(train) > config.batch_size)
+    loader = DataLoader(train, batch_size=config.batch_size, sampler=_epoch_order(len(train), config, epoch))
     model.train()
     reset_peak(device)
     start = time.perf_counter()
@@ -245,6 +243,21 @@ def _epoch(model: nn.Module, train: Dataset, config: FinetuneConfig, how, optimi
     seconds = time.perf_counter() - start
     return {"epoch": epoch + 1, "train_loss": sum(losses) / max(len(losses), 1), "seconds": seconds,
             "images_per_second": seen / seconds, "peak_bytes": peak_bytes(device)}
+
+
+def _epoch_order(count: int, config: FinetuneConfig, epoch: int) -> list[int]:
+    """Every sample once in a seeded shuffle, then the first few again to fill the last batch.
+
+    So no sample is left out of an epoch, and every step has a full batch (as the memory plan
+    measured, and never a batch norm's batch of one). Dropping the last partial batch instead
+    left a different few images unseen each epoch, all of them in a one-epoch run, and an
+    unreadable image among them went unnoticed. The order depends on the seed and the epoch
+    only, so a resumed run sees the same batches.
+    """
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch)).tolist()
+    if count > config.batch_size:
+        order += order[: -count % config.batch_size]
+    return order
 
 
 def _checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data.images import read_image
 from .export import Preprocess, SplitManifest, load_onnx_head, load_part
 from .payload import encode
 
@@ -66,18 +67,14 @@ def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_ch
         float32 [N, in_channels, H, W].
 
     Raises:
-        ValueError: a file PIL cannot read, or a color mode that cannot fill ``in_channels``.
+        InputFileError: (a ``ValueError``) a file that is not a readable image (see
+            :func:`edgetorch.data.images.read_image`).
+        ValueError: a color mode that cannot fill ``in_channels``.
     """
-    from PIL import Image, UnidentifiedImageError
-
     mode = "L" if preprocess.color == "gray" else "RGB"
     images = []
     for path in paths:
-        try:
-            with Image.open(path) as image:
-                array = np.asarray(image.convert(mode), dtype=np.float32) / 255.0
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-            raise ValueError(f"{path}: not a readable image ({exc})") from None
+        array = np.asarray(read_image(path).convert(mode), dtype=np.float32) / 255.0
         pixels = torch.from_numpy(array.reshape(*array.shape[:2], -1)).permute(2, 0, 1)[None]
         # The same resize load_dataset applies to training images (bilinear, antialiased when shrinking).
         shrinking = pixels.shape[-1] > preprocess.size[1] or pixels.shape[-2] > preprocess.size[0]

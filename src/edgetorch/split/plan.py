@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._files import InputFileError
+from ..data.images import IMAGE_EXTENSIONS, list_images, read_image
 from .links import Link
 from .payload import encode, payload_size
 from .power import (
@@ -218,8 +220,8 @@ def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
 
     By default the first ``count`` test images of ``dataset``, gray (one channel: the model
     repeats it to 3, so a device would send the one-channel file). With ``images_dir``, the
-    user's own images instead (PNG/JPEG/BMP/WebP found under it, sorted, the first ``count``),
-    in their own colour mode.
+    user's own images instead (the files an image folder lists under it, in its order, the
+    first ``count``), in their own colour mode.
 
     Args:
         resolution: height = width after resizing (bilinear, as ``load_dataset(size=...)`` does).
@@ -233,9 +235,10 @@ def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
         encode one image on this host; ``"source"`` is not included (the caller knows it).
 
     Raises:
-        ValueError: ``images_dir`` holds no readable image.
+        InputFileError: (a ``ValueError``) ``images_dir`` cannot be listed, holds no image files,
+            or one of the first ``count`` is not a readable image.
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     if images_dir is None:
         from ..data import load_dataset
@@ -243,17 +246,18 @@ def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
         images = load_dataset(dataset, "test", size=resolution, limit=count).tensors[0]
         pictures = [Image.fromarray((image[0].numpy() * 255).round().astype(np.uint8), mode="L") for image in images]
     else:
-        files = sorted(p for p in Path(images_dir).rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES)
+        if not Path(images_dir).is_dir():
+            raise InputFileError(f"{images_dir} is not a folder; a folder of {'/'.join(IMAGE_EXTENSIONS)} images "
+                                 "is expected")
+        # A folder reached twice (a symlink loop) is not entered again; its images are listed once already.
+        (files,), _ = list_images([images_dir])
         pictures = []
         for path in files[:count]:
-            try:
-                with Image.open(path) as image:
-                    mode = image.mode if image.mode in ("L", "RGB") else "RGB"
-                    pictures.append(image.convert(mode).resize((resolution, resolution), Image.BILINEAR))
-            except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-                raise ValueError(f"{path}: not a readable image ({exc})") from None
+            image = read_image(path)
+            mode = image.mode if image.mode in ("L", "RGB") else "RGB"
+            pictures.append(image.convert(mode).resize((resolution, resolution), Image.BILINEAR))
         if not pictures:
-            raise ValueError(f"{images_dir}: no {'/'.join(sorted(_IMAGE_SUFFIXES))} images found")
+            raise InputFileError(f"{images_dir}: no {'/'.join(IMAGE_EXTENSIONS)} images found")
     sizes: dict[str, list[int]] = {"png": [], "jpeg": []}
     seconds: dict[str, list[float]] = {"png": [], "jpeg": []}
     for pixels in pictures:
@@ -266,8 +270,6 @@ def image_file_bytes(resolution: int, count: int = 64, jpeg_quality: int = 90,
     return {**{fmt: float(np.mean(v)) for fmt, v in sizes.items()},
             **{f"{fmt}_encode_s": float(np.median(v)) for fmt, v in seconds.items()}}
 
-
-_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".webp"}
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .._files import write_json_atomically
-from ..data import DATASETS, DatasetNotFoundError, ImageFolderDataset, dataset_info, image_folder
-from ..data.folder import IMAGENET_MEAN, IMAGENET_STD
+from .._files import InputFileError, write_json_atomically
+from ..data import (DATASETS, DatasetNotFoundError, ImageFolderDataset, ImageFolderError, dataset_info,
+                    image_folder_splits)
+from ..data.folder import IMAGENET_MEAN, IMAGENET_STD, SKIP_HINT
 from ..measure.plots import save_figure
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
 from ..zoo.weights import file_sha256
@@ -396,6 +397,9 @@ class RecipeConfig:
         val_fraction: folders: the share of each class held out for evaluation (stratified,
             seeded by ``bottlefit.seed``); ``None``: 0.2. Built-ins evaluate on their test split.
         train_limit, val_limit: built-ins only: the first N images of the train / test split.
+        skip_bad_images: folders only: leave out the images that cannot be decoded, listed in the
+            record's ``skipped_images`` (see :func:`edgetorch.data.image_folder`); default: one
+            is an error that names it.
         bottlefit: the student and its stages.
     """
 
@@ -408,6 +412,7 @@ class RecipeConfig:
     val_fraction: float | None = None
     train_limit: int | None = None
     val_limit: int | None = None
+    skip_bad_images: bool = False
     bottlefit: BottleFitConfig = BottleFitConfig()
 
     @property
@@ -433,6 +438,8 @@ class RecipeConfig:
             raise ValueError("train/val limits apply to the built-in datasets; for a folder, use fewer images")
         if self.builtin and self.val_fraction is not None:
             raise ValueError(f"{self.data} is evaluated on its own test split; val_fraction applies to folders")
+        if self.builtin and self.skip_bad_images:
+            raise ValueError(f"{self.data} is a built-in dataset; skip_bad_images applies to folders")
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
             raise ValueError(f"size must be a positive int, got {self.size!r}")
         fraction = None if self.builtin else 0.2 if self.val_fraction is None else self.val_fraction
@@ -448,6 +455,7 @@ class _Prepared:
     val: TensorDataset
     class_names: list[str]
     identity: dict[str, Any]
+    skipped: list[tuple[Path, str]]
 
 
 def _folder_tensors(config: RecipeConfig, parts: dict[str, ImageFolderDataset],
@@ -471,8 +479,11 @@ def _folder_tensors(config: RecipeConfig, parts: dict[str, ImageFolderDataset],
     sets = []
     for part in parts.values():
         paths = [path for path, _ in part.samples]
-        images = torch.cat([preprocess_images(paths[i : i + _DECODE_CHUNK], preprocess, 3)
-                            for i in range(0, len(paths), _DECODE_CHUNK)])  # fmt: skip
+        try:
+            images = torch.cat([preprocess_images(paths[i : i + _DECODE_CHUNK], preprocess, 3)
+                                for i in range(0, len(paths), _DECODE_CHUNK)])  # fmt: skip
+        except InputFileError as exc:  # damaged data behind a header the listing read
+            raise ImageFolderError(f"{exc}. Remove or replace it, {SKIP_HINT}") from None
         sets.append(TensorDataset(images, part.labels))
     return sets[0], sets[1], fingerprint
 
@@ -519,9 +530,9 @@ def _prepare(config: RecipeConfig, device: torch.device) -> _Prepared:
     if config.builtin:
         class_names = list(dataset_info(config.data).class_names)
     else:  # list and header-check the folder before building anything
-        parts = {split: image_folder(config.data, config.size, split, val_fraction=config.val_fraction,
-                                     seed=config.bottlefit.seed, color=config.color, normalize=None)
-                 for split in ("train", "val")}  # fmt: skip
+        parts = image_folder_splits(config.data, config.size, ("train", "val"), val_fraction=config.val_fraction,
+                                    seed=config.bottlefit.seed, color=config.color, normalize=None,
+                                    skip_bad_images=config.skip_bad_images)  # fmt: skip
         if not len(parts["val"]):
             raise ValueError(f"{config.data}: no validation images at val_fraction={config.val_fraction}; add images")
         class_names = list(parts["train"].classes)
@@ -539,11 +550,13 @@ def _prepare(config: RecipeConfig, device: torch.device) -> _Prepared:
     if len(train) < config.bottlefit.batch_size:
         raise ValueError(f"{len(train)} training images is less than one batch of {config.bottlefit.batch_size}; "
                          "lower the batch size")
-    identity = {**{k: v for k, v in dataclasses.asdict(config).items() if k not in ("teacher_weights", "data", "bottlefit")},
+    # skip_bad_images is not part of it: which images are used is, through the data fingerprint.
+    identity = {**{k: v for k, v in dataclasses.asdict(config).items()
+                   if k not in ("teacher_weights", "data", "bottlefit", "skip_bad_images")},
                 **{k: v for k, v in dataclasses.asdict(config.bottlefit).items() if k not in ("stage2", "freeze_encoder")},
                 "teacher_sha256": file_sha256(config.teacher_weights) if config.teacher_weights else None,
                 "data_fingerprint": fingerprint}  # fmt: skip
-    return _Prepared(teacher, train, val, class_names, identity)
+    return _Prepared(teacher, train, val, class_names, identity, [] if config.builtin else parts["train"].skipped)
 
 
 def _claim(out: Path, identity: dict[str, Any]) -> None:
@@ -601,6 +614,9 @@ def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch
     _claim(out, prepared.identity)
     log(f"data: {len(prepared.train):,} training and {len(prepared.val):,} validation images, "
         f"{len(prepared.class_names)} classes, {config.size} px {config.color}")
+    if prepared.skipped:
+        log(f"left out {len(prepared.skipped)} unreadable image(s) (skip_bad_images), each listed with the reason "
+            f"in {out / RECORD_NAME}")
     train = TensorDataset(*(t.to(device) for t in prepared.train.tensors))
     run = train_bottlefit(prepared.teacher, train, config.bottlefit, out, progress, log)
     log("evaluating on the validation images (8-bit payload, PNG, JPEG)")
@@ -614,6 +630,7 @@ def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch
               "model": run.student.spec(), "resolution": config.size,
               "preprocess": {"color": config.color, "mean": list(mean), "std": list(std)},
               "class_names": prepared.class_names, "recipe": dataclasses.asdict(config),
+              "skipped_images": [why for _, why in prepared.skipped],
               "stages": [stage.to_json() for stage in run.stages], "evaluation": evaluation,
               "torch_version": torch.__version__}  # fmt: skip
     write_json_atomically(out / RECORD_NAME, record)
