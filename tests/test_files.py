@@ -54,12 +54,10 @@ def test_a_huge_limit_allocates_only_what_the_file_holds(tmp_path):
 @pytest.mark.parametrize("text, match", [
     ("[" * 100_000 + "]" * 100_000, "nested too deeply|deeper than"),
     ("[" * 33 + "]" * 33, "deeper than 32 levels"),
-    ('{"a": NaN}', "NaN is not a JSON number"),
-    ("[Infinity]", "Infinity is not a JSON number"),
     ("1" * 5000, "not valid JSON"),
     ('{"a": 1', "not valid JSON"),
-], ids=["recursion", "depth", "nan", "infinity", "huge-int", "truncated"])
-def test_json_that_is_not_plain_or_nests_too_deep_is_refused(tmp_path, text, match):
+], ids=["recursion", "depth", "huge-int", "truncated"])
+def test_json_that_is_not_json_or_nests_too_deep_is_refused(tmp_path, text, match):
     (tmp_path / "f.json").write_text(text)
     with pytest.raises(_Mine, match=match):
         read_json(tmp_path / "f.json", error=_Mine)

@@ -257,3 +257,78 @@ def test_checkpointed_stages_are_the_sequences_of_parameterised_blocks():
     assert names(torchvision.models.resnet18()) == [f"ResNet.layer{i}" for i in range(1, 5)]
     assert names(torchvision.models.mobilenet_v2()) == ["MobileNetV2.features"]  # not (Dropout, Linear)
     assert names(start_model("zoo:cnn", None)[0]) == ["SmallResNet.features"]  # not (pool, Flatten)
+
+
+def _set(path: str, value):
+    """An edit of state.json that sets the field at ``path`` (dot-separated; digits index lists)."""
+    def edit(state):
+        *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
+        target = state
+        for p in parents:
+            target = target[p]
+        target[last] = value
+    return edit
+
+
+def _drop(key: str):
+    return lambda state: state.pop(key)
+
+
+STATE_EDITS = {  # the 21 edits an outside test tried (9 gave tracebacks), and their neighbours
+    "lr string": _set("param_groups.0.lr", "fast"), "lr negative": _set("param_groups.0.lr", -1),
+    "lr infinite": _set("param_groups.0.lr", float("inf")), "betas short": _set("param_groups.0.betas", [0.9]),
+    "betas strings": _set("param_groups.0.betas", ["a", "b"]), "eps zero": _set("param_groups.0.eps", 0),
+    "params other": _set("param_groups.0.params", [0]), "extra group": lambda s: s["param_groups"].append({}),
+    "groups not a list": _set("param_groups", {"lr": 1}), "amsgrad string": _set("param_groups.0.amsgrad", "yes"),
+    "T_max zero": _set("schedule.T_max", 0), "last_epoch string": _set("schedule.last_epoch", "x"),
+    "last_epoch float": _set("schedule.last_epoch", 1.5), "base_lrs empty": _set("schedule.base_lrs", []),
+    "schedule null": _set("schedule", None), "unknown schedule key": _set("schedule.evil", 1),
+    "history not a list": _set("history", {"a": 1}), "history short": _set("history", []),
+    "history record string": _set("history.0", "x"), "history loss string": _set("history.0.train_loss", "x"),
+    "history missing key": lambda s: s["history"][0].pop("val_accuracy"), "epoch string": _set("epoch", "1"),
+    "epoch zero": _set("epoch", 0), "epoch past the run": _set("epoch", 99), "epoch bool": _set("epoch", True),
+    "no sha256": _drop("sha256"), "run a list": _set("run", []), "extra key": _set("evil", 1),
+    "deep nesting": lambda s: '{"history": ' + "[" * 5000 + "]" * 5000 + "}",  # the text itself
+}
+
+
+@pytest.fixture(scope="module")
+def one_epoch(folder, tmp_path_factory):
+    """A finished first epoch of a two-epoch run (zoo:cnn on the folder, gray, 16 px): its checkpoint."""
+    data = image_data(folder, size=16, channels=1)
+    config = FinetuneConfig(epochs=2, batch_size=8, optimizer="adam", lr=1e-3, schedule="cosine")
+    out = tmp_path_factory.mktemp("one-epoch") / "run"
+
+    def stop(event):
+        if event["event"] == "epoch":
+            raise KeyboardInterrupt
+
+    model, _ = start_model("zoo:cnn", 3)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(model, data.train, data.val, config, out, on_progress=stop)
+    return data, config, out
+
+
+@pytest.mark.parametrize("edit", STATE_EDITS)
+def test_an_edited_checkpoint_state_is_a_checkpoint_error(one_epoch, tmp_path, edit):
+    """state.json is not hashed (it holds the hashes): every edit must fail as CheckpointError."""
+    import shutil
+
+    data, config, out = one_epoch
+    copy = shutil.copytree(out, tmp_path / "run")
+    state_file = copy / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    text = STATE_EDITS[edit](state)
+    state_file.write_text(text if isinstance(text, str) else json.dumps(state))
+    model, _ = start_model("zoo:cnn", 3)
+    with pytest.raises(CheckpointError):
+        finetune(model, data.train, data.val, config, copy)
+
+
+def test_an_unedited_checkpoint_resumes(one_epoch, tmp_path):
+    import shutil
+
+    data, config, out = one_epoch
+    model, _ = start_model("zoo:cnn", 3)
+    result = finetune(model, data.train, data.val, config, shutil.copytree(out, tmp_path / "run"))
+    assert result.resumed_from == 1 and [r["epoch"] for r in result.history] == [1, 2]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping
 
 
 def check_choice(name: str, value: object, accepted: Iterable[str]) -> None:
@@ -28,3 +32,79 @@ def check_positive_int(name: str, value: object) -> None:
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_json_fields(cls: type, values: Mapping[str, object], what: str) -> None:
+    """Raise ``ValueError`` unless each of ``values`` has the type its field of dataclass ``cls`` is annotated with.
+
+    For data parsed from a JSON file someone else wrote: a dataclass stores whatever it is given, so
+    a string where a float belongs failed later, deep inside a computation, as a traceback. Types
+    are read as JSON gives them: a float field takes an int, never a bool, and only finite values;
+    an int-keyed dict takes the string keys JSON writes; a nested dataclass is its object form.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass
+        ... class Profile:
+        ...     seconds: float
+        >>> check_json_fields(Profile, {"seconds": "fast"}, "device profile")
+        Traceback (most recent call last):
+        ValueError: device profile: seconds must be a finite number, got 'fast'
+    """
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if name in hints and not _has_type(value, hints[name]):
+            raise ValueError(f"{what}: {name} must be {_describe(hints[name])}, got {value!r}"[:300])
+
+
+def _describe(kind: object) -> str:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(sorted((_describe(a) for a in args), key=lambda d: d != "null"))
+    if origin is dict:
+        return f"an object of {_describe(args[1])} values"
+    if origin in (list, tuple):
+        return f"a list of {_describe(args[0])} items" if args else "a list"
+    if dataclasses.is_dataclass(kind):
+        return f"an object with the keys {[f.name for f in dataclasses.fields(kind)]}"
+    words = {type(None): "null", bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+    return words.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def _has_type(value: object, kind: object) -> bool:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, arg) for arg in args)
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is str:
+        return isinstance(value, str)
+    if origin is dict:
+        key, item = args
+        return isinstance(value, dict) and all(
+            _has_type(k, str) if key is str else _int_key(k) for k in value) and all(_has_type(v, item) for v in value.values())
+    if origin in (list, tuple):
+        item = args[0] if args else object
+        return isinstance(value, list) and all(_has_type(v, item) for v in value)
+    if dataclasses.is_dataclass(kind):
+        names = {f.name for f in dataclasses.fields(kind)}
+        if isinstance(value, kind):
+            return True
+        if not isinstance(value, dict) or not set(value) <= names:
+            return False
+        try:
+            check_json_fields(kind, value, kind.__name__)
+        except ValueError:
+            return False
+        return True
+    return kind is object
+
+
+def _int_key(key: object) -> bool:
+    return isinstance(key, int) and not isinstance(key, bool) or isinstance(key, str) and key.lstrip("-").isdigit() and len(key) < 20

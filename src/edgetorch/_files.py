@@ -9,8 +9,8 @@ datasets), so every loader reads through :func:`open_regular` / :func:`read_byte
 * a size limit known before reading, checked against the real size (a 1 TB sparse file beside a
   tiny manifest was read whole), and never more than ``limit + 1`` bytes read even if the file
   grows;
-* JSON with a depth limit (deeply nested arrays made seven loaders die in ``RecursionError``) and
-  only real JSON (``NaN``, ``Infinity`` and 4,300-digit integers are refused, not half-parsed).
+* JSON with a depth limit (deeply nested arrays made seven loaders die in ``RecursionError``);
+  ``NaN`` and ``Infinity`` parse as Python writes them (each loader checks its numbers' ranges).
 
 Errors are :class:`InputFileError` (a ``ValueError``) or the loader's own subclass of it, with the
 path, what was wrong and what is accepted.
@@ -131,7 +131,7 @@ def read_json(path: str | Path, limit: int = MAX_JSON_BYTES, *, error: type[Inpu
 
 def parse_json(text: str, *, what: str, error: type[InputFileError] = InputFileError,
                max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse JSON text, refusing what is not plain JSON or nests deeper than ``max_depth``.
+    """Parse JSON text, refusing what is not JSON or nests deeper than ``max_depth``.
 
     Args:
         text: the JSON text.
@@ -143,13 +143,10 @@ def parse_json(text: str, *, what: str, error: type[InputFileError] = InputFileE
         The parsed value (dicts, lists, str, int, float, bool, None).
 
     Raises:
-        error: not JSON, ``NaN``/``Infinity``, an integer of over 4,300 digits, or too deep.
+        error: not JSON, an integer of over 4,300 digits, or too deep.
     """
-    def constant(name: str) -> None:
-        raise ValueError(f"{name} is not a JSON number")
-
     try:
-        value = json.loads(text, parse_constant=constant)
+        value = json.loads(text)
     # ValueError, not only JSONDecodeError: an integer of over 4,300 digits raises a plain one.
     # RecursionError: thousands of nested brackets exhaust the parser's recursion.
     except (ValueError, RecursionError) as exc:
@@ -163,3 +160,40 @@ def parse_json(text: str, *, what: str, error: type[InputFileError] = InputFileE
                 raise error(f"{what}: JSON nested deeper than {max_depth} levels")
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return value
+
+
+def read_torch(path: str | Path, limit: int, *, error: type[InputFileError] = InputFileError) -> Any:
+    """What ``torch.save`` wrote to ``path``, read with ``torch.load(weights_only=True)`` after the zip is checked.
+
+    ``weights_only`` runs torch's restricted unpickler: it builds tensors and plain containers and
+    refuses every other object, so nothing in the file runs. The zip is checked first because
+    torch.save writes its entries uncompressed, and a 1 MB deflate-compressed entry inflated to
+    1 GiB inside torch.load; files from before PyTorch 1.6 (not zips) are refused.
+
+    Raises:
+        error: not a regular file, over ``limit``, not a torch.save zip, or not loadable.
+    """
+    import zipfile
+
+    import torch
+
+    with open_regular(path, limit, error=error) as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            with zipfile.ZipFile(f) as archive:
+                entries = archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+            raise error(f"{path}: not a zip-format PyTorch file ({exc}); torch.save has written zip files since "
+                        "PyTorch 1.6 (older files: load and save them again, or convert to .safetensors)") from None
+        compressed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED]
+        if compressed:
+            raise error(f"{path}: holds compressed entries ({', '.join(compressed[:5])}); torch.save writes them "
+                        "uncompressed, so this file was not made by it")
+        if sum(e.file_size for e in entries) > size:
+            raise error(f"{path}: its zip entries claim more bytes than the file's {size}")
+        f.seek(0)
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        # torch.load raises many types here (UnpicklingError, RuntimeError, EOFError, ...).
+        except Exception as exc:
+            raise error(f"{path}: not loadable with torch.load(weights_only=True) ({exc})") from None

@@ -22,7 +22,6 @@ Files under ``out`` (all written atomically; nothing here is ever unpickled):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -39,12 +38,12 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .._checks import check_choice, check_positive_int
-from .._files import write_json_atomically
+from .._files import read_json, write_json_atomically
 from ..activations import freeze_batchnorm, parse_training_policy
 from ..activations.step import forward_backward
 from ..measure.process import peak_bytes, peak_kind, process_peak_rss_bytes, reset_peak
 from ..zoo import CheckpointError, evaluate_accuracy, load_weights, save_weights
-from ..zoo.weights import file_sha256
+from ..zoo.weights import file_sha256, restore_training_state
 from .model import SCOPES, set_scope
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -284,12 +283,19 @@ def _resume(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     state_path = directory / "state.json"
     if not state_path.is_file():
         return None
+    state = read_json(state_path, error=CheckpointError)
     try:
-        state = json.loads(state_path.read_text())
-        recorded, epoch, digests = state["run"], int(state["epoch"]), state["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{state_path}: unreadable checkpoint state ({exc}); delete {directory} "
-                              "to start over") from exc
+        if not isinstance(state, dict) or set(state) != _STATE_KEYS:
+            raise ValueError(f"expected an object with exactly the keys {sorted(_STATE_KEYS)}")
+        recorded, epoch, digests, history = state["run"], state["epoch"], state["sha256"], state["history"]
+        if not isinstance(recorded, dict) or not isinstance(digests, dict):
+            raise ValueError("'run' and 'sha256' must be objects")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= identity["epochs"]:
+            raise ValueError(f"epoch must be an int in [1, {identity['epochs']}], got {epoch!r}")
+        _check_history(history, epoch)
+    except ValueError as exc:
+        raise CheckpointError(f"{state_path}: not a checkpoint state this version wrote ({exc}); delete "
+                              f"{directory} to start over") from None
     if recorded != identity:
         changed = ", ".join(f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in identity.items() if recorded.get(k) != v)
         raise CheckpointError(f"{directory} holds a checkpoint of another run ({changed}); give another output "
@@ -300,19 +306,36 @@ def _resume(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
             raise CheckpointError(f"{path} is missing or differs from the SHA-256 in {state_path}; delete "
                                   f"{directory} to start over")
     load_weights(model, directory / "model.safetensors")
-    # state.json is not covered by a hash (it holds them): an edited one must fail as a
-    # CheckpointError, not as whatever the optimizer or scheduler raises on bad fields.
     try:
-        tensors = load_file(str(directory / "optimizer.safetensors"))
-        torch.set_rng_state(tensors.pop("rng.torch"))
+        tensors = load_file(str(directory / "optimizer.safetensors"))  # its SHA-256 was checked above
+        rng = tensors.pop("rng.torch")
         per_param: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
             _, index, name = key.split(".", 2)
             per_param.setdefault(int(index), {})[name] = value
-        optimizer.load_state_dict({"state": per_param, "param_groups": state["param_groups"]})
-        schedule.load_state_dict(state["schedule"])
-        history = list(state["history"])
-    except (SafetensorError, KeyError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
-        raise CheckpointError(f"{directory}: the optimizer state does not fit this run ({exc!r}); delete "
-                              f"{directory} to start over") from None
+    except (SafetensorError, KeyError, ValueError) as exc:
+        raise CheckpointError(f"{directory}: optimizer.safetensors is not what this version writes ({exc!r}); "
+                              f"delete {directory} to start over") from None
+    restore_training_state(optimizer, schedule, {"state": per_param, "param_groups": state["param_groups"]},
+                           state["schedule"], str(state_path))
+    torch.set_rng_state(rng)
     return {"epoch": epoch, "history": history}
+
+
+_STATE_KEYS = frozenset({"epoch", "run", "history", "param_groups", "schedule", "sha256"})
+_HISTORY_NUMBERS = ("train_loss", "seconds", "images_per_second", "val_accuracy")
+
+
+def _check_history(history: object, epochs: int) -> None:
+    """Raise ValueError unless ``history`` is the per-epoch records :func:`_epoch` writes, one per epoch."""
+    if not isinstance(history, list) or len(history) != epochs:
+        raise ValueError(f"history must be a list of {epochs} epoch records")
+    for number, record in enumerate(history, 1):
+        if not isinstance(record, dict) or set(record) != {"epoch", "peak_bytes", *_HISTORY_NUMBERS}:
+            raise ValueError(f"history record {number} must have exactly the keys epoch, peak_bytes, "
+                             f"{', '.join(_HISTORY_NUMBERS)}")
+        if record["epoch"] != number or type(record["epoch"]) is not int:
+            raise ValueError(f"history record {number} says epoch {record['epoch']!r}")
+        if type(record["peak_bytes"]) is not int or not all(
+                type(record[k]) in (int, float) for k in _HISTORY_NUMBERS):  # NaN allowed: a diverged loss
+            raise ValueError(f"history record {number} must hold numbers, got {record}"[:300])

@@ -21,7 +21,6 @@ the user's), and the plan says which; options without a known accuracy show none
 from __future__ import annotations
 
 import io
-import json
 import platform
 import time
 from collections.abc import Callable
@@ -34,7 +33,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._files import InputFileError
+from .._checks import check_json_fields
+from .._files import InputFileError, read_json
 from ..data.images import IMAGE_EXTENSIONS, list_images, read_image
 from .links import Link
 from .payload import encode, payload_size
@@ -301,16 +301,19 @@ def load_accuracy(path: str | Path) -> Accuracy:
     Raises:
         ValueError: unreadable file or values outside [0, 1].
     """
+    raw = read_json(path)
     try:
-        raw = json.loads(Path(path).read_text())
+        if not isinstance(raw, dict):  # other keys are allowed: a results file holds more than these
+            raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
+        check_json_fields(Accuracy, {k: v for k, v in raw.items() if k != "source"}, "accuracy file")
         split = {int(c): float(a) for c, a in raw.get("split", {}).items()}
         result = Accuracy(_fraction(raw.get("teacher")), _fraction(raw.get("jpeg")), split, str(path))
-    except (OSError, json.JSONDecodeError, AttributeError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: not an accuracy file {{'teacher', 'jpeg', 'split': {{C: acc}}}} ({exc})") from None
+    except (TypeError, ValueError) as exc:
+        raise InputFileError(f"{path}: not an accuracy file {{'teacher', 'jpeg', 'split': {{C: acc}}}} ({exc})") from None
     if result.teacher is None and not split:
-        raise ValueError(f"{path}: holds neither a 'teacher' nor a 'split' accuracy")
-    if any(not 0 <= a <= 1 for a in split.values()):
-        raise ValueError(f"{path}: accuracies are fractions in [0, 1]")
+        raise InputFileError(f"{path}: holds neither a 'teacher' nor a 'split' accuracy")
+    if any(not 0 <= a <= 1 for a in split.values()) or any(c < 1 for c in split):
+        raise InputFileError(f"{path}: accuracies are fractions in [0, 1], per channel count C >= 1")
     return result
 
 

@@ -42,6 +42,9 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import TypeVar
 
+from .._checks import check_json_fields
+from .._files import InputFileError, read_json
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -228,12 +231,13 @@ def _load(name_or_path: str, builtins: dict[str, _Profile], cls: type[_Profile],
     optional = sorted(f.name for f in fields(cls) if f.default is not MISSING)
     keys = f"the keys {required}" + (f" (and optionally {optional})" if optional else "")
     try:
-        raw = json.loads(path.read_text())
+        raw = read_json(path)
         if not isinstance(raw, dict) or not set(required) <= set(raw) <= set(required + optional):
             raise ValueError(f"a {what} profile JSON has exactly {keys}")
+        check_json_fields(cls, raw, f"{what} profile")
         return cls(**raw)
-    except (OSError, json.JSONDecodeError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: not a valid {what} profile ({exc}); {accepted}") from None
+    except (TypeError, ValueError) as exc:
+        raise InputFileError(f"{path}: not a valid {what} profile ({exc}); {accepted}") from None
 
 
 def profile_json(profile: DeviceProfile | ServerProfile) -> str:

@@ -46,7 +46,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .._files import InputFileError, write_json_atomically
+from .._checks import check_json_fields
+from .._files import InputFileError, read_json, write_json_atomically
 from ..data import (DATASETS, DatasetNotFoundError, ImageFolderDataset, ImageFolderError, dataset_info,
                     image_folder_splits)
 from ..data.folder import IMAGENET_MEAN, IMAGENET_STD, SKIP_HINT
@@ -54,7 +55,7 @@ from ..measure.plots import save_figure
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
 from ..zoo.weights import file_sha256
 from .bottleneck import ARCHITECTURES, SPLIT_POINTS, BottleneckModel, inject_bottleneck, rebuild, split
-from .export import Preprocess
+from .export import MAX_RESOLUTION, Preprocess
 from .payload import decode, encode, payload_size
 from .teacher import load_rgb
 from .train import StageConfig, stage_progress, train_stage
@@ -564,7 +565,10 @@ def _claim(out: Path, identity: dict[str, Any]) -> None:
     recorded = out / RECIPE_NAME
     if recorded.is_file():
         # A recipe.json from before the architecture option ran the paper design.
-        before = {"architecture": "paper", **json.loads(recorded.read_text())}
+        raw = read_json(recorded, error=CheckpointError)
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{recorded}: not a recipe record (a JSON object); delete {out} to start over")
+        before = {"architecture": "paper", **raw}
         differs = sorted(k for k in set(before) | set(identity) if before.get(k) != identity.get(k))
         if differs:
             raise CheckpointError(f"{out} holds a run of another recipe (it differs in {', '.join(differs)}); "
@@ -686,25 +690,34 @@ def load_trained(directory: str | Path) -> TrainedStudent:
         what = "has no " + RECORD_NAME if root.is_dir() else "is not a directory"
         raise ValueError(f"{root} {what}: it is written when `edgetorch split train --out {root}` finishes "
                          "(an interrupted run resumes with the same command)")
+    record = read_json(path, error=CheckpointError)
     try:
-        record = json.loads(path.read_text())
-        if record.get("format") != RECORD_FORMAT or record.get("version") != RECORD_VERSION:
-            raise ValueError(f"format {record.get('format')!r} version {record.get('version')!r} is not "
-                             f"{RECORD_FORMAT!r} version {RECORD_VERSION}")
-        model = rebuild(record["model"])
-        resolution = int(record["resolution"])
-        prep = record["preprocess"]
-        preprocess = Preprocess((resolution, resolution), str(prep["color"]), tuple(map(float, prep["mean"])),
-                                tuple(map(float, prep["std"])))
+        if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or \
+                record.get("version") != RECORD_VERSION:
+            got = (record.get("format"), record.get("version")) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{got} is not {RECORD_FORMAT!r} version {RECORD_VERSION}")
+        with torch.device("meta"):  # a record's sizes cost nothing until the weights are known to hold them
+            skeleton = rebuild(record["model"])
+        resolution, prep, class_names = record["resolution"], record["preprocess"], record["class_names"]
+        if isinstance(resolution, bool) or not isinstance(resolution, int) or not 0 < resolution <= MAX_RESOLUTION:
+            raise ValueError(f"resolution must be an int in [1, {MAX_RESOLUTION}], got {resolution!r}")
+        check_json_fields(Preprocess, {k: v for k, v in prep.items() if k != "size"}, "preprocess")
+        preprocess = Preprocess((resolution, resolution), prep["color"], tuple(prep["mean"]), tuple(prep["std"]))
         preprocess.check(3)
-        class_names = tuple(str(name) for name in record["class_names"])
+        if not isinstance(class_names, list) or not all(isinstance(name, str) for name in class_names):
+            raise ValueError("class_names must be a list of strings")
         sha256 = record["weights"]["sha256"]
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable `split train` record ({exc})") from None
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable `split train` record ({exc})") from None
     weights = root / WEIGHTS_NAME
     if not weights.is_file() or file_sha256(weights) != sha256:
         raise CheckpointError(f"{weights} is missing or differs from the one recorded in {path}")
-    return TrainedStudent(load_weights(model, weights).eval(), resolution, preprocess, class_names, record)
+    needed = sum(t.numel() * t.element_size() for t in skeleton.state_dict().values())
+    if needed > weights.stat().st_size:  # the layers are built for real only once the file can fill them
+        raise CheckpointError(f"{path} describes a model of {needed} bytes of weights; {weights} has "
+                              f"{weights.stat().st_size}")
+    model = rebuild(record["model"])
+    return TrainedStudent(load_weights(model, weights).eval(), resolution, preprocess, tuple(class_names), record)
 
 
 def plot_losses(stages: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:

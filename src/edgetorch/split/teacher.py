@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .._files import write_json_atomically
+from .._files import read_json, write_json_atomically
 from ..data import cache_dir, dataset_info, load_dataset
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
 from ..zoo.weights import file_sha256
@@ -126,8 +126,8 @@ def train_teacher(config: TeacherConfig = TeacherConfig(), cache: str | Path | N
     weights, meta_path = teacher_paths(config, cache)
     model = _build(config).to(device)
     if weights.is_file() and meta_path.is_file():
-        metadata = json.loads(meta_path.read_text())
-        if file_sha256(weights) != metadata.get("sha256"):
+        metadata = read_json(meta_path, error=CheckpointError)
+        if not isinstance(metadata, dict) or file_sha256(weights) != metadata.get("sha256"):
             raise CheckpointError(f"{weights}: SHA-256 differs from {meta_path.name}; delete both to retrain")
         return load_weights(model, weights).eval(), metadata
     train = load_rgb(config.dataset, "train", config.image_size, config.train_limit, device)

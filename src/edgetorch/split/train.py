@@ -45,8 +45,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .._checks import check_choice, check_positive_int
+from .._files import read_json, read_torch
 from ..zoo import CheckpointError, load_weights, save_weights
-from ..zoo.weights import file_sha256
+from ..zoo.weights import MAX_WEIGHTS_BYTES, file_sha256, restore_training_state
 from .bottleneck import BottleneckModel, decompose
 from .losses import ghnd_loss, kd_loss
 
@@ -157,17 +158,22 @@ def _save(directory: Path, model: nn.Module, state: dict[str, Any]) -> None:
 
 
 def _read_state(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch.load raises many types on a damaged file
-        raise CheckpointError(f"{path}: unreadable training state ({exc})") from exc
+    state = read_torch(path, MAX_WEIGHTS_BYTES, error=CheckpointError)  # holds the optimizer's moments
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a training state written by train_stage; delete {path.parent} to start over")
+    history, seconds = state.get("history"), state.get("epoch_seconds", [])
+    if not isinstance(state.get("sha256"), str) or type(state.get("epoch")) is not int or not isinstance(history, list) \
+            or len(history) != state["epoch"] or not all(type(v) in (int, float) for v in history) \
+            or seconds is not None and (not isinstance(seconds, list) or len(seconds) != len(history)):
+        raise CheckpointError(f"{path}: not a training state written by train_stage; delete {path.parent} to start over")
+    return state
 
 
 def _resume(directory: Path, model: nn.Module, config: StageConfig) -> dict[str, Any] | None:
     state_path, config_path = directory / "state.pt", directory / "config.json"
     if not state_path.is_file():
         return None
-    recorded = json.loads(config_path.read_text()) if config_path.is_file() else None
+    recorded = read_json(config_path, error=CheckpointError) if config_path.exists() else None
     if recorded != dataclasses.asdict(config):
         raise CheckpointError(f"{directory} holds a checkpoint of config {recorded}, not {config}")
     state = _read_state(state_path)
@@ -258,8 +264,8 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
         directory.mkdir(parents=True, exist_ok=True)
         state = _resume(directory, model, config)
         if state is not None:
-            opt.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
+            restore_training_state(opt, sched, state.get("optimizer"), state.get("scheduler"),
+                                   str(directory / "state.pt"))
             history = list(state["history"])
             seconds = state.get("epoch_seconds")  # None: a checkpoint older than the field, times unknown
         (directory / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .._checks import check_choice, check_positive_int
-from .._files import write_json_atomically
+from .._files import read_json, write_json_atomically
 from ..data import cache_dir, dataset_info, load_dataset
 from .registry import ZOO_MODELS, build_model, input_channels, takes_image_size, with_channels
 from .training import fit
@@ -279,10 +279,10 @@ def load_pretrained(
     weights_path, meta_path = checkpoint_paths(config, cache)
     if not (weights_path.is_file() and meta_path.is_file()):
         return None
+    metadata = read_json(meta_path, error=CheckpointError)
     try:
-        metadata = json.loads(meta_path.read_text())
         recorded_config, recorded_sha = metadata["config"], metadata["sha256"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({exc})") from exc
     if recorded_config != dataclasses.asdict(config):
         raise CheckpointError(f"{meta_path}: records config {recorded_config}, expected {config}")
