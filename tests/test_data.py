@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import struct
 from pathlib import Path
 
@@ -295,3 +296,21 @@ def test_real_fashion_mnist_from_debian():
     assert x.shape == (10000, 1, 28, 28) and x.min() == 0 and x.max() == 1
     assert torch.bincount(y).tolist() == [1000] * 10
     assert load_dataset("fashion-mnist", "train", limit=10).tensors[0].shape == (10, 1, 28, 28)
+
+
+def test_a_gzip_bomb_inflates_only_to_the_limit(tmp_path, monkeypatch):
+    """gzip.decompress has no limit: 1 MB of gzip inflated to 1 GiB. The stream is cut at the limit."""
+    import edgetorch.data.idx as idx
+
+    monkeypatch.setattr(idx, "MAX_IDX_BYTES", 1 << 20)
+    path = tmp_path / "bomb-idx1-ubyte.gz"
+    path.write_bytes(gzip.compress(idx_bytes(np.zeros(4 << 20, dtype=np.uint8))))
+    assert path.stat().st_size < 32 << 10
+    with pytest.raises(IDXFormatError, match="inflates past the 1048576-byte limit"):
+        read_idx(path)
+
+
+def test_an_idx_fifo_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "train-images-idx3-ubyte")
+    with pytest.raises(IDXFormatError, match="not a regular file"):
+        read_idx(tmp_path / "train-images-idx3-ubyte")

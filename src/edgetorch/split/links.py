@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._files import read_bytes
+
 RESPONSE_BYTES = 4  # the prediction sent back: one class index (the paper's steps 6-7)
 
 
@@ -177,6 +179,7 @@ class LoRaLink:
 
 Link = RateLink | TraceLink | LoRaLink
 _DEFAULT_RTT_S = {"wifi": 0.002, "lte": 0.050}
+_MAX_TRACE_BYTES = 16 << 20  # a bandwidth trace: one number per line, a day of seconds is ~1 MB
 
 
 def _options(text: str) -> dict[str, str]:
@@ -215,9 +218,10 @@ def parse_link(spec: str) -> Link:
             path, _, more = rest.partition(",")
             options = _options(more)
             rtt = float(options.pop("rtt_ms", _DEFAULT_RTT_S["lte"] * 1e3)) / 1e3
-            rates = [float(line) for line in Path(path).read_text().split() if line]
-            if options or not rates or min(rates) <= 0:
-                raise ValueError("a trace needs one positive Mbit/s value per line")
+            text = read_bytes(path, _MAX_TRACE_BYTES).decode("utf-8", "replace")
+            rates = [float(line) for line in text.split() if line]
+            if options or not rates or not all(math.isfinite(r) and r > 0 for r in rates):
+                raise ValueError("a trace needs one positive, finite Mbit/s value per line")
             return TraceLink(f"trace {Path(path).name}", tuple(r * 1e6 for r in rates), rtt)
         if kind == "lora":
             options = _options(rest)
