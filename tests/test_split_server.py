@@ -250,10 +250,11 @@ def test_uvicorn_config_carries_the_protocol_limits():
     app = create_app(Tail(), MANIFEST, ServerConfig(keep_alive_s=3, max_connections=77, max_header_bytes=4096))
     settings = uvicorn_config(app, port=0)
     assert (settings.timeout_keep_alive, settings.limit_concurrency, settings.h11_max_incomplete_event_size) == (3, 77, 4096)
+    assert settings.ws == "none"
     assert settings.host == "127.0.0.1" and settings.server_header is False
 
 
-# --- A real uvicorn on loopback: timeouts, stalled connections, the connection cap. ---------------
+# --- A real uvicorn on loopback: timeouts, stalled connections, errors on the wire, the cap. ------
 
 TIMEOUT = 0.5
 FAST = ServerConfig(header_timeout_s=TIMEOUT, read_timeout_s=TIMEOUT, keep_alive_s=TIMEOUT, max_connections=200)
@@ -287,6 +288,19 @@ def _status(raw: bytes) -> int:
 
 def _json_body(raw: bytes) -> dict:
     return json.loads(raw.split(b"\r\n\r\n", 1)[1])
+
+
+def _answers(raw: bytes) -> list[tuple[int, bytes, bytes]]:
+    """The complete answers in ``raw`` as (status, head, body); a cut-off last one is left out."""
+    answers = []
+    while raw:
+        head, sep, rest = raw.partition(b"\r\n\r\n")
+        length = re.search(rb"\r\ncontent-length: *(\d+)", head, re.IGNORECASE)
+        if not sep or length is None or len(rest) < int(length[1]):
+            break
+        answers.append((_status(head), head, rest[:int(length[1])]))
+        raw = rest[int(length[1]):]
+    return answers
 
 
 @pytest.mark.parametrize("sent", [
@@ -394,6 +408,30 @@ def test_a_client_hanging_up_over_tcp_logs_one_line(server, caplog):
     records = [r for r in caplog.records if r.name == LOG]
     assert len(records) == 1 and records[0].levelno == logging.INFO and records[0].exc_info is None
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("request_bytes, status, kind", [
+    (b"NOT HTTP AT ALL\r\n\r\n", 400, "bad_request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000, 400, "bad_request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 431, "request_header_fields_too_large"),
+    (b"GET /health HTTP/1.1\r\nHost: x", 408, "request_timeout"),
+    (b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: 99999999\r\n\r\n",
+     413, "payload_too_large"),
+    (b"GET /health/ HTTP/1.1\r\nHost: evil.example\r\n\r\n", 404, "not_found"),  # no redirect to Host
+    (b"PUT /health HTTP/1.1\r\nHost: x\r\ncontent-length: 0\r\n\r\n", 405, "method_not_allowed"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", 400, "websocket_not_supported"),
+], ids=["garbage", "headers-incomplete", "headers-complete", "timeout", "too-large", "trailing-slash", "method",
+        "websocket"])
+def test_every_error_on_the_wire_is_json(server, request_bytes, status, kind):
+    with _connect(server[1]) as sock:
+        sock.sendall(request_bytes)
+        raw, _ = _read_until_closed(sock)  # the keep-alive, header or refusal close ends each
+    (got, head, answer), = _answers(raw)
+    assert got == status and b"content-type: application/json" in head.lower()
+    assert b"\r\nlocation:" not in head.lower()
+    error = json.loads(answer)["error"]
+    assert error["code"] == status and error["type"] == kind and error["message"]
 
 
 def test_connections_over_the_limit_get_503_until_the_stalled_ones_time_out():

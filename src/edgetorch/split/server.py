@@ -29,8 +29,9 @@ code  type                      when
 ====  ========================  =====================================================================
 400   bad_request               malformed HTTP (from the protocol), or a Content-Length that is not a number
 400   malformed_payload         the body is not a valid payload (the codec's message says why)
+400   websocket_not_supported   a WebSocket handshake (this server speaks plain HTTP only)
 401   unauthorized              missing or wrong ``Authorization: Bearer <token>`` (scheme case-insensitive)
-404   not_found                 no such path (or docs with a token set)
+404   not_found                 no such path (or docs with a token set; a trailing slash is not redirected)
 405   method_not_allowed        e.g. ``GET /infer``
 408   request_timeout           headers not complete within ``header_timeout_s``, or the body within
                                 ``read_timeout_s``; the connection is closed
@@ -52,7 +53,7 @@ leave part of the request body unread close the connection, so a refused client 
 busy by sending the rest slowly.
 
 Limits that need the HTTP protocol layer (the header deadline, idle connections, the connection
-cap, the header size) are set by :func:`uvicorn_config`; :func:`serve_in_background` and
+cap, the header size, WebSocket off) are set by :func:`uvicorn_config`; :func:`serve_in_background` and
 ``edgetorch split serve`` use it. Running the app with plain ``uvicorn module:app`` keeps the
 app's own limits (body deadline, sizes, batch) but not the header deadline.
 """
@@ -256,6 +257,14 @@ class _Guard:
             self.metrics.record_request("(headers)", 431)
             return
         headers = dict(raw_headers)
+        if b"websocket" in headers.get(b"upgrade", b"").lower():
+            # uvicorn_config turns WebSocket off (the connection would leave the deadlines of our
+            # HTTP protocol), so the handshake arrives as plain HTTP: refuse it in the usual shape.
+            response = _error(400, "websocket_not_supported", "this server has no WebSocket endpoints; it "
+                              "answers HTTP: GET /, GET /health, GET /metrics and POST /infer")
+            await response(scope, receive, send)
+            self.metrics.record_request("(websocket)", 400)
+            return
         body_left = b"transfer-encoding" in headers or headers.get(b"content-length", b"0").strip() not in (b"0", b"")
         state = {"status": None, "body_left": body_left}
 
@@ -317,7 +326,9 @@ def create_app(tail: nn.Module, manifest: SplitManifest, config: ServerConfig = 
     bottleneck_shape = tuple(int(d) for d in manifest.bottleneck_shape)
     limit = config.max_payload_bytes or payload_size((64, *bottleneck_shape))
     docs = config.token is None  # a protected server does not describe itself to strangers
-    app = FastAPI(title="edgetorch split tail server", docs_url="/docs" if docs else None,
+    # redirect_slashes off: its 307 for "/health/" copied the client's Host header into Location;
+    # a trailing slash is a JSON 404 like any other unknown path.
+    app = FastAPI(title="edgetorch split tail server", redirect_slashes=False, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     metrics = Metrics()
     app.state.server_config, app.state.metrics = config, metrics
@@ -555,8 +566,8 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, conf
 
     Returns:
         A :class:`uvicorn.Config`: header deadline and JSON 400s (our h11 protocol subclass),
-        keep-alive timeout, connection cap (``limit_concurrency``), header size limit, and no
-        ``server`` header.
+        keep-alive timeout, connection cap (``limit_concurrency``), header size limit, WebSocket
+        off and no ``server`` header.
 
     Example:
         >>> import uvicorn
@@ -567,8 +578,10 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, conf
 
     config = config or getattr(app.state, "server_config", None) or ServerConfig()
     settings = {"log_level": "info", "server_header": False, **overrides}
+    # ws="none": a WebSocket connection would leave this protocol and its deadlines; the app
+    # refuses the handshake with a JSON 400 instead.
     return uvicorn.Config(app, host=host, port=port, http=_protocol_class(config, getattr(app.state, "metrics", None)),
-                          timeout_keep_alive=config.keep_alive_s, limit_concurrency=config.max_connections,
+                          ws="none", timeout_keep_alive=config.keep_alive_s, limit_concurrency=config.max_connections,
                           h11_max_incomplete_event_size=config.max_header_bytes, **settings)
 
 
