@@ -1,8 +1,8 @@
-"""Load, stall and fuzz test of the split tail server on loopback.
+"""Load, stall, fuzz and flood test of the split tail server on loopback.
 
 The server (uvicorn, one worker, in its own process as it would be deployed, with a bearer token
-and 5 s header and body deadlines) serves the tail of a resnet18 split at SP2 with C = 12 at 96 px
-(random weights: the time of a dense CNN does not depend on them). Four phases, in order:
+and 5 s header, body and write deadlines) serves the tail of a resnet18 split at SP2 with C = 12 at
+96 px (random weights: the time of a dense CNN does not depend on them). Phases, in order:
 
 1. load: N concurrent clients x M batch-1 requests each, back to back over one keep-alive
    connection per client (1 x 30, then the target 32 x 100). Errors = any non-200 or transport
@@ -14,9 +14,17 @@ and 5 s header and body deadlines) serves the tail of a resnet18 split at SP2 wi
    targets, HTTP versions, headers, Content-Length lies, chunked bodies, valid, mutated, resealed,
    truncated and wrong-shape payloads, garbage), 32 at a time. Recorded: status codes; the target
    is 0 answers of 500 or more.
-4. RSS of the server process before and after each phase (and the peak while stalled).
+4. connection cap: 2,100 idle connections (over the default cap of 2,048) opened at once, then
+   /health polled on new connections while they are held.
+5. pipelining flood: 2,100 connections each writing 3,000 ``GET /`` at once and reading the
+   answers, /health polled throughout. Recorded: answers per connection, when the flood ended.
+6. clients that do not read: on a second server whose tail answers ~6 MB (10,000 classes, batch
+   32), 30 clients with the smallest receive buffer send one request each and never read.
+   Recorded: when the server let go of each (its socket gone from the server process).
+7. RSS of the server process before and after each phase (and peaks while connections are held).
 
-Run: ``.venv/bin/python bench/split_loadtest.py [--fuzz-requests 10000]``
+The process raises its soft open-file limit to what phases 2, 4 and 5 hold (the server process
+inherits it). Run: ``.venv/bin/python bench/split_loadtest.py [--fuzz-requests 10000]``
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import asyncio
 import collections
 import json
 import random
+import resource
+import select
 import socket
 import struct
 import subprocess
@@ -44,12 +54,18 @@ from _common import table, write_results
 from edgetorch.split.bottleneck import inject_bottleneck
 from edgetorch.split.export import save
 from edgetorch.split.payload import encode, payload_size
+from edgetorch.split.server import ServerConfig
 from edgetorch.zoo import build_model
 
 ARCH, CHANNELS, RESOLUTION = "torchvision:resnet18", 12, 96
 LOADS = ((1, 30), (32, 100))  # (clients, requests per client)
 STALLED = 1000
-TIMEOUT_S = 5.0  # the server's header and body deadlines in this benchmark
+TIMEOUT_S = 5.0  # the server's header, body and write deadlines in this benchmark
+SLOW_READERS, WIDE_CLASSES, WIDE_BATCH = 30, 10_000, 32  # answers of ~6 MB: more than loopback buffers take
+DEFAULTS = ServerConfig()
+IDLE = 2100  # over the default connection cap of 2,048
+PIPELINERS, PIPELINED = 2100, 3000
+PIPELINING_WINDOW_S = 60.0
 FUZZ_CONCURRENCY = 32
 TOKEN = "loadtest-token"
 AUTH = f"Bearer {TOKEN}"
@@ -58,7 +74,7 @@ SERVER = """
 import sys, uvicorn
 from edgetorch.split.server import ServerConfig, app_from_dir, uvicorn_config
 timeout = float(sys.argv[3])
-config = ServerConfig(token=sys.argv[4], header_timeout_s=timeout, read_timeout_s=timeout)
+config = ServerConfig(token=sys.argv[4], header_timeout_s=timeout, read_timeout_s=timeout, write_timeout_s=timeout)
 app = app_from_dir(sys.argv[1], config)
 uvicorn.Server(uvicorn_config(app, "127.0.0.1", int(sys.argv[2]), log_level="warning", access_log=False)).run()
 """
@@ -361,6 +377,200 @@ async def run_fuzz(port: int, fuzzer: Fuzzer, count: int, timeout_s: float) -> d
             "first_5xx": server_errors[:10]}
 
 
+# --- 4. idle connections over the connection cap -------------------------------------------------
+
+async def health_once(port: int, wait_s: float) -> dict:
+    """One ``GET /health`` on a new connection: its status, whether the body is JSON, the latency."""
+    start = time.perf_counter()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), wait_s)
+    except (OSError, asyncio.TimeoutError) as err:
+        return {"status": f"connect failed ({type(err).__name__})", "json": False, "latency_s": None}
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        raw = await asyncio.wait_for(reader.read(), wait_s)  # until the server closes
+        status = _status_of(raw)
+        try:
+            json.loads(raw.partition(b"\r\n\r\n")[2])
+            is_json = True
+        except ValueError:
+            is_json = False
+        return {"status": str(status) if status is not None else "no answer", "json": is_json,
+                "latency_s": time.perf_counter() - start}
+    except asyncio.TimeoutError:
+        return {"status": "no answer in time", "json": False, "latency_s": None}
+    except OSError as err:
+        return {"status": f"transport error ({type(err).__name__})", "json": False, "latency_s": None}
+    finally:
+        writer.close()
+
+
+def summarise_polls(polls: list[dict]) -> dict:
+    latencies = [p["latency_s"] for p in polls if p["status"] == "200"]
+    return {"polls": len(polls), "ok": len(latencies), "statuses": dict(collections.Counter(p["status"] for p in polls)),
+            "errors_with_json_body": sum(p["json"] for p in polls if p["status"] != "200" and p["latency_s"] is not None),
+            "errors_answered": sum(p["status"] != "200" and p["latency_s"] is not None for p in polls),
+            "p50_ms": float(np.median(latencies) * 1e3) if latencies else None,
+            "max_ms": float(max(latencies) * 1e3) if latencies else None}
+
+
+async def run_connection_cap(port: int, count: int, polls: int, timeout_s: float, rss: RssSampler) -> dict:
+    """``count`` idle connections (half silent, half half a request line), then /health polled on new
+    connections while they are held; how each idle one ended."""
+    held = {"now": 0}
+
+    async def idle(i: int) -> dict:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError as err:
+            return {"status": f"connect failed ({type(err).__name__})"}
+        if i % 2:
+            writer.write(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        held["now"] += 1
+        try:
+            raw = await asyncio.wait_for(reader.read(), timeout_s + 30)
+            status, is_json = _status_of(raw), raw.partition(b"\r\n\r\n")[2][:1] == b"{"
+            outcome = f"{status} {'JSON' if is_json else 'not JSON'}" if status else "closed without an answer"
+        except asyncio.TimeoutError:
+            outcome = "still open"
+        except OSError as err:
+            outcome = f"transport error ({type(err).__name__})"
+        held["now"] -= 1
+        writer.close()
+        return {"status": outcome}
+
+    rss.start_peak()
+    tasks = [asyncio.create_task(idle(i)) for i in range(count)]
+    while held["now"] + sum(t.done() for t in tasks) < count:  # every one connected (or failed)
+        await asyncio.sleep(0.05)
+    opened = held["now"]
+    results = []
+    for _ in range(polls):
+        results.append({**await health_once(port, 30), "held": held["now"]})
+        await asyncio.sleep(0.1)
+    ends = collections.Counter(r["status"] for r in await asyncio.gather(*tasks))
+    return {"connections": count, "held_when_polling_began": opened, "health": summarise_polls(results),
+            "health_min_held_during_a_poll": min(r["held"] for r in results),
+            "idle_connections_ended": dict(sorted(ends.items())), "peak_rss_bytes": rss.stop_peak()}
+
+
+# --- 5. pipelining flood ------------------------------------------------------------------------
+
+async def run_pipelining(port: int, count: int, depth: int, window_s: float) -> dict:
+    """``count`` connections each writing ``depth`` pipelined ``GET /`` at once and reading the
+    answers, while /health is polled every 0.25 s on new connections; the flood is stopped after
+    ``window_s`` if the server has not ended it."""
+    request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * depth
+    live = {"now": 0}
+    done = asyncio.Event()
+
+    async def flood() -> dict:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError as err:
+            return {"answers": 0, "end": f"connect failed ({type(err).__name__})"}
+        live["now"] += 1
+        answers, tail, end = 0, b"", "window over"
+        try:
+            writer.write(request)
+            while True:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    end = "closed by the server"
+                    break
+                answers += (tail + chunk).count(b"HTTP/1.1 ")  # answer heads; tail: one cut at a chunk edge
+                tail = chunk[-8:]
+        except OSError as err:
+            end = f"closed by the server ({type(err).__name__})"
+        except asyncio.CancelledError:
+            pass
+        finally:
+            live["now"] -= 1
+            writer.close()
+        return {"answers": answers, "end": end}
+
+    async def poll() -> list[dict]:
+        polls = []
+        while not done.is_set():
+            polls.append({**await health_once(port, window_s), "flooding": live["now"]})
+            await asyncio.sleep(0.25)
+        return polls
+
+    start = time.perf_counter()
+    poller = asyncio.create_task(poll())
+    floods = [asyncio.create_task(flood()) for _ in range(count)]
+    _, pending = await asyncio.wait(floods, timeout=window_s)
+    for task in pending:
+        task.cancel()
+    results = [r if isinstance(r, dict) else {"answers": 0, "end": "window over"}
+               for r in await asyncio.gather(*floods, return_exceptions=True)]
+    wall = time.perf_counter() - start
+    done.set()
+    polls = await poller
+    answers = [r["answers"] for r in results]
+    during = [p for p in polls if p["flooding"] > 0]
+    return {"connections": count, "pipelined_per_connection": depth, "window_s": window_s, "wall_s": wall,
+            "ended_by_server_within_window": not pending, "answers_total": int(sum(answers)),
+            "answers_per_connection_max": int(max(answers)), "answers_per_connection_median": float(np.median(answers)),
+            "ends": dict(collections.Counter(r["end"] for r in results)),
+            "health_during_flood": summarise_polls(during)}
+
+
+# --- 6. clients that do not read ----------------------------------------------------------------
+
+def held_by_server(pid: int, port: int, client_ports: set[int]) -> set[int]:
+    """The client ports whose connection the server process still holds a socket for."""
+    return {c.raddr.port for c in psutil.Process(pid).net_connections("tcp")
+            if c.laddr and c.laddr.port == port and c.raddr and c.raddr.port in client_ports}
+
+
+async def run_slow_readers(port: int, pid: int, body: bytes, answer_bytes: int, count: int, window_s: float,
+                           rss: RssSampler) -> dict:
+    """``count`` connections that each send one request whose answer is larger than loopback's
+    socket buffers take, and never read: when did the server let go of each (its socket gone from
+    the server process), counted from the first byte of its answer (seen with select, not read)?
+
+    Polled every 0.1 s. Each client sends once the previous one's answer has begun: the event loop
+    renders each JSON answer itself (about 0.2 s for these), so answers queued behind each other
+    would delay the deadline timers by whole renders and measure the backlog instead of the
+    deadline. Observation ends ``window_s`` after the last answer began.
+    """
+    loop = asyncio.get_running_loop()
+    request = (b"POST /infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+               b"Authorization: " + AUTH.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    rss.start_peak()
+    sockets: list[socket.socket] = []
+    answering, seen, closed = {}, set(), {}
+    guard = time.perf_counter() + count * 30 + window_s  # a hang guard for a server that never answers
+    while len(closed) < count and time.perf_counter() < guard:
+        if len(sockets) < count and (not sockets or sockets[-1].getsockname()[1] in answering):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # the smallest window, set before connecting
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            await loop.sock_sendall(sock, request)
+            sockets.append(sock)
+        readable = select.select(sockets, [], [], 0)[0]  # the answer began to arrive (nothing is read)
+        held = held_by_server(pid, port, {sock.getsockname()[1] for sock in sockets})
+        now = time.perf_counter()
+        for sock in readable:
+            answering.setdefault(sock.getsockname()[1], now)
+        seen |= held
+        for client_port in (seen - held) & set(answering) - set(closed):  # seen held first: not yet accepted is not gone
+            closed[client_port] = now - answering[client_port]
+        if len(answering) == count and now - max(answering.values()) > window_s:
+            break
+        await asyncio.sleep(0.1)
+    peak = rss.stop_peak()
+    for sock in sockets:
+        sock.close()
+    times = sorted(closed.values())
+    return {"connections": count, "window_s": window_s, "answer_bytes": answer_bytes, "answers_begun": len(answering),
+            "closed": len(times), "held_at_end_of_window": count - len(times),
+            "closed_after_s_median": float(np.median(times)) if times else None,
+            "closed_after_s_max": times[-1] if times else None, "peak_rss_bytes": peak}
+
+
 # --- RSS ---------------------------------------------------------------------------------------
 
 class RssSampler:
@@ -398,27 +608,79 @@ def metrics_totals(url: str) -> dict:
         elif line.startswith("edgetorch_split_errors_total"):
             code = line.split('code="', 1)[1].split('"', 1)[0]
             totals["errors_by_code"][code] = int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("edgetorch_split_connections_dropped_total"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            totals.setdefault("connections_dropped", {})[reason] = int(float(line.rsplit(" ", 1)[1]))
         elif line.startswith("edgetorch_split_inference_seconds_count"):
             totals["inferences"] = int(float(line.rsplit(" ", 1)[1]))
     return totals
+
+
+def raise_fd_limit(needed: int) -> None:
+    """Raise this process's soft open-file limit to ``needed`` (the server process inherits it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            raise SystemExit(f"this benchmark holds {needed} sockets per process and the hard open-file limit is "
+                             f"{hard}: raise it (ulimit -Hn) or pass smaller --idle / --pipeliners")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
+def start_server(artifacts: str, port: int) -> subprocess.Popen:
+    server = subprocess.Popen([sys.executable, "-c", SERVER, artifacts, str(port), str(TIMEOUT_S), TOKEN])
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}", server)
+    except RuntimeError:
+        server.terminate()
+        raise
+    return server
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def slow_reader_phase(artifacts: str, count: int) -> tuple[dict, dict]:
+    """Phase 6, on its own server: a tail with WIDE_CLASSES logits, so one answer outgrows the
+    socket buffers (the main model's largest answer does not)."""
+    torch.manual_seed(0)
+    wide = inject_bottleneck(build_model(ARCH, num_classes=WIDE_CLASSES), CHANNELS, "sp2").eval()
+    manifest = save(wide, artifacts, RESOLUTION)
+    body = encode(torch.randn(WIDE_BATCH, *manifest.bottleneck_shape))
+    port = free_port()
+    server = start_server(artifacts, port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        answer = httpx.post(url + "/infer", content=body, timeout=120,
+                            headers={"content-type": "application/octet-stream", "authorization": AUTH})
+        answer.raise_for_status()
+        slow = asyncio.run(run_slow_readers(port, server.pid, body, len(answer.content), count, 4 * TIMEOUT_S,
+                                            RssSampler(server.pid)))
+        slow["health_after"] = httpx.get(url + "/health", timeout=10).status_code
+        return slow, metrics_totals(url)
+    finally:
+        stop(server)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fuzz-requests", type=int, default=10_000)
     parser.add_argument("--stalled", type=int, default=STALLED)
+    parser.add_argument("--idle", type=int, default=IDLE)
+    parser.add_argument("--pipeliners", type=int, default=PIPELINERS)
     args = parser.parse_args()
+    raise_fd_limit(max(args.stalled, args.idle, args.pipeliners) + 1024)
     torch.manual_seed(0)
     student = inject_bottleneck(build_model(ARCH, num_classes=10), CHANNELS, "sp2").eval()
-    with tempfile.TemporaryDirectory() as artifacts:
+    with tempfile.TemporaryDirectory() as artifacts, tempfile.TemporaryDirectory() as wide_artifacts:
         manifest = save(student, artifacts, RESOLUTION)
         shape = tuple(manifest.bottleneck_shape)
         body = encode(torch.randn(1, *shape))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([sys.executable, "-c", SERVER, artifacts, str(port), str(TIMEOUT_S), TOKEN])
+        server = start_server(artifacts, port)
         try:
-            wait_until_up(url, server)
             rss = RssSampler(server.pid)
             asyncio.run(run_load(url, body, 1, 3))  # warm-up, not recorded
             memory = {"start": rss.now()}
@@ -431,15 +693,22 @@ def main() -> None:
             fuzz = asyncio.run(run_fuzz(port, Fuzzer(0, shape, payload_size((64, *shape))), args.fuzz_requests, TIMEOUT_S))
             memory["after_fuzz"] = rss.now()
             health_after = httpx.get(url + "/health", timeout=10).status_code
+            cap = asyncio.run(run_connection_cap(port, args.idle, 20, TIMEOUT_S, rss))
+            memory["peak_with_idle_connections"] = cap["peak_rss_bytes"]
+            pipelining = asyncio.run(run_pipelining(port, args.pipeliners, PIPELINED, PIPELINING_WINDOW_S))
+            time.sleep(1.0)
+            memory["after_pipelining"] = rss.now()
             server_counts = metrics_totals(url)
         finally:
-            server.terminate()
-            server.wait(timeout=30)
-    write_report(manifest, body, runs, stall, fuzz, memory, health_after, server_counts)
+            stop(server)
+        slow, slow_counts = slow_reader_phase(wide_artifacts, SLOW_READERS)
+    write_report(manifest, body, runs, stall, fuzz, memory, health_after, server_counts, slow, slow_counts, cap,
+                 pipelining)
 
 
 def write_report(manifest, body: bytes, runs: list[dict], stall: dict, fuzz: dict, memory: dict,
-                 health_after: int, server_counts: dict) -> None:
+                 health_after: int, server_counts: dict, slow: dict, slow_counts: dict, cap: dict,
+                 pipelining: dict) -> None:
     main_run = next(r for r in runs if (r["clients"], r["requests_per_client"]) == LOADS[-1])
     targets = {
         "0 errors at 32 x 100": (main_run["errors"] == 0, f"{main_run['errors']} errors of {main_run['requests']}"),
@@ -455,6 +724,19 @@ def write_report(manifest, body: bytes, runs: list[dict], stall: dict, fuzz: dic
         "0 5xx over >= 10,000 fuzzed requests": (
             fuzz["answers_5xx"] == 0 and fuzz["requests"] >= 10_000,
             f"{fuzz['answers_5xx']} answers >= 500 of {fuzz['requests']:,} requests"),
+        "clients that do not read are dropped at the write deadline": (
+            slow["closed"] == slow["connections"] and slow["closed_after_s_max"] <= TIMEOUT_S + 1.0,
+            f"{slow['closed']}/{slow['connections']} dropped, the last {slow['closed_after_s_max'] or float('nan'):.2f} s "
+            f"after its answer began (deadline {TIMEOUT_S:g} s; 1 s allowed for polling)"),
+        f"/health answers with {cap['connections']:,} idle connections (cap {DEFAULTS.max_connections:,})": (
+            cap["health"]["ok"] == cap["health"]["polls"],
+            f"{cap['health']['ok']}/{cap['health']['polls']} polls answered 200 with at least "
+            f"{cap['health_min_held_during_a_poll']:,} idle connections held"),
+        f"a pipelining flood is cut at 1 + {DEFAULTS.max_pipelined} answers and /health answers during it": (
+            pipelining["answers_per_connection_max"] <= 1 + DEFAULTS.max_pipelined and pipelining["health_during_flood"]["polls"] > 0
+            and pipelining["health_during_flood"]["ok"] == pipelining["health_during_flood"]["polls"],
+            f"at most {pipelining['answers_per_connection_max']} answers a connection; "
+            f"{pipelining['health_during_flood']['ok']}/{pipelining['health_during_flood']['polls']} polls answered 200"),
     }
     load_rows = [(r["clients"], r["requests_per_client"], r["requests"], r["errors"], f"{r['throughput_rps']:.1f}",
                   f"{r['p50_ms']:.1f}", f"{r['p90_ms']:.1f}", f"{r['p99_ms']:.1f}", f"{r['max_ms']:.1f}",
@@ -468,9 +750,10 @@ def write_report(manifest, body: bytes, runs: list[dict], stall: dict, fuzz: dic
     body_md = (
         f"Tail of {ARCH} split at SP2, C = {CHANNELS}, {RESOLUTION} px input (bottleneck "
         f"{list(manifest.bottleneck_shape)}, payload {len(body):,} bytes per request, batch 1), served by one "
-        f"uvicorn worker in a separate process on 127.0.0.1 with a bearer token and {TIMEOUT_S:g} s header and "
-        "body deadlines (`ServerConfig(header_timeout_s=5, read_timeout_s=5)`, other limits at their defaults, "
-        "run through `uvicorn_config`). Clients are asyncio connections in this process. The machine is shared "
+        f"uvicorn worker in a separate process on 127.0.0.1 with a bearer token and {TIMEOUT_S:g} s header, "
+        "body and write deadlines (`ServerConfig(header_timeout_s=5, read_timeout_s=5, write_timeout_s=5)`, other "
+        f"limits at their defaults, among them `max_connections={DEFAULTS.max_connections}` and "
+        f"`max_pipelined={DEFAULTS.max_pipelined}`, run through `uvicorn_config`). Clients are asyncio connections in this process. The machine is shared "
         "with other jobs, so latencies vary run to run; the error counts are the results that must hold.\n\n"
         "## Targets\n\n" + table(["target", "result", "measured"], target_rows)
         + "\n\n## Load: concurrent clients, back-to-back requests\n\n"
@@ -497,15 +780,52 @@ def write_report(manifest, body: bytes, runs: list[dict], stall: dict, fuzz: dic
         f"{fuzz['declaring_more_body_than_sent']} of them declare more body than they send and are answered "
         "only by the body deadline. Answers by status:\n\n"
         + table(["status", "requests"], fuzz_rows)
-        + f"\n\nAnswers of 500 or more: **{fuzz['answers_5xx']}**. /health after the fuzz: {health_after}. "
-        f"The server's own /metrics counted {server_counts['requests']:,} answered requests over the whole run "
-        f"(errors by code: {json.dumps(server_counts['errors_by_code'])}).\n\n"
+        + f"\n\nAnswers of 500 or more: **{fuzz['answers_5xx']}**. /health after the fuzz: {health_after}.\n\n"
+        f"## {cap['connections']:,} idle connections over the connection cap\n\n"
+        f"All opened at once (half silent, half half a request line; {cap['held_when_polling_began']:,} held when "
+        f"polling began), then /health polled {cap['health']['polls']} times, 0.1 s apart, each on a new "
+        f"connection: {cap['health']['ok']}/{cap['health']['polls']} answered 200 (median "
+        f"{cap['health']['p50_ms'] or float('nan'):.1f} ms, slowest {cap['health']['max_ms'] or float('nan'):.1f} ms; "
+        f"statuses {json.dumps(cap['health']['statuses'])}). A connection beyond the cap closes the one that has "
+        "waited longest for a request, so the idle flood pushed out its own oldest members. How the idle "
+        f"connections ended: {json.dumps(cap['idle_connections_ended'])} (408: the header deadline).\n\n"
+        f"## Pipelining flood: {pipelining['connections']:,} connections x {pipelining['pipelined_per_connection']:,} "
+        "`GET /`\n\n"
+        "Each connection writes all its requests at once and reads the answers; /health is polled every 0.25 s on "
+        f"new connections. The server ended the flood {pipelining['wall_s']:.1f} s after it began "
+        f"({'within' if pipelining['ended_by_server_within_window'] else '**not** within'} the "
+        f"{pipelining['window_s']:g} s window): {pipelining['answers_total']:,} answers in all, at most "
+        f"{pipelining['answers_per_connection_max']} a connection (the first request and {DEFAULTS.max_pipelined} "
+        f"pipelined); ends: "
+        f"{json.dumps(pipelining['ends'])}. /health during the flood: {pipelining['health_during_flood']['ok']}/"
+        f"{pipelining['health_during_flood']['polls']} answered 200, median "
+        f"{pipelining['health_during_flood']['p50_ms'] or float('nan'):.0f} ms, slowest "
+        f"{pipelining['health_during_flood']['max_ms'] or float('nan'):.0f} ms: one event loop answers each "
+        "flooding connection's next request in turn, and a new connection waits for a few of those rounds.\n\n"
+        f"## {slow['connections']} clients that do not read\n\n"
+        f"On a second server whose tail has {WIDE_CLASSES:,} classes: each client sends one batch-{WIDE_BATCH} "
+        f"request (answer {slow['answer_bytes']:,} bytes, more than loopback's socket buffers take) with the "
+        "smallest receive buffer and never reads, each once the previous one's answer has begun (the event loop "
+        "renders each JSON answer itself, about 0.2 s for these, so answers queued behind each other would delay "
+        "the deadline timers by whole renders). The server let go of "
+        f"{slow['closed']}/{slow['connections']} (their sockets gone from its process) a median "
+        f"{slow['closed_after_s_median'] or float('nan'):.2f} s and at most {slow['closed_after_s_max'] or float('nan'):.2f} s "
+        f"after each answer began to arrive, polled every 0.1 s ({slow['held_at_end_of_window']} still held "
+        f"{slow['window_s']:g} s after the last answer began); "
+        f"its RSS peaked at {slow['peak_rss_bytes'] / mib:.0f} MiB with their answers buffered. /health after: "
+        f"{slow['health_after']}; the server counted {json.dumps(slow_counts.get('connections_dropped', {}))} "
+        "dropped connections.\n\n"
+        "## Server counters\n\n"
+        f"The main server's own /metrics counted {server_counts['requests']:,} answered requests over the whole run "
+        f"(errors by code: {json.dumps(server_counts['errors_by_code'])}; connections dropped by reason: "
+        f"{json.dumps(server_counts.get('connections_dropped', {}))}).\n\n"
         "## Server memory (RSS, MiB)\n\n" + table(["when", "RSS MiB"], memory_rows)
     )
-    write_results("split_loadtest", "Split runtime: tail server load, stall and fuzz test on loopback", body_md,
+    write_results("split_loadtest", "Split runtime: tail server load, stall, fuzz and flood test on loopback", body_md,
                   {"arch": ARCH, "channels": CHANNELS, "resolution": RESOLUTION, "payload_bytes": len(body),
                    "timeout_s": TIMEOUT_S, "runs": runs, "stall": stall, "fuzz": fuzz, "rss_bytes": memory,
-                   "health_after_fuzz": health_after, "server_metrics": server_counts,
+                   "health_after_fuzz": health_after, "server_metrics": server_counts, "connection_cap": cap,
+                   "pipelining": pipelining, "slow_readers": slow, "slow_reader_server_metrics": slow_counts,
                    "targets": {name: {"met": ok, "measured": detail} for name, (ok, detail) in targets.items()}})
     if not all(ok for ok, _ in targets.values()):
         raise SystemExit("a target was missed; see docs/results/split_loadtest.md")

@@ -10,6 +10,7 @@ import re
 import select
 import socket
 import struct
+import threading
 import time
 import types
 import zlib
@@ -238,8 +239,8 @@ def test_a_client_that_hangs_up_mid_body_is_one_quiet_log_line(caplog):
 
 @pytest.mark.parametrize("field, value", [
     ("max_batch", 0), ("max_batch", 1.5), ("max_connections", -1), ("read_timeout_s", 0),
-    ("header_timeout_s", float("inf")), ("keep_alive_s", -1.0), ("max_payload_bytes", 0), ("token", ""),
-    ("token", "a b"),
+    ("header_timeout_s", float("inf")), ("keep_alive_s", -1.0), ("write_timeout_s", 0), ("max_pipelined", 0),
+    ("max_payload_bytes", 0), ("token", ""), ("token", "a b"),
 ])
 def test_server_config_refuses_impossible_limits(field, value):
     with pytest.raises(ValueError, match=f"ServerConfig.{field}"):
@@ -247,13 +248,15 @@ def test_server_config_refuses_impossible_limits(field, value):
 
 
 def test_uvicorn_config_carries_the_protocol_limits():
-    app = create_app(Tail(), MANIFEST, ServerConfig(keep_alive_s=3, max_connections=77, max_header_bytes=4096))
+    app = create_app(Tail(), MANIFEST, ServerConfig(keep_alive_s=3, max_header_bytes=4096))
     settings = uvicorn_config(app, port=0)
-    assert (settings.timeout_keep_alive, settings.limit_concurrency, settings.h11_max_incomplete_event_size) == (3, 77, 4096)
+    assert (settings.timeout_keep_alive, settings.h11_max_incomplete_event_size) == (3, 4096)
+    # uvicorn's own connection cap answers text/plain 503s, /health included; ours replaces it.
+    assert settings.limit_concurrency is None and settings.ws == "none"
     assert settings.host == "127.0.0.1" and settings.server_header is False
 
 
-# --- A real uvicorn on loopback: timeouts, stalled connections, the connection cap. ---------------
+# --- A real uvicorn on loopback: timeouts, stalled connections, errors on the wire. ---------------
 
 TIMEOUT = 0.5
 FAST = ServerConfig(header_timeout_s=TIMEOUT, read_timeout_s=TIMEOUT, keep_alive_s=TIMEOUT, max_connections=200)
@@ -287,6 +290,19 @@ def _status(raw: bytes) -> int:
 
 def _json_body(raw: bytes) -> dict:
     return json.loads(raw.split(b"\r\n\r\n", 1)[1])
+
+
+def _answers(raw: bytes) -> list[tuple[int, bytes, bytes]]:
+    """The complete answers in ``raw`` as (status, head, body); a cut-off last one is left out."""
+    answers = []
+    while raw:
+        head, sep, rest = raw.partition(b"\r\n\r\n")
+        length = re.search(rb"\r\ncontent-length: *(\d+)", head, re.IGNORECASE)
+        if not sep or length is None or len(rest) < int(length[1]):
+            break
+        answers.append((_status(head), head, rest[:int(length[1])]))
+        raw = rest[int(length[1]):]
+    return answers
 
 
 @pytest.mark.parametrize("sent", [
@@ -396,19 +412,168 @@ def test_a_client_hanging_up_over_tcp_logs_one_line(server, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-def test_connections_over_the_limit_get_503_until_the_stalled_ones_time_out():
-    config = ServerConfig(header_timeout_s=TIMEOUT, max_connections=4)
-    with serve_in_background(create_app(Tail(), MANIFEST, config)) as url:
+@pytest.mark.parametrize("request_bytes, status, kind", [
+    (b"NOT HTTP AT ALL\r\n\r\n", 400, "bad_request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000, 400, "bad_request"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 431, "request_header_fields_too_large"),
+    (b"GET /health HTTP/1.1\r\nHost: x", 408, "request_timeout"),
+    (b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: 99999999\r\n\r\n",
+     413, "payload_too_large"),
+    (b"GET /health/ HTTP/1.1\r\nHost: evil.example\r\n\r\n", 404, "not_found"),  # no redirect to Host
+    (b"PUT /health HTTP/1.1\r\nHost: x\r\ncontent-length: 0\r\n\r\n", 405, "method_not_allowed"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", 400, "websocket_not_supported"),
+], ids=["garbage", "headers-incomplete", "headers-complete", "timeout", "too-large", "trailing-slash", "method",
+        "websocket"])
+def test_every_error_on_the_wire_is_json(server, request_bytes, status, kind):
+    with _connect(server[1]) as sock:
+        sock.sendall(request_bytes)
+        raw, _ = _read_until_closed(sock)  # the keep-alive, header or refusal close ends each
+    (got, head, answer), = _answers(raw)
+    assert got == status and b"content-type: application/json" in head.lower()
+    assert b"\r\nlocation:" not in head.lower()
+    error = json.loads(answer)["error"]
+    assert error["code"] == status and error["type"] == kind and error["message"]
+
+
+# --- Pressure: clients that do not read, connection floods, pipelining floods. -------------------
+# Each waits for an event (a counter, an answer, a closed socket); timeouts here only guard hangs.
+
+HANG_GUARD_S = 30.0
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hang guard: {what} did not happen within {HANG_GUARD_S:g} s")
+        time.sleep(0.01)
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One complete answer from a connection that stays open."""
+    raw = b""
+    while not _answers(raw):
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection after {raw!r}"
+        raw += chunk
+    return raw
+
+
+def _get(port: int, path: str = "/health") -> tuple[int, dict]:
+    with _connect(port) as sock:
+        sock.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+        raw, _ = _read_until_closed(sock, HANG_GUARD_S)
+    (status, _, answer), = _answers(raw)
+    return status, json.loads(answer)
+
+
+class WideTail(nn.Module):
+    """4,096 logits a sample: a batch of 64 is a ~5 MB JSON answer, more than loopback's socket
+    buffers take (about 1.6 MB with the smallest receive buffer)."""
+
+    def forward(self, x):
+        return x.flatten(1)[:, :1].expand(-1, 4096) * torch.linspace(-1, 1, 4096)
+
+
+def test_a_client_that_does_not_read_is_dropped_at_the_write_deadline():
+    app = create_app(WideTail(), MANIFEST, ServerConfig(write_timeout_s=0.2))
+    with serve_in_background(app) as url:
         port = int(url.rsplit(":", 1)[1])
-        held = [_connect(port) for _ in range(3)]
-        for sock in held:
-            sock.sendall(b"GET / HTTP/1.1\r\n")
-        time.sleep(0.1)
-        assert httpx.get(url + "/health", timeout=5).status_code == 503
-        for sock in held:
-            _read_until_closed(sock)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # the kernel's smallest, set before connecting
+        sock.connect(("127.0.0.1", port))
+        with sock:
+            payload = body(64)
+            sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+            dropped = app.state.metrics.dropped
+            _wait_for(lambda: dropped.get("write_timeout") == 1, "the write deadline")
+            try:
+                raw, _ = _read_until_closed(sock, HANG_GUARD_S)
+            except ConnectionResetError:
+                raw = b""
+        assert not _answers(raw)  # the server gave up on the answer: it never arrived whole
+        assert _get(port) == (200, {"status": "ok"})
+
+
+def test_health_answers_with_the_connection_cap_full_of_idle_connections():
+    cap = 8
+    config = ServerConfig(max_connections=cap, header_timeout_s=HANG_GUARD_S, keep_alive_s=HANG_GUARD_S)
+    app = create_app(Tail(), MANIFEST, config)
+    with serve_in_background(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        keep_alive = _connect(port)  # the oldest: one answered request, then idle
+        keep_alive.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        _read_answer(keep_alive)
+        idle = [_connect(port) for _ in range(cap + 3)]
+        for i, sock in enumerate(idle):
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")  # half a request, or nothing
+        # 1 + 11 + this one = 13 over a cap of 8: each newcomer closed the one that had waited longest.
+        assert _get(port) == (200, {"status": "ok"})
+        evicted, kept = idle[:4], idle[4:]
+        assert not select.select(kept, [], [], 0)[0]  # still open, nothing said
+        assert _read_until_closed(keep_alive)[0] == b""  # an idle keep-alive connection is just closed
+        for sock in evicted:  # one that had begun (or not yet begun) a request is told why
+            (status, _, answer), = _answers(_read_until_closed(sock)[0])
+            assert status == 503 and json.loads(answer)["error"]["type"] == "over_capacity"
+        assert app.state.metrics.dropped == {"evicted": 5}
+        for sock in [keep_alive, *idle]:
             sock.close()
-        assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+class BlockingTail(Tail):
+    """Holds every call until released, so requests stay running for as long as a test needs."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.release = threading.Semaphore(0), threading.Event()
+
+    def forward(self, x):
+        self.entered.release()
+        assert self.release.wait(HANG_GUARD_S), "hang guard: the test never released the tail"
+        return super().forward(x)
+
+
+def test_requests_beyond_the_running_cap_get_a_json_503_and_health_still_answers():
+    tail = BlockingTail()
+    with serve_in_background(create_app(tail, MANIFEST, ServerConfig(max_connections=2))) as url:
+        port = int(url.rsplit(":", 1)[1])
+        running = [_connect(port) for _ in range(2)]
+        try:
+            for sock in running:
+                payload = body()
+                sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload))
+            for _ in running:
+                assert tail.entered.acquire(timeout=HANG_GUARD_S), "hang guard: the tail was not called"
+            status, answer = _get(port, "/")
+            assert status == 503 and answer["error"]["type"] == "over_capacity"
+            assert _get(port) == (200, {"status": "ok"})
+        finally:
+            tail.release.set()
+        for sock in running:
+            (status, _, _), = _answers(_read_until_closed(sock, HANG_GUARD_S)[0])
+            assert status == 200
+            sock.close()
+
+
+def test_a_pipelining_flood_is_cut_at_the_cap_and_health_still_answers():
+    app = create_app(Tail(), MANIFEST, ServerConfig(max_pipelined=4, keep_alive_s=HANG_GUARD_S))
+    with serve_in_background(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with _connect(port) as flood:
+            flood.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 200)  # one write: all queued at once
+            raw, _ = _read_until_closed(flood, HANG_GUARD_S)
+        answers = _answers(raw)
+        assert len(answers) == 1 + 4 and {status for status, _, _ in answers} == {200}
+        assert app.state.metrics.dropped == {"pipelined": 1}
+        assert _get(port) == (200, {"status": "ok"})
+        with _connect(port) as polite:  # one request at a time, each after its answer: never cut
+            for _ in range(12):
+                polite.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _status(_read_answer(polite)) == 200
+        assert app.state.metrics.dropped == {"pipelined": 1}
 
 
 # --- Bounded HTTP fuzz against the in-process app: never a 5xx. --------------------------------

@@ -180,7 +180,11 @@ def serve(
     header_timeout: float = typer.Option(10.0, min=0.1, help="seconds for a request line and headers, else 408"),
     read_timeout: float = typer.Option(30.0, min=0.1, help="seconds for a whole request body, else 408"),
     keep_alive: float = typer.Option(5.0, min=0.1, help="seconds an idle keep-alive connection stays open"),
-    max_connections: int = typer.Option(2048, min=1, help="connections above this get 503"),
+    write_timeout: float = typer.Option(30.0, min=0.1, help="seconds a client that stops reading its answer is kept, then dropped"),
+    max_connections: int = typer.Option(2048, min=1, help="connections kept open (a new one closes the longest idle); "
+                                                          "requests running at once beyond it get 503, except /health"),
+    max_pipelined: int = typer.Option(16, min=1, help="requests a client may queue ahead of its answers before the "
+                                                      "connection is closed"),
     token_env: str = typer.Option(None, help="require `Authorization: Bearer <token>`, the token read from this environment variable"),
     key_env: str = typer.Option(None, help="refuse the artifact unless signed with the HMAC key in this environment variable"),
     ray: bool = typer.Option(False, "--ray", help="serve behind Ray Serve's proxy (needs edgetorch[ray]); see docs/split_ray.md"),
@@ -197,13 +201,14 @@ def serve(
         raise typer.BadParameter("--replicas needs --ray (without Ray, run several `split serve` processes)")
     try:
         config = ServerConfig(max_payload_bytes, token, max_batch=max_batch, header_timeout_s=header_timeout,
-                              read_timeout_s=read_timeout, keep_alive_s=keep_alive, max_connections=max_connections)
+                              read_timeout_s=read_timeout, keep_alive_s=keep_alive, write_timeout_s=write_timeout,
+                              max_connections=max_connections, max_pipelined=max_pipelined)
         if ray:
             from ..split import ray_app
 
             console.print("Ray's own services listen on this machine's network address, whatever "
-                          "--host says; the Ray proxy does not enforce --header-timeout, --keep-alive or "
-                          "--max-connections (docs/split_ray.md)", style="yellow")
+                          "--host says; the Ray proxy does not enforce --header-timeout, --write-timeout, "
+                          "--max-connections or --max-pipelined (docs/split_ray.md)", style="yellow")
             ray_app.run(artifact_dir, host, port, replicas, config, key=key, num_cpus_per_replica=num_cpus_per_replica)
             return
         server = app_from_dir(artifact_dir, config, key)

@@ -56,9 +56,9 @@ def ray_app(artifact_dir: str | Path, config: ServerConfig = ServerConfig(), rep
         artifact_dir: an artifact directory written by :func:`~edgetorch.split.save`. It
             is made absolute here, and must exist at that path on every node that runs a replica.
         config: limits and token, as for ``edgetorch split serve``. Its protocol-level limits
-            (header deadline, connection cap, header size, keep-alive) belong to the HTTP server,
-            which under Ray is Ray's proxy: :func:`run` maps ``keep_alive_s`` onto it, the rest
-            are not enforced (see ``docs/split_ray.md``).
+            (header and write deadlines, connection and pipelining caps, header size, keep-alive)
+            belong to the HTTP server, which under Ray is Ray's proxy: :func:`run` maps
+            ``keep_alive_s`` onto it, the rest are not enforced (see ``docs/split_ray.md``).
         replicas: number of replicas (``num_replicas``), at least 1.
         key: the HMAC key of a signed artifact; each replica refuses an unsigned or altered one.
         num_cpus: CPUs Ray reserves for each replica (Ray also sets the replica's

@@ -8,13 +8,14 @@ the (blocking) tail in its thread pool so the event loop keeps accepting.
 Endpoints:
 
 * ``GET /health``: liveness, always open, ``{"status": "ok"}``; answered on the event loop, so it
-  answers while the tail is busy and while stalled connections are held.
+  answers while the tail is busy and while stalled connections are held, and exempt from the cap
+  on running requests, so it answers at the connection cap too.
 * ``GET /``: model info (arch, channels, bottleneck shape, limits); open, as before.
 * ``POST /infer``: body ``application/octet-stream`` = a :func:`edgetorch.split.payload.encode`
   payload of a [N, *bottleneck_shape] tensor; answers ``{"logits": [[...], ...], "timing": {...}}``.
 * ``GET /metrics``: Prometheus text format: ``edgetorch_split_requests_total{path, code}``,
-  ``edgetorch_split_errors_total{code}`` and the ``edgetorch_split_inference_seconds`` histogram
-  (decode + tail of answered requests). It needs the token when one is set: it reveals how much
+  ``edgetorch_split_errors_total{code}``, ``edgetorch_split_connections_dropped_total{reason}`` and
+  the ``edgetorch_split_inference_seconds`` histogram (decode + tail of answered requests). It needs the token when one is set: it reveals how much
   traffic the server takes and how long each inference runs, which is nobody's business but the
   operator's, and Prometheus sends a bearer token with ``authorization: {credentials: ...}`` in
   its scrape config. ``/health`` stays open because liveness probes rarely can.
@@ -29,8 +30,9 @@ code  type                      when
 ====  ========================  =====================================================================
 400   bad_request               malformed HTTP (from the protocol), or a Content-Length that is not a number
 400   malformed_payload         the body is not a valid payload (the codec's message says why)
+400   websocket_not_supported   a WebSocket handshake (this server speaks plain HTTP only)
 401   unauthorized              missing or wrong ``Authorization: Bearer <token>`` (scheme case-insensitive)
-404   not_found                 no such path (or docs with a token set)
+404   not_found                 no such path (or docs with a token set; a trailing slash is not redirected)
 405   method_not_allowed        e.g. ``GET /infer``
 408   request_timeout           headers not complete within ``header_timeout_s``, or the body within
                                 ``read_timeout_s``; the connection is closed
@@ -43,18 +45,27 @@ code  type                      when
 422   non_finite_output         the tail's logits are inf or NaN for this (finite) payload
 500   internal_error            a genuine server bug (the tail raised on a payload that passed every
                                 check): logged once with its traceback, never sent to the client
-503   (uvicorn's text/plain)    more than ``max_connections`` connections and requests at once
+503   over_capacity             ``max_connections`` requests already running (``GET /health`` is let
+                                through), or this connection had waited longest for a complete request
+                                when a new one arrived at the cap (an idle keep-alive one is closed
+                                without a word); the connection is closed
 ====  ========================  =====================================================================
+
+Two limits close a connection with no answer to what is left on it: a client that does not read
+what it is sent is dropped ``write_timeout_s`` after its socket stops taking bytes (no answer could
+reach it), and a client that queues requests ahead of its answers is closed after the answer to the
+``max_pipelined``-th of them in a row (it resends the rest on a new connection). ``/metrics`` counts
+both, and evictions, in ``edgetorch_split_connections_dropped_total{reason}``.
 
 A client that hangs up mid-request is logged as one INFO line, not a traceback, and counted in
 ``/metrics`` under code 499 (nginx's "client closed request"; nothing is sent). Refusals that
 leave part of the request body unread close the connection, so a refused client cannot keep it
 busy by sending the rest slowly.
 
-Limits that need the HTTP protocol layer (the header deadline, idle connections, the connection
-cap, the header size) are set by :func:`uvicorn_config`; :func:`serve_in_background` and
-``edgetorch split serve`` use it. Running the app with plain ``uvicorn module:app`` keeps the
-app's own limits (body deadline, sizes, batch) but not the header deadline.
+Limits that need the HTTP protocol layer (the header and write deadlines, idle connections, the
+connection and pipelining caps, the header size, WebSocket off) are set by :func:`uvicorn_config`;
+:func:`serve_in_background` and ``edgetorch split serve`` use it. Running the app with plain ``uvicorn module:app`` keeps the
+app's own limits (body deadline, sizes, batch) but none of those.
 """
 
 from __future__ import annotations
@@ -70,6 +81,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +126,18 @@ class ServerConfig:
             its headers, else 408 and close. One deadline, not one per chunk, so a client cannot
             hold the request by sending a byte at a time.
         keep_alive_s: an idle keep-alive connection is closed after this many seconds.
-        max_connections: open connections (and running requests) above this get uvicorn's 503.
-            The process's file-descriptor limit caps it too (``ulimit -n``).
+        write_timeout_s: once a client's socket stops taking the answer (the kernel's buffers are
+            full: the client does not read), what the server has left to send must be taken within
+            this many seconds, else the connection is dropped. One deadline per stall, not pushed
+            back by a trickle of reads.
+        max_connections: the open connections one server keeps. A connection beyond it closes the
+            oldest one that is waiting for a request (a 503 if it had begun one); requests running
+            at once beyond it get 503, except ``GET /health``. The process's file-descriptor limit
+            caps it too (``ulimit -n``).
+        max_pipelined: requests a client may send ahead of its answers, in a row, on one
+            connection; after answering that many the server closes it (the client resends the
+            rest on a new connection, as HTTP/1.1 clients do), so one connection cannot queue an
+            unbounded amount of work.
         max_header_bytes: a request line plus headers above this size gets 431 (400 from h11 while
             they are still incomplete, which also bounds the memory an unfinished request holds).
 
@@ -130,11 +152,13 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     read_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
+    write_timeout_s: float = 30.0
     max_connections: int = 2048
+    max_pipelined: int = 16
     max_header_bytes: int = 16 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_connections", "max_header_bytes"):
+        for name in ("max_batch", "max_connections", "max_pipelined", "max_header_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServerConfig.{name} must be an integer >= 1, got {value!r}")
@@ -142,7 +166,7 @@ class ServerConfig:
                                                    or self.max_payload_bytes < 1):
             raise ValueError(f"ServerConfig.max_payload_bytes must be None or an integer >= 1, "
                              f"got {self.max_payload_bytes!r}")
-        for name in ("header_timeout_s", "read_timeout_s", "keep_alive_s"):
+        for name in ("header_timeout_s", "read_timeout_s", "keep_alive_s", "write_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"ServerConfig.{name} must be a finite number of seconds > 0, got {value!r}")
@@ -175,7 +199,7 @@ def _error(status: int, kind: str | None, message: str, headers: dict[str, str] 
 class Metrics:
     """Counters and a latency histogram, rendered in the Prometheus text format (version 0.0.4).
 
-    Written by hand rather than with ``prometheus_client`` because three series do not justify a
+    Written by hand rather than with ``prometheus_client`` because four series do not justify a
     dependency. Every update happens on the event loop of one process; with several uvicorn
     workers each has its own numbers (Prometheus sums them across targets).
     """
@@ -184,6 +208,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = {}
         self.errors: dict[int, int] = {}
+        self.dropped: dict[str, int] = {}
         self.buckets = buckets
         self.bucket_counts = [0] * (len(buckets) + 1)  # the last one is +Inf
         self.latency_sum = 0.0
@@ -195,6 +220,11 @@ class Metrics:
             self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
             if status >= 400:
                 self.errors[status] = self.errors.get(status, 0) + 1
+
+    def record_drop(self, reason: str) -> None:
+        """Count one connection the server closed to protect the others (``reason`` from a fixed set)."""
+        with self._lock:
+            self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
     def observe_inference(self, seconds: float) -> None:
         """Add one decode + tail duration to the histogram."""
@@ -214,6 +244,11 @@ class Metrics:
             lines += ["# HELP edgetorch_split_errors_total Requests answered with a 4xx or 5xx, by status code.",
                       "# TYPE edgetorch_split_errors_total counter"]
             lines += [f'edgetorch_split_errors_total{{code="{code}"}} {count}' for code, count in sorted(self.errors.items())]
+            lines += ["# HELP edgetorch_split_connections_dropped_total Connections the server closed to protect the "
+                      "others, by reason (write_timeout, pipelined, evicted).",
+                      "# TYPE edgetorch_split_connections_dropped_total counter"]
+            lines += [f'edgetorch_split_connections_dropped_total{{reason="{reason}"}} {count}'
+                      for reason, count in sorted(self.dropped.items())]
             lines += ["# HELP edgetorch_split_inference_seconds Decode plus tail time of answered /infer requests.",
                       "# TYPE edgetorch_split_inference_seconds histogram"]
             cumulative = 0
@@ -256,6 +291,14 @@ class _Guard:
             self.metrics.record_request("(headers)", 431)
             return
         headers = dict(raw_headers)
+        if b"websocket" in headers.get(b"upgrade", b"").lower():
+            # uvicorn_config turns WebSocket off (the connection would leave the deadlines of our
+            # HTTP protocol), so the handshake arrives as plain HTTP: refuse it in the usual shape.
+            response = _error(400, "websocket_not_supported", "this server has no WebSocket endpoints; it "
+                              "answers HTTP: GET /, GET /health, GET /metrics and POST /infer")
+            await response(scope, receive, send)
+            self.metrics.record_request("(websocket)", 400)
+            return
         body_left = b"transfer-encoding" in headers or headers.get(b"content-length", b"0").strip() not in (b"0", b"")
         state = {"status": None, "body_left": body_left}
 
@@ -317,7 +360,9 @@ def create_app(tail: nn.Module, manifest: SplitManifest, config: ServerConfig = 
     bottleneck_shape = tuple(int(d) for d in manifest.bottleneck_shape)
     limit = config.max_payload_bytes or payload_size((64, *bottleneck_shape))
     docs = config.token is None  # a protected server does not describe itself to strangers
-    app = FastAPI(title="edgetorch split tail server", docs_url="/docs" if docs else None,
+    # redirect_slashes off: its 307 for "/health/" copied the client's Host header into Location;
+    # a trailing slash is a JSON 404 like any other unknown path.
+    app = FastAPI(title="edgetorch split tail server", redirect_slashes=False, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     metrics = Metrics()
     app.state.server_config, app.state.metrics = config, metrics
@@ -467,12 +512,60 @@ def app_from_dir(artifact_dir: str | Path, config: ServerConfig = ServerConfig()
     return create_app(tail, manifest, config)
 
 
-_TIMEOUT_ANSWER = json.dumps(error_body(408, None, "the request line and headers did not arrive in time")).encode()
-_BAD_REQUEST_ANSWER = "malformed HTTP request (or request line and headers over the size limit)"
+def _raw_error(status: int, kind: str | None, message: str) -> bytes:
+    """A whole JSON error answer that closes the connection, written by the protocol layer where
+    no request has reached the app."""
+    body = json.dumps(error_body(status, kind, message)).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, HTTPStatus(status).phrase.encode(), len(body), body))
 
 
-def _protocol_class(config: ServerConfig, metrics: Metrics | None) -> type:
-    """uvicorn's h11 protocol plus a header deadline and JSON protocol-level errors.
+_TIMEOUT_ANSWER = _raw_error(408, None, "the request line and headers did not arrive in time")
+_BAD_REQUEST_ANSWER = _raw_error(400, None, "malformed HTTP request (or request line and headers over the size limit)")
+
+
+class _Connections:
+    """What the protocol instances of one server share (all on its one event loop): the open
+    connections, those waiting for their client (insertion-ordered: the first has waited longest),
+    and how many requests the app is running."""
+
+    def __init__(self) -> None:
+        self.open: set[Any] = set()
+        self.waiting: dict[Any, None] = {}
+        self.running = 0
+
+
+class _Admission:
+    """The request cap in front of the app: beyond ``limit`` requests running at once, a JSON 503.
+
+    ``GET /health`` is let through: the event loop answers it at no cost, and an orchestrator that
+    cannot reach it restarts a server that is only busy.
+    """
+
+    def __init__(self, app: Any, limit: int, connections: _Connections, metrics: Metrics | None):
+        self.app, self.limit, self.connections, self.metrics = app, limit, connections, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/health"):
+            await self.app(scope, receive, send)
+            return
+        if self.connections.running >= self.limit:
+            response = _error(503, "over_capacity", f"the server is running its limit of {self.limit} requests; "
+                                                    "try again shortly", {"connection": "close", "retry-after": "1"})
+            await response(scope, receive, send)
+            if self.metrics is not None:
+                self.metrics.record_request("(capacity)", 503)
+            return
+        self.connections.running += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.connections.running -= 1
+
+
+def _protocol_class(config: ServerConfig, metrics: Metrics | None, connections: _Connections) -> type:
+    """uvicorn's h11 protocol plus header and write deadlines, the connection and pipelining caps,
+    and JSON protocol-level errors.
 
     uvicorn (0.54) times out idle keep-alive connections only after a response: a connection that
     opens and sends nothing, or half a request line, is held forever, and so are slowloris clients.
@@ -480,29 +573,78 @@ def _protocol_class(config: ServerConfig, metrics: Metrics | None) -> type:
     request (from the moment it opens, and again when a new request's first bytes end a keep-alive
     idle period); it is not pushed back by further bytes, so dripping headers does not help. While
     the app runs a request, the app's own body deadline applies instead.
+
+    uvicorn also waits forever for a client that does not read: its answer waits for the socket to
+    drain, and closing waits for the same. The write deadline starts when the socket first refuses
+    bytes (``pause_writing``) and ends only when all of them have left (``resume_writing``), so a
+    trickle of reads does not extend it; when it passes, the connection is aborted, since no answer
+    can reach that client.
+
+    Why the connection cap evicts: uvicorn's cap answered every request 503 while the connections
+    were over it, so 2,100 idle connections kept ``/health`` failing until the header deadline
+    closed them. A reserve of slots for ``/health`` fills up the same way (a flood is never a fixed
+    size), and a stored health answer still needs an accepted connection and a parsed request. So a
+    connection beyond the cap closes the one that has waited longest for a request: an idle flood
+    then pushes out its own oldest members, no connection with a request in progress is touched,
+    and a closed keep-alive connection costs its client only a reconnect.
     """
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    timeout = config.header_timeout_s
+    timeout, cap = config.header_timeout_s, config.max_connections
+    evicted_answer = _raw_error(503, "over_capacity", f"the server holds its limit of {cap} connections and "
+                                                      "closed this one, which had waited longest for a complete request")
+
+    def dropped(reason: str) -> None:
+        if metrics is not None:
+            metrics.record_drop(reason)
 
     class DeadlineH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+        _write_deadline: asyncio.TimerHandle | None = None
+        _pipelined = 0  # requests in a row that were already waiting when the previous answer went out
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            # A high-water mark of 0: pause_writing comes as soon as the socket refuses a byte, and
+            # resume_writing only once every byte has left, which is what the write deadline measures.
+            transport.set_write_buffer_limits(high=0)
+            connections.open.add(self)
             self._watch()
+            while len(connections.open) > cap:
+                oldest = next((c for c in connections.waiting if c is not self), None)
+                if oldest is None:  # every other one is running a request: this one stays, for /health
+                    break
+                oldest._evict()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             self._watch()
 
         def on_response_complete(self) -> None:
+            if self._pipelined >= config.max_pipelined and not self.transport.is_closing():
+                # The client resends whatever it had queued on a new connection (RFC 9112, 9.3.2).
+                dropped("pipelined")
+                self.transport.close()
             super().on_response_complete()
+            # A request that runs already was complete in the buffer when this answer was sent.
+            self._pipelined = self._pipelined + 1 if self._in_app() else 0
             self._watch()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_deadline is None:
+                self._write_deadline = self.loop.call_later(config.write_timeout_s, self._write_expired)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._cancel_write()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel()
+            self._cancel_write()
+            connections.open.discard(self)
+            connections.waiting.pop(self, None)
             super().connection_lost(exc)
 
         def _cancel(self) -> None:
@@ -510,10 +652,22 @@ def _protocol_class(config: ServerConfig, metrics: Metrics | None) -> type:
                 self._deadline.cancel()
                 self._deadline = None
 
+        def _cancel_write(self) -> None:
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
+
+        def _in_app(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
         def _watch(self) -> None:
-            in_app = self.cycle is not None and not self.cycle.response_complete
+            in_app, closing = self._in_app(), self.transport.is_closing()
+            if in_app or closing:
+                connections.waiting.pop(self, None)
+            else:  # setdefault keeps its place: bytes dripping in do not make it younger
+                connections.waiting.setdefault(self, None)
             idle = self.timeout_keep_alive_task is not None  # uvicorn's keep-alive timer covers it
-            if in_app or idle or self.transport.is_closing():
+            if in_app or idle or closing:
                 self._cancel()
             elif self._deadline is None:
                 self._deadline = self.loop.call_later(timeout, self._expired)
@@ -523,18 +677,29 @@ def _protocol_class(config: ServerConfig, metrics: Metrics | None) -> type:
             if self.transport.is_closing():
                 return
             if self.conn.our_state is h11.IDLE:  # no answer started for this request: say why we close
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-                                     % (len(_TIMEOUT_ANSWER), _TIMEOUT_ANSWER))
+                self.transport.write(_TIMEOUT_ANSWER)
                 if metrics is not None:
                     metrics.record_request("(headers)", 408)
             self.transport.close()
 
+        def _evict(self) -> None:
+            connections.open.discard(self)
+            connections.waiting.pop(self, None)
+            dropped("evicted")
+            if self.timeout_keep_alive_task is None:  # it had begun a request, or not yet: say why
+                self.transport.write(evicted_answer)
+                if metrics is not None:
+                    metrics.record_request("(capacity)", 503)
+            self.transport.close()
+
+        def _write_expired(self) -> None:
+            self._write_deadline = None
+            dropped("write_timeout")
+            self.transport.abort()  # close() would wait for the unread bytes to leave first
+
         def send_400_response(self, msg: str) -> None:
             # uvicorn answers unparseable HTTP with text/plain; keep every 4xx in the same JSON shape.
-            body = json.dumps(error_body(400, None, _BAD_REQUEST_ANSWER)).encode()
-            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            self.transport.write(_BAD_REQUEST_ANSWER)
             if metrics is not None:
                 metrics.record_request("(headers)", 400)
             self.transport.close()
@@ -554,9 +719,11 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, conf
         **overrides: other :class:`uvicorn.Config` arguments (``log_level``, ``workers``, ...).
 
     Returns:
-        A :class:`uvicorn.Config`: header deadline and JSON 400s (our h11 protocol subclass),
-        keep-alive timeout, connection cap (``limit_concurrency``), header size limit, and no
-        ``server`` header.
+        A :class:`uvicorn.Config`: header and write deadlines, the connection and pipelining caps
+        and JSON 400/408/503s (our h11 protocol subclass), the running-request cap (a wrapper
+        around ``app``), keep-alive timeout, header size limit, WebSocket off and no ``server``
+        header. uvicorn's own ``limit_concurrency`` stays off: it answers text/plain 503s, and
+        ``/health`` with them.
 
     Example:
         >>> import uvicorn
@@ -566,9 +733,13 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, conf
     import uvicorn
 
     config = config or getattr(app.state, "server_config", None) or ServerConfig()
+    metrics, connections = getattr(app.state, "metrics", None), _Connections()
     settings = {"log_level": "info", "server_header": False, **overrides}
-    return uvicorn.Config(app, host=host, port=port, http=_protocol_class(config, getattr(app.state, "metrics", None)),
-                          timeout_keep_alive=config.keep_alive_s, limit_concurrency=config.max_connections,
+    # ws="none": a WebSocket connection would leave this protocol and its deadlines; the app
+    # refuses the handshake with a JSON 400 instead.
+    return uvicorn.Config(_Admission(app, config.max_connections, connections, metrics), host=host, port=port,
+                          http=_protocol_class(config, metrics, connections), ws="none",
+                          timeout_keep_alive=config.keep_alive_s,
                           h11_max_incomplete_event_size=config.max_header_bytes, **settings)
 
 
