@@ -15,7 +15,10 @@ the caller builds, use ``edgetorch.zoo.save_weights`` / ``load_weights``.)
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+import math
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -23,12 +26,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._files import open_regular, read_bytes, read_json
 from ..zoo import CheckpointError, load_weights, save_weights
+from ..zoo.weights import tensors_from_bytes
 from . import graph_checkpoint, transformer_checkpoint
+from ._record import (FLAG, MAX_MODULES, MAX_RECORD_BYTES, MAX_WEIGHT_BYTES, MAX_WIDTH, NESTED, Field, check_fits,
+                      fields, integer, mapping, meta_build, number, one_or_pair, optional, pair, shown, word)
 from .transformer_blocks import is_transformer
 from .sequential import ELEMENTWISE, PER_CHANNEL, Factored, KeepFeatures, factored_like
 
 _FORMAT = "edgetorch.reduced/1"
+_HEADER_BYTES = 1 << 20  # room for a safetensors header beyond the tensors' bytes (plus 1 KiB per tensor)
 # Constructor arguments worth keeping, per parameter-free module type.
 _ARGUMENTS: dict[type[nn.Module], tuple[str, ...]] = {
     nn.LeakyReLU: ("negative_slope",), nn.ELU: ("alpha",), nn.GELU: ("approximate",),
@@ -41,11 +49,6 @@ _ARGUMENTS: dict[type[nn.Module], tuple[str, ...]] = {
 _NORMS = {cls.__name__: cls for cls in (nn.BatchNorm1d, nn.BatchNorm2d)}
 _SIMPLE = {cls.__name__: cls for cls in (*ELEMENTWISE, *PER_CHANNEL, nn.Softmax, nn.LogSoftmax, nn.Flatten)
            if cls.__name__ not in _NORMS}
-
-
-def _plain(value: Any) -> Any:
-    # JSON has no tuples: kernel sizes and strides come back as lists.
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _describe(module: nn.Module) -> dict[str, Any]:
@@ -98,91 +101,145 @@ def _children(container: nn.Sequential) -> dict[str, Any]:
     return described if names == [str(i) for i in range(len(names))] else {**described, "names": names}
 
 
-def _positive(entry: dict[str, Any], *keys: str) -> list[int]:
-    values = [entry.get(k) for k in keys]
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-        raise CheckpointError(f"module entry {entry} needs positive integer {', '.join(keys)}")
-    return values
+_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+_DIM = integer(-4, 3)  # a chain's tensors have at most 4 dimensions (N, C, H, W)
+_PADDING = Field(f"'same', 'valid' or a list of two integers from 0 to {MAX_WIDTH}",
+                 lambda v: v in ("same", "valid") if isinstance(v, str) else pair(integer(0)).test(v),
+                 lambda v: v if isinstance(v, str) else tuple(v))
+_NORM_FIELDS = {"features": integer(), "eps": number(0, 1, above=True), "momentum": optional(number(0, 1)),
+                "affine": FLAG, "track_running_stats": FLAG}
+# The fields of each layer entry, all required (save writes every one).
+_LAYER_FIELDS: dict[str, dict[str, Field]] = {
+    "Linear": {"in": integer(), "out": integer(), "bias": FLAG},
+    "LowRank": {"in": integer(), "rank": integer(), "out": integer(), "bias": FLAG},
+    "Conv2d": {"in": integer(), "out": integer(), "kernel_size": pair(integer()), "stride": pair(integer()),
+               "padding": _PADDING, "dilation": pair(integer()), "padding_mode": word(*_PADDING_MODES), "bias": FLAG},
+    **{name: _NORM_FIELDS for name in _NORMS},
+    "KeepFeatures": {"size": integer(), "dim": _DIM},
+}
+# What each recorded argument of a parameter-free module accepts, by name (kernel_size means the same
+# for both pools). Any may be left out: the constructor's default applies.
+_ARGUMENT_FIELDS: dict[str, Field] = {
+    "negative_slope": number(), "alpha": number(), "approximate": word("none", "tanh"), "min_val": number(),
+    "max_val": number(), "beta": number(0, above=True), "threshold": number(), "p": number(0, 1),
+    "dim": optional(_DIM), "start_dim": _DIM, "end_dim": _DIM, "kernel_size": one_or_pair(integer()),
+    "stride": optional(one_or_pair(integer())), "padding": one_or_pair(integer(0)),
+    "dilation": one_or_pair(integer()), "ceil_mode": FLAG, "count_include_pad": FLAG,
+    "divisor_override": optional(integer()), "output_size": one_or_pair(optional(integer())),
+}
+_CONTAINERS = ("Sequential", "Factored")
+_KINDS = ", ".join([*_LAYER_FIELDS, *_CONTAINERS, *_SIMPLE])
 
 
-def _conv(entry: dict[str, Any]) -> nn.Conv2d:
-    m_in, m_out = _positive(entry, "in", "out")
-    sizes = {k: entry.get(k) for k in ("kernel_size", "stride", "dilation")}
-    padding = entry.get("padding")
-    ok = all(isinstance(v, list) and len(v) == 2 and all(type(x) is int and x >= 1 for x in v) for v in sizes.values())
-    ok = ok and (padding in ("same", "valid") or (isinstance(padding, list) and len(padding) == 2
-                                                  and all(type(x) is int and x >= 0 for x in padding)))
-    if not ok or entry.get("padding_mode") not in ("zeros", "reflect", "replicate", "circular"):
-        raise CheckpointError(f"Conv2d entry {entry} needs kernel_size/stride/dilation as two positive ints, "
-                              "padding as two ints >= 0 or 'same'/'valid', and a torch padding_mode")
-    return nn.Conv2d(m_in, m_out, tuple(sizes["kernel_size"]), tuple(sizes["stride"]), _plain(padding),
-                     tuple(sizes["dilation"]), bias=bool(entry.get("bias", True)), padding_mode=entry["padding_mode"])
+def _weights(kind: str, layer: dict[str, Any]) -> int:
+    """The weights (tensor elements) of a checked layer entry."""
+    bias = layer["out"] if layer.get("bias") else 0
+    if kind == "Linear":
+        return layer["in"] * layer["out"] + bias
+    if kind == "LowRank":
+        return layer["rank"] * (layer["in"] + layer["out"]) + bias
+    if kind == "Conv2d":
+        return layer["in"] * layer["out"] * math.prod(layer["kernel_size"]) + bias
+    if kind in _NORMS:  # weight and bias, running mean and variance
+        return 2 * layer["features"] * (layer["affine"] + layer["track_running_stats"])
+    return layer["size"]  # KeepFeatures: its index
 
 
-def _norm(kind: str, entry: dict[str, Any]) -> nn.Module:
-    (features,) = _positive(entry, "features")
-    eps, momentum = entry.get("eps"), entry.get("momentum")
-    if not isinstance(eps, float) or not (momentum is None or isinstance(momentum, float)):
-        raise CheckpointError(f"{kind} entry {entry} needs a float eps and a float or null momentum")
-    return _NORMS[kind](features, eps=eps, momentum=momentum, affine=bool(entry.get("affine", True)),
-                        track_running_stats=bool(entry.get("track_running_stats", True)))
+def _entry(entry: Any, where: str) -> tuple[str, dict[str, Any]]:
+    """A module entry's type and its checked, converted fields (a parameter-free module's: its arguments)."""
+    kind = entry.get("type") if isinstance(entry, dict) else None
+    if not isinstance(kind, str) or kind not in (*_LAYER_FIELDS, *_CONTAINERS, *_SIMPLE):
+        raise CheckpointError(f"{where}: unknown module type {shown(kind)}; accepted: {_KINDS}")
+    where = f"{where} ({kind})"
+    body = {key: value for key, value in entry.items() if key != "type"}
+    if kind in _CONTAINERS:
+        return kind, fields(body, where, {"modules": NESTED}, {"names": NESTED})
+    if kind in _LAYER_FIELDS:
+        layer = fields(body, where, _LAYER_FIELDS[kind])
+        if kind == "Conv2d" and layer["padding"] == "same" and layer["stride"] != (1, 1):
+            raise CheckpointError(f"{where}: padding 'same' needs stride [1, 1], got {list(layer['stride'])}")
+        return kind, layer
+    args = fields(body, where, {}, {"args": NESTED}).get("args", {})
+    allowed = _ARGUMENTS.get(_SIMPLE[kind], ())
+    return kind, fields(args, f"{where} args", {}, {name: _ARGUMENT_FIELDS[name] for name in allowed})
 
 
-def build(description: dict[str, Any]) -> nn.Sequential:
-    """Rebuild the (untrained) modules listed by :func:`architecture`.
+def check(description: Any) -> int:
+    """Check every field of a chain record (:func:`architecture`), before anything is built.
+
+    Returns:
+        The weights (tensor elements) its layers hold.
 
     Raises:
-        CheckpointError: an unknown format, module type or argument, or a bad size.
+        CheckpointError: another format, an unknown module type, a missing, unknown or refused
+            field, or more than ``MAX_MODULES`` modules.
     """
     if not isinstance(description, dict) or description.get("format") != _FORMAT:
         raise CheckpointError(f"not a reduced-network description (expected format {_FORMAT!r})")
+    weights, modules, pending = 0, 0, [(description, "")]
+    while pending:  # containers nest at most as deep as the JSON (its depth is limited when read)
+        container, prefix = pending.pop()
+        entries, names = container.get("modules"), container.get("names")
+        if not isinstance(entries, list):
+            raise CheckpointError(f"'modules' must be a list of module entries, got {shown(entries)}")
+        modules += len(entries)
+        if modules > MAX_MODULES:
+            raise CheckpointError(f"the record lists more than {MAX_MODULES} modules, the most a reduced-network "
+                                  "record may build")
+        if names is not None and not (isinstance(names, list) and len(names) == len(entries)
+                                      and all(isinstance(n, str) and n and "." not in n for n in names)
+                                      and len(set(names)) == len(names)):
+            raise CheckpointError(f"'names' must give each of the {len(entries)} modules a distinct non-empty name "
+                                  f"without '.', got {shown(names)}")
+        if container.get("type") == "Factored" and len(entries) != 2:
+            raise CheckpointError(f"module {prefix[:-1]} (Factored) must hold two layers, got {len(entries)}")
+        for i, entry in enumerate(entries):
+            kind, checked = _entry(entry, f"module {prefix}{i}")
+            if kind in _CONTAINERS:
+                pending.append((entry, f"{prefix}{i}."))
+            elif kind in _LAYER_FIELDS:
+                weights += _weights(kind, checked)
+    return weights
+
+
+def build(description: Any) -> nn.Sequential:
+    """Rebuild the (untrained) modules listed by :func:`architecture` (each field checked first).
+
+    Raises:
+        CheckpointError: whatever :func:`check` refuses, or arguments a module's constructor refuses
+            together (a Hardtanh whose ``min_val`` is not below its ``max_val``).
+    """
+    check(description)
     return _modules(description)
 
 
-def _modules(description: dict[str, Any], container: type[nn.Sequential] = nn.Sequential) -> nn.Sequential:
-    entries, names = description.get("modules", []), description.get("names")
-    if not isinstance(entries, list):
-        raise CheckpointError(f"'modules' must be a list of module entries, got {type(entries).__name__}")
-    if names is not None and not (isinstance(names, list) and len(names) == len(entries) == len(set(names))
-                                  and all(isinstance(n, str) and n and "." not in n for n in names)):
-        raise CheckpointError(f"'names' must give each of the {len(entries)} modules a distinct non-empty name "
-                              f"without '.', got {names!r}")
-    modules: list[nn.Module] = []
-    for entry in entries:
-        kind = entry.get("type") if isinstance(entry, dict) else None
-        if kind == "Linear":
-            m_in, m_out = _positive(entry, "in", "out")
-            modules.append(nn.Linear(m_in, m_out, bias=bool(entry.get("bias", True))))
-        elif kind == "LowRank":
-            m_in, rank, m_out = _positive(entry, "in", "rank", "out")
-            modules.append(Factored(nn.Linear(m_in, rank, bias=False),
-                                    nn.Linear(rank, m_out, bias=bool(entry.get("bias", True)))))
-        elif kind == "Conv2d":
-            modules.append(_conv(entry))
-        elif kind in _NORMS:
-            modules.append(_norm(kind, entry))
-        elif kind in ("Sequential", "Factored"):
-            modules.append(_modules(entry, Factored if kind == "Factored" else nn.Sequential))
-        elif kind == "KeepFeatures":
-            (size,) = _positive(entry, "size")
-            dim = entry.get("dim", -1)
-            if type(dim) is not int:
-                raise CheckpointError(f"KeepFeatures entry {entry} needs an int dim")
-            modules.append(KeepFeatures(torch.zeros(size, dtype=torch.long), dim))
-        elif kind in _SIMPLE:
-            args = entry.get("args", {})
-            allowed = _ARGUMENTS.get(_SIMPLE[kind], ())
-            if not isinstance(args, dict) or set(args) - set(allowed):
-                raise CheckpointError(f"{kind} accepts arguments {list(allowed)}, got {args!r}")
-            try:
-                modules.append(_SIMPLE[kind](**{k: _plain(v) for k, v in args.items()}))
-            except (TypeError, ValueError) as exc:
-                raise CheckpointError(f"{kind} rejected arguments {args!r} ({exc})") from exc
-        else:
-            accepted = ", ".join(["Linear", "LowRank", "Conv2d", "Sequential", "Factored", "KeepFeatures", *_NORMS,
-                                  *_SIMPLE])
-            raise CheckpointError(f"unknown module type {kind!r}; accepted: {accepted}")
+def _modules(description: dict[str, Any], container: type[nn.Sequential] = nn.Sequential,
+             prefix: str = "") -> nn.Sequential:
+    modules = [_module(entry, f"{prefix}{i}") for i, entry in enumerate(description["modules"])]
+    names = description.get("names")
     return container(OrderedDict(zip(names, modules))) if names is not None else container(*modules)
+
+
+def _module(entry: dict[str, Any], at: str) -> nn.Module:
+    kind, f = _entry(entry, f"module {at}")
+    if kind in _CONTAINERS:
+        return _modules(entry, Factored if kind == "Factored" else nn.Sequential, f"{at}.")
+    if kind == "Linear":
+        return nn.Linear(f["in"], f["out"], bias=f["bias"])
+    if kind == "LowRank":
+        return Factored(nn.Linear(f["in"], f["rank"], bias=False), nn.Linear(f["rank"], f["out"], bias=f["bias"]))
+    if kind == "Conv2d":
+        return nn.Conv2d(f["in"], f["out"], f["kernel_size"], f["stride"], f["padding"], f["dilation"],
+                         bias=f["bias"], padding_mode=f["padding_mode"])
+    if kind in _NORMS:
+        return _NORMS[kind](f["features"], eps=f["eps"], momentum=f["momentum"], affine=f["affine"],
+                            track_running_stats=f["track_running_stats"])
+    if kind == "KeepFeatures":
+        return KeepFeatures(torch.zeros(f["size"], dtype=torch.long), f["dim"])
+    try:
+        return _SIMPLE[kind](**f)
+    except (TypeError, ValueError, AssertionError) as exc:  # arguments refused together (Hardtanh's min < max)
+        raise CheckpointError(f"module {at} ({kind}) rejected arguments {shown(entry.get('args'))} ({exc})") from None
 
 
 def _dense_like(pair: Factored) -> nn.Module:
@@ -206,18 +263,28 @@ def _dense_stand_in(model: nn.Module) -> tuple[nn.Module, dict[str, int]]:
     return copy.deepcopy(model, memo=dense), ranks
 
 
+def _factored(record: dict[str, Any]) -> dict[str, int]:
+    """A graph record's factored layers and their ranks, checked (whether each fits is known once built)."""
+    factored = mapping(record.get("factored", {}), "'factored'", "layer names to ranks", MAX_MODULES)
+    return {name: integer()(rank, f"factored layer {name!r}: rank") for name, rank in factored.items()}
+
+
+def _graph_check(record: Any) -> int:
+    """Check every field of a graph record (with its factored layers); the fewest weights it implies."""
+    weights = graph_checkpoint.check(record)
+    _factored(record)
+    return weights
+
+
 def _graph_build(record: dict[str, Any]) -> nn.Module:
     # graph_checkpoint's model, then the recorded layers factored at their ranks (untrained).
     model = graph_checkpoint.build(record)
-    factored = record.get("factored", {})
-    if not isinstance(factored, dict):
-        raise CheckpointError(f"'factored' must map layer names to ranks, got {factored!r}")
     named = dict(model.named_modules())
-    for name, rank in factored.items():
+    for name, rank in _factored(record).items():
         layer = named.get(name) if name else None
         dense = isinstance(layer, nn.Linear) or (isinstance(layer, nn.Conv2d) and layer.groups == 1)
         top = min(layer.weight.shape[0], layer.weight[0].numel()) if dense else 0
-        if not dense or isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < top:
+        if not 1 <= rank < top:
             raise CheckpointError(f"factored layer {name!r} at rank {rank!r}: the rebuilt model needs a Linear or "
                                   "groups=1 Conv2d there and a rank from 1 to below its full rank")
         parent, _, attr = name.rpartition(".")
@@ -299,8 +366,21 @@ def save(model: nn.Module, path: str | Path, extra: dict[str, Any] | None = None
     return json_path
 
 
+# Each record format: its check (every field, before anything is built; returns the fewest weights
+# the record implies) and its build.
+_FORMATS = {_FORMAT: (check, build), graph_checkpoint.FORMAT: (_graph_check, _graph_build),
+            transformer_checkpoint.FORMAT: (transformer_checkpoint.check, transformer_checkpoint.build)}
+
+
 def load(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild a network written by :func:`save` (weights checked strictly).
+
+    Both files may come from anyone, so nothing is built until every field of the JSON is checked
+    (type, range, accepted words) and the weights its sizes imply are known to fit in the weights
+    file; the network is then built on the meta device (no memory, at most ``MAX_MODULES``
+    modules) and every tensor comes from the weights file, read within a limit the built network
+    sets. Limits: the JSON at most 4 MiB, the weights file at most 8 GiB, any width 2**24, a
+    transformer 128 layers (:mod:`edgetorch.reduce._record`).
 
     Args:
         path: the ``.safetensors`` file or its ``.json`` (what :func:`save` returns); the other
@@ -312,7 +392,11 @@ def load(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, d
         ``(model in eval mode, the JSON record)``.
 
     Raises:
-        CheckpointError: missing or malformed JSON, or weights that do not fit it.
+        CheckpointError: either file missing, not a regular file or too large; JSON that is
+            malformed or nested too deeply; a field refused (the message names it and says what
+            is accepted); weights that do not fit the record. Anything else a crafted record makes
+            a constructor raise is reported as a CheckpointError too.
+        ValueError: ``model`` given for a record that names its own architecture.
 
     Example:
         >>> small, record = load("small.safetensors")
@@ -322,35 +406,49 @@ def load(path: str | Path, model: nn.Module | None = None) -> tuple[nn.Module, d
     path = Path(path)
     json_path = path.with_suffix(".json")
     weights = json_path.with_suffix(".safetensors")
-    try:
-        record = json.loads(json_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{json_path}: cannot read the architecture ({exc})") from exc
-    if transformer_checkpoint.is_record(record):
-        if model is not None:  # the caller's own class: its constructor is not in the record
-            model = transformer_checkpoint.build(record, model)
-            load_weights(model, weights)
-            return model.eval(), record
-        rebuild = transformer_checkpoint.build
-    elif model is not None:
+    record = read_json(json_path, MAX_RECORD_BYTES, error=CheckpointError)
+    kind = record.get("format") if isinstance(record, dict) else None
+    if not isinstance(kind, str) or kind not in _FORMATS:
+        raise CheckpointError(f"{json_path}: format {shown(kind)} is not a reduced-network record; accepted: "
+                              f"{', '.join(_FORMATS)}")
+    if model is not None and kind != transformer_checkpoint.FORMAT:
         raise ValueError(f"{json_path} records its own architecture; model= is only for a pruned transformer of a "
                          "class of your own")
-    else:
-        rebuild = _graph_build if graph_checkpoint.is_record(record) else build
-    # The JSON sizes every layer (and a grouped record's constructor builds the unreduced model
-    # first): built on the meta device, nothing is allocated until the sizes are known to fit the
-    # weight file, so a tampered size (a Linear of 10^6 x 10^6) is refused, not attempted.
-    with torch.device("meta"):
-        model = rebuild(record)
+    with open_regular(weights, MAX_WEIGHT_BYTES, error=CheckpointError, why=" for a reduced network") as f:
+        have = os.fstat(f.fileno()).st_size
+    try:
+        if model is not None:  # the caller's own class, already built: its constructor is not in the record
+            model = transformer_checkpoint.build(record, model)
+        else:
+            check_record, rebuild = _FORMATS[kind]
+            check_fits(check_record(record), have, weights)
+            with meta_build():
+                model = rebuild(record)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{json_path}: {exc}") from None
+    # The fields are checked above; this is the backstop for what a constructor still raises on a
+    # crafted record (the message names the type, so the missing check can be added).
+    except Exception as exc:
+        raise CheckpointError(f"{json_path}: the recorded network cannot be built ({type(exc).__name__}: "
+                              f"{shown(str(exc))})") from exc
+    _fill(model, weights, have)
+    if kind == transformer_checkpoint.FORMAT:
+        transformer_checkpoint.restore_buffers(model)
+    left = [name for name, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:  # a buffer that is never saved, of a class restore_buffers does not know
+        raise CheckpointError(f"{json_path}: {', '.join(left[:5])} of the recorded network are not in {weights} "
+                              "and cannot be rebuilt")
+    return model.eval(), record
+
+
+def _fill(model: nn.Module, weights: Path, have: int) -> None:
+    """Put the weights file's tensors in ``model`` (their own, not copies), reading at most what
+    ``model`` holds plus room for the header."""
     state = model.state_dict()
     need = sum(t.numel() * t.element_size() for t in state.values())
-    have = weights.stat().st_size if weights.is_file() else 0
     if need > have:
-        raise CheckpointError(f"{json_path} describes {need:,} bytes of weights but {weights} holds {have:,}: "
-                              "the two files do not belong together (save writes both)")
-    if {n for n, _ in model.named_buffers()} <= state.keys():
-        model = model.to_empty(device="cpu")  # every tensor is then filled from the file, strictly
-    else:  # a buffer the file does not hold keeps its constructor value
-        model = rebuild(record)
-    load_weights(model, weights)
-    return model.eval(), record
+        raise CheckpointError(f"the record describes {need:,} bytes of weights but {weights} holds {have:,}: the two "
+                              "files do not belong together (save writes both)")
+    data = read_bytes(weights, need + _HEADER_BYTES + 1024 * len(state), error=CheckpointError,
+                      why=" for the record's network: the two files do not belong together (save writes both)")
+    load_weights(model, weights, tensors_from_bytes(data, weights), assign=True)

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..zoo import CheckpointError, build_model
 from ..zoo.models import BasicBlock, SmallResNet
+from ._record import FLAG, MAX_MODULES, MAX_WIDTH, NESTED, TEXT, Field, fields, integer, listing, mapping, number, shown
 
 FORMAT = "edgetorch.reduced-graph/1"
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
@@ -84,61 +85,102 @@ def describe(model: nn.Module, source: dict[str, Any]) -> dict[str, Any]:
     return {"format": FORMAT, "source": source, "modules": modules}
 
 
-def _count(entry: dict[str, Any], key: str) -> int:
-    value = entry.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"module entry {entry} needs a positive integer {key!r}")
-    return value
+_SCALAR = Field(f"a number from {-MAX_WIDTH} to {MAX_WIDTH}, true, false or a string of at most 256 characters",
+                lambda v: FLAG.test(v) or TEXT.test(v) or number(-MAX_WIDTH).test(v))
+_KWARG = Field(f"{_SCALAR.accepted}, or a list of at most 64 of them",
+               lambda v: _SCALAR.test(v) or listing(_SCALAR, 64).test(v),
+               lambda v: tuple(v) if isinstance(v, list) else v)  # the builders take tuples (widths=...)
+# The fields of each recorded layer; every other constructor argument is the freshly built layer's.
+_ENTRY_FIELDS = {"Conv2d": {"in": integer(), "out": integer(), "groups": integer(), "bias": FLAG},
+                 "Linear": {"in": integer(), "out": integer(), "bias": FLAG},
+                 **{cls.__name__: {"features": integer()} for cls in _NORMS}}
+
+
+def _entry(name: str, entry: Any) -> tuple[str, dict[str, Any]]:
+    """A module entry's type and checked fields."""
+    kind = entry.get("type") if isinstance(entry, dict) else None
+    if not isinstance(kind, str) or kind not in _ENTRY_FIELDS:
+        raise CheckpointError(f"module {name!r}: unknown type {shown(kind)}; accepted: {', '.join(_ENTRY_FIELDS)}")
+    where = f"module {name!r} ({kind})"
+    layer = fields({k: v for k, v in entry.items() if k != "type"}, where, _ENTRY_FIELDS[kind])
+    if kind == "Conv2d" and (layer["in"] % layer["groups"] or layer["out"] % layer["groups"]):
+        raise CheckpointError(f"{where}: groups={layer['groups']} must divide in={layer['in']} and out={layer['out']}")
+    return kind, layer
+
+
+def _source(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The checked constructor spec and keyword arguments."""
+    source = fields(record.get("source"), "source", {"spec": TEXT}, {"kwargs": NESTED})
+    spec = source["spec"]
+    if spec.partition(":")[0] not in ("zoo", "torchvision"):
+        raise CheckpointError(f"source spec {spec!r} is not accepted: a reduced model is rebuilt only from "
+                              "'zoo:NAME' or 'torchvision:NAME' (a 'package.module:factory' spec would run code "
+                              "named by the file)")
+    kwargs = source.get("kwargs", {})
+    if not isinstance(kwargs, dict) or len(kwargs) > 64 or not all(TEXT.test(k) for k in kwargs):
+        raise CheckpointError(f"source kwargs must map names to values, at most 64 of them, got {shown(kwargs)}")
+    if "weights" in kwargs:  # build_model would read the file it names
+        raise CheckpointError("source kwargs may not name 'weights': the weights are the .safetensors file beside "
+                              "the record")
+    return spec, {k: _KWARG(v, f"source kwargs {k!r}") for k, v in kwargs.items()}
+
+
+def check(record: Any) -> int:
+    """Check every field of a :func:`describe` record, before anything is built.
+
+    Returns:
+        The fewest weights (tensor elements) the recorded layers hold (kernel sizes and norm
+        layers' tensors are the constructor's, so not counted).
+
+    Raises:
+        CheckpointError: wrong format, a source spec other than ``zoo:``/``torchvision:``, a
+            refused field, or more than ``MAX_MODULES`` layers.
+    """
+    if not is_record(record):
+        raise CheckpointError(f"not a grouped-reduction record (expected format {FORMAT!r})")
+    _source(record)
+    entries = mapping(record.get("modules"), "'modules'", "module names to their sizes", MAX_MODULES)
+    weights = 0
+    for name, entry in entries.items():
+        _, layer = _entry(name, entry)
+        if "in" in layer:  # a norm layer's tensors follow constructor arguments the record does not hold
+            weights += layer["in"] * layer["out"] // layer.get("groups", 1) + (layer["out"] if layer["bias"] else 0)
+    return weights
 
 
 def _replacement(name: str, old: nn.Module, entry: dict[str, Any]) -> nn.Module:
-    kind = entry.get("type") if isinstance(entry, dict) else None
+    kind, f = _entry(name, entry)
     if kind != type(old).__name__:
         raise CheckpointError(f"module {name!r}: the file says {kind!r}, the rebuilt model has {type(old).__name__}")
-    bias = entry.get("bias")
-    if kind in ("Conv2d", "Linear") and not isinstance(bias, bool):
-        raise CheckpointError(f"module {name!r}: 'bias' must be true or false")
     if kind == "Conv2d":
-        c_in, c_out, groups = (_count(entry, k) for k in ("in", "out", "groups"))
-        if c_in % groups or c_out % groups:
-            raise CheckpointError(f"module {name!r}: groups={groups} must divide in={c_in} and out={c_out}")
-        return nn.Conv2d(c_in, c_out, old.kernel_size, old.stride, old.padding, old.dilation, groups, bias,
-                         old.padding_mode)
+        return nn.Conv2d(f["in"], f["out"], old.kernel_size, old.stride, old.padding, old.dilation, f["groups"],
+                         f["bias"], old.padding_mode)
     if kind == "Linear":
-        return nn.Linear(_count(entry, "in"), _count(entry, "out"), bias)
-    return type(old)(_count(entry, "features"), eps=old.eps, momentum=old.momentum, affine=old.affine,
+        return nn.Linear(f["in"], f["out"], f["bias"])
+    return type(old)(f["features"], eps=old.eps, momentum=old.momentum, affine=old.affine,
                      track_running_stats=old.track_running_stats)
 
 
 def build(record: dict[str, Any]) -> nn.Module:
-    """Rebuild the (untrained) model a :func:`describe` record names.
+    """Rebuild the (untrained) model a :func:`describe` record names (each field checked first).
 
     Raises:
-        CheckpointError: wrong format, a source spec other than ``zoo:``/``torchvision:``, bad
-            constructor arguments, or a module entry that does not fit the rebuilt model.
+        CheckpointError: what :func:`check` refuses, constructor arguments the constructor refuses,
+            or a module entry that does not fit the rebuilt model.
     """
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise CheckpointError(f"not a grouped-reduction record (expected format {FORMAT!r})")
-    source, entries = record.get("source"), record.get("modules")
-    spec = source.get("spec") if isinstance(source, dict) else None
-    kwargs = source.get("kwargs", {}) if isinstance(source, dict) else None
-    if not isinstance(spec, str) or spec.partition(":")[0] not in ("zoo", "torchvision"):
-        raise CheckpointError(f"source spec {spec!r} is not accepted: a reduced model is rebuilt only from "
-                              "'zoo:NAME' or 'torchvision:NAME' (a 'package.module:factory' spec would run code "
-                              "named by the file)")
-    plain = (int, float, str, bool)
-    if not isinstance(kwargs, dict) or not all(
-            isinstance(k, str) and (isinstance(v, plain) or (isinstance(v, list) and all(isinstance(x, plain) for x in v)))
-            for k, v in kwargs.items()):
-        raise CheckpointError(f"source kwargs must map names to numbers, strings or lists of them, got {kwargs!r}")
-    if not isinstance(entries, dict):
-        raise CheckpointError("'modules' must map module names to their sizes")
+    check(record)
+    spec, kwargs = _source(record)
     try:
-        model = build_model(spec, **{k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
-    except (ValueError, TypeError) as exc:
-        raise CheckpointError(f"cannot rebuild {spec} with {kwargs}: {exc}") from exc
+        model = build_model(spec, **kwargs)
+    except CheckpointError:
+        raise
+    # What a constructor raises for arguments it cannot use: ValueError and TypeError from its own
+    # checks, RuntimeError from torch (a negative width), AssertionError and ArithmeticError from
+    # arithmetic on them.
+    except (ValueError, TypeError, RuntimeError, AssertionError, ArithmeticError) as exc:
+        raise CheckpointError(f"cannot rebuild {spec} with {shown(kwargs)}: {exc}") from None
     named = dict(model.named_modules())
-    for name, entry in entries.items():
+    for name, entry in record["modules"].items():
         if name not in named or not name:
             raise CheckpointError(f"module {name!r} is not in a freshly built {spec}")
         parent_name, _, attr = name.rpartition(".")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors, load_file, save_file
 from torch import nn
 
 from .._files import InputFileError, open_regular, read_torch
@@ -126,7 +126,8 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return _read_state(path)
 
 
-def load_weights(model: nn.Module, path: str | Path, state: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+def load_weights(model: nn.Module, path: str | Path, state: Mapping[str, torch.Tensor] | None = None,
+                 assign: bool = False) -> nn.Module:
     """Load a weight file into ``model`` with a strict key and shape check.
 
     Args:
@@ -135,13 +136,16 @@ def load_weights(model: nn.Module, path: str | Path, state: Mapping[str, torch.T
             ``torch.load(weights_only=True)``).
         state: the file's tensors when already read with :func:`read_weights` (``path`` then
             only names it in errors).
+        assign: put the file's tensors in the model instead of copying them into its own (a
+            model built on the meta device has none); the dtypes must then match too, since
+            nothing converts them.
 
     Returns:
         ``model``, for chaining.
 
     Raises:
-        CheckpointError: no such file (or a directory), unreadable file, or missing / unexpected keys or shape mismatches
-            (the message names them).
+        CheckpointError: no such file (or a directory), unreadable file, or missing / unexpected keys or shape
+            (with ``assign``, dtype) mismatches (the message names them).
     """
     path = Path(path)
     state = read_weights(path) if state is None else state
@@ -154,17 +158,21 @@ def load_weights(model: nn.Module, path: str | Path, state: Mapping[str, torch.T
         for k, v in expected.items()
         if k in state and state[k].shape != v.shape
     ]
+    retyped = [f"{k} (file {state[k].dtype}, model {v.dtype})" for k, v in expected.items()
+               if assign and k in state and state[k].dtype != v.dtype]
     if missing:
         problems.append("missing keys: " + _listed(missing))
     if unexpected:
         problems.append("unexpected keys: " + _listed(unexpected))
     if mismatched:
         problems.append("shape mismatch: " + _listed(mismatched))
+    if retyped:
+        problems.append("dtype mismatch: " + _listed(retyped))
     if problems:
         raise CheckpointError(
             f"{path} does not match {type(model).__name__}: " + "; ".join(problems)
         )
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=assign)
     return model
 
 
@@ -238,3 +246,21 @@ def _check_like(value: object, fresh: object, where: str) -> None:
     elif value != fresh or type(value) is not type(fresh) and not (
             isinstance(value, (int, float)) and isinstance(fresh, (int, float)) and not isinstance(value, bool)):
         raise ValueError(f"{where} is {value!r}; this run's config gives {fresh!r}")
+
+
+def tensors_from_bytes(data: bytes, path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file already read (within a size limit, with :mod:`edgetorch._files`).
+
+    Args:
+        data: the file's bytes.
+        path: names the file in errors.
+
+    Raises:
+        CheckpointError: not a safetensors file.
+    """
+    try:
+        return load_safetensors(data)
+    # KeyError: safetensors.torch has no torch dtype for some dtypes its parser accepts (F4,
+    # F6_E2M3, F8_E8M0), e.g. in a zero-element tensor.
+    except (SafetensorError, ValueError, RuntimeError, KeyError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
