@@ -1,7 +1,7 @@
 """Run a loader on a crafted input in a fresh process and report what it raised and how much memory it took.
 
-In-process ``ru_maxrss`` only ever rises, so an earlier test's peak hides what a later one
-allocates; a fresh child measures the loader alone. The timeout only catches hangs (a FIFO that
+In-process peak RSS only ever rises, so an earlier test's peak hides what a later one allocates;
+a fresh child, its peak reset after the imports, measures the loader alone. The timeout only catches hangs (a FIFO that
 blocks a reader forever): no assertion depends on how fast the machine is.
 """
 
@@ -17,20 +17,21 @@ from pathlib import Path
 
 MEMORY_BOUND = 256 << 20  # what a crafted input may cost above the process at rest (issue 24)
 HANG_GUARD_S = 300
+LOG_ENV = "EDGETORCH_HOSTILE_LOG"  # when set, each case's outcome is appended to this file
 
 _CHILD = """
-import json, resource, sys, traceback
+import json, time, traceback
 import torch, edgetorch, edgetorch.split, edgetorch.split.export, edgetorch.zoo, edgetorch.finetune  # at rest
-def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-rest = peak()
-error = None
+from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
+rest = rss_bytes()
+reset_peak_rss()  # imports peaked above the resident set at rest
+error, start = None, time.perf_counter()
 try:
 {body}
 except BaseException as exc:
     error = {{"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
              "traceback": traceback.format_exc()}}
-print(json.dumps({{"error": error, "growth": peak() - rest}}))
+print(json.dumps({{"error": error, "growth": peak_rss_bytes() - rest, "seconds": time.perf_counter() - start}}))
 """
 
 
@@ -40,6 +41,7 @@ class Outcome:
 
     error: dict | None  # type, mro (class names), message, traceback; None when it returned
     growth: int  # peak RSS above the process at rest, bytes
+    seconds: float  # recorded for bench/hostile_inputs.py, never asserted (machines are shared)
 
     def refused_with(self, error_type: str, match: str = "") -> None:
         """Assert a clean refusal: ``error_type`` (by class name, or a base of it), its message
@@ -57,4 +59,9 @@ def run_child(body: str, cwd: Path | None = None) -> Outcome:
                           cwd=cwd, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout.strip().splitlines()[-1])
-    return Outcome(record["error"], record["growth"])
+    if os.environ.get(LOG_ENV):  # one line per case, for bench/hostile_inputs.py
+        case = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(os.environ[LOG_ENV], "a") as log:
+            log.write(json.dumps({"case": case, "error": (record["error"] or {}).get("type"),
+                                  "growth": record["growth"], "seconds": record["seconds"]}) + "\n")
+    return Outcome(record["error"], record["growth"], record["seconds"])

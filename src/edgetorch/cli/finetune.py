@@ -19,7 +19,7 @@ _POLICY_HELP = ("repeatable: dense, bitmap[:threshold=..,value_dtype=..], backra
 
 @app.command()
 def finetune(
-    model: str = typer.Option(..., help="torchvision:NAME, zoo:NAME or pkg.module:factory"),
+    model: str = typer.Option(..., help="torchvision:NAME, zoo:NAME or pkg.module:factory (imports that module: runs its code)"),
     data: str = typer.Option(..., help="an image folder (one subfolder per class), a path,label .csv, "
                                        "or a built-in: digits, fashion-mnist"),
     weights: Path = typer.Option(None, help="local weights of --model (safetensors or a state dict), with their "

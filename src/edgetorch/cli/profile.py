@@ -13,7 +13,7 @@ from ._app import app, console, device_option, mib, output_file, plot_file, writ
 
 @app.command()
 def profile(
-    model: str = typer.Option(..., help="torchvision:NAME, zoo:NAME or pkg.module:factory"),
+    model: str = typer.Option(..., help="torchvision:NAME, zoo:NAME or pkg.module:factory (imports that module: runs its code)"),
     batch: int = typer.Option(16, min=1, help="batch size"),
     resolution: int = typer.Option(224, min=1, help="input height and width"),
     policy: list[str] = typer.Option(

@@ -91,7 +91,7 @@ def _finetune(result: Reduction, full: torch.nn.Module, train: TensorDataset, te
 def reduce(
     model: str = typer.Option("zoo:mlp", help="zoo:NAME, torchvision:resnet18 or torchvision:mobilenet_v2 (pretrained "
                               "on --dataset unless --weights), or any spec with --weights (torchvision:NAME: any "
-                              "CNN, pruned by channel groups)"),
+                              "CNN, pruned by channel groups; pkg.module:factory imports that module: runs its code)"),
     weights: Path = typer.Option(None, help="safetensors/state-dict weights of --model"),
     alpha: float = typer.Option(..., help="total reduction factor in [0, 1): share of multiplications removed"),
     method: str = typer.Option("prune", help="prune (the paper's), prune-ls (correlation-aware), lowrank"),

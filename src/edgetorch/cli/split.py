@@ -36,8 +36,8 @@ _ARCHITECTURE_HELP = "bottleneck design: paper (the paper's text) or released (t
 
 @split_app.command()
 def train(
-    teacher: str = typer.Option(..., help="teacher: torchvision:resnet18|50|152|densenet121|169|201, or package.module:factory returning one"),
-    teacher_weights: Path = typer.Option(None, help="the teacher's trained weights (.safetensors, or a .pt/.pth state dict read without unpickling code); required for torchvision: (nothing is downloaded)"),
+    teacher: str = typer.Option(..., help="teacher: torchvision:resnet18|50|152|densenet121|169|201, or package.module:factory returning one (imports that module: runs its code)"),
+    teacher_weights: Path = typer.Option(None, help="the teacher's trained weights (.safetensors, or a .pt/.pth state dict, read by torch's restricted unpickler: tensors only); required for torchvision: (nothing is downloaded)"),
     data: str = typer.Option(..., help="an image folder (one subfolder per class, or a path,label .csv), or digits / fashion-mnist"),
     out: Path = typer.Option(..., callback=output_dir, help="run directory: a checkpoint per stage (the same command resumes), then student.safetensors + student.json for `split export --trained`"),
     size: int = typer.Option(224, min=8, help="input height = width (images are resized to it, as `split infer` does)"),

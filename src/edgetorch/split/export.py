@@ -565,16 +565,13 @@ def _skeleton(manifest: SplitManifest) -> BottleneckModel:
 
 
 def _load_weights(root: Path, manifest: SplitManifest, model: BottleneckModel, part: str) -> nn.Module:
-    from safetensors import SafetensorError
-    from safetensors.torch import load as load_safetensors
+    from ..zoo.weights import CheckpointError, tensors_from_bytes
 
     data = _verified_bytes(root, manifest, part, model)
     try:
-        tensors = load_safetensors(data)
-    # KeyError: safetensors.torch has no torch dtype for some dtypes its parser accepts (F4,
-    # F6_E2M3, F8_E8M0), e.g. in a zero-element tensor.
-    except (SafetensorError, ValueError, RuntimeError, KeyError) as exc:
-        raise SplitArtifactError(f"{root / manifest.files[part]['path']}: not a safetensors file ({exc})") from None
+        tensors = tensors_from_bytes(data, root / manifest.files[part]["path"])
+    except CheckpointError as exc:
+        raise SplitArtifactError(str(exc)) from None
     module: nn.Module = getattr(model, part)
     wanted = module.state_dict()
     if set(tensors) != set(wanted):

@@ -75,7 +75,7 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
         try:
             state = load_file(str(path))
         except (SafetensorError, OSError, KeyError) as exc:  # KeyError: a dtype torch lacks (F4, ...)
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+            raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
     elif path.suffix in TORCH_SUFFIXES:
         state = _torch_state(path)
     else:
@@ -263,4 +263,4 @@ def tensors_from_bytes(data: bytes, path: str | Path) -> dict[str, torch.Tensor]
     # KeyError: safetensors.torch has no torch dtype for some dtypes its parser accepts (F4,
     # F6_E2M3, F8_E8M0), e.g. in a zero-element tensor.
     except (SafetensorError, ValueError, RuntimeError, KeyError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+        raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
