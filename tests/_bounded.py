@@ -21,9 +21,10 @@ LOG_ENV = "EDGETORCH_HOSTILE_LOG"  # when set, each case's outcome is appended t
 
 _CHILD = """
 import json, time, traceback
-import torch, edgetorch, edgetorch.split, edgetorch.split.export, edgetorch.zoo, edgetorch.finetune  # at rest
+import torch, edgetorch, edgetorch.split, edgetorch.split.export, edgetorch.zoo, edgetorch.finetune
 from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
-rest = rss_bytes()
+{warm}
+rest = rss_bytes()  # at rest: imports done, and the loader warmed up on a valid input
 reset_peak_rss()  # imports peaked above the resident set at rest
 error, start = None, time.perf_counter()
 try:
@@ -52,9 +53,12 @@ class Outcome:
         assert self.growth < MEMORY_BOUND, f"{self.growth / 2**20:.0f} MiB above the process at rest"
 
 
-def run_child(body: str, cwd: Path | None = None) -> Outcome:
-    """Run ``body`` (Python statements) in a fresh interpreter with torch and edgetorch imported."""
-    code = _CHILD.format(body=textwrap.indent(textwrap.dedent(body).strip(), "    "))
+def run_child(body: str, warm: str = "", cwd: Path | None = None) -> Outcome:
+    """Run ``body`` (Python statements) in a fresh interpreter with torch and edgetorch imported,
+    after ``warm`` (the same loader on a valid input: its one-time imports and set-up are the
+    process at rest, not the crafted input's cost)."""
+    code = _CHILD.format(body=textwrap.indent(textwrap.dedent(body).strip(), "    "),
+                         warm=textwrap.dedent(warm).strip())
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S,
                           cwd=cwd, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -435,17 +435,24 @@ def test_a_manifest_declaring_a_huge_model_allocates_nothing_before_refusing(cop
     assert _max_rss_bytes() - before < 64 << 20
 
 
+def _warm_load(artifact: Path, onnx: Path | None = None) -> str:
+    """The child's warm-up: the same loader on the valid artifact."""
+    if onnx is not None:
+        return f"edgetorch.split.load_onnx_head({str(onnx)!r})[0](torch.rand(1, 3, 32, 32))"
+    return f"edgetorch.split.export.load_part({str(artifact)!r}, 'tail')"
+
+
 @pytest.mark.parametrize("channels", [10**6, 10**9])
-def test_a_manifest_over_the_part_size_limit_is_refused_before_any_file_is_read(copy_of, channels):
+def test_a_manifest_over_the_part_size_limit_is_refused_before_any_file_is_read(copy_of, artifact, channels):
     """channels = 10**9 raised the allowed file size to ~2 TB and the reader allocated it up front
     (MemoryError from `split serve`); the manifest's claims now meet a fixed limit first."""
     edit_manifest(copy_of, lambda m: (m["model"].update(channels=channels), m.update(bottleneck_shape=[channels, 4, 4])))
     (copy_of / "tail.safetensors").unlink()  # nothing is read: a missing file is not even noticed
-    run_child(f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')").refused_with(
+    run_child(f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')", warm=_warm_load(artifact)).refused_with(
         "SplitArtifactError", "bytes of weights, over the 2147483648 an artifact part may have")
 
 
-def test_a_sparse_file_of_a_legal_size_with_the_wrong_bytes_is_refused_in_bounded_memory(copy_of):
+def test_a_sparse_file_of_a_legal_size_with_the_wrong_bytes_is_refused_in_bounded_memory(copy_of, artifact):
     """Within the limit (resnet18 with 400,000 classes: a 0.8 GB tail) the bytes are hashed in chunks before they
     are held: a sparse file of that size beside an unsigned manifest cost 2.5 GB RSS before."""
     edit_manifest(copy_of, lambda m: (m["model"].update(num_classes=400_000), m.update(num_classes=400_000,
@@ -454,7 +461,7 @@ def test_a_sparse_file_of_a_legal_size_with_the_wrong_bytes_is_refused_in_bounde
     assert limit > 800_000_000
     with open(copy_of / "tail.safetensors", "wb") as f:
         f.truncate(limit)  # sparse: no disk, all zeros
-    run_child(f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')").refused_with(
+    run_child(f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')", warm=_warm_load(artifact)).refused_with(
         "SplitArtifactError", "SHA-256 does not match the manifest")
 
 
@@ -758,15 +765,16 @@ def test_onnx_attacks_are_refused(copy_of, attack):
     _refused(_with_onnx(copy_of, make()), match, load_onnx_head)
 
 
-def test_the_padded_conv_head_is_refused_before_it_runs_within_the_memory_bound(copy_of):
+def test_the_padded_conv_head_is_refused_before_it_runs_within_the_memory_bound(copy_of, artifact, tmp_path):
     """The 2,342-byte head that reached 3.5 GB RSS: refused at load, measured in a fresh process."""
     pytest.importorskip("onnx")
     pytest.importorskip("onnxruntime")
     make, _ = _onnx_attacks()["padded conv chain"]
     blob = make()
     assert len(blob) < 4096
+    valid = _with_onnx(shutil.copytree(artifact, tmp_path / "valid"), _onnx_head())
     directory = _with_onnx(copy_of, blob)
-    run_child(f"""
+    run_child(warm=_warm_load(artifact, valid), body=f"""
         head, _ = edgetorch.split.load_onnx_head({str(directory)!r})
         head(torch.rand(1, 3, 32, 32))
     """).refused_with("SplitArtifactError", "values per image")

@@ -514,8 +514,15 @@ def test_health_answers_with_the_connection_cap_full_of_idle_connections():
         evicted, kept = idle[:4], idle[4:]
         assert not select.select(kept, [], [], 0)[0]  # still open, nothing said
         assert _read_until_closed(keep_alive)[0] == b""  # an idle keep-alive connection is just closed
-        for sock in evicted:  # one that had begun (or not yet begun) a request is told why
-            (status, _, answer), = _answers(_read_until_closed(sock)[0])
+        for i, sock in enumerate(evicted):  # one that had begun (or not yet begun) a request is told why
+            try:
+                (status, _, answer), = _answers(_read_until_closed(sock)[0])
+            except ConnectionResetError:
+                # Half a request sent after the server had closed the socket: TCP answers those bytes
+                # with a reset, which can discard the 503 before the client reads it. Only the ones
+                # that sent nothing are sure to read it.
+                assert i % 2, "a connection that sent nothing was reset instead of told why"
+                continue
             assert status == 503 and json.loads(answer)["error"]["type"] == "over_capacity"
         assert app.state.metrics.dropped == {"evicted": 5}
         for sock in [keep_alive, *idle]:

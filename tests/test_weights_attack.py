@@ -66,7 +66,7 @@ CASES = {
 def test_a_crafted_weight_file_is_refused_within_the_memory_bound(tmp_path, case):
     name, make, match = CASES[case]
     path = make(tmp_path / name)
-    run_child(f"""
+    run_child(warm='edgetorch.finetune.start_model("torchvision:resnet18", 3)', body=f"""
         torch.manual_seed(0)
         edgetorch.finetune.start_model("torchvision:resnet18", 3, {str(path)!r})
     """).refused_with("CheckpointError", match)
