@@ -13,26 +13,28 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
-from pathlib import Path
 
 MEMORY_BOUND = 256 << 20  # what a crafted input may cost above the process at rest (issue 24)
 HANG_GUARD_S = 300
 LOG_ENV = "EDGETORCH_HOSTILE_LOG"  # when set, each case's outcome is appended to this file
 
 _CHILD = """
-import json, time, traceback
+import json, sys, time, traceback
 import torch, edgetorch, edgetorch.split, edgetorch.split.export, edgetorch.zoo, edgetorch.finetune
 from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
 {warm}
-rest = rss_bytes()  # at rest: imports done, and the loader warmed up on a valid input
-reset_peak_rss()  # imports peaked above the resident set at rest
-error, start = None, time.perf_counter()
-try:
-{body}
-except BaseException as exc:
-    error = {{"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
-             "traceback": traceback.format_exc()}}
-print(json.dumps({{"error": error, "growth": peak_rss_bytes() - rest, "seconds": time.perf_counter() - start}}))
+results = {{}}
+for name, body in json.loads(sys.stdin.read()).items():
+    rest = rss_bytes()  # at rest: imports done, and the loader warmed up on a valid input
+    reset_peak_rss()  # imports and earlier cases peaked above the resident set at rest
+    error, start = None, time.perf_counter()
+    try:
+        exec(body)
+    except BaseException as exc:
+        error = {{"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
+                 "traceback": traceback.format_exc()}}
+    results[name] = {{"error": error, "growth": peak_rss_bytes() - rest, "seconds": time.perf_counter() - start}}
+print(json.dumps(results))
 """
 
 
@@ -53,19 +55,26 @@ class Outcome:
         assert self.growth < MEMORY_BOUND, f"{self.growth / 2**20:.0f} MiB above the process at rest"
 
 
-def run_child(body: str, warm: str = "", cwd: Path | None = None) -> Outcome:
-    """Run ``body`` (Python statements) in a fresh interpreter with torch and edgetorch imported,
-    after ``warm`` (the same loader on a valid input: its one-time imports and set-up are the
-    process at rest, not the crafted input's cost)."""
-    code = _CHILD.format(body=textwrap.indent(textwrap.dedent(body).strip(), "    "),
-                         warm=textwrap.dedent(warm).strip())
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          cwd=cwd, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+def run_children(cases: dict[str, str], warm: str = "") -> dict[str, Outcome]:
+    """Run each case's ``body`` (Python statements) in one fresh interpreter with torch and edgetorch
+    imported, after ``warm`` (the same loader on a valid input: its one-time imports and set-up are
+    the process at rest, not a crafted input's cost); the peak is reset before each case."""
+    code = _CHILD.format(warm=textwrap.dedent(warm).strip())
+    bodies = {name: textwrap.dedent(body).strip() for name, body in cases.items()}
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(bodies), capture_output=True, text=True,
+                          timeout=HANG_GUARD_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, done.stderr[-3000:]
-    record = json.loads(done.stdout.strip().splitlines()[-1])
+    records = json.loads(done.stdout.strip().splitlines()[-1])
     if os.environ.get(LOG_ENV):  # one line per case, for bench/hostile_inputs.py
-        case = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
         with open(os.environ[LOG_ENV], "a") as log:
-            log.write(json.dumps({"case": case, "error": (record["error"] or {}).get("type"),
-                                  "growth": record["growth"], "seconds": record["seconds"]}) + "\n")
-    return Outcome(record["error"], record["growth"], record["seconds"])
+            for name, record in records.items():
+                log.write(json.dumps({"case": test if len(records) == 1 else f"{test.split('[')[0]}[{name}]",
+                                      "error": (record["error"] or {}).get("type"), "growth": record["growth"],
+                                      "seconds": record["seconds"]}) + "\n")
+    return {name: Outcome(r["error"], r["growth"], r["seconds"]) for name, r in records.items()}
+
+
+def run_child(body: str, warm: str = "") -> Outcome:
+    """One case (see :func:`run_children`)."""
+    return run_children({"case": body}, warm)["case"]

@@ -66,3 +66,18 @@ def test_piped_help_is_not_cut_at_80_columns():
     out = subprocess.run([sys.executable, "-m", "edgetorch.cli", "split", "export", "--help"], capture_output=True,
                          text=True, check=True, env=env).stdout
     assert "…" not in out and "torchvision:densenet121|169|201" in out
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("[/bold]", "[/bold]"), ("[red]x[/red]", "[red]x[/red]"), (":smile:", ":smile:"),
+    ("[link=file:///etc/passwd]y[/link]", "[link=file:///etc/passwd]y[/link]"),
+    ("\x1b[31mred\x1b[0m", "\\x1b[31mred\\x1b[0m"), ("evil\u202egnp.exe", "evil\\u202egnp.exe"),
+], ids=["close-tag", "style", "emoji", "link", "ansi", "bidi"])
+def test_the_console_prints_names_from_files_literally(text, shown):
+    """Class names, paths and error messages come from files: as rich markup, '[/bold]' crashed `split
+    infer` (MarkupError) after the server had answered; an ANSI escape reached the terminal raw."""
+    from edgetorch.cli._app import console
+
+    with console.capture() as captured:
+        console.print(f"photo.png: {text} 97.0%")
+    assert captured.get().strip() == f"photo.png: {shown} 97.0%"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _bounded import run_child
+from _bounded import run_child, run_children
 from _tamper import edit_manifest, rehash
 import torch
 import torchvision
@@ -442,14 +442,18 @@ def _warm_load(artifact: Path, onnx: Path | None = None) -> str:
     return f"edgetorch.split.export.load_part({str(artifact)!r}, 'tail')"
 
 
-@pytest.mark.parametrize("channels", [10**6, 10**9])
-def test_a_manifest_over_the_part_size_limit_is_refused_before_any_file_is_read(copy_of, artifact, channels):
+def test_a_manifest_over_the_part_size_limit_is_refused_before_any_file_is_read(copy_of, artifact, tmp_path):
     """channels = 10**9 raised the allowed file size to ~2 TB and the reader allocated it up front
     (MemoryError from `split serve`); the manifest's claims now meet a fixed limit first."""
-    edit_manifest(copy_of, lambda m: (m["model"].update(channels=channels), m.update(bottleneck_shape=[channels, 4, 4])))
-    (copy_of / "tail.safetensors").unlink()  # nothing is read: a missing file is not even noticed
-    run_child(f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')", warm=_warm_load(artifact)).refused_with(
-        "SplitArtifactError", "bytes of weights, over the 2147483648 an artifact part may have")
+    bodies = {}
+    for channels in (10**6, 10**9):
+        directory = shutil.copytree(copy_of, tmp_path / str(channels))
+        edit_manifest(directory, lambda m: (m["model"].update(channels=channels),
+                                            m.update(bottleneck_shape=[channels, 4, 4])))
+        (directory / "tail.safetensors").unlink()  # nothing is read: a missing file is not even noticed
+        bodies[f"channels={channels}"] = f"edgetorch.split.export.load_part({str(directory)!r}, 'tail')"
+    for outcome in run_children(bodies, warm=_warm_load(artifact)).values():
+        outcome.refused_with("SplitArtifactError", "bytes of weights, over the 2147483648 an artifact part may have")
 
 
 def test_a_sparse_file_of_a_legal_size_with_the_wrong_bytes_is_refused_in_bounded_memory(copy_of, artifact):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from _bounded import run_child
+from _bounded import run_children
 from edgetorch.cli import app
 from edgetorch.zoo import CheckpointError, read_weights
 
@@ -62,14 +62,21 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Every case's `finetune --weights` start, in one fresh process (its peak reset before each)."""
+    root = tmp_path_factory.mktemp("crafted")
+    bodies = {}
+    for case, (name, make, _) in CASES.items():
+        (root / case).mkdir()
+        path = make(root / case / name)
+        bodies[case] = f"torch.manual_seed(0); edgetorch.finetune.start_model('torchvision:resnet18', 3, {str(path)!r})"
+    return run_children(bodies, warm="edgetorch.finetune.start_model('torchvision:resnet18', 3)")
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_a_crafted_weight_file_is_refused_within_the_memory_bound(tmp_path, case):
-    name, make, match = CASES[case]
-    path = make(tmp_path / name)
-    run_child(warm='edgetorch.finetune.start_model("torchvision:resnet18", 3)', body=f"""
-        torch.manual_seed(0)
-        edgetorch.finetune.start_model("torchvision:resnet18", 3, {str(path)!r})
-    """).refused_with("CheckpointError", match)
+def test_a_crafted_weight_file_is_refused_within_the_memory_bound(outcomes, case):
+    outcomes[case].refused_with("CheckpointError", CASES[case][2])
 
 
 def test_real_torch_files_with_views_still_load(tmp_path):

@@ -17,9 +17,27 @@ if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty() and "COLUMNS" 
 
 app = typer.Typer(help="edgetorch: memory-efficient training and deployment on edge devices.",
                   no_args_is_help=True, add_completion=False)
-# markup=False: what commands print holds file names, class names and error messages taken from
-# files; as rich markup a class name "[/bold]" crashed `split infer`. Style goes in style=.
-console = Console(width=130, markup=False, emoji=False)
+class _Terminal(Console):
+    """A console that prints text from files as text.
+
+    What commands print holds file names, class names and error messages taken from files. As
+    rich markup a class name "[/bold]" crashed `split infer` (so markup is off: style goes in
+    ``style=``), and rich passes escape sequences through, so an ANSI escape in a name reached
+    the terminal raw: control characters other than newline and tab are printed escaped.
+    """
+
+    def print(self, *objects: object, **kwargs: object) -> None:  # type: ignore[override]
+        super().print(*(_visible(o) if isinstance(o, str) else o for o in objects), **kwargs)
+
+
+def _visible(text: str) -> str:
+    import unicodedata
+
+    return "".join(c if c in "\n\t" or unicodedata.category(c) not in ("Cc", "Cf") else ascii(c)[1:-1]
+                   for c in text)
+
+
+console = _Terminal(width=130, markup=False, emoji=False)
 
 
 def _print_version(value: bool) -> None:
