@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MEMORY_BOUND = 256 << 20  # what a crafted input may cost above the process at rest (issue 24)
@@ -78,3 +80,33 @@ def run_children(cases: dict[str, str], warm: str = "") -> dict[str, Outcome]:
 def run_child(body: str, warm: str = "") -> Outcome:
     """One case (see :func:`run_children`)."""
     return run_children({"case": body}, warm)["case"]
+
+
+def raised_without_hanging(call: Callable[[], object], blocked: str, release: Callable[[], None] | None = None,
+                           guard_s: float = 60) -> BaseException | None:
+    """What ``call()`` raised (None if it returned), run in a thread so a hang fails the test, not the suite.
+
+    Args:
+        call: the loader call.
+        blocked: the failure message if it is still running after ``guard_s`` (a hang guard only:
+            a refusal takes milliseconds).
+        release: unblocks a hung call (opens the FIFO's other end) so its thread can end.
+    """
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001  (reported to the main thread)
+            outcome.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(guard_s)
+    if worker.is_alive():
+        if release is not None:
+            release()
+            worker.join(guard_s)
+        raise AssertionError(blocked)
+    return outcome[0]

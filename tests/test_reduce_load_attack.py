@@ -16,11 +16,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _bounded import raised_without_hanging
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -220,20 +220,8 @@ def test_json_that_is_not_utf8_or_too_large_is_refused(valid, tmp_path):
 
 
 def _refused_without_hanging(path: Path, fragment: str) -> None:
-    outcome: list[BaseException | None] = []
-
-    def run():
-        try:
-            load(path)
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001  (reported to the main thread)
-            outcome.append(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(60)  # a hang guard only: the refusal takes milliseconds
-    assert not worker.is_alive(), f"load blocked on {path}"
-    assert isinstance(outcome[0], CheckpointError) and fragment in str(outcome[0]), outcome
+    raised = raised_without_hanging(lambda: load(path), f"load blocked on {path}")
+    assert isinstance(raised, CheckpointError) and fragment in str(raised), raised
 
 
 @pytest.mark.parametrize("which", ["json", "safetensors"])

@@ -16,13 +16,12 @@ import resource
 import shutil
 import stat
 import struct
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from _bounded import run_child, run_children
+from _bounded import raised_without_hanging, run_child, run_children
 from _tamper import edit_manifest, rehash
 import torch
 import torchvision
@@ -376,23 +375,9 @@ def test_a_fifo_does_not_hang_the_loader(copy_of, name):
     """Opening a FIFO for reading blocks until a writer comes: the loader hung forever."""
     (copy_of / name).unlink()
     os.mkfifo(copy_of / name)
-    outcome: list[BaseException | None] = []
-
-    def run():
-        try:
-            load(copy_of)
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001  (reported to the main thread)
-            outcome.append(exc)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(10)
-    if worker.is_alive():  # release the blocked open so the thread can end, then fail
-        os.close(os.open(copy_of / name, os.O_WRONLY | os.O_NONBLOCK))
-        worker.join(10)
-        pytest.fail(f"load blocked on a FIFO named {name}")
-    assert isinstance(outcome[0], SplitArtifactError) and "not a regular file" in str(outcome[0]), outcome
+    raised = raised_without_hanging(lambda: load(copy_of), f"load blocked on a FIFO named {name}",
+                                    release=lambda: os.close(os.open(copy_of / name, os.O_WRONLY | os.O_NONBLOCK)))
+    assert isinstance(raised, SplitArtifactError) and "not a regular file" in str(raised), raised
 
 
 def test_a_device_node_is_refused(copy_of):
