@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _bounded import raised_without_hanging, run_child, run_children
+from _bounded import MEMORY_BOUND, raised_without_hanging, run_child, run_children
 from _tamper import edit_manifest, rehash
 import torch
 import torchvision
@@ -427,31 +427,30 @@ def _warm_load(artifact: Path, onnx: Path | None = None) -> str:
     return f"edgetorch.split.export.load_part({str(artifact)!r}, 'tail')"
 
 
-def test_a_manifest_over_the_part_size_limit_is_refused_before_any_file_is_read(copy_of, artifact, tmp_path):
+def test_manifests_claiming_huge_parts_are_refused_in_bounded_memory(copy_of, artifact, tmp_path):
     """channels = 10**9 raised the allowed file size to ~2 TB and the reader allocated it up front
-    (MemoryError from `split serve`); the manifest's claims now meet a fixed limit first."""
-    bodies = {}
+    (MemoryError from `split serve`): the manifest's claims now meet a fixed limit before any file is
+    read. Within the limit (resnet18 with 200,000 classes: a 0.4 GB tail) the bytes are hashed in
+    chunks before they are held: a sparse file of that size beside an unsigned manifest cost 2.5 GB
+    RSS before. One fresh process, its peak reset before each case."""
+    bodies, expected = {}, {}
     for channels in (10**6, 10**9):
         directory = shutil.copytree(copy_of, tmp_path / str(channels))
         edit_manifest(directory, lambda m: (m["model"].update(channels=channels),
                                             m.update(bottleneck_shape=[channels, 4, 4])))
         (directory / "tail.safetensors").unlink()  # nothing is read: a missing file is not even noticed
         bodies[f"channels={channels}"] = f"edgetorch.split.export.load_part({str(directory)!r}, 'tail')"
-    for outcome in run_children(bodies, warm=_warm_load(artifact)).values():
-        outcome.refused_with("SplitArtifactError", "bytes of weights, over the 2147483648 an artifact part may have")
-
-
-def test_a_sparse_file_of_a_legal_size_with_the_wrong_bytes_is_refused_in_bounded_memory(copy_of, artifact):
-    """Within the limit (resnet18 with 400,000 classes: a 0.8 GB tail) the bytes are hashed in chunks before they
-    are held: a sparse file of that size beside an unsigned manifest cost 2.5 GB RSS before."""
-    edit_manifest(copy_of, lambda m: (m["model"].update(num_classes=400_000), m.update(num_classes=400_000,
+        expected[f"channels={channels}"] = "bytes of weights, over the 2147483648 an artifact part may have"
+    edit_manifest(copy_of, lambda m: (m["model"].update(num_classes=200_000), m.update(num_classes=200_000,
                                                                                         class_names=None)))
     limit = export._size_limit(export._skeleton(read_manifest_unchecked(copy_of)), "tail")
-    assert limit > 800_000_000
+    assert limit > MEMORY_BOUND  # holding the file would fail the bound
     with open(copy_of / "tail.safetensors", "wb") as f:
         f.truncate(limit)  # sparse: no disk, all zeros
-    run_child(f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')", warm=_warm_load(artifact)).refused_with(
-        "SplitArtifactError", "SHA-256 does not match the manifest")
+    bodies["sparse tail"] = f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')"
+    expected["sparse tail"] = "SHA-256 does not match the manifest"
+    for case, outcome in run_children(bodies, warm=_warm_load(artifact)).items():
+        outcome.refused_with("SplitArtifactError", expected[case])
 
 
 def read_manifest_unchecked(directory: Path) -> export.SplitManifest:
