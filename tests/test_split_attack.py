@@ -796,3 +796,62 @@ def test_a_200_that_is_not_the_servers_json_is_a_client_error(artifact, body):
                                 transport=httpx.MockTransport(lambda request: httpx.Response(200, content=body)))
     with client, pytest.raises(SplitClientError, match="server answered 200 but not with"):
         client.infer(torch.rand(1, 3, 32, 32))
+
+
+# --------------------------------------------------------------------------------------------
+# Pinning an artifact by its id
+
+
+def test_a_pinned_artifact_refuses_another_validly_signed_one(signed, tmp_path):
+    """The HMAC proves who signed an artifact, not which one: a server given an older or other
+    artifact signed with the same key loaded it. Its id (the manifest's SHA-256) pins it."""
+    pinned = read_manifest(signed, KEY).artifact_id
+    assert len(pinned) == 64 and load(signed, KEY, expect_id=pinned)
+    torch.manual_seed(1)
+    other = tmp_path / "other"
+    save(inject_bottleneck(torchvision.models.resnet18(num_classes=5), 2, "sp2"), other, 32, key=KEY)
+    load(other, KEY)  # validly signed with the same key
+    for loader in (lambda d: load(d, KEY, expect_id=pinned), lambda d: load_part(d, "tail", KEY, expect_id=pinned),
+                   lambda d: read_manifest(d, expect_id=pinned)):
+        _refused(other, f"is artifact {read_manifest(other).artifact_id}, not the expected {pinned}", loader)
+
+
+def test_the_server_and_client_take_the_pin(signed):
+    from edgetorch.split.client import SplitClient
+    from edgetorch.split.server import ServerConfig, app_from_dir
+
+    pinned = read_manifest(signed).artifact_id
+    app_from_dir(signed, ServerConfig(expect_artifact_id=pinned), KEY)
+    SplitClient.from_dir(signed, "http://server.invalid", key=KEY, expect_id=pinned).close()
+    wrong = "0" * 64
+    with pytest.raises(SplitArtifactError, match="not the expected 0000"):
+        app_from_dir(signed, ServerConfig(expect_artifact_id=wrong), KEY)
+    with pytest.raises(SplitArtifactError, match="not the expected 0000"):
+        SplitClient.from_dir(signed, "http://server.invalid", key=KEY, expect_id=wrong)
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "G" * 64, "A" * 64, 7])
+def test_a_malformed_pin_is_a_caller_error(signed, bad):
+    from edgetorch.split.server import ServerConfig
+
+    with pytest.raises(ValueError, match="64 lowercase hex digits"):
+        ServerConfig(expect_artifact_id=bad)
+    with pytest.raises(ValueError, match="64 lowercase hex digits"):
+        load(signed, expect_id=bad)
+
+
+def test_the_cli_prints_the_id_and_refuses_another_artifact(artifact, tmp_path):
+    from typer.testing import CliRunner
+
+    from edgetorch.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "exported"
+    exported = runner.invoke(app, ["split", "export", "--model", "torchvision:resnet18", "--channels", "2",
+                                   "--num-classes", "5", "--resolution", "32", "--random-init", "--out", str(out)])
+    assert exported.exit_code == 0, exported.output
+    assert f"artifact id {read_manifest(out).artifact_id}" in exported.output
+    for command in (["split", "serve", str(artifact)], ["split", "infer", str(artifact), "x.png", "--server",
+                                                         "http://server.invalid"]):
+        refused = runner.invoke(app, [*command, "--expect-id", read_manifest(out).artifact_id])
+        assert refused.exit_code == 2 and "not the expected" in refused.output and "Traceback" not in refused.output

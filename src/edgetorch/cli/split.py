@@ -166,7 +166,9 @@ def export(
     source = trained or checkpoint or "random init"
     console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
                   f"{manifest.num_classes} logits ({source}{', signed' if key else ''}{', with head.onnx' if onnx else ''})")
-    write_json(json_path, {"artifact": str(out), "source": str(source), "signed": key is not None,
+    console.print(f"artifact id {manifest.artifact_id} (pin it with `split serve/infer --expect-id`)")
+    write_json(json_path, {"artifact": str(out), "artifact_id": manifest.artifact_id, "source": str(source),
+                           "signed": key is not None,
                            "manifest": json.loads((out / "manifest.json").read_text())})
 
 
@@ -187,6 +189,7 @@ def serve(
                                                       "connection is closed"),
     token_env: str = typer.Option(None, help="require `Authorization: Bearer <token>`, the token read from this environment variable"),
     key_env: str = typer.Option(None, help="refuse the artifact unless signed with the HMAC key in this environment variable"),
+    expect_id: str = typer.Option(None, "--expect-id", help="refuse any artifact but the one with this id (export prints it), even one signed with the same key"),
     ray: bool = typer.Option(False, "--ray", help="serve behind Ray Serve's proxy (needs edgetorch[ray]); see docs/split_ray.md"),
     replicas: int = typer.Option(1, min=1, help="with --ray: tail replicas, each loading and verifying the artifact"),
     num_cpus_per_replica: float = typer.Option(1.0, min=0.0, help="with --ray: CPUs Ray reserves per replica"),
@@ -202,7 +205,8 @@ def serve(
     try:
         config = ServerConfig(max_payload_bytes, token, max_batch=max_batch, header_timeout_s=header_timeout,
                               read_timeout_s=read_timeout, keep_alive_s=keep_alive, write_timeout_s=write_timeout,
-                              max_connections=max_connections, max_pipelined=max_pipelined)
+                              max_connections=max_connections, max_pipelined=max_pipelined,
+                              expect_artifact_id=expect_id)
         if ray:
             from ..split import ray_app
 
@@ -226,6 +230,7 @@ def infer(
     server: str = typer.Option(..., help="base URL of `edgetorch split serve`, e.g. http://127.0.0.1:8000"),
     token_env: str = typer.Option(None, help="send the bearer token read from this environment variable"),
     key_env: str = typer.Option(None, help="refuse the artifact unless signed with the HMAC key in this environment variable"),
+    expect_id: str = typer.Option(None, "--expect-id", help="refuse any artifact but the one with this id (export prints it), even one signed with the same key"),
     runtime: str = typer.Option("torch", help="run the head with torch (safetensors) or onnx (head.onnx, needs onnxruntime)"),
     top_k: int = typer.Option(3, min=1, help="print this many most probable classes per image"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the predictions, payload bytes and stage times here"),
@@ -239,7 +244,8 @@ def infer(
     token = _secret(token_env, "bearer token")
     key = _secret(key_env, "HMAC key")
     try:
-        with SplitClient.from_dir(artifact_dir, server, token=token, key=key, runtime=runtime) as client:
+        with SplitClient.from_dir(artifact_dir, server, token=token, key=key, expect_id=expect_id,
+                                  runtime=runtime) as client:
             result = client.infer_files(images)
     except (SplitArtifactError, ValueError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None

@@ -118,21 +118,23 @@ class SplitClient:
 
     @classmethod
     def from_dir(cls, artifact_dir: str | Path, server: str, *, key: bytes | str | None = None,
-                 runtime: str = "torch", **kwargs) -> SplitClient:
+                 expect_id: str | None = None, runtime: str = "torch", **kwargs) -> SplitClient:
         """Load the verified head from an artifact directory (the device needs no tail).
 
         Args:
             artifact_dir: a directory written by :func:`~edgetorch.split.save`.
             server: the tail server's base URL.
             key: the HMAC key, if the artifact was signed.
+            expect_id: the artifact id the head must come from (``edgetorch split export``
+                prints it); another artifact is refused, even one signed with the same key.
             runtime: ``"torch"`` (the safetensors head) or ``"onnx"`` (``head.onnx`` under
                 onnxruntime; the artifact must have been exported with ``onnx=True``).
             **kwargs: ``token`` and ``timeout`` (see the class).
         """
         if runtime == "torch":
-            head, manifest = load_part(artifact_dir, "head", key)
+            head, manifest = load_part(artifact_dir, "head", key, expect_id=expect_id)
         elif runtime == "onnx":
-            head, manifest = load_onnx_head(artifact_dir, key)
+            head, manifest = load_onnx_head(artifact_dir, key, expect_id=expect_id)
         else:
             raise ValueError(f"runtime must be 'torch' or 'onnx', got {runtime!r}")
         return cls(head, manifest, server, **kwargs)

@@ -168,6 +168,13 @@ class SplitManifest:
         """The manifest as indented JSON."""
         return json.dumps(asdict(self), indent=2) + "\n"
 
+    @property
+    def artifact_id(self) -> str:
+        """The SHA-256 of :meth:`signed_bytes`: it names this artifact exactly, since the manifest
+        holds every file's hash. Pin it (``expect_id``, ``--expect-id``) so that another artifact,
+        even one validly signed with the same key, is refused in its place."""
+        return hashlib.sha256(self.signed_bytes()).hexdigest()
+
     def signed_bytes(self) -> bytes:
         """The bytes an HMAC covers: every field but the signature, as canonical JSON."""
         body = asdict(self)
@@ -453,13 +460,16 @@ def _check_onnx(out: Path, key: bytes | str | None, example: torch.Tensor, bottl
         raise SplitArtifactError("head.onnx does not reproduce the head's bottleneck under onnxruntime")
 
 
-def read_manifest(artifact_dir: str | Path, key: bytes | str | None = None) -> SplitManifest:
+def read_manifest(artifact_dir: str | Path, key: bytes | str | None = None, *,
+                  expect_id: str | None = None) -> SplitManifest:
     """Read and validate ``DIR/manifest.json``, its signature when a key is given, and every file's hash.
 
     Args:
         artifact_dir: a directory written by :func:`save`.
         key: the HMAC key the artifact was signed with; when given, an unsigned or altered
             manifest is refused.
+        expect_id: the :attr:`SplitManifest.artifact_id` this must be (printed by export);
+            any other artifact is refused, signed or not.
 
     Returns:
         The :class:`SplitManifest`, its shapes checked against the layers it describes.
@@ -468,15 +478,18 @@ def read_manifest(artifact_dir: str | Path, key: bytes | str | None = None) -> S
         SplitArtifactError: missing directory or file, a symlink, a malformed manifest, a bad
             signature, a file larger than the model's weights need, or a hash mismatch.
     """
-    manifest = _signed_manifest(Path(artifact_dir), key)
+    manifest = _signed_manifest(Path(artifact_dir), key, expect_id)
     model = _skeleton(manifest)  # meta layers: what bounds each file's size before it is read
     for part in manifest.files:
         _verified_bytes(Path(artifact_dir), manifest, part, model)
     return manifest
 
 
-def _signed_manifest(root: Path, key: bytes | str | None) -> SplitManifest:
-    """The parsed manifest, its HMAC checked when a key is given (the files are checked as read)."""
+def _signed_manifest(root: Path, key: bytes | str | None, expect_id: str | None) -> SplitManifest:
+    """The parsed manifest, its HMAC checked when a key is given and its id when one is expected
+    (the files are checked as read)."""
+    if expect_id is not None:
+        check_artifact_id(expect_id)
     if not root.is_dir():
         raise SplitArtifactError(f"{root} is not a directory; export one with `edgetorch split export`")
     manifest = SplitManifest.from_json(read_bytes(root / MANIFEST_NAME, _MAX_MANIFEST_BYTES, error=SplitArtifactError, follow_symlinks=False).decode("utf-8", "replace"))
@@ -488,7 +501,17 @@ def _signed_manifest(root: Path, key: bytes | str | None) -> SplitManifest:
         if not hmac.compare_digest(manifest.signature.encode("utf-8", "replace"), _signature(manifest, key).encode()):
             raise SplitArtifactError(f"{root}: the manifest's HMAC does not match this key (tampered, or "
                                      "signed with another key)")
+    if expect_id is not None and not hmac.compare_digest(manifest.artifact_id, expect_id):
+        raise SplitArtifactError(f"{root} is artifact {manifest.artifact_id}, not the expected {expect_id}: "
+                                 "another artifact was put in its place (or the expected id is out of date)")
     return manifest
+
+
+def check_artifact_id(artifact_id: object) -> None:
+    """Raise ``ValueError`` unless ``artifact_id`` is an id as export prints it (64 lowercase hex digits)."""
+    if not isinstance(artifact_id, str) or len(artifact_id) != 64 or artifact_id.strip("0123456789abcdef"):
+        raise ValueError(f"an artifact id is the 64 lowercase hex digits `edgetorch split export` prints, "
+                         f"got {artifact_id!r}")
 
 
 def _verified_bytes(root: Path, manifest: SplitManifest, part: str, model: BottleneckModel) -> bytes:
@@ -589,7 +612,8 @@ def _load_weights(root: Path, manifest: SplitManifest, model: BottleneckModel, p
     return CheckedInput(module.eval(), shape, part)
 
 
-def load_part(artifact_dir: str | Path, part: str, key: bytes | str | None = None) -> tuple[nn.Module, SplitManifest]:
+def load_part(artifact_dir: str | Path, part: str, key: bytes | str | None = None, *,
+              expect_id: str | None = None) -> tuple[nn.Module, SplitManifest]:
     """Load one verified side (``"head"`` for the device, ``"tail"`` for the server) and the manifest.
 
     Only that side's file is read (a device needs no tail file) and only its weights allocated.
@@ -598,6 +622,7 @@ def load_part(artifact_dir: str | Path, part: str, key: bytes | str | None = Non
         artifact_dir: a directory written by :func:`save`.
         part: ``"head"`` or ``"tail"``.
         key: the HMAC key, if the artifact was signed (see :func:`read_manifest`).
+        expect_id: the artifact id this must be (see :func:`read_manifest`).
 
     Returns:
         ``(module, manifest)``; the module runs on CPU in eval mode and refuses inputs of
@@ -609,16 +634,18 @@ def load_part(artifact_dir: str | Path, part: str, key: bytes | str | None = Non
     """
     if part not in _PARTS:
         raise ValueError(f"part must be 'head' or 'tail', got {part!r}")
-    manifest = _signed_manifest(Path(artifact_dir), key)
+    manifest = _signed_manifest(Path(artifact_dir), key, expect_id)
     return _load_weights(Path(artifact_dir), manifest, _skeleton(manifest), part), manifest
 
 
-def load(artifact_dir: str | Path, key: bytes | str | None = None) -> tuple[nn.Module, nn.Module]:
+def load(artifact_dir: str | Path, key: bytes | str | None = None, *,
+         expect_id: str | None = None) -> tuple[nn.Module, nn.Module]:
     """Load a verified head and tail from an artifact directory.
 
     Args:
         artifact_dir: a directory written by :func:`save` / ``edgetorch split export``.
         key: the HMAC key, if the artifact was signed (see :func:`read_manifest`).
+        expect_id: the artifact id this must be (see :func:`read_manifest`).
 
     Returns:
         ``(head, tail)`` modules in eval mode.
@@ -630,7 +657,7 @@ def load(artifact_dir: str | Path, key: bytes | str | None = None) -> tuple[nn.M
         >>> head, tail = load("artifacts")  # doctest: +SKIP
         >>> logits = tail(head(images))  # doctest: +SKIP
     """
-    manifest = _signed_manifest(Path(artifact_dir), key)
+    manifest = _signed_manifest(Path(artifact_dir), key, expect_id)
     model = _skeleton(manifest)
     root = Path(artifact_dir)
     return _load_weights(root, manifest, model, "head"), _load_weights(root, manifest, model, "tail")
@@ -663,7 +690,8 @@ class OnnxHead:
         return torch.from_numpy(out)
 
 
-def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> tuple[OnnxHead, SplitManifest]:
+def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None, *,
+                   expect_id: str | None = None) -> tuple[OnnxHead, SplitManifest]:
     """The verified ``head.onnx`` as an ONNX Runtime session (for devices without PyTorch models).
 
     The session is built from the bytes whose hash was checked. A model that points at external
@@ -674,6 +702,7 @@ def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> 
     Args:
         artifact_dir: a directory exported with ``onnx=True`` (``--onnx``).
         key: the HMAC key, if the artifact was signed.
+        expect_id: the artifact id this must be (see :func:`read_manifest`).
 
     Returns:
         ``(head, manifest)``: call the :class:`OnnxHead` on a float [N, 3, H, W] tensor.
@@ -687,7 +716,7 @@ def load_onnx_head(artifact_dir: str | Path, key: bytes | str | None = None) -> 
         import onnxruntime
     except ImportError:
         raise ImportError("loading head.onnx needs onnxruntime: pip install onnxruntime") from None
-    manifest = _signed_manifest(Path(artifact_dir), key)
+    manifest = _signed_manifest(Path(artifact_dir), key, expect_id)
     if _ONNX not in manifest.files:
         raise SplitArtifactError(f"{artifact_dir}: no head.onnx; export with --onnx (onnx=True)")
     model = _skeleton(manifest)

@@ -94,7 +94,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from torch import nn
 
-from .export import SplitManifest, load_part
+from .export import SplitManifest, check_artifact_id, load_part
 from .payload import PayloadError, decode, payload_size, read_header
 
 CONTENT_TYPE = "application/octet-stream"
@@ -140,6 +140,9 @@ class ServerConfig:
             unbounded amount of work.
         max_header_bytes: a request line plus headers above this size gets 431 (400 from h11 while
             they are still incomplete, which also bounds the memory an unfinished request holds).
+        expect_artifact_id: serve only the artifact with this id (``edgetorch split export``
+            prints it): another one put in the directory, even one signed with the same key, is
+            refused at load (:func:`app_from_dir`, and each Ray replica).
 
     Example:
         >>> ServerConfig(token="s3cret", read_timeout_s=5.0).max_batch
@@ -156,8 +159,11 @@ class ServerConfig:
     max_connections: int = 2048
     max_pipelined: int = 16
     max_header_bytes: int = 16 * 1024
+    expect_artifact_id: str | None = None
 
     def __post_init__(self) -> None:
+        if self.expect_artifact_id is not None:
+            check_artifact_id(self.expect_artifact_id)
         for name in ("max_batch", "max_connections", "max_pipelined", "max_header_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -516,7 +522,7 @@ def app_from_dir(artifact_dir: str | Path, config: ServerConfig = ServerConfig()
         config: limits and token.
         key: the HMAC key, if the artifact was signed.
     """
-    tail, manifest = load_part(artifact_dir, "tail", key)
+    tail, manifest = load_part(artifact_dir, "tail", key, expect_id=config.expect_artifact_id)
     return create_app(tail, manifest, config)
 
 
