@@ -428,7 +428,7 @@ def test_a_client_hanging_up_over_tcp_logs_one_line(server, caplog):
 def test_every_error_on_the_wire_is_json(server, request_bytes, status, kind):
     with _connect(server[1]) as sock:
         sock.sendall(request_bytes)
-        raw, _ = _read_until_closed(sock)  # the keep-alive, header or refusal close ends each
+        raw, _ = _read_until_closed(sock, HANG_GUARD_S)  # the keep-alive, header or refusal close ends each
     (got, head, answer), = _answers(raw)
     assert got == status and b"content-type: application/json" in head.lower()
     assert b"\r\nlocation:" not in head.lower()
@@ -513,10 +513,10 @@ def test_health_answers_with_the_connection_cap_full_of_idle_connections():
         assert _get(port) == (200, {"status": "ok"})
         evicted, kept = idle[:4], idle[4:]
         assert not select.select(kept, [], [], 0)[0]  # still open, nothing said
-        assert _read_until_closed(keep_alive)[0] == b""  # an idle keep-alive connection is just closed
+        assert _read_until_closed(keep_alive, HANG_GUARD_S)[0] == b""  # an idle keep-alive connection is just closed
         for i, sock in enumerate(evicted):  # one that had begun (or not yet begun) a request is told why
             try:
-                (status, _, answer), = _answers(_read_until_closed(sock)[0])
+                (status, _, answer), = _answers(_read_until_closed(sock, HANG_GUARD_S)[0])
             except ConnectionResetError:
                 # Half a request sent after the server had closed the socket: TCP answers those bytes
                 # with a reset, which can discard the 503 before the client reads it. Only the ones
