@@ -412,11 +412,12 @@ def run_model(name: str, device: torch.device, batch: int, size: int, warmup: in
         m = measured[r.config.label] = {}
         peak = _attempt(r, "peak step", lambda r=r: peak_of(lambda marks=None: r.step(x, y, marks=marks), device))
         m["peak"], m["forward"] = peak if peak is not None else (None, None)
-        if r.captured is not None and r.captured.pool_bytes is not None:
-            # A replay allocates nothing: the step's memory is what the graph's pool holds, less the
-            # gradients it allocated there (an eager row holds them before its step).
+        if r.captured is not None and r.captured.peak_bytes is not None:
+            # A replay allocates nothing: its peak is the allocator's peak while the step was captured,
+            # less the gradients it allocated then (an eager row holds them before its step). The
+            # pool the graph keeps reserved is reported beside it.
             m["pool"] = r.captured.pool_bytes
-            m["peak"] = r.captured.pool_bytes - grad_bytes
+            m["peak"] = r.captured.peak_bytes - grad_bytes
         m["syncs"] = _attempt(r, "sync count", lambda r=r: syncs_of(lambda: r.step(x, y), device))
         if r.config.policy is not None and r.config.kind == "eager":
             ledger = edgetorch.SavedTensorLedger()
@@ -576,10 +577,11 @@ def report(rows: list[dict], compiled: list[dict], settings: dict, notes: list[s
            launches: list[dict] | None = None) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke)"
     main = table(
-        ["model", "config", "step peak MiB", "peak vs base", "step ms", "time vs base", "vs captured plain",
+        ["model", "config", "step peak MiB", "peak vs base", "pool MiB", "step ms", "time vs base", "vs captured plain",
          "profiled wall ms", "GPU kernel ms", "kernels", "host launch calls", "host syncs", "ledger stored MiB", "error"],
         [[r["model"], r["config"] + (" †" if r["kind"] == "captured" else ""),
           "n/a" if r["step_peak_bytes"] is None else mib(r["step_peak_bytes"]), _f(r["step_peak_ratio"], ".3f"),
+          "" if r["graph_pool_bytes"] is None else mib(r["graph_pool_bytes"]),
           _f(r["median_step_seconds"], ".1f", 1e3), _f(r["step_time_ratio"], ".2f"), _f(r["time_vs_captured_plain"], ".2f"),
           _f(r.get("profiled_wall_ms"), ".1f"), _f(r.get("kernel_ms"), ".1f"), _f(r.get("kernels"), "d"),
           _f(r.get("host_launch_calls"), "d"), _f(r["host_syncs_per_step"], "d"),
@@ -613,8 +615,10 @@ steps each, interleaved step by step. Ratios are to `plain` (or `bf16 plain` for
 
 - Step peak: the CUDA allocator's peak during one step minus what was allocated before it (gradients are
   kept allocated between steps, so they are not in it). † Captured rows: a replay allocates nothing; their
-  peak is what the graph's private pool reserved during capture (activations at their peak, the codecs'
-  workspaces) minus the gradients it also holds: reserved, not allocated, bytes, so an upper bound.
+  peak is the allocator's peak while the step was captured (`CapturedStep.peak_bytes`: the same measure, the
+  blocks the step uses at once) minus the gradients it allocated then. The graph's private pool keeps more
+  reserved for as long as the step lives (`pool MiB`: its blocks are sized and split as the allocator's
+  segments are); a user pays that reservation, so it is shown beside the peak.
 - Step ms: median wall time of a step, synchronized before and after. Captured rows: copy the batch into
   the static inputs and replay the graph (`edgetorch.capture_step`); `vs captured plain` divides by the
   captured plain step, the fair baseline for graph replay.

@@ -76,7 +76,8 @@ def parent_only(reason: str):
 def test_kernels_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parents[1]
-    skip = ("test_kernels_under_interpreter", "test_every_kernel_compiles", "test_cuda", "test_import_edgetorch")
+    skip = ("test_kernels_under_interpreter", "test_every_kernel_compiles", "test_cuda", "test_import_edgetorch",
+            "test_direct_launch_calls")
     cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-o", "addopts=", "-q",
            "-p", "no:cacheprovider", "-k", " and ".join(f"not {name}" for name in skip)]
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -1163,3 +1164,61 @@ def test_cuda_direct_launch_is_on_and_exact() -> None:
                 bitmap, values = T.pack_bitmap(bits, 0)
                 assert torch.equal(bitmap, ref_bitmap) and torch.equal(values, ref_values)
                 assert torch.equal(T.unpack_bitmap(bitmap, values, n), bits)
+
+
+@parent_only("fakes a compiled kernel; the interpreter child launches real ones")
+def test_direct_launch_calls_the_compiled_launcher_with_its_handles(monkeypatch) -> None:
+    """After a specialization's first launch (Triton's path, which compiles it), ``_launch`` calls
+    the compiled kernel's launcher itself: 3-d grid, the current raw stream, its function and packed
+    metadata, no launch metadata or hooks, then the arguments and the constexpr tail. A registered
+    launch hook (a profiler) sends launches back through Triton's runner."""
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn-handle", "packed"
+
+        def _init_handles(self):
+            calls.append("init")
+
+        def run(self, *a):
+            calls.append(("run", a))
+
+        def __getitem__(self, grid):
+            return lambda *a: calls.append(("runner", grid, a))
+
+    class Kernel:
+        arg_names = ["x", "n", "BLOCK", "FLAG"]
+        def fn(x, n, BLOCK, FLAG=True): ...  # noqa: E301, E704
+
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                calls.append(("triton", grid, a, k))
+                return Compiled()
+            return launch
+
+    class Cuda:  # a tensor argument on "cuda:0", as the direct path sees one
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+    kernel = Kernel()
+    monkeypatch.setattr(T, "_DIRECT", True)
+    monkeypatch.setattr(T, "_COMPILED", {})
+    monkeypatch.setattr(T, "_spec", lambda a: type(a).__name__)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index)
+    first = Cuda()
+    T._launch(kernel, (3,), first, 8, BLOCK=64)
+    assert calls == [("triton", (3,), (first, 8), {"BLOCK": 64}), "init"]
+    calls.clear()
+    T._launch(kernel, (3, 2), first, 8, BLOCK=64)
+    assert calls == [("run", (3, 2, 1, 1000, "fn-handle", "packed", None, None, None, first, 8, 64, True))]
+    calls.clear()
+    T._launch(kernel, (5,), first, 8, BLOCK=128)  # another specialization: Triton's path first
+    assert calls[0][0] == "triton"
+    calls.clear()
+    hook = lambda metadata: None  # noqa: E731
+    T.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        T._launch(kernel, (3,), first, 8, BLOCK=64)
+    finally:
+        T.knobs.runtime.launch_enter_hook.remove(hook)
+    assert calls == [("runner", (3, 1, 1), (first, 8, 64, True))]

@@ -175,6 +175,9 @@ class _FakeCuda:
                             "current_stream": lambda *a: caller, "synchronize": lambda *a: None,
                             "CUDAGraph": Graph, "graph": graph, "empty_cache": lambda: None,
                             "memory_reserved": lambda *a: 1000 * len(fake.events),
+                            "memory_allocated": lambda *a: 10 * len(fake.events),
+                            "max_memory_allocated": lambda *a: 20 * len(fake.events),
+                            "reset_peak_memory_stats": lambda *a: setattr(fake, "peak_reset_at", len(fake.events)),
                             "set_stream": lambda s: fake.events.append(f"set_stream {s}"),
                             "get_sync_debug_mode": lambda: fake.mode, "set_sync_debug_mode": set_mode}.items():
             monkeypatch.setattr(torch.cuda, name, value)
@@ -201,6 +204,8 @@ def test_capture_steps_in_order_with_cuda_faked(monkeypatch) -> None:
     assert all(p.grad is not None for p in model.parameters())  # the captured backward made them
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), before.parameters()))
     assert step.pool_bytes > 0  # memory_reserved grew across the capture (faked: with the events)
+    assert fake.peak_reset_at == begins  # the peak counts from just before the capture
+    assert step.peak_bytes > 0
     assert step.x is not x and torch.equal(step.x, x) and step.loss.shape == ()
     assert step.graph.replays == 0
     step(x, y)
@@ -299,6 +304,9 @@ def test_a_replay_makes_no_host_sync(name) -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).item()
     assert step.pool_bytes is not None and step.pool_bytes > 0
+    # the step's allocator peak: at least its gradients, at most what the pool reserved
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert grads <= step.peak_bytes <= step.pool_bytes
 
 
 @cuda

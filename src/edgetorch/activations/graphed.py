@@ -53,12 +53,17 @@ class CapturedStep:
         pool_bytes: CUDA memory the graph's private pool reserved during capture (activations at
             their peak layout, gradients, the loss, the codecs' workspaces); held while the
             step lives. None where not measured.
+        peak_bytes: the CUDA allocator's peak during capture above what was allocated before it:
+            the step's own peak (gradients included, as they are allocated in the step), the
+            same measure as ``torch.cuda.max_memory_allocated`` around an eager step. The pool
+            reserves more (its blocks are sized and split as the allocator's segments are).
+            None where not measured.
     """
 
     def __init__(self, graph, x: torch.Tensor, y: torch.Tensor, loss: torch.Tensor,
-                 policy: Policy | None = None, pool_bytes: int | None = None):
+                 policy: Policy | None = None, pool_bytes: int | None = None, peak_bytes: int | None = None):
         self.graph, self.x, self.y, self.loss = graph, x, y, loss
-        self.policy, self.pool_bytes = policy, pool_bytes
+        self.policy, self.pool_bytes, self.peak_bytes = policy, pool_bytes, peak_bytes
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _check_like("x", x, self.x)
@@ -150,6 +155,8 @@ def capture_step(
     graph = torch.cuda.CUDAGraph()
     torch.cuda.empty_cache()  # what the pool reserves is then what memory_reserved gains
     reserved = torch.cuda.memory_reserved(device)
+    allocated = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     stream = torch.cuda.current_stream(device)
     try:
         with torch.cuda.graph(graph):
@@ -165,8 +172,9 @@ def capture_step(
             "further GPU results."
         ) from e
     pool = torch.cuda.memory_reserved(device) - reserved
+    peak = torch.cuda.max_memory_allocated(device) - allocated
     # detached: the static loss must not keep the captured step's autograd graph alive
-    return CapturedStep(graph, static_x, static_y, loss.detach(), policy, pool)
+    return CapturedStep(graph, static_x, static_y, loss.detach(), policy, pool, peak)
 
 
 def _check_arguments(model, policy, optimizer, x, y, warmup) -> torch.device:

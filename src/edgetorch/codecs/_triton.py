@@ -67,6 +67,7 @@ import triton.language as tl
 
 from .bitmap import _ABS_MASK
 from .bitmap import _INT_VIEW as _INT_OF
+from .quantized import _MASK32, _mix32_int, check_bits
 
 BLOCK = 4096  # elements per program: 512 bitmap bytes, 16 KiB of float32 read per program
 _RADIX_BITS = 8  # top-k threshold: 256-bin histogram per pass, 2/4/8 passes for 16/32/64 bits
@@ -572,19 +573,26 @@ def _on_its_device(fn):
 # a thread, i.e. 64-byte vector loads of float32, and 512 whole bitmap bytes a program.
 # Triton's launch path (``kernel[grid](...)``: binding the arguments, computing their
 # specialization, a cache-key string, hook lookups) is Python on every launch, and an eager step's
-# extra time is host time. So the compiled kernel of each specialization is kept and launched
-# directly (``CompiledKernel[grid]``) from the second launch on. Measured on an H100 (bench
-# activations_cuda, a 4,096-element call): 3-9 us less host time per launch (top-k's five: 249 ->
-# 142 us a call); a whole one-launch codec call still costs 26-36 us, against 6 us for a torch op. The key is at least as fine as Triton's own specialization (a tensor's dtype and
+# extra time is host time. So the compiled kernel of each specialization is kept and, from the
+# second launch on, its launcher is called directly with its handles and the current stream (what
+# ``CompiledKernel[grid]``'s runner does, without its per-launch closure, its device and stream
+# lookups through Triton's driver proxy, and the launch metadata it builds for profiler hooks: those
+# launches take Triton's runner while a hook is registered). Measured on an H100 (bench
+# activations_cuda, a 4,096-element call, through ``CompiledKernel[grid]``): 3-9 us less host time
+# per launch than Triton's path (top-k's five: 249 -> 142 us a call); a whole one-launch codec call
+# still cost 26-36 us, against 6 us for a torch op. The key is at least as fine as Triton's own specialization (a tensor's dtype and
 # 16-byte alignment; an int's range class, divisibility by 16 and equality to 1; every constexpr and
 # option by value), so a kept kernel is the one Triton would pick. Triton >= 3.3 passes every
 # parameter to the launcher (constexprs included); older versions and the interpreter take the
 # ordinary path. The first CUDA use checks the direct path against the ordinary one
 # (:func:`check_direct_launch`) and turns it off if they differ or it fails.
-_SUPPORTED = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3)
+try:
+    from triton import knobs
+except ImportError:  # Triton < 3.4 keeps its launch hooks elsewhere: launch its way
+    knobs = None
+_SUPPORTED = knobs is not None and tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3)
 _DIRECT: bool | None = None if _SUPPORTED else False  # None: not checked yet on this machine
 _COMPILED: dict = {}
-_TAILS: dict = {}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -612,17 +620,33 @@ def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
     if not (_DIRECT and first.is_cuda):
         kernel[grid](*args, **kwargs)
         return
-    key = (kernel, first.device.index, *map(_spec, args), *kwargs.items())
-    compiled = _COMPILED.get(key)
-    if compiled is None:
+    index = first.device.index
+    key = (kernel, index, *map(_spec, args), *kwargs.items())
+    direct = _COMPILED.get(key)
+    if direct is None:
         compiled = kernel[grid](*args, **kwargs)  # compiles (or finds) it, and launches
         names = kernel.arg_names[len(args):]
         defaults = {n: p.default for n, p in inspect.signature(kernel.fn).parameters.items()}
-        _TAILS[key] = tuple(kwargs[n] if n in kwargs else defaults[n] for n in names)
+        tails = tuple(kwargs[n] if n in kwargs else defaults[n] for n in names)
         if compiled is not None:
-            _COMPILED[key] = compiled
+            _COMPILED[key] = _direct_entry(compiled, tails)
         return
-    compiled[(*grid, 1, 1)[:3]](*args, *_TAILS[key])  # a compiled kernel takes a 3-d grid
+    run, function, metadata, compiled, tails = direct
+    g = (*grid, 1, 1)  # a compiled kernel takes a 3-d grid
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):  # a HookChain, or a bare hook
+        compiled[g[:3]](*args, *tails)  # a profiler listens: Triton's runner builds what its hooks read
+        return
+    # What CompiledKernel's runner does, less its per-launch closure, its device and stream lookups
+    # through the driver proxy, and the launch metadata and two hook calls made for no listener.
+    run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(index), function, metadata, None, None, None,
+        *args, *tails)
+
+
+def _direct_entry(compiled, tails: tuple) -> tuple:
+    """What :func:`_launch` keeps per specialization: the compiled kernel's launcher and handles."""
+    compiled._init_handles()  # done by its first launch already; cheap when done
+    return compiled.run, compiled.function, compiled.packed_metadata, compiled, tails
 
 
 def check_direct_launch() -> bool:
@@ -957,8 +981,6 @@ def quantize(
         ``codes`` uint8 ``[rows, ceil(n * bits / 8)]``, ``lo`` and ``scale`` float32
         ``[rows, ceil(n / group)]``: the bytes ``_quantize_torch`` writes for ``x.float()``.
     """
-    from .quantized import _MASK32, _mix32_int, check_bits
-
     if not isinstance(x, torch.Tensor) or x.dtype not in _INT_OF:
         raise TypeError(f"x must be a float tensor ({_names()}); got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 2:
@@ -994,8 +1016,6 @@ def dequantize(
 ) -> torch.Tensor:
     """``[rows, n]`` tensor of ``dtype``: ``lo + code * scale`` in float32, rounded to ``dtype``
     (``quantized._dequantize_torch(...).to(dtype)``). No sync."""
-    from .quantized import check_bits
-
     check_bits(bits)
     _check_block(block)
     if dtype not in _INT_OF:
