@@ -1147,6 +1147,22 @@ def _overflowing_steps(device: torch.device, bounded: bool, waits_known: bool = 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_direct_launch_check_survives_a_sync_free_block(monkeypatch) -> None:
+    """The first CUDA launch checks the direct path by reading results back; inside a block that
+    forbids syncs (a checked warm-up step) that read is the check's own, so it must not fail the
+    check (seen on an H100: the direct path was turned off for the whole process)."""
+    monkeypatch.setattr(T, "_DIRECT", None)
+    x = torch.relu(torch.randn(5000, device="cuda"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        bitmap = T.pack_mask(x, 0.0)
+        assert torch.cuda.get_sync_debug_mode() == 2  # put back
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert T._DIRECT is True and torch.equal(bitmap, T.pack_mask(x, 0.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_direct_launch_is_on_and_exact() -> None:
     """The codecs launch their compiled kernels directly on this GPU (Triton >= 3.3), and the direct
     launches write the same bytes as Triton's own, across alignments, sizes and repeated calls."""

@@ -655,6 +655,12 @@ def check_direct_launch() -> bool:
     global _DIRECT
     if not _SUPPORTED:
         return False
+    if torch.cuda.is_current_stream_capturing():
+        return False  # comparing reads back (no sync is allowed in a capture): Triton's way until a later call
+    # The first CUDA use may come inside a block that forbids syncs (capture_step's checked warm-up
+    # step, a test): the comparison's one read-back is the check's, not the caller's.
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
     try:
         x = torch.arange(-3000, 3000, dtype=torch.float32, device="cuda") / 7
         _DIRECT = False
@@ -664,6 +670,8 @@ def check_direct_launch() -> bool:
         same = all(torch.equal(d, o) for d, o in zip(direct, [ordinary[0]] * 2 + [ordinary[1]] * 2))
     except Exception:  # noqa: BLE001 - any failure means: launch the ordinary way
         same = False
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
     _DIRECT = same
     if not same:
         warnings.warn(f"edgetorch: launching Triton {triton.__version__}'s compiled kernels directly did not match "
