@@ -577,14 +577,13 @@ def _on_its_device(fn):
 # second launch on, its launcher is called directly with its handles and the current stream (what
 # ``CompiledKernel[grid]``'s runner does, without its per-launch closure, its device and stream
 # lookups through Triton's driver proxy, and the launch metadata it builds for profiler hooks: those
-# launches take Triton's runner while a hook is registered). Measured on an H100 (bench
-# activations_cuda, a 4,096-element call, through ``CompiledKernel[grid]``): 3-9 us less host time
-# per launch than Triton's path (top-k's five: 249 -> 142 us a call); a whole one-launch codec call
-# still cost 26-36 us, against 6 us for a torch op. The key is at least as fine as Triton's own specialization (a tensor's dtype and
+# launches take Triton's runner while a hook is registered). Measured on an H100 (activations_cuda,
+# 4,096-element calls): a one-launch codec call costs 23-28 us of host time, 4-8 us less than through
+# Triton's own path (top-k's five launches: 105 against 146 us); a torch op costs 7 us. The key is at least as fine as Triton's own specialization (a tensor's dtype and
 # 16-byte alignment; an int's range class, divisibility by 16 and equality to 1; every constexpr and
 # option by value), so a kept kernel is the one Triton would pick. Triton >= 3.3 passes every
-# parameter to the launcher (constexprs included); older versions and the interpreter take the
-# ordinary path. The first CUDA use checks the direct path against the ordinary one
+# parameter to the launcher (constexprs included) and >= 3.4 keeps its launch hooks in ``knobs``;
+# older versions and the interpreter take the ordinary path. The first CUDA use checks the direct path against the ordinary one
 # (:func:`check_direct_launch`) and turns it off if they differ or it fails.
 try:
     from triton import knobs
