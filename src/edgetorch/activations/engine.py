@@ -546,6 +546,8 @@ class compress_activations(contextlib.ContextDecorator):
         """Add ``form`` to ``entry``; ``dense_bytes`` is what plain PyTorch holds (0 if shared)."""
         if entry.gathered is not None:
             region, rows = d.reshape(-1), (t.shape[0] if t.dim() else 1)
+        elif entry.hi - entry.lo == t.numel() and t.is_contiguous():  # most saved tensors: t is its region
+            region, rows = d.view(-1), _rows(t, entry)
         else:
             region, rows = torch.as_strided(d, (entry.hi - entry.lo,), (1,), entry.lo), _rows(t, entry)
         if form == "shape":
