@@ -11,10 +11,20 @@ Triton's own path or directly, was measured on an H100 in ``activations_cuda``).
 Each call: a ``[32, 4096]`` float32 ReLU output (a batch of 32 samples), the engine's own entry
 points (``pack_bitmap_capped``, ``pack_topk``, ``pack_mask``, ``pack_quantized`` and the ``unpack``
 of what they return). Per call: the median over rounds of the mean host microseconds of a block of
-calls. ``--before REV`` measures a second tree (a git worktree of REV) in the same run, rounds
+calls.
+
+Whole steps too, the same way: torchvision's mobilenet_v2 at width 0.25 (the same 458 saved
+tensors a step as the full model, little arithmetic), batch 2, 32 px, one thread, SGD, every saved
+tensor encoded (``min_bytes=0``, as at 224 px where all are large). The stubbed launches write 0 as
+every kept count a bitmap pack reads back, so the bitmap rows pack fewer tensors (a tensor of under
+~1,400 elements is not smaller with the slack's slots) than a real step would. A step's host time over plain
+PyTorch's, divided by the tensors it saves, is what the engine and the codec wrappers cost the host
+per saved tensor on a GPU, launches aside: the CPU proxy of an eager GPU step's extra time.
+
+``--before REV`` measures a second tree (a git worktree of REV) in the same run, rounds
 interleaved, each side in its own process.
 
-Run: ``python bench/codec_host_cost.py --before REV`` (under a minute).
+Run: ``python bench/codec_host_cost.py --before REV`` (a few minutes).
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from _common import median, table, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS, CALLS = 7, 500
+STEPS = 10  # timed steps per configuration and round (after 3 warm-up steps)
+POLICIES = ("plain", "Dense()", "Bitmap()", "BackRazor(0.9)", "Quantized(bits=8)", 'BackRazor(0.9, exact="int8")')
 
 
 def measure(calls: int) -> dict[str, float]:
@@ -69,6 +81,63 @@ def measure(calls: int) -> dict[str, float]:
             for _ in range(calls):
                 fn()
             out[name] = (time.perf_counter() - start) / calls * 1e6
+        _triton._launch = _launch_writing_zero_counts
+        out.update(_steps())
+    return out
+
+
+def _launch_writing_zero_counts(kernel, grid, *args, **kwargs) -> None:
+    """The step's launch stub: what a kernel would write is never read, except the kept counts a
+    bitmap pack reads back (1-2 int64 entries at these sizes), which are written as 0 (so every
+    bitmap is sized for none kept plus its slack, and nothing overflows)."""
+    import torch
+
+    for a in args[1:]:
+        if isinstance(a, torch.Tensor) and a.dtype == torch.int64 and a.numel() <= 4:
+            a.zero_()
+
+
+def _steps() -> dict[str, float]:
+    """Host ms per whole training step of each policy (GPU path emulated, launches stubbed), and
+    the tensors a step saves; inside :func:`measure`'s emulation."""
+    import time
+
+    import torch
+    import torchvision
+
+    import edgetorch
+
+    torch.set_num_threads(1)
+    model = torchvision.models.mobilenet_v2(width_mult=0.25, num_classes=10).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    policies = {"plain": None, "Dense()": edgetorch.Dense(), "Bitmap()": edgetorch.Bitmap(),
+                "BackRazor(0.9)": edgetorch.BackRazor(0.9), "Quantized(bits=8)": edgetorch.Quantized(bits=8),
+                'BackRazor(0.9, exact="int8")': edgetorch.BackRazor(0.9, exact="int8")}
+    assert tuple(policies) == POLICIES
+
+    def step(policy) -> None:
+        if policy is None:
+            out = model(x)
+        else:
+            with edgetorch.compress_activations(model, policy, min_bytes=0):
+                out = model(x)
+        torch.nn.functional.cross_entropy(out, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    out = {}
+    for name, policy in policies.items():
+        for _ in range(3):  # a watched first step records the role tape; counts and caches settle
+            step(policy)
+        start = time.perf_counter()
+        for _ in range(STEPS):
+            step(policy)
+        out[f"step {name}"] = (time.perf_counter() - start) / STEPS * 1e3
+    scope = edgetorch.compress_activations(model, policies["Dense()"], min_bytes=0)
+    with scope:
+        model(x)
+    out["saved tensors"] = scope.saved_count
     return out
 
 
@@ -103,10 +172,19 @@ def main() -> None:
         finally:
             if args.before:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
-    calls = list(rounds["now"][0])
-    result = {side: {c: median(r[c] for r in rs) for c in calls} for side, rs in rounds.items()}
+    names = list(rounds["now"][0])
+    result = {side: {c: median(r[c] for r in rs) for c in names} for side, rs in rounds.items()}
+    calls = [c for c in names if not c.startswith("step ") and c != "saved tensors"]
     headers = ["call ([32, 4096] float32)", *(f"host us, {side}" for side in sides)]
     rows = [[c, *(f"{result[side][c]:.1f}" for side in sides)] for c in calls]
+    saved = result["now"]["saved tensors"]
+    # per round: (step - plain step) of the same round and process, then the median over rounds
+    extra = {side: {p: median((r[f"step {p}"] - r["step plain"]) * 1e3 / saved for r in rs) for p in POLICIES[1:]}
+             for side, rs in rounds.items()}
+    step_headers = ["policy", *(f"step ms, {side}" for side in sides), *(f"host us per saved tensor over plain, {side}"
+                                                                          for side in sides)]
+    step_rows = [[p, *(f"{result[side][f'step {p}']:.2f}" for side in sides),
+                  *("" if p == "plain" else f"{extra[side][p]:.1f}" for side in sides)] for p in POLICIES]
     body = f"""
 The GPU code path on CPU tensors with the kernel launch stubbed out: the host's Python around each
 launch. Median over {args.rounds} rounds of the mean of {CALLS} calls; sides interleaved round by round, each
@@ -114,10 +192,17 @@ round in a fresh process. The launch itself is not in these numbers (see `activa
 per codec call on an H100, with the launch).
 
 {table(headers, rows)}
+
+Whole steps (mobilenet_v2 at width 0.25, batch 2, 32 px, {saved:.0f} saved tensors a step, all
+encoded; median over rounds of the mean of {STEPS} steps after 3 warm-up steps; the extra per saved
+tensor is taken per round against that round's plain step):
+
+{table(step_headers, step_rows)}
 """
-    write_results("codec_host_cost", "Host time per codec call on the GPU path, launch excluded (CPU proxy)", body,
-                  {"rounds": args.rounds, "calls": CALLS, "sides": {s: str(p) for s, p in sides.items()},
-                   "host_us": result})
+    write_results("codec_host_cost", "Host time per codec call and per step on the GPU path, launch excluded (CPU proxy)",
+                  body, {"rounds": args.rounds, "calls": CALLS, "steps": STEPS,
+                         "sides": {s: str(p) for s, p in sides.items()}, "host_us": result,
+                         "step_extra_us_per_saved_tensor": extra})
 
 
 if __name__ == "__main__":
