@@ -168,6 +168,8 @@ class _View:
         base = self.entry.flat(self.form)  # a decoded copy, or the kept region in place
         if self.offset is None:  # a gathered entry decodes to this view's own geometry
             return base
+        if not self.offset and base.shape == self.size and base.stride() == self.stride:
+            return base  # the tensor held in its own shape: no view to make (a torch call each)
         return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
 
 
@@ -546,8 +548,10 @@ class compress_activations(contextlib.ContextDecorator):
         """Add ``form`` to ``entry``; ``dense_bytes`` is what plain PyTorch holds (0 if shared)."""
         if entry.gathered is not None:
             region, rows = d.reshape(-1), (t.shape[0] if t.dim() else 1)
-        elif entry.hi - entry.lo == t.numel() and t.is_contiguous():  # most saved tensors: t is its region
-            region, rows = d.view(-1), _rows(t, entry)
+        elif entry.hi - entry.lo == t.numel() and t.is_contiguous():
+            # Most saved tensors: t is its whole region, held in its own shape (on a GPU host every
+            # torch call, a view included, costs microseconds, for each of a step's saved tensors)
+            region, rows = d, _rows(t, entry)
         else:
             region, rows = torch.as_strided(d, (entry.hi - entry.lo,), (1,), entry.lo), _rows(t, entry)
         if form == "shape":

@@ -950,20 +950,24 @@ def pack_mask(x: torch.Tensor, low: float, high: float = math.inf, *, block: int
 
 @_on_its_device
 def unpack_mask(
-    bitmap: torch.Tensor, numel: int, inside: float, outside: float, dtype: torch.dtype, *, block: int = BLOCK
+    bitmap: torch.Tensor, numel: int, inside: float, outside: float, dtype: torch.dtype, *, block: int = BLOCK,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Dense 1-D ``dtype`` tensor: ``inside`` where the bit is set, ``outside`` elsewhere. No sync."""
+    """Dense ``dtype`` tensor: ``inside`` where the bit is set, ``outside`` elsewhere. No sync.
+    1-D, or of ``shape`` (``numel`` elements, row-major): allocated so, with no view to make."""
     _check_block(block)
     if dtype not in _INT_OF:
         raise TypeError(f"dtype must be one of {_names()}; got {dtype}")
     _check_bitmap(bitmap, numel, bitmap.device)
     ints = _INT_OF[dtype]
     in_bits, out_bits = _bits_of(inside, dtype), _bits_of(outside, dtype)
-    out = torch.empty(numel, dtype=ints, device=bitmap.device)
-    if numel:
-        _launch(_mask_unpack_kernel, (_cdiv(numel, block),), bitmap, out, numel, in_bits, out_bits, BLOCK=block,
-                                                          num_warps=_WARPS)
-    return out.view(dtype)
+    out = torch.empty(numel if shape is None else shape, dtype=dtype, device=bitmap.device)
+    if out.numel() != numel:
+        raise ValueError(f"shape {tuple(shape)} does not hold numel={numel} elements")
+    if numel:  # the kernel writes the values' bits: through an integer view of the same memory
+        _launch(_mask_unpack_kernel, (_cdiv(numel, block),), bitmap, out.view(ints), numel, in_bits, out_bits,
+                BLOCK=block, num_warps=_WARPS)
+    return out
 
 
 # --- quantized (ActNN / GACT / Mesa-style storage) -----------------------------------------------
@@ -1019,9 +1023,10 @@ def quantize(
 @_on_its_device
 def dequantize(
     codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: int, bits: int, group: int,
-    dtype: torch.dtype, *, block: int = BLOCK,
+    dtype: torch.dtype, *, block: int = BLOCK, shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """``[rows, n]`` tensor of ``dtype``: ``lo + code * scale`` in float32, rounded to ``dtype``
+    """``[rows, n]`` tensor of ``dtype`` (or of ``shape``, ``rows * n`` elements row-major, allocated
+    so): ``lo + code * scale`` in float32, rounded to ``dtype``
     (``quantized._dequantize_torch(...).to(dtype)``). No sync."""
     check_bits(bits)
     _check_block(block)
@@ -1044,12 +1049,14 @@ def dequantize(
             raise ValueError(f"{name} must be contiguous float32 [rows={rows}, ceil({n} / {group}) = {groups}] on "
                              f"{codes.device}; got {t.dtype} {tuple(t.shape)} on {t.device}")
     bf16 = dtype == torch.bfloat16
-    out = torch.empty((rows, n), dtype=torch.int16 if bf16 else dtype, device=codes.device)
+    out = torch.empty((rows, n) if shape is None else shape, dtype=dtype, device=codes.device)
+    if out.numel() != rows * n:
+        raise ValueError(f"shape {tuple(shape)} does not hold rows * n = {rows} * {n} elements")
     if rows and n:
         blocks = _cdiv(n, block)
-        _launch(_dequantize_kernel, (rows * blocks,), codes, lo, scale, out, n, groups, blocks, row_bytes, group,
-                                             BITS=bits, BLOCK=block, BF16=bf16, enable_fp_fusion=False)
-    return out.view(dtype)
+        _launch(_dequantize_kernel, (rows * blocks,), codes, lo, scale, out.view(torch.int16) if bf16 else out, n,
+                groups, blocks, row_bytes, group, BITS=bits, BLOCK=block, BF16=bf16, enable_fp_fusion=False)
+    return out
 
 
 # --- helpers ------------------------------------------------------------------------------------

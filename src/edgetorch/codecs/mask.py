@@ -57,7 +57,7 @@ class MaskTensor:
             outside = 0.0 if (self.inside, self.outside) == (1.0, 0.0) else self.outside
             return _cpu_kernels.mask_unpack(self.bitmap, self.shape, self.dtype, self.inside, outside)
         if (kernels := _cuda.kernels(self.bitmap)) is not None:
-            return kernels.unpack_mask(self.bitmap, self.numel, self.inside, self.outside, self.dtype).view(self.shape)
+            return kernels.unpack_mask(self.bitmap, self.numel, self.inside, self.outside, self.dtype, shape=self.shape)
         inside = unpack_bits(self.bitmap, self.numel).view(self.shape)
         if (self.inside, self.outside) == (1.0, 0.0):
             return inside.to(self.dtype)  # the ReLU mask: one pass

@@ -95,7 +95,7 @@ class QuantizedTensor:
             return torch.empty(self.shape, dtype=self.dtype, device=self.device)
         if (kernels := _cuda.kernels(self.codes)) is not None:
             return kernels.dequantize(self.codes, self.lo, self.scale, self.numel // rows, self.bits, self.group,
-                                      self.dtype).view(self.shape)
+                                      self.dtype, shape=self.shape)
         if self.codes.is_cpu:
             if _cpu_kernels.NATIVE:  # one pass, straight into a tensor of the shape and dtype
                 return _cpu_kernels.dequantize(self.codes, self.lo, self.scale, self.shape.numel() // rows, self.bits,
@@ -155,7 +155,8 @@ def pack_quantized(
         raise ValueError(f"seed must be None (round to nearest) or an int in [0, 2**32) (stochastic rounding); "
                          f"got {seed!r}")
     if rows and (kernels := _cuda.kernels(t)) is not None:  # CUDA: Triton, no host sync
-        codes, lo, scale = kernels.quantize(t.detach().reshape(rows, -1), bits, group, seed)
+        x = t if t.dim() == 2 and t.shape[0] == rows and not t.requires_grad else t.detach().reshape(rows, -1)
+        codes, lo, scale = kernels.quantize(x, bits, group, seed)
     elif rows and t.is_cpu and _cpu_kernels.NATIVE:
         # CPU: the C kernel (groups in batches: their ranges together, then their codes from L1),
         # reading t in place: no reshape or detach on this path (a few microseconds each)
