@@ -59,6 +59,13 @@ def gpu_path(t: torch.Tensor) -> bool:
     return t.is_cuda or _emulated
 
 
+def untracked(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the kernels read it: detached only if autograd tracks it. The engine hands the
+    codecs detached tensors, and on a GPU host each torch call (a detach included) costs
+    microseconds for every saved tensor of every step."""
+    return t.detach() if t.requires_grad else t
+
+
 _emulated = False
 
 

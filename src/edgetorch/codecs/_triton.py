@@ -266,8 +266,7 @@ def _unpack_kernel(bitmap_ptr, values_ptr, out_ptr, scratch_ptr, numel, nvalues,
 
 
 @triton.jit
-def _select_kernel(bits_ptr, scratch_ptr, prefix_ptr, krem_ptr, thr_ptr, take_ptr, counts_ptr, values_ptr,
-                   ncols, nchunks, k, width, shift,
+def _select_kernel(bits_ptr, scratch_ptr, state_ptr, values_ptr, nrows, ncols, nchunks, k, width, shift,
                    ABS_MASK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK: tl.constexpr):
     """One radix-select pass for per-row top-k, one program per (row, chunk of BLOCK columns).
 
@@ -277,8 +276,11 @@ def _select_kernel(bits_ptr, scratch_ptr, prefix_ptr, krem_ptr, thr_ptr, take_pt
     digit holding the krem-th smallest remaining magnitude, zeroes the bins and the ticket. After
     the last digit it writes thr (the k-th smallest magnitude's bits), take (how many elements
     equal to it, first by position, fill the quota; none when thr is 0), the row's kept count,
-    and zeroes the row's unused value slots.
+    and zeroes the row's unused value slots. ``state``: five int64 rows of ``nrows`` (prefix, krem,
+    thr, take, counts), one tensor so the host makes no view per row.
     """
+    prefix_ptr, krem_ptr, thr_ptr = state_ptr, state_ptr + nrows, state_ptr + 2 * nrows
+    take_ptr, counts_ptr = state_ptr + 3 * nrows, state_ptr + 4 * nrows
     pid = tl.program_id(0)
     r = pid // nchunks
     col = (pid - r * nchunks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -325,7 +327,7 @@ def _select_kernel(bits_ptr, scratch_ptr, prefix_ptr, krem_ptr, thr_ptr, take_pt
 
 
 @triton.jit
-def _topk_compact_kernel(bits_ptr, bitmap_ptr, values_ptr, thr_ptr, take_ptr, scratch_ptr, numel, nbytes,
+def _topk_compact_kernel(bits_ptr, bitmap_ptr, values_ptr, state_ptr, scratch_ptr, nrows, numel, nbytes,
                          ncols, width, ntiles,
                          ABS_MASK: tl.constexpr, BLOCK: tl.constexpr, AGG_ONLY: tl.constexpr):
     """Per-row top-k bitmap and values in one pass over flat blocks (which may span rows).
@@ -333,7 +335,9 @@ def _topk_compact_kernel(bits_ptr, bitmap_ptr, values_ptr, thr_ptr, take_ptr, sc
     Kept: magnitude above thr[row], or equal to it and among the row's first take[row] such
     elements. Two scans restart at each row start: elements above thr, and ties, before each
     element in its row (look-back over two status arrays); a kept element goes to slot
-    row * width + above before it + min(ties before it, take)."""
+    row * width + above before it + min(ties before it, take). thr and take: rows 2 and 3 of
+    :func:`_select_kernel`'s state."""
+    thr_ptr, take_ptr = state_ptr + 2 * nrows, state_ptr + 3 * nrows
     tile = _ticket(scratch_ptr)
     pos = tl.arange(0, BLOCK)
     idx = tile.to(tl.int64) * BLOCK + pos
@@ -814,8 +818,10 @@ def pack_bitmap_capped(
 
 
 @_on_its_device
-def unpack_bitmap(bitmap: torch.Tensor, values: torch.Tensor, numel: int, *, block: int = BLOCK) -> torch.Tensor:
-    """Dense 1-D tensor of ``values.dtype``: the values where bits are set, zeros elsewhere.
+def unpack_bitmap(bitmap: torch.Tensor, values: torch.Tensor, numel: int, *, block: int = BLOCK,
+                  shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Dense tensor of ``values.dtype``, 1-D or of ``shape`` (``numel`` elements, allocated so): the
+    values where bits are set, zeros elsewhere.
 
     One launch, no sync: each block finds its first value by a look-back over the blocks'
     popcounts. ``values`` may be a float tensor or its integer view; bits beyond ``values``
@@ -824,13 +830,13 @@ def unpack_bitmap(bitmap: torch.Tensor, values: torch.Tensor, numel: int, *, blo
     _check_block(block)
     ints = _ints(values, "values")
     _check_bitmap(bitmap, numel, values.device)
-    out = torch.empty(numel, dtype=ints.dtype, device=values.device)
+    out = _output(numel, shape, values.dtype, values.device)
     if numel:
         nblocks = _cdiv(numel, block)
-        _launch(_unpack_kernel, (nblocks,), bitmap, ints.reshape(-1), out, _scratch(values.device, 2 + nblocks), numel,
-                                   ints.numel(), numel, 0, nblocks,
-                                   ROWS=False, BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
-    return out.view(values.dtype)
+        _launch(_unpack_kernel, (nblocks,), bitmap, ints if ints.dim() == 1 else ints.reshape(-1), out.view(ints.dtype),
+                _scratch(values.device, 2 + nblocks), numel, ints.numel(), numel, 0, nblocks,
+                ROWS=False, BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
+    return out
 
 
 # --- per-row top-k (Back Razor) -----------------------------------------------------------------
@@ -879,8 +885,9 @@ def pack_topk_rows(
         return bitmap, values, torch.zeros(rows, dtype=torch.int64, device=dev)
     absmask = _ABS_MASK[bits.dtype]
     values = torch.empty(rows * width, dtype=bits.dtype, device=dev)
-    state = torch.empty((5, rows), dtype=torch.int64, device=dev)  # prefix, krem, thr, take, counts
-    prefix, krem, thr, take, counts = state[0], state[1], state[2], state[3], state[4]  # unbind: ~7 us
+    # prefix, krem, thr, take, counts: one tensor the kernels index by row (a view per row would be
+    # a torch call each, microseconds of host on a GPU)
+    state = torch.empty((5, rows), dtype=torch.int64, device=dev)
     nchunks = _cdiv(n, block)
     nblocks = _cdiv(numel, block)
     scratch = _scratch(dev, 2 + max(257 * rows, 2 * nblocks))
@@ -888,35 +895,35 @@ def pack_topk_rows(
     nbits = {torch.int16: 16, torch.int32: 32, torch.int64: 64}[bits.dtype]
     shifts = range(nbits - _RADIX_BITS, -1, -_RADIX_BITS)  # the sign bit is 0 in the magnitudes
     for shift in shifts:
-        _launch(_select_kernel, (rows * nchunks,), bits, scratch, prefix, krem, thr, take, counts, values, n, nchunks, k,
-                                          width, shift, ABS_MASK=absmask, FIRST=shift == shifts[0],
-                                          LAST=shift == 0, BLOCK=block, num_warps=_WARPS)
+        _launch(_select_kernel, (rows * nchunks,), bits, scratch, state, values, rows, n, nchunks, k, width, shift,
+                ABS_MASK=absmask, FIRST=shift == shifts[0], LAST=shift == 0, BLOCK=block, num_warps=_WARPS)
     bitmap = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=dev)
-    _launch(_topk_compact_kernel, (nblocks,), bits, bitmap, values, thr, take, scratch, numel, bitmap.numel(), n, width,
-                                     nblocks, ABS_MASK=absmask, BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
-    return bitmap, values.view(x.dtype).view(rows, width), counts
+    _launch(_topk_compact_kernel, (nblocks,), bits, bitmap, values, state, scratch, rows, numel, bitmap.numel(), n,
+            width, nblocks, ABS_MASK=absmask, BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
+    return bitmap, values.view(x.dtype).view(rows, width), state[4]
 
 
 @_on_its_device
 def unpack_topk_rows(
-    bitmap: torch.Tensor, values: torch.Tensor, rows: int, n: int, *, block: int = BLOCK
+    bitmap: torch.Tensor, values: torch.Tensor, rows: int, n: int, *, block: int = BLOCK,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Dense ``[rows, n]`` tensor of ``values.dtype`` from :func:`pack_topk_rows`'s bitmap and
-    ``[rows, width]`` values (row r's values start at ``r * width``). One launch (a per-row scan of
-    the set bits by look-back), no host sync."""
+    """Dense ``[rows, n]`` tensor of ``values.dtype`` (or of ``shape``, ``rows * n`` elements,
+    allocated so) from :func:`pack_topk_rows`'s bitmap and ``[rows, width]`` values (row r's values
+    start at ``r * width``). One launch (a per-row scan of the set bits by look-back), no host sync."""
     _check_block(block)
     if values.dim() != 2 or values.shape[0] != rows:
         raise ValueError(f"values must be [rows={rows}, width]; got shape {tuple(values.shape)}")
     ints = _ints(values, "values")
     numel = rows * n
     _check_bitmap(bitmap, numel, values.device)
-    out = torch.empty(numel, dtype=ints.dtype, device=values.device)
+    out = _output(numel, (rows, n) if shape is None else shape, values.dtype, values.device)
     if numel:
         nblocks = _cdiv(numel, block)
-        _launch(_unpack_kernel, (nblocks,), bitmap, ints.reshape(-1), out, _scratch(values.device, 2 + nblocks), numel,
-                                   ints.numel(), n, values.shape[1], nblocks,
-                                   ROWS=True, BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
-    return out.view(values.dtype).view(rows, n)
+        _launch(_unpack_kernel, (nblocks,), bitmap, ints.reshape(-1), out.view(ints.dtype),
+                _scratch(values.device, 2 + nblocks), numel, ints.numel(), n, values.shape[1], nblocks,
+                ROWS=True, BLOCK=block, AGG_ONLY=_AGG_ONLY, num_warps=_WARPS)
+    return out
 
 
 # --- mask (ReLU / hardtanh backward) ------------------------------------------------------------
@@ -961,9 +968,7 @@ def unpack_mask(
     _check_bitmap(bitmap, numel, bitmap.device)
     ints = _INT_OF[dtype]
     in_bits, out_bits = _bits_of(inside, dtype), _bits_of(outside, dtype)
-    out = torch.empty(numel if shape is None else shape, dtype=dtype, device=bitmap.device)
-    if out.numel() != numel:
-        raise ValueError(f"shape {tuple(shape)} does not hold numel={numel} elements")
+    out = _output(numel, shape, dtype, bitmap.device)
     if numel:  # the kernel writes the values' bits: through an integer view of the same memory
         _launch(_mask_unpack_kernel, (_cdiv(numel, block),), bitmap, out.view(ints), numel, in_bits, out_bits,
                 BLOCK=block, num_warps=_WARPS)
@@ -1049,9 +1054,7 @@ def dequantize(
             raise ValueError(f"{name} must be contiguous float32 [rows={rows}, ceil({n} / {group}) = {groups}] on "
                              f"{codes.device}; got {t.dtype} {tuple(t.shape)} on {t.device}")
     bf16 = dtype == torch.bfloat16
-    out = torch.empty((rows, n) if shape is None else shape, dtype=dtype, device=codes.device)
-    if out.numel() != rows * n:
-        raise ValueError(f"shape {tuple(shape)} does not hold rows * n = {rows} * {n} elements")
+    out = _output(rows * n, (rows, n) if shape is None else shape, dtype, codes.device)
     if rows and n:
         blocks = _cdiv(n, block)
         _launch(_dequantize_kernel, (rows * blocks,), codes, lo, scale, out.view(torch.int16) if bf16 else out, n,
@@ -1060,6 +1063,15 @@ def dequantize(
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _output(numel: int, shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised output of ``numel`` elements, 1-D or of the caller's ``shape``: allocated in
+    it, so the caller makes no view after (a torch call each, microseconds of host on a GPU)."""
+    out = torch.empty(numel if shape is None else shape, dtype=dtype, device=device)
+    if out.numel() != numel:
+        raise ValueError(f"shape {tuple(shape)} does not hold {numel} elements")
+    return out
 
 
 def _bits_of(v: float, dtype: torch.dtype) -> int:

@@ -179,9 +179,9 @@ class CappedBitmapTensor(HeldValues):
         """The dense tensor (a new one): exact when ``count <= capacity``; after an overflow the
         kept elements past the capacity read back as 0. On CUDA one launch and no sync."""
         values = self.values if self.values.dtype == self.dtype else self.values.to(self.dtype)
-        ints = values.view(_INT_VIEW[self.dtype])
         if (kernels := _cuda.kernels(values)) is not None:
-            return kernels.unpack_bitmap(self.bitmap, ints, self.numel).view(self.dtype).view(self.shape)
+            return kernels.unpack_bitmap(self.bitmap, values, self.numel, shape=self.shape)
+        ints = values.view(_INT_VIEW[self.dtype])
         kept = min(int(self.count[0]), values.numel())  # no GPU kernels here: reading it is no stall
         mask = unpack_bits(self.bitmap, self.numel)
         if kept < self.nnz:  # an overflow: drop the set bits that have no value
@@ -218,7 +218,7 @@ def pack_bitmap_capped(
     if value_dtype is not None and value_dtype not in _INT_VIEW:
         raise TypeError(f"value_dtype must be one of {_names(FLOAT_DTYPES)} or None; got {value_dtype}")
     limit = zero_limit_bits(t.dtype, threshold)
-    bits = t.detach().reshape(-1).view(_INT_VIEW[t.dtype])
+    bits = _cuda.untracked(t).reshape(-1).view(_INT_VIEW[t.dtype])
     if (kernels := _cuda.kernels(bits)) is not None:
         bitmap, values, count = kernels.pack_bitmap_capped(bits.contiguous(), limit, capacity)
         values = values.view(t.dtype)

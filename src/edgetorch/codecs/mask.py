@@ -95,7 +95,7 @@ def pack_mask(
             f"inside={inside} must lie in ({low}, {high}) and outside={outside} must not"
         )
     if (kernels := _cuda.kernels(t)) is not None:  # the predicate straight into bits on a GPU
-        bitmap = kernels.pack_mask(t.detach().contiguous(), low, high)
+        bitmap = kernels.pack_mask(_cuda.untracked(t).contiguous(), low, high)
     elif t.is_cpu and _cpu_kernels.NATIVE:  # the same on CPU, in one pass
         bitmap = _cpu_kernels.mask_pack(t, low, high)
     else:

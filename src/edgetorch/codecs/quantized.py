@@ -155,8 +155,9 @@ def pack_quantized(
         raise ValueError(f"seed must be None (round to nearest) or an int in [0, 2**32) (stochastic rounding); "
                          f"got {seed!r}")
     if rows and (kernels := _cuda.kernels(t)) is not None:  # CUDA: Triton, no host sync
-        x = t if t.dim() == 2 and t.shape[0] == rows and not t.requires_grad else t.detach().reshape(rows, -1)
-        codes, lo, scale = kernels.quantize(x, bits, group, seed)
+        x = _cuda.untracked(t)
+        codes, lo, scale = kernels.quantize(x if x.dim() == 2 and x.shape[0] == rows else x.reshape(rows, -1),
+                                            bits, group, seed)
     elif rows and t.is_cpu and _cpu_kernels.NATIVE:
         # CPU: the C kernel (groups in batches: their ranges together, then their codes from L1),
         # reading t in place: no reshape or detach on this path (a few microseconds each)

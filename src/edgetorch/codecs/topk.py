@@ -71,7 +71,7 @@ def pack_topk(
         raise ValueError(f"rows must be a positive int dividing numel={t.numel()}; got {rows!r}")
     keep = kept_per_row(t.numel() // rows, sparsity)
     if (kernels := _cuda.kernels(t)) is not None:
-        bitmap, values, counts = kernels.pack_topk_rows(t.detach().reshape(rows, -1).contiguous(), keep)
+        bitmap, values, counts = kernels.pack_topk_rows(_cuda.untracked(t).reshape(rows, -1).contiguous(), keep)
         if value_dtype is not None and value_dtype != t.dtype:
             values = values.to(value_dtype)
         return TopkRowsTensor(bitmap, values, counts, t.shape, t.dtype)
@@ -129,8 +129,8 @@ class TopkRowsTensor(HeldValues):
         """The dense tensor: kept values in place, zeros elsewhere (a new tensor). No host sync."""
         values = self.values if self.values.dtype == self.dtype else self.values.to(self.dtype)
         rows = self.values.shape[0]
-        dense = _cuda.kernels(values).unpack_topk_rows(self.bitmap, values, rows, self.numel // max(rows, 1))
-        return dense.view(self.shape)
+        return _cuda.kernels(values).unpack_topk_rows(self.bitmap, values, rows, self.numel // max(rows, 1),
+                                                       shape=self.shape)
 
 
 def check_sparsity(sparsity: float) -> None:
