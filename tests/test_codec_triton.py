@@ -980,8 +980,9 @@ def test_codec_launches_per_stored_tensor(monkeypatch) -> None:
         c = launches_of(fn)
         seen[name] = (c.launches, c.syncs, c.kernels, c.ops, c.calls)
     assert {k: v[:2] for k, v in seen.items()} == {k: (v[1], 0) for k, v in expected.items()}, seen
-    # Every torch call the host makes around the launches (views and allocations too): on a GPU host
-    # each costs microseconds (7-10 us measured on an H100's), for every saved tensor of every step.
+    # Every torch call the host makes around the launches (views and allocations too): each is host
+    # time on a GPU (a kernel-launching torch op took 7-10 us on the lent H100's host), for every saved
+    # tensor of every step.
     # The counts of this torch as measured; more is a regression on the eager step's time.
     calls = {"pack_bitmap_capped": 8, "CappedBitmapTensor.unpack": 5, "pack_topk": 11, "TopkRowsTensor.unpack": 6,
              "pack_mask": 4, "MaskTensor.unpack": 3, "pack_quantized": 4, "QuantizedTensor.unpack": 1}
