@@ -12,13 +12,17 @@ from pathlib import Path
 
 import pytest
 
-# OpenMP's default wait policy spins: a thread that finishes its share of an op busy-waits for
-# the other. On a 2-core machine where another process holds a core, the spinning thread takes
-# the core its partner needs, and torch's parallel ops ran 2-7x slower (a resnet18 plan_memory:
-# 28 s instead of 2 s with one core busy). Passive waiting sleeps instead; results and thread
-# counts are unchanged. Set before torch loads libgomp (it reads the variable then), and inherited
-# by the child processes the tests start. A value set by the caller is kept.
+# The suite must stay fast on a busy 2-core machine, where another process holds one core.
+# - OpenMP's default wait policy spins: a thread that finishes its share of an op busy-waits for
+#   the other, on the core its partner needs. torch's parallel ops ran 2-7x slower (a resnet18
+#   plan_memory: 28 s instead of 2 s). Passive waiting sleeps instead; thread counts are unchanged.
+# - numpy's OpenBLAS (pthreads, no such setting) split each SVD of the reduce tests over 2 threads,
+#   one of them waiting for the busy core: test_lowrank_on_torchvision_resnet18 took 84 s instead
+#   of 9 s idle; with one thread 18 s busy, and the reduce tests about 5% slower idle.
+# Neither changes what a test checks. Set before torch and numpy load their libraries (which read them
+# then), and inherited by the child processes the tests start. A value set by the caller is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
