@@ -240,7 +240,7 @@ def test_finite_weights_that_give_nan_are_caught_at_inference(artifact, copy_of)
     assert answer.status_code == 422 and answer.json()["error"]["type"] == "non_finite_output", answer.text
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(dtype=st.sampled_from(["F32", "F16", "BF16", "F64", "I64", "U8", "BOOL", "F4", "F6_E2M3", "F8_E8M0",
                               "F8_E4M3", "C64", "U64"]),
        shape=st.lists(st.integers(0, 2**40), max_size=4), start=st.integers(0, 64), end=st.integers(0, 64),

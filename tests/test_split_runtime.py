@@ -243,7 +243,7 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 2**40) | st.flo
                      max_leaves=8)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(path=st.lists(st.sampled_from(["model", "arch", "channels", "split_point", "downsample", "num_classes",
                                       "input_shape", "bottleneck_shape", "preprocess", "size", "mean", "std",
                                       "color", "files", "head", "tail", "path", "sha256", "payload_format", "class_names",
@@ -274,7 +274,7 @@ def test_fuzzed_manifests_load_consistently_or_raise_split_artifact_error(artifa
     assert logits.shape == (2, manifest.num_classes)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_weight_files_load_or_raise_split_artifact_error(artifact, tmp_path_factory, data):
     directory = tmp_path_factory.mktemp("bytes")
