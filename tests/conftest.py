@@ -3,16 +3,50 @@ norms (the reduce tests), and a decompression-bomb image file (every reader of u
 
 from __future__ import annotations
 
+import gc
+import os
 import struct
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
-from edgetorch.zoo import MLP
+# The suite must stay fast on a busy 2-core machine, where another process holds one core.
+# - OpenMP's default wait policy spins: a thread that finishes its share of an op busy-waits for
+#   the other, on the core its partner needs. torch's parallel ops ran 2-7x slower (a resnet18
+#   plan_memory: 28 s instead of 2 s). Passive waiting sleeps instead; thread counts are unchanged.
+# - numpy's OpenBLAS (pthreads, no such setting) split each SVD of the reduce tests over 2 threads,
+#   one of them waiting for the busy core: test_lowrank_on_torchvision_resnet18 took 84 s instead
+#   of 9 s idle; with one thread 18 s busy. The price idle: vgg11_bn's reductions (big matrix
+#   products) take 13 s -> 17 s; test_reduce_corners + test_reduce_grouped 86 s -> 90 s.
+# Neither changes what a test checks. Set before torch and numpy load their libraries (which read them
+# then), and inherited by the child processes the tests start. A value set by the caller is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from torch import nn  # noqa: E402
+
+from edgetorch.zoo import MLP  # noqa: E402
+
+# Hypothesis times examples by the wall clock twice: the 200 ms deadline per example, and the
+# too_slow health check on how long examples take to generate. Both fail on a busy machine, not
+# on a wrong result. Every test here already sets deadline=None; this profile is the default
+# they inherit from, so a new test does too. (A test that lists its own suppress_health_check
+# replaces this list: those name too_slow themselves.)
+settings.register_profile("edgetorch", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("edgetorch")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what importing the test modules built (torch, torchvision, ... : half a million
+    objects) out of the cyclic garbage collector: every full collection, automatic or the
+    memory measurements' own ``gc.collect()`` (16 per ``plan_memory``), then skips them, which
+    took about 0.2 s each. Garbage from the tests themselves is collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def _small_cnn(seed: int = 0) -> nn.Sequential:

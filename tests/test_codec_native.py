@@ -422,7 +422,7 @@ def test_kernels_work_after_fork() -> None:
         try:
             child.join(timeout=60)
             assert child.exitcode == 0, "the forked child hung or crashed"
-            assert queue.get(timeout=5)
+            assert queue.get(timeout=60)  # a hang guard: the child put its answer before it exited
         finally:
             if child.is_alive():
                 child.kill()
@@ -495,9 +495,27 @@ def test_extension_is_built_where_a_compiler_exists() -> None:
     assert _cpu_kernels.NATIVE, f"{compiler} exists but the extension did not load: {_cpu_kernels.UNAVAILABLE_REASON}"
 
 
+_FIRST_CALL_CPU = """
+import json, resource, time, torch
+x = torch.relu(torch.randn(1000))
+import edgetorch
+def cpu():  # this process's threads and any child it waited for (a compiler run at first use)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+start = cpu()
+y = edgetorch.pack_bitmap(x).unpack()
+print(json.dumps({"cpu_seconds": cpu() - start, "ok": torch.equal(y, x)}))
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_import_and_first_pack_are_cheap() -> None:
     # numba added ~120 MiB and ~0.5-1 s here; the extension measures ~2 MiB and ~1 ms (bench)
     out = first_call_footprint()
     assert out["rss_delta_bytes"] <= 25 * 2**20, f"import edgetorch + first pack added {out['rss_delta_bytes'] / 2**20:.1f} MiB"
-    assert out["first_call_seconds"] <= 0.5, f"the first pack + unpack took {out['first_call_seconds']:.2f} s"
+    assert out["first_call_seconds"] >= 0 and out["native"] == _cpu_kernels.NATIVE
+    # The first call's cost in CPU time, which other processes on a busy machine do not inflate
+    # (its wall time, first_call_seconds above, they can): a JIT compile or a build at first use
+    # takes far more than this.
+    first = _run(_FIRST_CALL_CPU)
+    assert first["ok"] and first["cpu_seconds"] <= 0.5, f"the first pack + unpack took {first['cpu_seconds']:.2f} s of CPU"

@@ -12,6 +12,7 @@ set by hand runs the interpreter tests in-process (useful with ``-k``).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -67,6 +68,24 @@ def sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int, zero_frac: flo
 
 def parent_only(reason: str):
     return pytest.mark.skipif(INTERPRETED, reason=reason)
+
+
+TOPK_TILE = 256
+
+
+@pytest.fixture()
+def small_topk_tiles(monkeypatch):
+    """Per-row top-k kernels at ``TOPK_TILE`` elements a program, for the tests that drive them
+    through the codecs or the engine (which take the default BLOCK of 4096).
+
+    The interpreter runs a kernel's associative scan as one Python call of its combine function
+    per element of the whole tile, masked or not: at the default block every top-k pack or unpack
+    of a tensor under 4096 elements cost the same ~1-2 s. These tests count launches and host
+    reads and compare results, none of which depends on the tile size (the same kernels run, in
+    more programs; tensors here still span several tiles, and rows start mid-tile). The kernels'
+    bytes at the default and other block sizes are checked by the tests above."""
+    for name in ("pack_topk_rows", "unpack_topk_rows"):
+        monkeypatch.setattr(T, name, functools.partial(getattr(T, name), block=TOPK_TILE))
 
 
 # --- the interpreter run ------------------------------------------------------------------------
@@ -533,7 +552,7 @@ def test_cuda_kernels_match_the_cpu_reference_without_syncs(dtype) -> None:
 
 
 @interpreted
-def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatch) -> None:
+def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatch, small_topk_tiles) -> None:
     """Every codec routed through the kernels (as on CUDA) gives the CPU path's bytes, and a Back
     Razor step through the engine gives the CPU path's gradients."""
     import copy
@@ -547,11 +566,12 @@ def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatc
     from edgetorch.codecs.topk import TopkRowsTensor
 
     torch.manual_seed(0)
-    x = torch.relu(torch.randn(6, 700))
+    x = torch.relu(torch.randn(6, 300))  # 8 top-k tiles, rows starting mid-tile
     x[2] = 0.0  # a row with fewer non-zeros than its quota
+    # 24 px: the convolution and Linear inputs (2304 and 1600 elements) are above the engine's min_bytes
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3),
-                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
-    images, labels = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8 * 10 * 10, 4))
+    images, labels = torch.randn(2, 3, 24, 24), torch.tensor([1, 3])
 
     def step():
         net = copy.deepcopy(model)
@@ -918,15 +938,16 @@ def launches_of(fn):
 
 @interpreted
 @quiet
-def test_launches_per_call() -> None:
+def test_launches_per_call(small_topk_tiles) -> None:
     # Issue 23: at most two launches per stored tensor to pack, one to unpack, and no sync except
     # the one that sizes plain pack_bitmap's values. Per-row top-k needs one radix pass per 8 bits
     # of magnitude (4 for float32) before its one compaction: the miss is stated in its docstring.
     g = torch.Generator().manual_seed(0)
     x = torch.relu(torch.randn(8, 700, generator=g))
     flat = x.view(-1).view(torch.int32)
+    rows = x[:, :200].contiguous()  # top-k: 7 tiles of 256, rows starting mid-tile
     bitmap, values = T.pack_bitmap(flat, 0)
-    top = T.pack_topk_rows(x, 70)
+    top = T.pack_topk_rows(rows, 20)
     mask = T.pack_mask(x.view(-1), 0.0)
     codes = T.quantize(x, 8, 128)
     expected = {  # call: (launches, syncs)
@@ -935,9 +956,9 @@ def test_launches_per_call() -> None:
         "pack_bitmap": (lambda: T.pack_bitmap(flat, 0), 2, 1),
         "pack_bitmap_capped": (lambda: T.pack_bitmap_capped(flat, 0, 3000), 1, 0),
         "unpack_bitmap": (lambda: T.unpack_bitmap(bitmap, values, flat.numel()), 1, 0),
-        "pack_topk_rows float32": (lambda: T.pack_topk_rows(x, 70), 5, 0),
-        "pack_topk_rows bfloat16": (lambda: T.pack_topk_rows(x.bfloat16(), 500), 3 + 1, 0),  # + the cast
-        "unpack_topk_rows": (lambda: T.unpack_topk_rows(top[0], top[1], 8, 700), 1, 0),
+        "pack_topk_rows float32": (lambda: T.pack_topk_rows(rows, 20), 5, 0),
+        "pack_topk_rows bfloat16": (lambda: T.pack_topk_rows(rows.bfloat16(), 140), 3 + 1, 0),  # + the cast
+        "unpack_topk_rows": (lambda: T.unpack_topk_rows(top[0], top[1], 8, 200), 1, 0),
         "pack_mask": (lambda: T.pack_mask(x.view(-1), 0.0, 6.0), 1, 0),
         "unpack_mask": (lambda: T.unpack_mask(mask, x.numel(), 1.0, 0.0, torch.float32), 1, 0),
         "quantize": (lambda: T.quantize(x, 8, 128), 1, 0),
@@ -952,7 +973,7 @@ def test_launches_per_call() -> None:
 
 @interpreted
 @quiet
-def test_codec_launches_per_stored_tensor(monkeypatch) -> None:
+def test_codec_launches_per_stored_tensor(monkeypatch, small_topk_tiles) -> None:
     # The same through the codecs' GPU path (what the engine calls per saved tensor).
     from edgetorch.codecs import _cpu_kernels, _cuda
     from edgetorch.codecs.bitmap import pack_bitmap_capped
@@ -1015,14 +1036,15 @@ class SyncCounter(TorchDispatchMode):
 
 class Mixed(torch.nn.Module):
     """Every kind of saved tensor Back Razor and Quantized store differently: convolution and Linear
-    inputs (top-k), ReLU (mask), training batch norm, GELU, hardswish (sided), max-pool indices."""
+    inputs (top-k), ReLU (mask), training batch norm, GELU, hardswish (sided), max-pool indices.
+    Takes ``size`` x ``size`` inputs."""
 
-    def __init__(self):
+    def __init__(self, size: int = 16):
         super().__init__()
         nn = torch.nn
         self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
                                   nn.Conv2d(16, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 16, 1), nn.Hardswish())
-        self.head = nn.Linear(16 * 8 * 8, 5)
+        self.head = nn.Linear(16 * (size // 2) ** 2, 5)
 
     def forward(self, x):
         return self.head(self.body(x).flatten(1))
@@ -1032,7 +1054,7 @@ class Mixed(torch.nn.Module):
 @quiet
 @pytest.mark.parametrize("spec", ["backrazor:sparsity=0.9", "quantized:bits=8", "backrazor:sparsity=0.9,exact=int8",
                                   "bitmap", "bitmap:threshold=0.05"])
-def test_gpu_path_forward_reads_nothing_back(spec) -> None:
+def test_gpu_path_forward_reads_nothing_back(spec, small_topk_tiles) -> None:
     """Issue 23: on the GPU path (Triton kernels, the policies' GPU branches; emulated on CPU
     tensors) the forward of Back Razor and Quantized reads no value back to the host, with a ledger
     attached too, on the watched first step and the replayed ones. A bitmap's size depends on its
@@ -1045,9 +1067,11 @@ def test_gpu_path_forward_reads_nothing_back(spec) -> None:
     from edgetorch.activations import capacity, tape
     from edgetorch.codecs import _cuda
 
+    # 12 px: the top-k tensors (2 x 16 x 6 x 6, 4.5 KB) are just above the engine's min_bytes,
+    # so they are pruned, in 5 tiles each (their interpreted scans cost per element).
     torch.manual_seed(0)
-    model = Mixed()
-    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 3])
+    model = Mixed(12)
+    x, y = torch.randn(2, 3, 12, 12), torch.tensor([1, 3])
     policy = et.parse_policy(spec)
     sized = policy.sized_by_count
     reads, waits = [], []

@@ -78,7 +78,7 @@ def test_the_valid_file_loads(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", VALID)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_mutated_file_loads_or_is_refused_cleanly(tmp_path, kind, data):
     loader, valid = VALID[kind]
@@ -122,7 +122,7 @@ def test_the_valid_record_loads(trained_record, tmp_path):
     assert load_trained(root).class_names == ("a", "b", "c")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_mutated_training_record_loads_or_is_refused_cleanly(trained_record, data):
     root, record = trained_record

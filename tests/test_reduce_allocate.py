@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -148,8 +149,12 @@ def test_paper_network_exact_is_fast_and_proven():
     widths = [784, 2500, 2000, 1500, 1000, 500, 10]
     rng = np.random.default_rng(0)
     prune = [eq14_curve(rng.gamma(0.5, size=w)) for w in widths[:-1]]
-    result = solve_allocation(prune, widths, 0.7, "prune", "optimal")
-    assert result.proven_gap == 0.0 and result.alpha >= 0.7 and result.seconds < 20
+    # Fast in CPU time, which a busy machine does not inflate as it does wall time (result.seconds);
+    # the time limit is far past it, so the proof does not depend on the machine's speed either.
+    cpu = time.process_time()
+    result = solve_allocation(prune, widths, 0.7, "prune", "optimal", time_limit=600)
+    cpu = time.process_time() - cpu
+    assert result.proven_gap == 0.0 and result.alpha >= 0.7 and cpu < 20
     pso = solve_allocation(prune, widths, 0.7, "prune", "pso")
     assert result.objective <= pso.objective
 

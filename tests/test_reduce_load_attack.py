@@ -349,7 +349,7 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st
                      max_leaves=6)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_value_in_any_field_loads_or_is_refused_cleanly(valid, tmp_path, data):
     name = data.draw(st.sampled_from(["chain", "graph", "vit", "bert"]))

@@ -260,6 +260,14 @@ def test_uvicorn_config_carries_the_protocol_limits():
 
 TIMEOUT = 0.5
 FAST = ServerConfig(header_timeout_s=TIMEOUT, read_timeout_s=TIMEOUT, keep_alive_s=TIMEOUT, max_connections=200)
+# Timeouts here only guard hangs: a test fails by the clock only if the machine stalls this long.
+# A deadline the server must keep is checked from below (it did not close early, measured from
+# before the connection opened, so a slow client cannot shorten it) and by what it sent, not by how
+# soon it closed: a busy machine may close a 0.5 s deadline seconds late.
+HANG_GUARD_S = 30.0
+# Deadlines no test reaches: what closes a connection here is the server's own decision.
+PATIENT = ServerConfig(header_timeout_s=2 * HANG_GUARD_S, read_timeout_s=2 * HANG_GUARD_S,
+                       keep_alive_s=2 * HANG_GUARD_S)
 
 
 @pytest.fixture(scope="module")
@@ -269,11 +277,11 @@ def server():
 
 
 def _connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD_S)
     return sock
 
 
-def _read_until_closed(sock: socket.socket, limit_s: float = 5.0) -> tuple[bytes, float]:
+def _read_until_closed(sock: socket.socket, limit_s: float = HANG_GUARD_S) -> tuple[bytes, float]:
     """Everything the server sends until it closes the connection, and when it closed."""
     start, data = time.monotonic(), b""
     sock.settimeout(limit_s)
@@ -311,63 +319,83 @@ def _answers(raw: bytes) -> list[tuple[int, bytes, bytes]]:
     b"GET /health HTT",  # half the request line
 ])
 def test_a_stalled_request_is_answered_408_and_closed_within_the_header_timeout(server, sent):
+    opened = time.monotonic()
     with _connect(server[1]) as sock:
         sock.sendall(sent)
-        raw, elapsed = _read_until_closed(sock)
-    assert TIMEOUT * 0.8 <= elapsed < TIMEOUT + 1.5
+        raw, _ = _read_until_closed(sock)  # the header timeout closes it; the hang guard catches a server that never does
+    assert time.monotonic() - opened >= TIMEOUT * 0.8  # not before the deadline
     assert _status(raw) == 408 and _json_body(raw)["error"]["type"] == "request_timeout"
 
 
 def test_dripping_headers_do_not_push_the_deadline_back(server):
+    # One byte every 50 ms, for up to HANG_GUARD_S: a server whose deadline restarted with each byte
+    # would let the whole request line and headers arrive (and only time out after the last byte).
+    request = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * int(HANG_GUARD_S / 0.05)
     with _connect(server[1]) as sock:
-        start = time.monotonic()
-        for byte in b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100:
+        sent = 0
+        for byte in request:
             # Stop once the server has answered: writing into a closed connection draws a reset
             # that could discard its answer before we read it.
-            if select.select([sock], [], [], 0)[0] or time.monotonic() - start > TIMEOUT + 2:
+            if select.select([sock], [], [], 0)[0]:
                 break
             sock.sendall(bytes([byte]))
+            sent += 1
             time.sleep(0.05)
         raw, _ = _read_until_closed(sock)
-        assert time.monotonic() - start < TIMEOUT + 1.5 and _status(raw) == 408
+    assert _status(raw) == 408 and sent < len(request), f"the server answered after {sent} of {len(request)} bytes"
 
 
 def test_a_stalled_body_is_answered_408_and_closed_within_the_read_timeout(server):
+    opened = time.monotonic()
     with _connect(server[1]) as sock:
         sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
                      b"content-length: 100\r\n\r\nETBQ")
-        raw, elapsed = _read_until_closed(sock)
-    assert TIMEOUT * 0.8 <= elapsed < TIMEOUT + 1.5
+        raw, _ = _read_until_closed(sock)
+    assert time.monotonic() - opened >= TIMEOUT * 0.8
     assert _status(raw) == 408 and "did not arrive within" in _json_body(raw)["error"]["message"]
 
 
-def test_health_answers_while_stalled_connections_are_held_and_they_are_all_closed():
-    timeout = 2.0  # longer than the module's: /health must answer before any stalled one times out
-    config = ServerConfig(header_timeout_s=timeout, read_timeout_s=timeout)
-    with serve_in_background(create_app(Tail(), MANIFEST, config)) as url:
-        port = int(url.rsplit(":", 1)[1])
-        opened = time.monotonic()
-        stalled = []
-        for i in range(60):
-            sock = _connect(port)
-            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n" if i % 2 else
-                         b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
-                         b"content-length: 50\r\n\r\nE")
-            stalled.append(sock)
-        assert httpx.get(url + "/health", timeout=5).status_code == 200
-        assert not select.select(stalled, [], [], 0)[0]  # answered while every stalled one was still held
-        for sock in stalled:
+def _stall(port: int, count: int) -> list[socket.socket]:
+    """``count`` connections that stop halfway: in the headers, or in the body of a POST /infer."""
+    stalled = []
+    for i in range(count):
+        sock = _connect(port)
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n" if i % 2 else
+                     b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
+                     b"content-length: 50\r\n\r\nE")
+        stalled.append(sock)
+    return stalled
+
+
+def test_health_answers_while_stalled_connections_are_held():
+    # Deadlines past the hang guard: the stalled connections are certainly still held when /health answers.
+    with serve_in_background(create_app(Tail(), MANIFEST, PATIENT)) as url:
+        stalled = _stall(int(url.rsplit(":", 1)[1]), 60)
+        try:
+            assert httpx.get(url + "/health", timeout=HANG_GUARD_S).status_code == 200
+            assert not select.select(stalled, [], [], 0)[0]  # answered while every stalled one was still held
+        finally:
+            for sock in stalled:
+                sock.close()
+
+
+def test_many_stalled_connections_are_all_answered_408_and_closed(server):
+    opened = time.monotonic()
+    stalled = _stall(server[1], 60)
+    for sock in stalled:
+        with sock:
             raw, _ = _read_until_closed(sock)
             assert _status(raw) == 408
-            sock.close()
-        assert time.monotonic() - opened < timeout + 2
+    assert time.monotonic() - opened >= TIMEOUT * 0.8
 
 
 def test_an_idle_keep_alive_connection_is_closed(server):
+    opened = time.monotonic()
     with _connect(server[1]) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        raw, elapsed = _read_until_closed(sock)
-    assert _status(raw) == 200 and elapsed < TIMEOUT + 1.5
+        raw, _ = _read_until_closed(sock)
+    assert _status(raw) == 200 and len(_answers(raw)) == 1
+    assert time.monotonic() - opened >= TIMEOUT * 0.8  # kept open for the keep-alive, then closed
 
 
 @pytest.mark.parametrize("request_bytes", [
@@ -390,12 +418,14 @@ def test_headers_over_the_limit_that_arrive_complete_get_a_json_431(server):
     assert _status(raw) == 431 and _json_body(raw)["error"]["type"] == "request_header_fields_too_large"
 
 
-def test_a_refusal_with_the_body_still_coming_closes_the_connection(server):
-    with _connect(server[1]) as sock:
+def test_a_refusal_with_the_body_still_coming_closes_the_connection():
+    # On a server whose deadlines are past the hang guard, a connection that closes at all was
+    # closed by the refusal: not after the rest of the body, nor by a timeout.
+    with serve_in_background(create_app(Tail(), MANIFEST, PATIENT)) as url, _connect(int(url.rsplit(":", 1)[1])) as sock:
         sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
                      b"content-length: 99999999\r\n\r\nETBQ")
-        raw, elapsed = _read_until_closed(sock)
-    assert _status(raw) == 413 and elapsed < TIMEOUT  # closed at once, not after the rest or a timeout
+        raw, _ = _read_until_closed(sock)
+    assert _status(raw) == 413
 
 
 def test_a_client_hanging_up_over_tcp_logs_one_line(server, caplog):
@@ -404,9 +434,7 @@ def test_a_client_hanging_up_over_tcp_logs_one_line(server, caplog):
         sock.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\ncontent-type: application/octet-stream\r\n"
                      b"content-length: 100\r\n\r\nETBQ")
         time.sleep(0.1)
-    deadline = time.monotonic() + 5
-    while not [r for r in caplog.records if r.name == LOG] and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _wait_for(lambda: [r for r in caplog.records if r.name == LOG], "the hang-up's log line")
     records = [r for r in caplog.records if r.name == LOG]
     assert len(records) == 1 and records[0].levelno == logging.INFO and records[0].exc_info is None
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -438,8 +466,6 @@ def test_every_error_on_the_wire_is_json(server, request_bytes, status, kind):
 
 # --- Pressure: clients that do not read, connection floods, pipelining floods. -------------------
 # Each waits for an event (a counter, an answer, a closed socket); timeouts here only guard hangs.
-
-HANG_GUARD_S = 30.0
 
 
 def _wait_for(condition, what: str) -> None:
