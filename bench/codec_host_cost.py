@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import median, table, write_results
+from _common import median, table, timed_step, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS, CALLS = 7, 500
@@ -100,7 +100,7 @@ def _launch_writing_zero_counts(kernel, grid, *args, **kwargs) -> None:
 def _steps() -> dict[str, float]:
     """Host ms per whole training step of each policy (GPU path emulated, launches stubbed), and
     the tensors a step saves; inside :func:`measure`'s emulation."""
-    import time
+    import contextlib
 
     import torch
     import torchvision
@@ -116,24 +116,15 @@ def _steps() -> dict[str, float]:
                 'BackRazor(0.9, exact="int8")': edgetorch.BackRazor(0.9, exact="int8")}
     assert tuple(policies) == POLICIES
 
-    def step(policy) -> None:
-        if policy is None:
-            out = model(x)
-        else:
-            with edgetorch.compress_activations(model, policy, min_bytes=0):
-                out = model(x)
-        torch.nn.functional.cross_entropy(out, y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def step(policy) -> float:  # the benches' own step: forward in the scope, loss, backward, SGD
+        scope = contextlib.nullcontext() if policy is None else edgetorch.compress_activations(model, policy, min_bytes=0)
+        return timed_step(model, scope, x, y, optimizer)
 
     out = {}
     for name, policy in policies.items():
         for _ in range(3):  # a watched first step records the role tape; counts and caches settle
             step(policy)
-        start = time.perf_counter()
-        for _ in range(STEPS):
-            step(policy)
-        out[f"step {name}"] = (time.perf_counter() - start) / STEPS * 1e3
+        out[f"step {name}"] = sum(step(policy) for _ in range(STEPS)) / STEPS * 1e3
     scope = edgetorch.compress_activations(model, policies["Dense()"], min_bytes=0)
     with scope:
         model(x)
