@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from edgetorch import pack_bitmap
 from edgetorch.codecs import FLOAT_DTYPES, _cpu_kernels
 from edgetorch.codecs._cpu_kernels import torch_ops
-from edgetorch.codecs.bitmap import pack_torch, unpack_torch
+from edgetorch.codecs.bitmap import pack_bitmap_if_smaller, pack_torch, unpack_torch
 
 INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
             torch.bfloat16: torch.int16}
@@ -364,3 +364,32 @@ def test_cuda_matches_cpu(dtype: torch.dtype) -> None:
     assert_same_bits(gpu.unpack().cpu(), cpu.unpack())
     lossless = pack_bitmap(x.cuda().t())
     assert_same_bits(lossless.unpack().cpu(), x.t())
+
+
+@needs_native
+@HYPO
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    n=st.integers(1, 3000),
+    zero_frac=st.floats(0.0, 1.0),
+    threshold=st.sampled_from([0.0, 0.5]),
+    value_dtype=st.sampled_from([None, torch.float16]),
+    slack=st.integers(-3, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_pack_if_smaller_decides_like_torch_ops(dtype, n, zero_frac, threshold, value_dtype, slack, seed) -> None:
+    """The C path stops after its counting pass exactly where the torch path's exact count does,
+    at bounds around the packed size itself (one byte below, at, above)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g).to(dtype)
+    x[torch.rand(n, generator=g) < zero_frac] = 0
+    packed_bytes = pack_bitmap(x, threshold, value_dtype).nbytes
+    bound = packed_bytes + slack
+    native = pack_bitmap_if_smaller(x, threshold, value_dtype, bound)
+    with torch_ops():
+        reference = pack_bitmap_if_smaller(x, threshold, value_dtype, bound)
+    assert (native is None) == (reference is None) == (packed_bytes >= bound)
+    if native is not None:
+        assert torch.equal(native.bitmap, reference.bitmap)
+        assert torch.equal(native.values.view(torch.uint8), reference.values.view(torch.uint8))
+        assert torch.equal(native.unpack().view(torch.uint8), pack_bitmap(x, threshold, value_dtype).unpack().view(torch.uint8))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..codecs import FLOAT_DTYPES, _cuda, pack_bitmap
+from ..codecs import FLOAT_DTYPES, _cpu_kernels, _cuda, pack_bitmap
 from ..codecs.bitmap import (BitmapTensor, CappedBitmapTensor, pack_bitmap_capped, pack_bitmap_if_smaller,
                              zero_limit_bits)
 from ..codecs.mask import pack_mask
@@ -129,9 +129,11 @@ class Bitmap(Policy):
             if (t.numel() + 7) // 8 + capacity * value_bytes >= limit:
                 return None
             return pack_bitmap_capped(t, capacity, self.threshold, self.value_dtype)
-        if _cuda.gpu_path(t):
+        if _cuda.gpu_path(t) or (t.numel() <= _COUNT_FIRST and t.is_cpu and _cpu_kernels.NATIVE):
             # On a GPU packing reads the kept count back once anyway (to size the values); the
             # decision uses that exact count instead of a sample, which would be a second sync.
+            # On a CPU, up to _COUNT_FIRST elements, packing's counting pass costs less than
+            # the sample's torch calls (measured: 2.1 against 6.8 us at 49k float32 elements).
             return pack_bitmap_if_smaller(t, self.threshold, self.value_dtype, limit)
         if not self._worth_packing(t):
             return None
@@ -156,6 +158,10 @@ class Bitmap(Policy):
 
 
 _SAMPLE = 4096  # elements looked at to estimate the kept fraction
+# Elements up to which the C extension's counting pass decides on a CPU instead of a sample:
+# it writes the bitmap packing needs anyway, and costs what the estimate does at about 200k
+# (7.7 against 7.3 us, float32, one thread; 241 against 10 us at 1.6M).
+_COUNT_FIRST = 1 << 17
 _WORTHWHILE = 0.97  # pack when the estimate is at least 3% below dense (sampling error ~1.5%)
 _SCOPES = ("weights", "all")
 _ROWS = ("token", "sample")  # what one top-k selection spans (BackRazor.rows)

@@ -102,16 +102,18 @@ def build_description() -> str:
     return f"C extension (abi {info['abi']}, {info['compiler'].strip()}, {info['isa']} kernels)"
 
 
-def pack(t: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(t: torch.Tensor, limit: int, max_kept: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Bitmap and kept elements of a float (or integer-view) CPU tensor, row-major.
 
     Args:
         t: CPU tensor of 2-, 4- or 8-byte elements, any shape and layout.
         limit: keep element i iff ``bits(i) & absmask > limit`` (``bitmap.zero_limit_bits``).
+        max_kept: give up after the first pass (which counts) when more elements than this are
+            kept: the values are then never gathered. None: no limit.
 
     Returns:
         ``(bitmap, values)``: ``uint8`` bitmap of ``ceil(n / 8)`` bytes and the kept elements in
-        order, 1-D in ``t.dtype``.
+        order, 1-D in ``t.dtype``; None when more than ``max_kept`` are kept.
     """
     if not t.is_contiguous():
         t = t.detach().contiguous()
@@ -123,6 +125,8 @@ def pack(t: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     counts = torch.empty(-(-n // CHUNK_ELEMS), dtype=_I64) if n > CHUNK_ELEMS else None
     cp = 0 if counts is None else counts.data_ptr()
     kept = _native.pack_build(ptr, n, width, limit, bm, cp, threads)
+    if max_kept is not None and kept > max_kept:
+        return None
     values = torch.empty(kept, dtype=t.dtype)
     if kept:
         _native.pack_compact(ptr, n, width, bm, cp, values.data_ptr(), kept, threads)

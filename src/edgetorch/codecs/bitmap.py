@@ -286,28 +286,38 @@ def pack_bitmap_if_smaller(
 ) -> BitmapTensor | None:
     """:func:`pack_bitmap` of a float tensor, or None when the result would hold ``max_bytes`` or more.
 
-    The decision reads the exact kept count, with the one host sync that sizing the values
-    takes anyway (on CUDA; the CPU policy estimates from a sample instead, which costs less
-    than a counting pass there). Used by :class:`edgetorch.Bitmap` on GPUs, where a separate
-    estimate would be a second sync per tensor.
+    The decision reads the exact kept count from packing's own first pass: on CUDA with the one
+    host sync that sizing the values takes anyway, and with the C extension on a CPU before the
+    values are gathered (a tensor that does not shrink costs one pass that writes only the
+    bitmap). :class:`edgetorch.Bitmap` uses it on GPUs, where a separate estimate would be a
+    second sync per tensor, and on a CPU for tensors small enough that this pass costs less
+    than estimating from a sample (a few torch calls).
     """
     limit = zero_limit_bits(t.dtype, threshold)
-    bits = t.detach().reshape(-1).view(_INT_VIEW[t.dtype])
-    kernels = _cuda.kernels(bits)
-    if kernels is not None:
-        prefix = kernels.count(bits, limit)
-        nnz = int(prefix[-1])
-    else:
-        keep = _kept(bits, limit)
-        nnz = int(keep.sum())
     value_bytes = (value_dtype or t.dtype).itemsize
-    if (bits.numel() + 7) // 8 + nnz * value_bytes >= max_bytes:
-        return None
-    if kernels is not None:
-        bitmap, values = kernels.compact(bits, limit, prefix, nnz)
+    n = t.numel()
+    if t.is_cpu and _cpu_kernels.NATIVE:
+        # kept values that still leave the packed form under max_bytes
+        packed = _cpu_kernels.pack(t, limit, max_kept=(max_bytes - (n + 7) // 8 - 1) // value_bytes)
+        if packed is None:
+            return None
+        bitmap, values = packed
     else:
-        bitmap, values = pack_bits(keep), bits[keep]
-    values = values.view(t.dtype)
+        bits = t.detach().reshape(-1).view(_INT_VIEW[t.dtype])
+        kernels = _cuda.kernels(bits)
+        if kernels is not None:
+            prefix = kernels.count(bits, limit)
+            nnz = int(prefix[-1])
+        else:
+            keep = _kept(bits, limit)
+            nnz = int(keep.sum())
+        if (n + 7) // 8 + nnz * value_bytes >= max_bytes:
+            return None
+        if kernels is not None:
+            bitmap, values = kernels.compact(bits, limit, prefix, nnz)
+        else:
+            bitmap, values = pack_bits(keep), bits[keep]
+        values = values.view(t.dtype)
     if value_dtype is not None and value_dtype != t.dtype:
         values = values.to(value_dtype)
     return BitmapTensor(bitmap, values, t.shape, t.dtype)
