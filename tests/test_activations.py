@@ -161,6 +161,25 @@ def test_inplace_change_after_saving_is_reported_like_pytorch():
             out.backward()
 
 
+@pytest.mark.parametrize("policy", [None, et.Dense(), et.Bitmap(), et.BackRazor(0.5)],
+                         ids=lambda p: "plain" if p is None else p.name)
+@pytest.mark.parametrize("changed", ["weight", "frozen features"])
+def test_inplace_change_of_a_held_leaf_is_reported_like_pytorch(policy, changed):
+    """Leaves (a weight, a frozen backbone's feature map) are held as themselves, not as detached
+    aliases: an in-place change between forward and backward must still be caught, as PyTorch
+    catches it (the plain row checks that it does)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    # a leaf made without grad, like a frozen backbone's output; requiring grad, the weight is saved
+    features = torch.relu(torch.randn(32, 64)).requires_grad_(changed == "weight")
+    with contextlib.nullcontext() if policy is None else et.compress_activations(model, policy):
+        out = model(features).square().sum()
+    with torch.no_grad():
+        (model.weight if changed == "weight" else features).mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
 def test_threshold_and_fp16_values_store_less():
     torch.manual_seed(0)
     model = ConvReluConv()

@@ -284,3 +284,60 @@ def test_a_custom_function_keeps_what_it_saved_exact_even_when_a_linear_reads_it
     assert torch.equal(plain[1], razor[1])  # the input gradient passes through Square's backward
     assert torch.equal(plain[2][0], razor[2][0])  # so does a's weight gradient
     assert any(r.op == "?" and r.form == "exact" for r in razor[3].records)
+
+
+class CountingBitmap(et.Bitmap):
+    """Bitmap that counts the tensors it was asked to encode (the codec's work)."""
+
+    calls = packed = 0
+
+    def encode(self, t, need=None, capacity=None):
+        rep = super().encode(t) if need is None else super().encode(t, need, capacity)
+        CountingBitmap.calls += 1
+        CountingBitmap.packed += rep is not None
+        return rep
+
+
+class ConvBnRelu(nn.Module):
+    """Saved per step: the input (external), a conv output feeding batch norm (no zeros: never
+    compresses) and a ReLU output (half zeros: compresses), besides parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).amax((2, 3)))
+
+
+def test_a_position_that_did_not_compress_is_held_as_is_without_looking_again():
+    torch.manual_seed(0)
+    model, y = ConvBnRelu(), torch.tensor([0, 3])
+    policy = CountingBitmap()
+    CountingBitmap.calls = CountingBitmap.packed = 0
+    with et.compress_activations(model, policy):
+        model(torch.randn(2, 3, 24, 24)).sum().backward()
+    looked_first = CountingBitmap.calls
+    assert (looked_first, CountingBitmap.packed) == (2, 1)  # the batch-norm input; the ReLU output
+    for _ in range(2):  # later steps: only the ReLU output is looked at, and it still compresses
+        CountingBitmap.calls = CountingBitmap.packed = 0
+        x = torch.randn(2, 3, 24, 24)
+        assert_identical(grads(model, x, y), _grads_in_place(model, x, y, policy))
+        assert (CountingBitmap.calls, CountingBitmap.packed) == (1, 1)
+    # another policy (here a narrower value type) looks again: it might compress where this did not
+    CountingBitmap.calls = 0
+    with et.compress_activations(model, CountingBitmap(value_dtype=torch.float16)):
+        model(torch.randn(2, 3, 24, 24)).sum().backward()
+    assert CountingBitmap.calls == 2
+
+
+def _grads_in_place(model, x, y, policy):
+    """``grads`` on ``model`` itself, not a copy: the positions it learned are the model's."""
+    x = x.clone().requires_grad_(True)
+    for p in model.parameters():
+        p.grad = None
+    with et.compress_activations(model, policy) as scope:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    assert scope.saved_count > 0
+    return loss.detach(), x.grad, [p.grad.clone() for p in model.parameters()], None

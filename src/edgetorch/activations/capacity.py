@@ -26,6 +26,11 @@ exactly, one sync each, as before. A position whose last count made the bitmap n
 dense is held as it is without looking again (a convolution output feeding batch norm has no zeros
 to find; looking would cost a sync): its count is taken again when the model's tapes are dropped
 (:func:`edgetorch.activations.tape.forget`) or its input signature changes.
+
+The same holds on a CPU, where looking costs a counting pass and the engine's bookkeeping for the
+tensor instead of a sync (mobilenet_v2 at batch 2: 98 of the 120 tensors a step tried were batch
+norm inputs that never compress): :meth:`Capacities.held_as_is`. A position that would compress
+later is then held dense, which costs memory, never exactness.
 """
 
 from __future__ import annotations
@@ -51,21 +56,34 @@ def host_waits() -> int:
 
 class Capacities:
     """What the n-th packed tensor of a step kept the last time, per input signature, and the value
-    slots that gives the next one."""
+    slots that gives the next one; and, on any device, the positions whose exact form did not
+    compress (held as they are from then on, without looking again: see the module docstring)."""
 
-    __slots__ = ("_by_signature",)
+    __slots__ = ("_by_signature", "_as_is")
 
     def __init__(self):
         self._by_signature: dict[tuple | None, dict[int, tuple[int, int]]] = {}
+        self._as_is: dict[tuple, dict[int, int]] = {}
 
     def of(self, signature: tuple | None) -> dict[int, tuple[int, int]]:
         """The counts seen for ``signature``: pack index -> (elements, kept)."""
-        counts = self._by_signature.get(signature)
-        if counts is None:
-            if len(self._by_signature) >= MAX_SIGNATURES:
-                self._by_signature.pop(next(iter(self._by_signature)))
-            counts = self._by_signature[signature] = {}
-        return counts
+        return _newest(self._by_signature, signature)
+
+    def held_as_is(self, signature: tuple | None, policy: object) -> dict[int, int]:
+        """Pack index -> elements, for the tensors whose exact form ``policy`` found no smaller
+        than dense at that position of a step of ``signature`` (keyed by policy too: a threshold
+        or a narrower value type can make a position compress that another policy could not)."""
+        return _newest(self._as_is, (signature, policy))
+
+
+def _newest(by_key: dict, key) -> dict:
+    """``by_key[key]``, made empty if missing; the oldest key goes beyond MAX_SIGNATURES."""
+    found = by_key.get(key)
+    if found is None:
+        if len(by_key) >= MAX_SIGNATURES:
+            by_key.pop(next(iter(by_key)))
+        found = by_key[key] = {}
+    return found
 
 
 def capacity(counts: dict[int, tuple[int, int]], index: int, numel: int) -> int | None:

@@ -36,7 +36,7 @@ from ..codecs.narrow import WIDE_INTS, pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
 from .capacity import LateChecks, Wrapper, capacity
 from .policies import Policy
-from .roles import EXACT, Need, OpWatch
+from .roles import EXACT, Need, OpWatch, storage_address
 from .tape import Slot, model_state, signature, tapes_of
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -178,10 +178,10 @@ class _Kept:
 
     __slots__ = ("tensor", "version")
 
-    def __init__(self, detached: torch.Tensor, version: int):
-        # Detached: the same storage and version counter, but no reference back to the graph
-        # node that holds this object (that cycle would outlive a graph dropped unbackwarded).
-        self.tensor, self.version = detached, version
+    def __init__(self, alias: torch.Tensor, version: int):
+        # An alias (see _alias): no reference back to the graph node that holds this object
+        # (that cycle would outlive a graph dropped unbackwarded).
+        self.tensor, self.version = alias, version
 
     def unpack(self) -> torch.Tensor:
         _check_version(self.tensor, self.version)
@@ -194,9 +194,9 @@ class _Pending:
     __slots__ = ("tensor", "detached", "module", "target", "forced", "index")
 
     def __init__(self, t: torch.Tensor, module: tuple[str, str], forced: Need | None, index: int):
-        # Detached here, at autograd level: an alias made later, inside the dispatch mode,
+        # Aliased here, at autograd level: an alias made later, inside the dispatch mode,
         # would not share the version counter that catches in-place changes.
-        self.tensor, self.detached = t, t.detach()
+        self.tensor, self.detached = t, _alias(t)
         self.module, self.target, self.forced, self.index = module, None, forced, index
 
     def unpack(self) -> torch.Tensor:
@@ -209,6 +209,19 @@ class _Pending:
         if self.target is None and self.detached is not None:
             self.target = _Kept(self.detached, self.detached._version)
         self.tensor = self.detached = None
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """What a pack holds for ``t``: ``t`` itself if it is a leaf, else a detached alias.
+
+    A leaf (a parameter, the input batch, batch norm's saved statistics) has no graph node, so
+    holding it makes no reference cycle, and plain PyTorch holds it so too; a detached alias
+    would be one more object for the garbage collector per saved tensor (338 a step in
+    mobilenet_v2). A tensor with a graph node is detached: the same storage and version counter,
+    but no reference back to the node that holds the pack (a cycle through C++ that no
+    collector could free).
+    """
+    return t if t.is_leaf else t.detach()
 
 
 def _check_version(t: torch.Tensor | None, version: int) -> None:
@@ -262,7 +275,7 @@ class compress_activations(contextlib.ContextDecorator):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
         self.model, self.policy, self.min_bytes, self.ledger = model, policy, min_bytes, ledger
-        self._keep = {t.untyped_storage().data_ptr() for t in keep}
+        self._keep = {storage_address(t) for t in keep}
         self.saved_count = 0
 
     # -- context ---------------------------------------------------------------------------
@@ -297,6 +310,7 @@ class compress_activations(contextlib.ContextDecorator):
         # Bitmaps on the GPU path: sized from an earlier step's counts, checked late (.capacity).
         self._sized = self.policy.sized_by_count
         self._checks: LateChecks | None = None
+        self._uncompressed: dict[int, int] | None = None  # see _held_as_is
         self._index = 0  # the pack being stored: its position in the step
         nested = self._tapes.busy
         self._owns_tapes = not nested
@@ -428,7 +442,7 @@ class compress_activations(contextlib.ContextDecorator):
                 self._candidates = tapes
             else:
                 self._watch_and_record()
-        self._inputs = {x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor)}
+        self._inputs = {storage_address(x) for x in leaves if isinstance(x, torch.Tensor)}
         self._batch = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim()), None)
         self._forward_with_grad |= torch.is_grad_enabled()
 
@@ -459,13 +473,13 @@ class compress_activations(contextlib.ContextDecorator):
 
     # -- saved tensor hooks -------------------------------------------------------------------
     def _is_external(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self._external
+        return storage_address(t) in self._external
 
     def _pack(self, t: torch.Tensor):
         index = self._index = self.saved_count
         self.saved_count = index + 1
         if self._as_is:  # nothing to encode or record: held as PyTorch holds it
-            return _Kept(t.detach(), t._version)
+            return _Kept(_alias(t), t._version)
         if self._undecided is not None:  # a pack before the model's call: any tape of this state
             self._candidates, self._undecided = [tape for _, tape in self._undecided], None
         if self._candidates:  # replaying: the tapes whose slots this step's packs matched so far
@@ -478,11 +492,11 @@ class compress_activations(contextlib.ContextDecorator):
             if live:
                 self._candidates = live
                 slot = live[0][index]
-                return self._hold(t, t.detach(), slot.need, slot.module, slot.param_copy)
+                return self._hold(t, _alias(t), slot.need, slot.module, slot.param_copy)
             # On no tape: exact from here on (see .tape: watching cannot start mid-step).
             self._candidates, self._missed = None, True
         if self._watch is None:
-            return self._hold(t, t.detach(), EXACT, self._stack[-1][1], False)
+            return self._hold(t, _alias(t), EXACT, self._stack[-1][1], False)
         forced = EXACT if self._watch.after_grad_free_op else None
         pending = _Pending(t, self._stack[-1][1], forced, index)
         self._watch.pending.append(pending)
@@ -500,11 +514,11 @@ class compress_activations(contextlib.ContextDecorator):
         pending.tensor = pending.detached = None
 
     def _hold(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], param_copy: bool):
-        """Store ``t`` (``d``: its detached alias, made at autograd level) for ``need``.
+        """Store ``t`` (``d``: its alias made at autograd level, see :func:`_alias`) for ``need``.
 
         ``param_copy``: autocast's low-precision copy of a weight (the dispatch mode saw it made).
         """
-        ptr = t.untyped_storage().data_ptr()
+        ptr = storage_address(t)
         if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
             self._record(t, module, "external", 0, 0, 0, need)
             return _Kept(d, t._version)
@@ -519,7 +533,18 @@ class compress_activations(contextlib.ContextDecorator):
         if (t.dtype not in _FLOATS and not narrowable) or nbytes < self.min_bytes:
             self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
             return _Kept(d, t._version)
+        if not self._roles and self._held_as_is().get(self._index) == t.numel():
+            # Did not compress at this position before (.capacity): held as it is, with no entry.
+            # Without roles every pack takes the one form, so no later pack of this storage
+            # could want another form that the dense copy would have served; and no ledger.
+            return _Kept(d, t._version)
         return self._save(t, d, need, module, ptr)
+
+    def _held_as_is(self) -> dict[int, int]:
+        """Positions of this model, input signature and policy whose exact form did not compress."""
+        if self._uncompressed is None:
+            self._uncompressed = self._tapes.capacities.held_as_is(self._signature, self.policy)
+        return self._uncompressed
 
     def _flush(self) -> None:
         if self._watch is not None:
@@ -566,7 +591,7 @@ class compress_activations(contextlib.ContextDecorator):
             elif self._sized and _cuda.gpu_path(region):
                 rep = self._encode_sized(region.view(rows, -1), need, entry, form)
             else:
-                rep = self.policy.encode(region.view(rows, -1), need)
+                rep = self._encode_exact_once(region, rows, need, form, dense_bytes)
             region_bytes = region.numel() * region.element_size()
             if rep is None or rep.nbytes >= region_bytes:
                 # Never worse than plain PyTorch: what does not compress is held as it is (a
@@ -584,6 +609,17 @@ class compress_activations(contextlib.ContextDecorator):
         if rep.nbytes:
             self.ledger.hold(rep.nbytes)
             weakref.finalize(rep, self.ledger.release, rep.nbytes)
+
+    def _encode_exact_once(self, region: torch.Tensor, rows: int, need: Need, form: str, dense_bytes: int):
+        """``policy.encode`` of ``region``, except where its exact form did not compress at this
+        position before: None then, without looking (.capacity); a new such position is noted."""
+        as_is = self._held_as_is() if form == "exact" and dense_bytes else None
+        if as_is is not None and as_is.get(self._index) == region.numel():
+            return None
+        rep = self.policy.encode(region.view(rows, -1), need)
+        if as_is is not None and (rep is None or rep.nbytes >= region.numel() * region.element_size()):
+            as_is[self._index] = region.numel()
+        return rep
 
     def _encode_sized(self, x: torch.Tensor, need: Need, entry: _Entry, form: str):
         """Encode ``x`` into value slots sized from the count kept at this position of an earlier

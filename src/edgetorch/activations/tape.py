@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .capacity import Capacities
-from .roles import Need
+from .roles import Need, storage_address
 
 MAX_TAPES = 8  # per model and state: signatures and paths seen (a last smaller batch, a branch)
 WATCH_AFTER_MISS = 3  # steps watched after a step left every tape, to record the path it took
@@ -151,8 +151,8 @@ def model_state(model: nn.Module, tapes: ModelTapes) -> tuple[set[int], tuple]:
         # alive. Parameters and buffers hold no reference to their module.
         walk = tapes.walk = (_generation, [weakref.ref(m) for m in modules], params, buffers)
     _, _, params, buffers = walk
-    storages = {t.untyped_storage().data_ptr() for t in params}
-    storages.update(t.untyped_storage().data_ptr() for t in buffers)
+    storages = {storage_address(t) for t in params}
+    storages.update(storage_address(t) for t in buffers)
     state = (tuple(m.training for m in modules), tuple(p.requires_grad for p in params),
              torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"))
     return storages, state
