@@ -15,6 +15,9 @@ rotated per round, so machine noise (the machine may be shared) hits all of them
 Reported per configuration: the median of per-round ratios (block time / plain's block time in
 the same round) and the ratio of minima (least-disturbed blocks).
 
+A reference row times bare ``saved_tensors_hooks`` (a leaf held as is, anything else detached, no
+version check, no bookkeeping): the least any engine built on Python hooks pays per saved tensor.
+
 Also reported, on one untimed steady-state step per configuration after the timed rounds: how
 many times the role dispatch mode (``edgetorch.activations.roles.OpWatch.__torch_dispatch__``)
 ran, and how many saved tensors the step packed (``compress_activations(...).saved_count``).
@@ -42,9 +45,28 @@ ARCHS = ("resnet18", "mobilenet_v2")
 RESOLUTION, BATCH, CLASSES = 32, 2, 10
 POOL = 8  # distinct random batches, cycled step by step (a fine-tune sees new data each step)
 BASELINE = "plain PyTorch"
-# None: plain PyTorch, no hooks at all (the baseline every ratio divides by).
-CONFIGS: dict[str, edgetorch.Policy | None] = {
+
+
+def _bare_pack(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_leaf else t.detach()  # a leaf as is; else detached, or the graph would hold itself
+
+
+def _bare_unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class BareHooks:
+    """The least a Python ``saved_tensors_hooks`` pair can do: what any hook-based engine pays at
+    least (no version check, no bookkeeping, nothing stored differently). Not a usable policy."""
+
+    def __call__(self):
+        return torch.autograd.graph.saved_tensors_hooks(_bare_pack, _bare_unpack)
+
+
+# None: plain PyTorch, no hooks at all (the baseline every ratio divides by); BareHooks: the floor.
+CONFIGS: dict[str, edgetorch.Policy | BareHooks | None] = {
     BASELINE: None,
+    "bare saved_tensors_hooks (floor)": BareHooks(),
     "Dense()": edgetorch.Dense(),
     "Bitmap()": edgetorch.Bitmap(),
     "BackRazor(0.9)": edgetorch.BackRazor(0.9),
@@ -73,15 +95,18 @@ class Bench:
                         for _ in range(POOL)]  # fmt: skip
         self.steps = 0
 
-    def step(self, policy: edgetorch.Policy | None) -> edgetorch.compress_activations | None:
-        """One forward (inside compress_activations unless plain), backward and SGD step."""
+    def step(self, policy: edgetorch.Policy | BareHooks | None) -> edgetorch.compress_activations | None:
+        """One forward (inside compress_activations, the bare hooks, or nothing), backward and SGD step."""
         x, y = self.batches[self.steps % POOL]
         self.steps += 1
-        scope = None if policy is None else edgetorch.compress_activations(self.model, policy)
-        timed_step(self.model, scope if scope is not None else contextlib.nullcontext(), x, y, self.optimizer)
-        return scope
+        if isinstance(policy, edgetorch.Policy):
+            scope = edgetorch.compress_activations(self.model, policy)
+            timed_step(self.model, scope, x, y, self.optimizer)
+            return scope
+        timed_step(self.model, contextlib.nullcontext() if policy is None else policy(), x, y, self.optimizer)
+        return None
 
-    def block(self, policy: edgetorch.Policy | None, steps: int) -> float:
+    def block(self, policy: edgetorch.Policy | BareHooks | None, steps: int) -> float:
         """Seconds per step over ``steps`` consecutive steps."""
         start = time.perf_counter()
         for _ in range(steps):
@@ -120,9 +145,9 @@ def plain_saved_count(bench: Bench) -> int:
     return count[0]
 
 
-def one_step_counts(bench: Bench, policy: edgetorch.Policy | None) -> dict:
+def one_step_counts(bench: Bench, policy: edgetorch.Policy | BareHooks | None) -> dict:
     """Dispatch-mode calls and packed tensors of one untimed step."""
-    if policy is None:
+    if not isinstance(policy, edgetorch.Policy):  # the same packs as plain
         with count_dispatch() as calls:
             saved = plain_saved_count(bench)
         return {"dispatch_calls": calls[0], "saved_count": saved}
@@ -189,7 +214,7 @@ def main() -> None:
             minima = min(t) / base_min
             bound = TARGETS.get(name)
             results[arch][name] = {
-                "policy": None if CONFIGS[name] is None else CONFIGS[name].spec(),
+                "policy": CONFIGS[name].spec() if isinstance(CONFIGS[name], edgetorch.Policy) else None,
                 "seconds_per_step": t, "median_s": median(t), "min_s": min(t),
                 "ratio_of_minima": minima, "median_paired_ratio": paired, "target": bound,
                 "met": None if bound is None else max(paired, minima) <= bound,
@@ -231,6 +256,9 @@ def main() -> None:
         "(after the model's earlier steps under other configurations). Saved tensors: "
         "`compress_activations(...).saved_count` of that steady step; for plain, the packs seen by identity "
         "`saved_tensors_hooks`. Issue 23 asks for 0 dispatch-mode calls on a steady-state step.",
+        "The floor row times the least any engine built on Python `saved_tensors_hooks` pays: a pack "
+        "that returns a leaf as is and detaches anything else, an unpack that returns it, no version "
+        "check and no bookkeeping. A target below it cannot be met by a hook-based engine on that model.",
         *sections,
         "## Targets (issue 23, CPU proxies)\n\n" + "\n".join(f"- {v}" for v in verdicts),
         f"Wall time of the run: {wall:.0f} s{' (--quick)' if args.quick else ''}. {tree_note}",
