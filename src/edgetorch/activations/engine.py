@@ -184,7 +184,8 @@ class _Kept:
         self.tensor, self.version = alias, version
 
     def unpack(self) -> torch.Tensor:
-        _check_version(self.tensor, self.version)
+        if self.tensor._version != self.version:  # most saved tensors: no call to check it
+            _check_version(self.tensor, self.version)
         return self.tensor
 
 
@@ -479,8 +480,8 @@ class compress_activations(contextlib.ContextDecorator):
     def _pack(self, t: torch.Tensor):
         index = self._index = self.saved_count
         self.saved_count = index + 1
-        if self._as_is:  # nothing to encode or record: held as PyTorch holds it
-            return _Kept(_alias(t), t._version)
+        if self._as_is:  # nothing to encode or record: held as PyTorch holds it (_alias, inlined)
+            return _Kept(t if t.is_leaf else t.detach(), t._version)
         if self._undecided is not None:  # a pack before the model's call: any tape of this state
             self._candidates, self._undecided = [tape for _, tape in self._undecided], None
         if self._candidates:  # replaying: the tapes whose slots this step's packs matched so far
