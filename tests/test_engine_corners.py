@@ -341,3 +341,22 @@ def _grads_in_place(model, x, y, policy):
     loss.backward()
     assert scope.saved_count > 0
     return loss.detach(), x.grad, [p.grad.clone() for p in model.parameters()], None
+
+
+def test_a_policy_with_an_unhashable_field_still_works():
+    """The positions a policy found incompressible are remembered by policy; a subclass with an
+    unhashable field (the step_overhead bench's timed bitmap) is remembered by object."""
+    from dataclasses import dataclass, field
+
+    @dataclass(frozen=True)
+    class Noted(et.Bitmap):
+        notes: list = field(default_factory=list)
+
+    torch.manual_seed(0)
+    model, y = ConvBnRelu(), torch.tensor([0, 3])
+    policy = Noted()
+    with pytest.raises(TypeError):
+        hash(policy)
+    for _ in range(2):
+        x = torch.randn(2, 3, 24, 24)
+        assert_identical(grads(model, x, y), _grads_in_place(model, x, y, policy))

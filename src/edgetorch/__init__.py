@@ -23,7 +23,7 @@ _EXPORTS = {
     "load_dataset": "data",
     "SavedTensorLedger": "measure", "model_memory": "measure",
     "build_model": "zoo", "pretrained": "zoo",
-    "InputFileError": "_files",
+    "InputFileError": "_files", "EdgetorchError": "errors",
 }
 __all__ = sorted(_EXPORTS)
 _SUBPACKAGES = ("activations", "codecs", "data", "integrations", "measure", "reduce", "split", "zoo")
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ._files import InputFileError
     from .codecs import BitmapTensor, pack_bitmap
     from .data import load_dataset
+    from .errors import EdgetorchError
     from .measure import SavedTensorLedger, model_memory
     from .zoo import build_model, pretrained
 

@@ -24,11 +24,13 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .errors import EdgetorchError
+
 MAX_JSON_BYTES = 16 << 20  # every JSON file edgetorch writes is far smaller (manifests, records, histories)
 MAX_JSON_DEPTH = 32  # the deepest JSON edgetorch writes nests 5 levels
 
 
-class InputFileError(ValueError):
+class InputFileError(EdgetorchError, ValueError):
     """A file edgetorch will not read: missing, not a regular file, over its size limit, or malformed.
 
     Every loader's own error type (``CheckpointError``, ``SplitArtifactError``, ...) is a subclass,

@@ -73,7 +73,11 @@ class Capacities:
         """Pack index -> elements, for the tensors whose exact form ``policy`` found no smaller
         than dense at that position of a step of ``signature`` (keyed by policy too: a threshold
         or a narrower value type can make a position compress that another policy could not)."""
-        return _newest(self._as_is, (signature, policy))
+        try:
+            key = (signature, policy, hash(policy))
+        except TypeError:  # a policy with an unhashable field: remembered for this object only
+            key = (signature, type(policy), id(policy))
+        return _newest(self._as_is, key)
 
 
 def _newest(by_key: dict, key) -> dict:

@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import EdgetorchError
 from .policies import Policy
 from .step import TrainingPolicy, storing
 
 CAPTURABLE = "plain PyTorch (policy=None), Dense() without a ledger, BackRazor and Quantized(stochastic=False)"
 
 
-class CaptureError(RuntimeError):
+class CaptureError(EdgetorchError, RuntimeError):
     """A step could not be captured as a CUDA graph (it syncs with the host, or capture failed)."""
 
 

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from ..errors import EdgetorchError
 from ._app import app, console, device_option, mib, output_dir, output_file, plot_file, write_json
 
 _POLICY_HELP = ("repeatable: dense, bitmap[:threshold=..,value_dtype=..], backrazor[:sparsity=0.9], each optionally "
@@ -59,7 +60,7 @@ def finetune(
 
     from ..activations import parse_training_policy, plan_memory
     from ..activations.budget import DEFAULT_POLICIES, parse_bytes
-    from ..data import DatasetNotFoundError, ImageFolderError, image_data
+    from ..data import ImageFolderError, image_data
     from ..finetune import FinetuneConfig, finetune as run, prepare, replace_classifier, start_model
     from ..zoo import CheckpointError, input_channels
 
@@ -82,7 +83,7 @@ def finetune(
                             limit=limit, skip_bad_images=skip_bad_images)
         if replace_classifier(net, len(images.classes)):
             origin += f"; new {len(images.classes)}-class classifier"
-    except (ValueError, TypeError, ImportError, CheckpointError, ImageFolderError, DatasetNotFoundError) as err:
+    except (EdgetorchError, ValueError, TypeError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None
     net = net.to(device)
     console.print(f"model {model}: {origin}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
+from ..errors import EdgetorchError
 from ._app import app, console, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
@@ -119,7 +120,7 @@ def reduce(
     import torch
     from torch.utils.data import TensorDataset
 
-    from ..data import DatasetNotFoundError, load_dataset
+    from ..data import load_dataset
     from ..reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, count_transformer_macs, reduce_model, save
     from ..reduce.transformer_blocks import is_transformer
     from .._checks import check_choice
@@ -151,7 +152,7 @@ def reduce(
                             "allocation"):
             result = reduce_model(full, alpha, method, allocation, calibration=calib, seed=seed,
                                   prune_input=prune_input)
-    except (ValueError, TypeError, DatasetNotFoundError) as err:  # CheckpointError is a ValueError
+    except (EdgetorchError, ValueError, TypeError) as err:
         raise typer.BadParameter(str(err)) from None
     except ImportError as err:  # a network that is not a chain, without Torch-Pruning
         console.print(f"reduce failed: {err}", style="red")

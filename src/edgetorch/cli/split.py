@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from ..errors import EdgetorchError
 from ._app import app, console, device_option, output_dir, output_file, plot_file, write_json
 
 split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, plan (measure-server for the planner).", no_args_is_help=True)
@@ -132,7 +133,7 @@ def export(
 ) -> None:
     """Write head.safetensors, tail.safetensors and manifest.json for a bottleneck-injected model."""
     from ..split.bottleneck import inject_bottleneck
-    from ..split.export import Preprocess, SplitArtifactError, save
+    from ..split.export import Preprocess, save
     from ..split.recipe import NORMALISATIONS, load_trained
     from ..zoo import build_model, load_weights
 
@@ -161,7 +162,7 @@ def export(
                 load_weights(student, checkpoint)
             preprocess = Preprocess((resolution, resolution), color, *NORMALISATIONS[normalize])
         manifest = save(student, out, resolution, preprocess, class_names=names, key=key, onnx=onnx)
-    except (ValueError, TypeError, ImportError, SplitArtifactError) as err:  # CheckpointError is a ValueError
+    except (EdgetorchError, ValueError, TypeError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None
     source = trained or checkpoint or "random init"
     console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
@@ -195,7 +196,6 @@ def serve(
     num_cpus_per_replica: float = typer.Option(1.0, min=0.0, help="with --ray: CPUs Ray reserves per replica"),
 ) -> None:
     """Serve the tail over HTTP (POST /infer, GET /health, GET /metrics) with uvicorn, or on Ray Serve."""
-    from ..split.export import SplitArtifactError
     from ..split.server import ServerConfig, app_from_dir, uvicorn_config
 
     token = _secret(token_env, "bearer token")
@@ -216,7 +216,7 @@ def serve(
             ray_app.run(artifact_dir, host, port, replicas, config, key=key, num_cpus_per_replica=num_cpus_per_replica)
             return
         server = app_from_dir(artifact_dir, config, key)
-    except (SplitArtifactError, ValueError, ImportError) as err:
+    except (EdgetorchError, ValueError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None
     import uvicorn
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import EdgetorchError
 from .cache import cache_dir
 from .idx import read_idx
 
@@ -32,7 +33,7 @@ _FILES = {
 IMAGE_SIZE = 28
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(EdgetorchError, FileNotFoundError):
     """No location holds the dataset files; the message lists what was tried and the options."""
 
 

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.images import read_image
+from ..errors import EdgetorchError
 from .export import Preprocess, SplitManifest, load_onnx_head, load_part
 from .payload import encode
 
 
-class SplitClientError(RuntimeError):
+class SplitClientError(EdgetorchError, RuntimeError):
     """The server refused a request or answered something that is not logits of the right shape."""
 
 

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import EdgetorchError
+
 MAGIC = b"ETBQ"
 VERSION = 1
 MAX_NDIM = 8
@@ -68,7 +70,7 @@ _QMAX = 255
 MAX_NUMEL = 2**63 - 1
 
 
-class PayloadError(ValueError):
+class PayloadError(EdgetorchError, ValueError):
     """A payload (or a tensor given to :func:`encode`) is not valid; the message says why."""
 
 
