@@ -38,8 +38,17 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
+
+from .held import Region, Wrapper
+
+if TYPE_CHECKING:
+    from ..measure.ledger import SavedTensorLedger
+    from .held import Entry
+    from .policies import Policy
+    from .roles import Need
 
 MARGIN = 1.05  # slots per kept value of the last count: room for drift between steps (more: re-packed)
 SLACK = 1024  # slots beyond the margin: a small tensor's count moves by more than 5% of itself
@@ -96,20 +105,6 @@ def capacity(counts: dict[int, tuple[int, int]], index: int, numel: int) -> int 
     if seen is None or seen[0] != numel:
         return None
     return min(numel, int(seen[1] * MARGIN) + SLACK)
-
-
-class Wrapper:
-    """A stored form that holds another (``rep``) and answers for its bytes and kept values."""
-
-    __slots__ = ("rep", "__weakref__")
-
-    @property
-    def nbytes(self) -> int:
-        return self.rep.nbytes
-
-    @property
-    def nnz(self) -> int:
-        return self.rep.nnz
 
 
 class Unchecked(Wrapper):
@@ -235,3 +230,25 @@ class LateChecks:
         self._used += 1
         self._slots[slot : slot + 1].copy_(count, non_blocking=count.is_cuda)
         return self._host, slot
+
+
+class Repack:
+    """Store a tensor exactly after its capped bitmap overflowed (rare: see the module docstring), and
+    restate its ledger row."""
+
+    __slots__ = ("policy", "need", "ledger", "entry", "form")
+
+    def __init__(self, policy: Policy, need: Need, ledger: SavedTensorLedger | None, entry: Entry, form: str):
+        self.policy, self.need, self.ledger, self.form = policy, need, ledger, form
+        self.entry = weakref.ref(entry)  # an entry holds what holds this: no cycle
+
+    def __call__(self, source: torch.Tensor, held) -> object:
+        rep = self.policy.encode(source, self.need)  # exact size: one sync
+        rep = Region(source, source) if rep is None else rep
+        entry = self.entry()
+        index = None if entry is None or self.ledger is None else entry.records.get(self.form)
+        if index is not None:
+            self.ledger.restate(index, rep.nbytes, "dense" if isinstance(rep, Region) else "stored")
+            self.ledger.hold(rep.nbytes - held.nbytes)
+            weakref.finalize(held, self.ledger.release, rep.nbytes - held.nbytes)
+        return rep
