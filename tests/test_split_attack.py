@@ -29,8 +29,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgetorch.split import SplitArtifactError, inject_bottleneck, load, save
-from edgetorch.split import export
-from edgetorch.split.export import load_onnx_head, load_part, read_manifest
+from edgetorch.split import artifact as artifact_files
+from edgetorch.split import onnx_head
+from edgetorch.split.artifact import load_part, read_manifest
+from edgetorch.split.manifest import SplitManifest, manifest_hmac
+from edgetorch.split.onnx_head import load_onnx_head
 
 KEY = "0123456789abcdef-attack-key"
 
@@ -434,7 +437,7 @@ def _warm_load(artifact: Path, onnx: Path | None = None) -> str:
     """The child's warm-up: the same loader on the valid artifact."""
     if onnx is not None:
         return f"edgetorch.split.load_onnx_head({str(onnx)!r})[0](torch.rand(1, 3, 32, 32))"
-    return f"edgetorch.split.export.load_part({str(artifact)!r}, 'tail')"
+    return f"edgetorch.split.artifact.load_part({str(artifact)!r}, 'tail')"
 
 
 def test_manifests_claiming_huge_parts_are_refused_in_bounded_memory(copy_of, artifact, tmp_path):
@@ -449,22 +452,22 @@ def test_manifests_claiming_huge_parts_are_refused_in_bounded_memory(copy_of, ar
         edit_manifest(directory, lambda m: (m["model"].update(channels=channels),
                                             m.update(bottleneck_shape=[channels, 4, 4])))
         (directory / "tail.safetensors").unlink()  # nothing is read: a missing file is not even noticed
-        bodies[f"channels={channels}"] = f"edgetorch.split.export.load_part({str(directory)!r}, 'tail')"
+        bodies[f"channels={channels}"] = f"edgetorch.split.artifact.load_part({str(directory)!r}, 'tail')"
         expected[f"channels={channels}"] = "bytes of weights, over the 2147483648 an artifact part may have"
     edit_manifest(copy_of, lambda m: (m["model"].update(num_classes=200_000), m.update(num_classes=200_000,
                                                                                         class_names=None)))
-    limit = export._size_limit(export._skeleton(read_manifest_unchecked(copy_of)), "tail")
+    limit = artifact_files._size_limit(artifact_files.skeleton(read_manifest_unchecked(copy_of)), "tail")
     assert limit > MEMORY_BOUND  # holding the file would fail the bound
     with open(copy_of / "tail.safetensors", "wb") as f:
         f.truncate(limit)  # sparse: no disk, all zeros
-    bodies["sparse tail"] = f"edgetorch.split.export.load_part({str(copy_of)!r}, 'tail')"
+    bodies["sparse tail"] = f"edgetorch.split.artifact.load_part({str(copy_of)!r}, 'tail')"
     expected["sparse tail"] = "SHA-256 does not match the manifest"
     for case, outcome in run_children(bodies, warm=_warm_load(artifact)).items():
         outcome.refused_with("SplitArtifactError", expected[case])
 
 
-def read_manifest_unchecked(directory: Path) -> export.SplitManifest:
-    return export.SplitManifest.from_json((directory / "manifest.json").read_text())
+def read_manifest_unchecked(directory: Path) -> SplitManifest:
+    return SplitManifest.from_json((directory / "manifest.json").read_text())
 
 
 @pytest.mark.parametrize("name", ["\x1b[31mred", "two\nlines", "\u202eevil", "tab\there", "nul\x00"],
@@ -495,9 +498,9 @@ def test_each_file_is_opened_once_and_parsed_from_the_hashed_bytes(copy_of, monk
         swap(path)
         return f
 
-    real_read, real_open = export.read_bytes, export.open_regular
-    monkeypatch.setattr(export, "read_bytes", read_then_swap)
-    monkeypatch.setattr(export, "open_regular", open_then_swap)
+    real_read, real_open = artifact_files.read_bytes, artifact_files.open_regular
+    monkeypatch.setattr(artifact_files, "read_bytes", read_then_swap)
+    monkeypatch.setattr(artifact_files, "open_regular", open_then_swap)
     head, tail = load(copy_of)
     assert opened == {"manifest.json": 1, "head.safetensors": 1, "tail.safetensors": 1}
     monkeypatch.undo()
@@ -509,7 +512,7 @@ def test_each_file_is_opened_once_and_parsed_from_the_hashed_bytes(copy_of, monk
 
 def test_a_file_rewritten_in_place_between_hash_and_read_is_refused(copy_of, monkeypatch):
     """The bytes are hashed in chunks, then read and hashed again: what is parsed is what was hashed."""
-    real_check = export._check_digest
+    real_check = artifact_files._check_digest
 
     def check_then_rewrite(path, digest, entry):
         real_check(path, digest, entry)
@@ -517,7 +520,7 @@ def test_a_file_rewritten_in_place_between_hash_and_read_is_refused(copy_of, mon
             f.seek(100)
             f.write(b"tampered")
 
-    monkeypatch.setattr(export, "_check_digest", check_then_rewrite)
+    monkeypatch.setattr(artifact_files, "_check_digest", check_then_rewrite)
     _refused(copy_of, "SHA-256 does not match the manifest")
 
 
@@ -533,7 +536,7 @@ def test_a_file_that_grows_after_its_size_is_checked_is_still_capped(tmp_path, m
 
     monkeypatch.setattr(os, "fstat", fstat_before_growth)
     with pytest.raises(SplitArtifactError, match="grew past the 100-byte limit"):
-        export.read_bytes(path, 100, error=SplitArtifactError)
+        artifact_files.read_bytes(path, 100, error=SplitArtifactError)
 
 
 # --------------------------------------------------------------------------------------------
@@ -543,9 +546,9 @@ def test_a_file_that_grows_after_its_size_is_checked_is_still_capped(tmp_path, m
 def _sign_as(directory: Path, key: str) -> None:
     from dataclasses import replace
 
-    manifest = replace(export.SplitManifest.from_json((directory / "manifest.json").read_text()), signature=None)
+    manifest = replace(SplitManifest.from_json((directory / "manifest.json").read_text()), signature=None)
     (directory / "manifest.json").write_text(
-        replace(manifest, signature=export._signature(manifest, key)).to_json())
+        replace(manifest, signature=manifest_hmac(manifest, key)).to_json())
 
 
 @pytest.mark.parametrize("signature, match", [
@@ -784,7 +787,7 @@ def test_an_onnx_head_whose_output_is_not_the_manifests_is_refused_when_run():
     onnxruntime = pytest.importorskip("onnxruntime")
     session = onnxruntime.InferenceSession(_onnx_head(pool=4, declared=["batch", "c", "h", "w"]),
                                            providers=["CPUExecutionProvider"])
-    head = export.OnnxHead(session, (3, 32, 32), (2, 4, 4))
+    head = onnx_head.OnnxHead(session, (3, 32, 32), (2, 4, 4))
     with pytest.raises(SplitArtifactError, match=r"gave \[1, 2, 8, 8\], the manifest's bottleneck is \[1, 2, 4, 4\]"):
         head(torch.rand(1, 3, 32, 32))
 

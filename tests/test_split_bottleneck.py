@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from edgetorch.split import SplitArtifactError, load, save
-from edgetorch.split.export import read_manifest
+from edgetorch.split.artifact import read_manifest
 from edgetorch.split.bottleneck import (
     ACCEPTED_ARCHS,
     BottleneckModel,

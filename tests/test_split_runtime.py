@@ -25,7 +25,8 @@ from PIL import Image
 
 from edgetorch.split import SplitArtifactError, save, inject_bottleneck, load, load_onnx_head
 from edgetorch.split.client import SplitClient, SplitClientError, preprocess_images
-from edgetorch.split.export import Preprocess, load_part, read_manifest
+from edgetorch.split.artifact import load_part, read_manifest
+from edgetorch.split.manifest import Preprocess
 from edgetorch.split.payload import decode, encode
 from edgetorch.split.server import ServerConfig, create_app, serve_in_background
 

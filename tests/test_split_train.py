@@ -362,7 +362,7 @@ def trained(tmp_path_factory, teacher_file, photos):
 def test_split_train_then_export_serve_and_infer_a_real_image(trained, photos, tmp_path) -> None:
     import shlex
 
-    from edgetorch.split.export import load_part, read_manifest
+    from edgetorch.split.artifact import load_part, read_manifest
     from edgetorch.split.server import create_app, serve_in_background
 
     out, result = trained

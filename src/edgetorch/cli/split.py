@@ -133,7 +133,8 @@ def export(
 ) -> None:
     """Write head.safetensors, tail.safetensors and manifest.json for a bottleneck-injected model."""
     from ..split.bottleneck import inject_bottleneck
-    from ..split.export import Preprocess, save
+    from ..split.export import save
+    from ..split.manifest import Preprocess
     from ..split.recipe import NORMALISATIONS, load_trained
     from ..zoo import build_model, load_weights
 
@@ -239,7 +240,7 @@ def infer(
     import httpx
 
     from ..split.client import SplitClient, SplitClientError
-    from ..split.export import SplitArtifactError
+    from ..split.manifest import SplitArtifactError
 
     token = _secret(token_env, "bearer token")
     key = _secret(key_env, "HMAC key")

@@ -10,10 +10,13 @@ Example:
     >>> head, tail = es.split(student)
 """
 
+from .artifact import load
 from .bottleneck import ACCEPTED_ARCHS, SPLIT_POINTS, BottleneckModel, inject_autoencoder, inject_bottleneck, split
-from .export import SplitArtifactError, load, load_onnx_head, save
+from .export import save
 from .links import parse_link
 from .losses import ghnd_loss, kd_loss
+from .manifest import SplitArtifactError
+from .onnx_head import load_onnx_head
 from .payload import PayloadError, decode, encode, payload_size
 from .plan import compare_deployments, measure_server
 from .power import DeviceProfile, ServerProfile, load_profile, load_server

@@ -14,7 +14,9 @@ from torch import nn
 
 from ..data.images import read_image
 from ..errors import EdgetorchError
-from .export import Preprocess, SplitManifest, load_onnx_head, load_part
+from .artifact import load_part
+from .manifest import Preprocess, SplitManifest
+from .onnx_head import load_onnx_head
 from .payload import encode
 
 
@@ -96,7 +98,7 @@ class SplitClient:
     """Runs the head locally and the tail on a server.
 
     Args:
-        head: the device-side module (or an :class:`~edgetorch.split.export.OnnxHead`).
+        head: the device-side module (or an :class:`~edgetorch.split.onnx_head.OnnxHead`).
         manifest: the artifact manifest (bottleneck shape, preprocessing).
         server: base URL, e.g. ``http://127.0.0.1:8000``.
         token: bearer token, if the server requires one.

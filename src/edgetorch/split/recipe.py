@@ -55,7 +55,7 @@ from ..measure.plots import save_figure
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
 from ..zoo.weights import file_sha256
 from .bottleneck import ARCHITECTURES, SPLIT_POINTS, BottleneckModel, inject_bottleneck, rebuild, split
-from .export import MAX_RESOLUTION, Preprocess
+from .manifest import MAX_RESOLUTION, Preprocess
 from .payload import decode, encode, payload_size
 from .teacher import load_rgb
 from .train import StageConfig, stage_progress, train_stage

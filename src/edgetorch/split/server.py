@@ -94,7 +94,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from torch import nn
 
-from .export import SplitManifest, check_artifact_id, load_part
+from .artifact import load_part
+from .manifest import SplitManifest, check_artifact_id
 from .payload import PayloadError, decode, payload_size, read_header
 
 CONTENT_TYPE = "application/octet-stream"
