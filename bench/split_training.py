@@ -57,7 +57,7 @@ teacher included). Every training stage is checkpointed under ``cache_dir()/spli
 interrupted run resumes and a finished one only re-evaluates (4 minutes). ``--dry-run`` times a
 few batches of every configuration with an untrained teacher, writes nothing, and prints the
 extrapolated time. Every SP2 student, baseline or BottleFit, starts from the same seeded encoder
-and decoder (:func:`edgetorch.split.recipe.build_student`). The committed results predate the
+and decoder (:func:`edgetorch.split.bottlefit.build_student`). The committed results predate the
 library recipe (their students were seeded per C, and the cache layout differed): a rerun
 retrains every stage.
 """
@@ -99,7 +99,7 @@ from edgetorch.split import (  # noqa: E402
     train_stage,
     train_teacher,
 )
-from edgetorch.split.recipe import StageRun, build_student, lr_step, run_stage  # noqa: E402
+from edgetorch.split.bottlefit import StageRun, build_student, lr_step, run_stage  # noqa: E402
 from edgetorch.split.teacher import teacher_paths  # noqa: E402
 from edgetorch.zoo import build_model, evaluate_accuracy  # noqa: E402
 

@@ -23,7 +23,9 @@ from edgetorch.cli import app
 from edgetorch.split.bottleneck import inject_autoencoder, inject_bottleneck
 from edgetorch.split.losses import ghnd_loss, kd_loss
 from edgetorch.split.payload import decode, encode, payload_size
-from edgetorch.split.recipe import NORMALISATIONS, BottleFitConfig, evaluate_split, file_offload
+from edgetorch.split.bottlefit import BottleFitConfig
+from edgetorch.split.evaluate import evaluate_split, file_offload
+from edgetorch.split.recipe import NORMALISATIONS
 from edgetorch.split.teacher import TeacherConfig, load_rgb, teacher_paths, train_teacher
 import edgetorch.split.train as train_module
 from edgetorch.split.train import StageConfig, stage_progress, train_stage

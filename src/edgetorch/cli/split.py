@@ -64,7 +64,8 @@ def train(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
 ) -> None:
     """Train a BottleFit student from a teacher: GHND, then FT or KD; evaluate it through the 8-bit payload."""
-    from ..split.recipe import BottleFitConfig, RecipeConfig, plot_losses, train_student
+    from ..split.bottlefit import BottleFitConfig
+    from ..split.recipe import RecipeConfig, plot_losses, train_student
 
     try:
         config = RecipeConfig(teacher=teacher, data=data, size=size, color=color, normalize=normalize,

@@ -11,7 +11,9 @@ Example:
 """
 
 from .artifact import load
+from .bottlefit import BottleFitConfig, train_bottlefit
 from .bottleneck import ACCEPTED_ARCHS, SPLIT_POINTS, BottleneckModel, inject_autoencoder, inject_bottleneck, split
+from .evaluate import SplitAccuracy, evaluate_split, file_offload
 from .export import save
 from .links import parse_link
 from .losses import ghnd_loss, kd_loss
@@ -20,16 +22,7 @@ from .onnx_head import load_onnx_head
 from .payload import PayloadError, decode, encode, payload_size
 from .plan import compare_deployments, measure_server
 from .power import DeviceProfile, ServerProfile, load_profile, load_server
-from .recipe import (
-    BottleFitConfig,
-    RecipeConfig,
-    SplitAccuracy,
-    evaluate_split,
-    file_offload,
-    load_trained,
-    train_bottlefit,
-    train_student,
-)
+from .recipe import RecipeConfig, load_trained, train_student
 from .teacher import TeacherConfig, load_rgb, train_teacher
 from .train import StageConfig, train_stage
 

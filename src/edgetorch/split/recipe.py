@@ -1,6 +1,7 @@
 """BottleFit end to end: a trained teacher and a dataset in, a split-ready student out.
 
-Two layers, both used by ``edgetorch split train`` and ``bench/split_training.py``:
+Two layers, both used by ``edgetorch split train`` and ``bench/split_training.py``: the stages in
+:mod:`.bottlefit`, the scoring in :mod:`.evaluate`, and here the recipe that joins them:
 
 * :func:`train_bottlefit` -- from a teacher in memory and training tensors: inject the bottleneck
   (seeded), stage 1 GHND (encoder + decoder, Adam), then stage 2 FT (cross entropy) or KD (SGD),
@@ -31,16 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
 import torch
 from torch import nn
@@ -54,329 +52,16 @@ from ..data.folder import IMAGENET_MEAN, IMAGENET_STD, SKIP_HINT
 from ..measure.plots import save_figure
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
 from ..zoo.weights import file_sha256
-from .bottleneck import ARCHITECTURES, SPLIT_POINTS, BottleneckModel, inject_bottleneck, rebuild, split
+from .bottlefit import BottleFitConfig, Log, build_student, train_bottlefit
+from .bottleneck import BottleneckModel, rebuild
+from .evaluate import DECODE_CHUNK, EVAL_BATCH, evaluate_split, file_offload
 from .manifest import MAX_RESOLUTION, Preprocess
-from .payload import decode, encode, payload_size
 from .teacher import load_rgb
-from .train import StageConfig, stage_progress, train_stage
 
-STAGE2 = ("ft", "kd")
 # Pixel normalisation after scaling to [0, 1]: what `split export --normalize` and `split train` accept.
 NORMALISATIONS = {"none": ((0.0,), (1.0,)), "imagenet": (IMAGENET_MEAN, IMAGENET_STD)}
 WEIGHTS_NAME, RECORD_NAME, RECIPE_NAME = "student.safetensors", "student.json", "recipe.json"
 RECORD_FORMAT, RECORD_VERSION = "edgetorch-split-student", 1
-JPEG_QUALITY = 90  # the offload comparison's JPEG (the planner's "jpeg")
-EVAL_BATCH = 250
-_DECODE_CHUNK = 256  # images decoded per preprocess call: bounds the temporary copies
-
-Log = Callable[[str], None]
-
-
-def lr_step(epochs: int) -> int:
-    """Epochs between x0.1 learning-rate drops: after the first half of a stage (the paper: 5 of 10).
-
-    A 1-epoch stage keeps its rate (the scheduler steps after the last epoch).
-
-    Args:
-        epochs: the stage's epochs.
-
-    Returns:
-        ``max(1, (epochs + 1) // 2)``.
-
-    Example:
-        >>> lr_step(10), lr_step(3), lr_step(1)
-        (5, 2, 1)
-    """
-    return max(1, (epochs + 1) // 2)
-
-
-@dataclass(frozen=True)
-class BottleFitConfig:
-    """The student and its two training stages (hyperparameters as in the paper unless noted).
-
-    Attributes:
-        channels: bottleneck channels C (the paper: 1, 2, 3, 6, 9, 12).
-        split_point: ``"sp1"`` or ``"sp2"`` (:func:`~edgetorch.split.inject_bottleneck`).
-        downsample: halve the bottleneck's height and width once more.
-        architecture: the encoder/decoder design: ``"paper"`` (the paper's text) or ``"released"``
-            (the authors' code; :func:`~edgetorch.split.inject_bottleneck`).
-        stage2: ``"ft"`` (cross entropy, eq. 5), ``"kd"`` (eq. 6-7), or ``None``: stage 1 only.
-        freeze_encoder: stage 2 trains only the tail ("FE" in the paper's Table II).
-        epochs: per stage (the paper: 10).
-        batch_size: samples per step (the last partial batch of an epoch is dropped).
-        lr: initial learning rate of both stages (the paper: 1e-3), x0.1 after :func:`lr_step` epochs.
-        seed: the new layers' initialisation and the batch order.
-    """
-
-    channels: int = 12
-    split_point: str = "sp2"
-    downsample: bool = False
-    architecture: str = "paper"
-    stage2: str | None = "ft"
-    freeze_encoder: bool = False
-    epochs: int = 10
-    batch_size: int = 32
-    lr: float = 1e-3
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.stage2 not in (*STAGE2, None):
-            raise ValueError(f"stage2={self.stage2!r}; accepted: {', '.join(STAGE2)} (or None: stage 1 only)")
-        if self.split_point not in SPLIT_POINTS:
-            raise ValueError(f"split_point={self.split_point!r}; accepted: {', '.join(SPLIT_POINTS)}")
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture={self.architecture!r}; accepted: {', '.join(ARCHITECTURES)}")
-        if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
-            raise ValueError(f"channels must be a positive int, got {self.channels!r}")
-        self.stages()  # StageConfig checks epochs, batch size, learning rate and seed
-
-    def stages(self) -> list[tuple[str, StageConfig]]:
-        """``(checkpoint directory name, config)`` of each stage, in order.
-
-        Returns:
-            Stage 1 (GHND, encoder + decoder, Adam) and, unless ``stage2`` is None, stage 2 (SGD,
-            momentum 0.9, the whole student or with ``freeze_encoder`` the tail).
-        """
-        common = dict(epochs=self.epochs, lr=self.lr, lr_step=lr_step(self.epochs), batch_size=self.batch_size,
-                      seed=self.seed)
-        stages = [("stage1-ghnd", StageConfig(loss="ghnd", trainable="bottleneck", optimizer="adam", **common))]
-        if self.stage2 is not None:
-            name = f"stage2-{self.stage2}" + ("-fe" if self.freeze_encoder else "")
-            stages.append((name, StageConfig(loss="ce" if self.stage2 == "ft" else "kd", optimizer="sgd",
-                                             trainable="tail" if self.freeze_encoder else "all", **common)))
-        return stages
-
-
-@dataclass(frozen=True)
-class StageRun:
-    """One stage as trained (or resumed, or loaded finished) by :func:`run_stage`.
-
-    Attributes:
-        name: the checkpoint directory's name.
-        config: the stage.
-        loss_history: mean training loss of every epoch.
-        seconds: wall-clock training time of all its epochs, over every run that trained some
-            (``None`` for a checkpoint older than that record).
-        seconds_this_run: time spent in this call (about 0 for a finished stage).
-    """
-
-    name: str
-    config: StageConfig
-    loss_history: list[float]
-    seconds: float | None
-    seconds_this_run: float
-
-    def to_json(self) -> dict[str, Any]:
-        """The run as plain JSON data."""
-        return {**dataclasses.asdict(self), "config": dataclasses.asdict(self.config)}
-
-
-def run_stage(model: nn.Module, train: TensorDataset, config: StageConfig, teacher: nn.Module | None,
-              directory: str | Path, progress: bool = True, log: Log | None = None) -> StageRun:
-    """:func:`~edgetorch.split.train.train_stage` in ``directory``, timed and logged.
-
-    Args:
-        model: the student (changed in place).
-        train: training images and labels.
-        config: the stage.
-        teacher: the teacher, for ``kd``/``hnd``/``ghnd``.
-        directory: the stage's checkpoint directory (resumed if it holds a checkpoint).
-        progress: show a progress bar.
-        log: called with one line when the stage starts and when it ends.
-
-    Returns:
-        The :class:`StageRun`.
-    """
-    directory = Path(directory)
-    log = log or (lambda line: None)
-    done = stage_progress(directory)
-    log(f"{directory.name}: " + (f"resuming after epoch {done['epoch']}/{config.epochs}" if done else "training")
-        + f" ({config.loss}, {config.trainable} trainable, {config.epochs} epoch(s))")
-    start = time.perf_counter()
-    history = train_stage(model, train, config, teacher=teacher, checkpoint_dir=directory, progress=progress)
-    elapsed = time.perf_counter() - start
-    epoch_seconds = (stage_progress(directory) or {}).get("epoch_seconds")
-    seconds = None if epoch_seconds is None else float(sum(epoch_seconds))
-    log(f"{directory.name}: done in {elapsed:.0f} s this run, loss per epoch {[round(h, 4) for h in history]}")
-    return StageRun(directory.name, config, history, seconds, elapsed)
-
-
-@dataclass
-class BottleFitRun:
-    """What :func:`train_bottlefit` returns.
-
-    Attributes:
-        student: the trained student, in eval mode, on the teacher's device.
-        stages: each stage's :class:`StageRun`.
-    """
-
-    student: BottleneckModel
-    stages: list[StageRun]
-
-
-def build_student(teacher: nn.Module, config: BottleFitConfig) -> BottleneckModel:
-    """The untrained student: ``teacher`` with the bottleneck injected, its new layers seeded by ``config.seed``.
-
-    Args:
-        teacher: a torchvision ResNet/DenseNet (copied, never changed).
-        config: channels, split point, downsampling, architecture and seed.
-
-    Returns:
-        The student on the teacher's device (the caller's random state is left as it was).
-    """
-    device = next(teacher.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(config.seed)
-        return inject_bottleneck(teacher, config.channels, config.split_point, config.downsample, config.architecture)
-
-
-def train_bottlefit(teacher: nn.Module, train: TensorDataset, config: BottleFitConfig, out_dir: str | Path,
-                    progress: bool = True, log: Log | None = None) -> BottleFitRun:  # fmt: skip
-    """Inject the bottleneck into ``teacher`` and train the student in BottleFit's stages.
-
-    Args:
-        teacher: the trained torchvision ResNet/DenseNet (kept in eval mode, never changed); the
-            student is built on its device.
-        train: ``TensorDataset`` of input images ``[N, 3, H, W]`` (as the teacher takes them) and labels.
-        config: the student and stages.
-        out_dir: one checkpoint directory per stage is kept under it (see :meth:`BottleFitConfig.stages`).
-            A stage resumes by its config alone, so use one ``out_dir`` per teacher and training data.
-        progress: show progress bars.
-        log: called with a line as each stage starts and ends.
-
-    Returns:
-        The :class:`BottleFitRun`.
-
-    Raises:
-        ValueError: the teacher is not an accepted architecture, or the data is smaller than a batch.
-        CheckpointError: a stage directory holds a checkpoint of another config or model.
-        FloatingPointError: a loss became inf or NaN.
-    """
-    student = build_student(teacher, config)
-    runs = [run_stage(student, train, stage, teacher, Path(out_dir) / name, progress, log)
-            for name, stage in config.stages()]
-    return BottleFitRun(student, runs)
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-
-@dataclass(frozen=True)
-class SplitAccuracy:
-    """A student's accuracy with the float bottleneck and through the deployed 8-bit payload.
-
-    Attributes:
-        float_accuracy: ``tail(head(x))``.
-        quantized_accuracy: ``tail(decode(encode(head(x))))``, the bytes that go over the network.
-        bottleneck_shape: one image's bottleneck ``[C, h, w]``.
-        float32_bytes: one image's bottleneck as float32.
-        payload_bytes: one image's payload (values and header), the exact size sent.
-    """
-
-    float_accuracy: float
-    quantized_accuracy: float
-    bottleneck_shape: tuple[int, ...]
-    float32_bytes: int
-    payload_bytes: int
-
-
-@torch.inference_mode()
-def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int = EVAL_BATCH) -> SplitAccuracy:
-    """Float and 8-bit accuracy of a student, and the bytes one image sends.
-
-    The 8-bit path is the deployed one: the head's output is encoded to payload bytes (on the
-    CPU, as on the wire), decoded and fed to the tail. Payloads carry one scale and zero point
-    per sample, so encoding a batch gives each image the values it gets alone.
-
-    Args:
-        model: the student (its mode is restored afterwards).
-        data: images and labels, on any device.
-        batch_size: images per forward pass.
-
-    Returns:
-        The :class:`SplitAccuracy`.
-
-    Example:
-        >>> evaluate_split(student, val).quantized_accuracy  # doctest: +SKIP
-    """
-    was_training = model.training
-    head, tail = split(model.eval())
-    device = next(model.parameters()).device
-    images, labels = data.tensors
-    correct_float = correct_q = 0
-    shape: tuple[int, ...] = ()
-    for x, y in zip(images.split(batch_size), labels.split(batch_size)):
-        z = head(x.to(device))
-        restored = decode(encode(z)).to(device)
-        y = y.to(device)
-        correct_float += int((tail(z).argmax(1) == y).sum())
-        correct_q += int((tail(restored).argmax(1) == y).sum())
-        shape = tuple(z.shape[1:])
-    model.train(was_training)
-    return SplitAccuracy(correct_float / len(labels), correct_q / len(labels), shape, 4 * int(np.prod(shape)),
-                         payload_size((1, *shape)))
-
-
-def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mean: Sequence[float] = (0.0,),
-                 std: Sequence[float] = (1.0,), jpeg_qualities: Sequence[int] = (JPEG_QUALITY,),
-                 batch_size: int = EVAL_BATCH) -> dict[str, dict[str, float]]:  # fmt: skip
-    """Full offload of the same images: each sent as a PNG or JPEG file, and ``model`` on the decoded files.
-
-    Each input is un-normalised to [0, 1] and rounded to 8 bits (the picture a device holds at the
-    model's resolution), gray images as one channel; the file is encoded with PIL (PNG optimised,
-    JPEG at each quality), decoded, normalised again and classified.
-
-    Args:
-        model: the unsplit model (the teacher).
-        data: model inputs ``[N, 3, H, W]`` normalised with ``mean``/``std``, and labels.
-        color: ``"gray"`` (the three channels are equal; the file has one) or ``"rgb"``.
-        mean, std: the normalisation the inputs carry (one value or one per channel).
-        jpeg_qualities: the JPEG qualities to compare.
-        batch_size: images per forward pass.
-
-    Returns:
-        ``{"png": {"mean_bytes", "accuracy"}, "jpeg90": {...}, ...}``.
-
-    Raises:
-        ValueError: an unknown color.
-    """
-    from PIL import Image
-
-    if color not in ("gray", "rgb"):
-        raise ValueError(f"color must be 'gray' or 'rgb', got {color!r}")
-    images, labels = data.tensors
-    m, s = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
-    formats = [("png", {"format": "PNG", "optimize": True})]
-    formats += [(f"jpeg{q}", {"format": "JPEG", "quality": q}) for q in jpeg_qualities]
-    sizes: dict[str, list[int]] = {name: [] for name, _ in formats}
-    correct = dict.fromkeys(sizes, 0)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    mode = "L" if color == "gray" else "RGB"
-    for x, y in zip(images.split(batch_size), labels.split(batch_size)):
-        pixels = ((x.cpu() * s + m).clamp(0, 1) * 255).round().to(torch.uint8)
-        arrays = pixels[:, 0].numpy() if color == "gray" else pixels.permute(0, 2, 3, 1).numpy()
-        for name, options in formats:
-            decoded = []
-            for array in arrays:
-                buffer = io.BytesIO()
-                Image.fromarray(array).save(buffer, **options)
-                sizes[name].append(buffer.tell())
-                buffer.seek(0)
-                with Image.open(buffer) as image:
-                    decoded.append(np.asarray(image.convert(mode)))
-            back = torch.from_numpy(np.stack(decoded)).float() / 255  # [N, H, W] gray, [N, H, W, 3] rgb
-            back = back[:, None] if color == "gray" else back.permute(0, 3, 1, 2)
-            inputs = (back.expand(-1, 3, -1, -1) - m) / s
-            with torch.inference_mode():
-                correct[name] += int((model(inputs.to(device)).argmax(1).cpu() == y.cpu()).sum())
-    model.train(was_training)
-    return {name: {"mean_bytes": float(np.mean(sizes[name])), "accuracy": correct[name] / len(labels)}
-            for name in sizes}
-
-
-# ----------------------------------------------------------------------------- the recipe from files
 
 
 @dataclass(frozen=True)
@@ -481,8 +166,8 @@ def _folder_tensors(config: RecipeConfig, parts: dict[str, ImageFolderDataset],
     for part in parts.values():
         paths = [path for path, _ in part.samples]
         try:
-            images = torch.cat([preprocess_images(paths[i : i + _DECODE_CHUNK], preprocess, 3)
-                                for i in range(0, len(paths), _DECODE_CHUNK)])  # fmt: skip
+            images = torch.cat([preprocess_images(paths[i : i + DECODE_CHUNK], preprocess, 3)
+                                for i in range(0, len(paths), DECODE_CHUNK)])  # fmt: skip
         except InputFileError as exc:  # damaged data behind a header the listing read
             raise ImageFolderError(f"{exc}. Remove or replace it, {SKIP_HINT}") from None
         sets.append(TensorDataset(images, part.labels))
@@ -639,9 +324,6 @@ def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch
               "torch_version": torch.__version__}  # fmt: skip
     write_json_atomically(out / RECORD_NAME, record)
     return record
-
-
-# ----------------------------------------------------------------------------- reading a run back
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,137 @@
+"""How a trained split is scored: accuracy through the real 8-bit payload (:func:`evaluate_split`), and
+the baseline of sending the same images as PNG or JPEG files to a server that runs the whole model
+(:func:`file_offload`), decoded inside bounds.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from .bottleneck import BottleneckModel, split
+from .payload import decode, encode, payload_size
+
+JPEG_QUALITY = 90  # the offload comparison's JPEG (the planner's "jpeg")
+EVAL_BATCH = 250
+DECODE_CHUNK = 256  # images decoded per preprocess call: bounds the temporary copies
+
+
+@dataclass(frozen=True)
+class SplitAccuracy:
+    """A student's accuracy with the float bottleneck and through the deployed 8-bit payload.
+
+    Attributes:
+        float_accuracy: ``tail(head(x))``.
+        quantized_accuracy: ``tail(decode(encode(head(x))))``, the bytes that go over the network.
+        bottleneck_shape: one image's bottleneck ``[C, h, w]``.
+        float32_bytes: one image's bottleneck as float32.
+        payload_bytes: one image's payload (values and header), the exact size sent.
+    """
+
+    float_accuracy: float
+    quantized_accuracy: float
+    bottleneck_shape: tuple[int, ...]
+    float32_bytes: int
+    payload_bytes: int
+
+
+@torch.inference_mode()
+def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int = EVAL_BATCH) -> SplitAccuracy:
+    """Float and 8-bit accuracy of a student, and the bytes one image sends.
+
+    The 8-bit path is the deployed one: the head's output is encoded to payload bytes (on the
+    CPU, as on the wire), decoded and fed to the tail. Payloads carry one scale and zero point
+    per sample, so encoding a batch gives each image the values it gets alone.
+
+    Args:
+        model: the student (its mode is restored afterwards).
+        data: images and labels, on any device.
+        batch_size: images per forward pass.
+
+    Returns:
+        The :class:`SplitAccuracy`.
+
+    Example:
+        >>> evaluate_split(student, val).quantized_accuracy  # doctest: +SKIP
+    """
+    was_training = model.training
+    head, tail = split(model.eval())
+    device = next(model.parameters()).device
+    images, labels = data.tensors
+    correct_float = correct_q = 0
+    shape: tuple[int, ...] = ()
+    for x, y in zip(images.split(batch_size), labels.split(batch_size)):
+        z = head(x.to(device))
+        restored = decode(encode(z)).to(device)
+        y = y.to(device)
+        correct_float += int((tail(z).argmax(1) == y).sum())
+        correct_q += int((tail(restored).argmax(1) == y).sum())
+        shape = tuple(z.shape[1:])
+    model.train(was_training)
+    return SplitAccuracy(correct_float / len(labels), correct_q / len(labels), shape, 4 * int(np.prod(shape)),
+                         payload_size((1, *shape)))
+
+
+def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mean: Sequence[float] = (0.0,),
+                 std: Sequence[float] = (1.0,), jpeg_qualities: Sequence[int] = (JPEG_QUALITY,),
+                 batch_size: int = EVAL_BATCH) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Full offload of the same images: each sent as a PNG or JPEG file, and ``model`` on the decoded files.
+
+    Each input is un-normalised to [0, 1] and rounded to 8 bits (the picture a device holds at the
+    model's resolution), gray images as one channel; the file is encoded with PIL (PNG optimised,
+    JPEG at each quality), decoded, normalised again and classified.
+
+    Args:
+        model: the unsplit model (the teacher).
+        data: model inputs ``[N, 3, H, W]`` normalised with ``mean``/``std``, and labels.
+        color: ``"gray"`` (the three channels are equal; the file has one) or ``"rgb"``.
+        mean, std: the normalisation the inputs carry (one value or one per channel).
+        jpeg_qualities: the JPEG qualities to compare.
+        batch_size: images per forward pass.
+
+    Returns:
+        ``{"png": {"mean_bytes", "accuracy"}, "jpeg90": {...}, ...}``.
+
+    Raises:
+        ValueError: an unknown color.
+    """
+    from PIL import Image
+
+    if color not in ("gray", "rgb"):
+        raise ValueError(f"color must be 'gray' or 'rgb', got {color!r}")
+    images, labels = data.tensors
+    m, s = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
+    formats = [("png", {"format": "PNG", "optimize": True})]
+    formats += [(f"jpeg{q}", {"format": "JPEG", "quality": q}) for q in jpeg_qualities]
+    sizes: dict[str, list[int]] = {name: [] for name, _ in formats}
+    correct = dict.fromkeys(sizes, 0)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    mode = "L" if color == "gray" else "RGB"
+    for x, y in zip(images.split(batch_size), labels.split(batch_size)):
+        pixels = ((x.cpu() * s + m).clamp(0, 1) * 255).round().to(torch.uint8)
+        arrays = pixels[:, 0].numpy() if color == "gray" else pixels.permute(0, 2, 3, 1).numpy()
+        for name, options in formats:
+            decoded = []
+            for array in arrays:
+                buffer = io.BytesIO()
+                Image.fromarray(array).save(buffer, **options)
+                sizes[name].append(buffer.tell())
+                buffer.seek(0)
+                with Image.open(buffer) as image:
+                    decoded.append(np.asarray(image.convert(mode)))
+            back = torch.from_numpy(np.stack(decoded)).float() / 255  # [N, H, W] gray, [N, H, W, 3] rgb
+            back = back[:, None] if color == "gray" else back.permute(0, 3, 1, 2)
+            inputs = (back.expand(-1, 3, -1, -1) - m) / s
+            with torch.inference_mode():
+                correct[name] += int((model(inputs.to(device)).argmax(1).cpu() == y.cpu()).sum())
+    model.train(was_training)
+    return {name: {"mean_bytes": float(np.mean(sizes[name])), "accuracy": correct[name] / len(labels)}
+            for name in sizes}
