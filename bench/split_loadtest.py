@@ -72,7 +72,8 @@ AUTH = f"Bearer {TOKEN}"
 
 SERVER = """
 import sys, uvicorn
-from edgetorch.split.server import ServerConfig, app_from_dir, uvicorn_config
+from edgetorch.split.protocol import uvicorn_config
+from edgetorch.split.server import ServerConfig, app_from_dir
 timeout = float(sys.argv[3])
 config = ServerConfig(token=sys.argv[4], header_timeout_s=timeout, read_timeout_s=timeout, write_timeout_s=timeout)
 app = app_from_dir(sys.argv[1], config)

@@ -28,7 +28,8 @@ from edgetorch.split.client import SplitClient, SplitClientError, preprocess_ima
 from edgetorch.split.artifact import load_part, read_manifest
 from edgetorch.split.manifest import Preprocess
 from edgetorch.split.payload import decode, encode
-from edgetorch.split.server import ServerConfig, create_app, serve_in_background
+from edgetorch.split.protocol import serve_in_background
+from edgetorch.split.server import ServerConfig, create_app
 
 KEY = "0123456789abcdef-test-key"
 

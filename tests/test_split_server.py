@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from edgetorch.split.payload import encode, payload_size
-from edgetorch.split.server import ServerConfig, create_app, serve_in_background, uvicorn_config
+from edgetorch.split.protocol import serve_in_background, uvicorn_config
+from edgetorch.split.server import ServerConfig, create_app
 
 MANIFEST = types.SimpleNamespace(arch="tiny", channels=2, split_point="sp2", bottleneck_shape=(2, 4, 4),
                                  num_classes=3, payload_format="etbq-v1")

@@ -365,7 +365,8 @@ def test_split_train_then_export_serve_and_infer_a_real_image(trained, photos, t
     import shlex
 
     from edgetorch.split.artifact import load_part, read_manifest
-    from edgetorch.split.server import create_app, serve_in_background
+    from edgetorch.split.protocol import serve_in_background
+    from edgetorch.split.server import create_app
 
     out, result = trained
     record = json.loads((out / "student.json").read_text())

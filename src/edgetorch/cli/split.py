@@ -198,7 +198,8 @@ def serve(
     num_cpus_per_replica: float = typer.Option(1.0, min=0.0, help="with --ray: CPUs Ray reserves per replica"),
 ) -> None:
     """Serve the tail over HTTP (POST /infer, GET /health, GET /metrics) with uvicorn, or on Ray Serve."""
-    from ..split.server import ServerConfig, app_from_dir, uvicorn_config
+    from ..split.protocol import uvicorn_config
+    from ..split.server import ServerConfig, app_from_dir
 
     token = _secret(token_env, "bearer token")
     key = _secret(key_env, "HMAC key")

@@ -23,7 +23,8 @@ from ..data import load_dataset
 from ..split.bottleneck import inject_bottleneck
 from ..split.client import SplitClient, preprocess_images
 from ..split.export import save
-from ..split.server import app_from_dir, serve_in_background
+from ..split.protocol import serve_in_background
+from ..split.server import app_from_dir
 from ..zoo import build_model
 
 ARCH, CHANNELS, RESOLUTION, IMAGES = "torchvision:resnet18", 12, 64, 4
