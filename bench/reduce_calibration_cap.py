@@ -3,7 +3,7 @@
 What it measures. torchvision resnet18 (``num_classes=10``, random weights with trained-looking
 batch norms) at 224 px, N Fashion-MNIST training images resized to 224 and repeated over the RGB
 channels. Each convolution's statistics keep ``max(vectors_per_unit x channels, MIN_VECTORS)``
-random output positions (``edgetorch.reduce.sequential.Moments``); the reference keeps every
+random output positions (``edgetorch.reduce.statistics.Moments``); the reference keeps every
 position (``vectors_per_unit=None``), which is affordable on resnet18. For each cap, with
 prune-ls curves (pivoted Cholesky of the shrunk covariances):
 
@@ -37,7 +37,7 @@ from edgetorch.reduce.allocate import solve_graph_allocation
 from edgetorch.reduce.graph import channel_graph
 from edgetorch.reduce.graph_problem import make_graph_problem
 from edgetorch.reduce.grouped import group_orders, group_statistics
-from edgetorch.reduce.sequential import MIN_VECTORS
+from edgetorch.reduce.statistics import MIN_VECTORS
 from edgetorch.zoo import redraw_batchnorm
 
 NAME = "reduce_calibration_cap"

@@ -53,11 +53,11 @@ from edgetorch.reduce import (  # noqa: E402
     solve_allocation,
 )
 from edgetorch.reduce.api import layer_factors  # noqa: E402
+from edgetorch.reduce.factored import lowrank_curves  # noqa: E402
 from edgetorch.reduce.sequential import (  # noqa: E402
     factorised,
     input_statistics,
     layer_svds,
-    lowrank_curves,
     prune_orders,
     pruned,
     weight_layers,

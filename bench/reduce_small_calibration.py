@@ -4,7 +4,7 @@ What it measures. The zoo MLP (784-256-128-10, pretrained on Fashion-MNIST and c
 with prune-ls, exact allocation, alpha 0.5, from the first N training images, N in SAMPLES, twice:
 
 * "shrunk": the library as it is: every covariance shrunk towards its diagonal with the
-  Schaefer-Strimmer intensity lambda (``edgetorch.reduce.sequential.Moments``), for the curve
+  Schaefer-Strimmer intensity lambda (``edgetorch.reduce.statistics.Moments``), for the curve
   and the least-squares refit alike;
 * "lambda = 0": the same code with the intensity forced to 0, i.e. the plain sample covariance
   the library used before (what issue 13 measured: J reported 0, MACs far below budget).
@@ -36,7 +36,8 @@ from _common import table, write_results
 from edgetorch.data import load_dataset
 from edgetorch.reduce import count_macs, reduce_model
 from edgetorch.reduce import sequential
-from edgetorch.reduce.sequential import accumulate_inputs, input_statistics, kept_inputs, prune_orders
+from edgetorch.reduce.sequential import input_statistics, prune_orders
+from edgetorch.reduce.statistics import accumulate_inputs, kept_inputs
 from edgetorch.zoo import default_config, evaluate_accuracy, load_pretrained, pretrain
 
 NAME = "reduce_small_calibration"

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from edgetorch.reduce import count_macs, load, reduce, reduce_model, save
-from edgetorch.reduce.sequential import Factored, KeepFeatures
+from edgetorch.reduce.factored import Factored
+from edgetorch.reduce.sequential import KeepFeatures
 from edgetorch.zoo import SmallResNet, redraw_batchnorm
 
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from edgetorch import InputFileError
 from edgetorch.reduce import load, save
-from edgetorch.reduce.sequential import Factored, KeepFeatures
+from edgetorch.reduce.factored import Factored
+from edgetorch.reduce.sequential import KeepFeatures
 from edgetorch.zoo import CheckpointError, build_model
 
 transformers = pytest.importorskip("transformers")

@@ -17,8 +17,9 @@ import torchvision
 from torch import nn
 
 from edgetorch.data import load_dataset
-from edgetorch.reduce import count_macs, reduce_model, sequential
-from edgetorch.reduce.sequential import Moments, input_statistics
+from edgetorch.reduce import count_macs, reduce_model, sequential, statistics
+from edgetorch.reduce.sequential import input_statistics
+from edgetorch.reduce.statistics import Moments
 
 
 def brute_force_shrinkage(x: np.ndarray) -> float:
@@ -114,7 +115,7 @@ def test_fewer_samples_than_units_keep_j_positive_the_budget_and_the_accuracy(di
         live = int(np.sum(np.diag(cov) > 0))  # dead units (zero variance) are free to drop
         assert np.all(curve[1:live] > 0)
     assert small.allocation.objective > 0 and 0.45 <= ratio <= 0.5
-    monkeypatch.setattr(sequential, "diagonal_shrinkage", lambda *args: 0.0)  # the sample covariance
+    monkeypatch.setattr(statistics, "diagonal_shrinkage", lambda *args: 0.0)  # the sample covariance
     plain, plain_ratio, plain_accuracy = reduced(20)
     assert plain.allocation.objective == 0 and plain_ratio < 0.3
     assert large - accuracy < large - plain_accuracy

@@ -110,7 +110,7 @@ def test_least_squares_refit_recovers_a_redundant_neuron_exactly():
 
 
 def test_refit_is_the_minimum_norm_least_squares_solution_on_a_singular_covariance():
-    from edgetorch.reduce.sequential import _refit
+    from edgetorch.reduce.statistics import _refit
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((40, 6))

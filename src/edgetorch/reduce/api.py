@@ -8,16 +8,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .allocate import ALLOCATIONS, Allocation, solve_allocation
 from .._checks import check_choice
-from .problem import METHODS, budget_for, layer_lowrank_cost, prune_cost
+from .allocate import ALLOCATIONS, Allocation, solve_allocation
+from .factored import lowrank_curves
 from .grouped import GroupFactor, reduce_grouped
 from .lowrank import reduce_lowrank
 from .nested import nesting
+from .problem import METHODS, budget_for, layer_lowrank_cost, prune_cost
+from .sequential import (WeightLayer, check_chain, factorised, input_statistics, layer_svds, prune_orders, pruned,
+                         weight_layers, widths_of)
 from .transformer import reduce_transformer
 from .transformer_blocks import is_transformer
-from .sequential import (WeightLayer, _check_chain, factorised, input_statistics, layer_svds, lowrank_curves, prune_orders,
-                         pruned, weight_layers, widths_of)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def is_chain(model: nn.Module) -> bool:
     if not isinstance(model, nn.Sequential):
         return False
     try:
-        _check_chain(model)
+        check_chain(model)
     except TypeError:
         return False
     return True
@@ -149,7 +150,7 @@ def reduce_model(
             if not isinstance(model, nn.Sequential):
                 raise
             try:
-                _check_chain(nested.flat if nested is not None else model)
+                check_chain(nested.flat if nested is not None else model)
             except TypeError as chain:  # both readings failed: give both reasons
                 raise TypeError(f"{chain}; nor can it be pruned by channel groups: {exc}") from exc
             raise

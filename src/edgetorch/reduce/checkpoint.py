@@ -8,7 +8,7 @@ listed as such, with their children's names where these are not positions.
 key/shape check: nothing in either file is ever executed. A model that is not a chain (a grouped
 reduction of a residual or depthwise CNN) is recorded as its constructor plus its layer sizes
 (:mod:`edgetorch.reduce.graph_checkpoint`), and, where low-rank factored its layers, the rank of
-each :class:`~edgetorch.reduce.sequential.Factored` layer by name; ``load`` tells the formats apart. (Plain state dicts, whose architecture
+each :class:`~edgetorch.reduce.factored.Factored` layer by name; ``load`` tells the formats apart. (Plain state dicts, whose architecture
 the caller builds, use ``edgetorch.zoo.save_weights`` / ``load_weights``.)
 """
 
@@ -32,8 +32,9 @@ from ..zoo.weights import tensors_from_bytes
 from . import graph_checkpoint, transformer_checkpoint
 from ._record import (FLAG, MAX_MODULES, MAX_RECORD_BYTES, MAX_WEIGHT_BYTES, MAX_WIDTH, NESTED, Field, check_fits,
                       fields, integer, mapping, meta_build, number, one_or_pair, optional, pair, shown, word)
+from .factored import Factored, factored_like
+from .sequential import ELEMENTWISE, PER_CHANNEL, KeepFeatures
 from .transformer_blocks import is_transformer
-from .sequential import ELEMENTWISE, PER_CHANNEL, Factored, KeepFeatures, factored_like
 
 _FORMAT = "edgetorch.reduced/1"
 _HEADER_BYTES = 1 << 20  # room for a safetensors header beyond the tensors' bytes (plus 1 KiB per tensor)

@@ -36,7 +36,7 @@ from .curves import correlated_order, power_order
 from .graph import ChannelGraph, CostTerm, channel_graph
 from .graph_problem import make_graph_problem
 from .macs import count_macs
-from .sequential import VECTORS_PER_UNIT, Moments, accumulate_inputs, kept_inputs, weight_by_units
+from .statistics import VECTORS_PER_UNIT, Moments, accumulate_inputs, kept_inputs, weight_by_units
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class GroupStatistics:
 
     Attributes:
         inputs: per consumer layer name, ``(means [units, positions or 1], covariance [units, units])``;
-            the covariance is shrunk towards its diagonal (:class:`~edgetorch.reduce.sequential.Moments`).
+            the covariance is shrunk towards its diagonal (:class:`~edgetorch.reduce.statistics.Moments`).
         samples: calibration samples N.
         vectors: per consumer, the input vectors its covariance comes from (samples x positions kept).
         shrinkage: per consumer, the shrinkage intensity lambda applied to its covariance.
@@ -246,7 +246,7 @@ def reduce_grouped(model: nn.Module, alpha: float, method: str = "prune", alloca
         seed: PSO seed, and the seed of the calibration positions kept.
         time_limit: seconds for the exact solver's search.
         vectors_per_unit: cap on each convolution's calibration vectors, per input channel (random
-            output positions, seeded by ``seed``; see :class:`~edgetorch.reduce.sequential.Moments`);
+            output positions, seeded by ``seed``; see :class:`~edgetorch.reduce.statistics.Moments`);
             ``None`` uses every position.
 
     Returns:

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from .allocate import Allocation, solve_allocation
+from .factored import factor_layer, lowrank_curves, svd_of
 from .macs import count_macs, hooked_eval
 from .problem import budget_for, layer_lowrank_cost
-from .sequential import factor_layer, lowrank_curves, svd_of
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class LayerwiseLowRank:
 
     Attributes:
         model: the reduced copy (eval mode), every factored layer a
-            :class:`~edgetorch.reduce.sequential.Factored` pair in its original place.
+            :class:`~edgetorch.reduce.factored.Factored` pair in its original place.
         allocation: the solver's record, its ``cost`` and ``total`` over the whole network.
         layers: the factorable layers, in the order of ``allocation.theta`` (ranks).
         curves: eq. 13's curve per layer.

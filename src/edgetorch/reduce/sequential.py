@@ -15,7 +15,8 @@ A ``Flatten`` may precede the first weight layer (the paper's MLP on images: the
 units); anything may follow the last one (outputs are never pruned). The result is a new module
 with physically smaller weights.
 
-Pruning statistics treat every output position of a convolution (and every position of a
+Pruning statistics (:mod:`.statistics`, shared with the graph and transformer paths) treat every
+output position of a convolution (and every position of a
 flattened group) as a sample of the unit vector, so ``C_{l-1}`` (eq. 8) is the channel covariance.
 A Linear keeps one weight per position, so its bias absorbs each deleted input's *per-position*
 mean; a convolution shares its weights, so only the channel mean can move into its bias. That is
@@ -29,11 +30,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.linalg import lapack
 from torch import nn
 
-from .curves import correlated_order, power_order, singular_value_curve
+from .curves import correlated_order, power_order
+from .factored import Svd, factor_layer, svd_of
 from .macs import hooked_eval
+from .statistics import VECTORS_PER_UNIT, Moments, accumulate_inputs, kept_inputs, weight_by_units
 
 ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid,
                nn.Hardtanh, nn.Softplus, nn.Identity, nn.Dropout)
@@ -94,7 +96,7 @@ class WeightLayer:
         return self.units_in * self.group * self.kernel, self.units_out
 
 
-def _check_chain(model: nn.Module) -> list[int]:
+def check_chain(model: nn.Module) -> list[int]:
     if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
         raise TypeError(
             f"expected an nn.Sequential chain, got {type(model).__name__}, whose forward is its own code: "
@@ -146,7 +148,7 @@ def weight_layers(model: nn.Module, example: torch.Tensor | None = None) -> list
         TypeError: an unsupported architecture (the message names the module and what is accepted).
         ValueError: a convolutional network without ``example``.
     """
-    indices = _check_chain(model)
+    indices = check_chain(model)
     children = list(model)
     shapes: dict[int, tuple[torch.Size, torch.Size]] = {}
     if any(isinstance(children[i], nn.Conv2d) for i in indices):
@@ -191,147 +193,6 @@ def _units(layer: WeightLayer, module: nn.Module, x: torch.Tensor) -> torch.Tens
     return x.reshape(-1, layer.units_in, layer.group)
 
 
-# A convolution's statistics keep at most max(VECTORS_PER_UNIT x channels, MIN_VECTORS) input
-# vectors by default (see Moments); below MIN_VECTORS a covariance costs little anyway.
-VECTORS_PER_UNIT = 16
-MIN_VECTORS = 8192
-
-
-class Moments:
-    """Running sums of one layer input seen as ``[samples, units, positions]``, for eq. 8-9.
-
-    Every position (an output pixel of a convolution, a tap of a flattened group) is a sample of
-    the unit vector, so the covariance is between units (channels); shared by the chain and the
-    channel-graph paths (:mod:`edgetorch.reduce.grouped`).
-
-    Two things keep the statistics fast and honest:
-
-    * **A cap on a convolution's vectors.** A convolution sees ``N x H x W`` vectors, far more
-      than a covariance of ``C`` channels needs, and each costs ``C^2`` multiplications. With
-      ``vectors_per_unit`` set, every sample contributes only ``ceil(V / N)`` of its positions,
-      drawn at random (seeded), ``V = max(vectors_per_unit x C, MIN_VECTORS)``: about V vectors
-      in all. A Linear after a Flatten keeps every position (each has its own mean). On resnet18
-      at 224 px (N = 128, ``docs/results/reduce_calibration_cap.md``) the default moved the total
-      J at a fixed allocation by 15% (two uncapped calibration sets differ by 2%), and the
-      allocation chosen from the capped curves was 0.7% worse on the uncapped ones.
-    * **Shrinkage of the covariance towards its diagonal** (Schaefer & Strimmer 2005, target D,
-      the Ledoit-Wolf intensity for a diagonal target): ``C_s = (1 - lambda) C + lambda diag(C)``
-      with ``lambda = sum_{i != j} Var(c_ij) / sum_{i != j} c_ij^2`` estimated from the same
-      vectors (clipped to [0, 1]). With fewer vectors than units the sample covariance is
-      singular: a least-squares refit then "explains" every dropped unit and J reaches 0 early,
-      which over-prunes silently (issue 13). The shrunk covariance is positive definite, so J
-      stays positive, and the refit that reads it is a ridge regression, consistent with J.
-      With many vectors ``lambda`` tends to 0 (the sample covariance); the diagonal (the naive
-      method's powers) is never changed. ``shrink=False`` keeps the sample covariance (an exact
-      linear dependence is then recovered exactly, given more vectors than units).
-
-    Args:
-        shared: the consumer shares its weights over the positions (a convolution): its mean is a
-            channel mean and its positions may be subsampled.
-        samples: calibration samples N that will be added (sets the positions kept per sample).
-        vectors_per_unit: cap for a shared consumer (``None``: every position).
-        seed: seeds the choice of positions.
-        shrink: shrink the covariance towards its diagonal.
-
-    Example:
-        >>> moments = Moments(shared=True, samples=len(x))
-        >>> moments.add(x.reshape(len(x), x.shape[1], -1))
-        >>> mean, cov = moments.finish()
-    """
-
-    def __init__(self, shared: bool, samples: int, vectors_per_unit: int | None = VECTORS_PER_UNIT,
-                 seed: int = 0, shrink: bool = True) -> None:
-        if vectors_per_unit is not None and vectors_per_unit < 1:
-            raise ValueError(f"vectors_per_unit must be a positive integer or None, got {vectors_per_unit}")
-        self.shared, self.samples, self.vectors_per_unit, self.shrink = shared, samples, vectors_per_unit, shrink
-        self.generator = torch.Generator().manual_seed(seed)
-        # Everything is accumulated about a provisional centre (the first batch's mean), which
-        # keeps E[x x^T] - m m^T free of cancellation; the fourth moments for lambda are taken
-        # about it too (a relative error of about 1 / (the first batch's vectors) in lambda).
-        self.centre: torch.Tensor | None = None
-        self.sums = self.outer = None
-        self.fourth = self.squares4 = 0.0  # sum_k ||y_k||^4, sum_k sum_i y_ki^4
-        self.count = 0  # vectors for a shared consumer, samples otherwise
-
-    def _subsampled(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.shared or self.vectors_per_unit is None:
-            return x
-        keep = -(-max(self.vectors_per_unit * x.shape[1], MIN_VECTORS) // max(self.samples, 1))
-        if keep >= x.shape[2]:
-            return x
-        picks = torch.rand(x.shape[0], x.shape[2], generator=self.generator).argsort(1)[:, :keep]
-        return x.gather(2, picks[:, None, :].expand(-1, x.shape[1], -1))
-
-    def add(self, x: torch.Tensor) -> None:
-        """Accumulate a batch ``[N, units, positions]`` (in float64)."""
-        x = self._subsampled(x).double()
-        if self.shared:  # each position is one more vector of the same channels
-            x = x.transpose(1, 2).reshape(-1, x.shape[1], 1)
-        if self.centre is None:
-            self.centre = x.mean(0)
-        y = x - self.centre
-        flat = y.transpose(1, 2).reshape(-1, y.shape[1])  # one row per vector
-        s, o = y.sum(0), flat.T @ flat  # a matrix product: torch.einsum took a slower path here
-        squares = flat.square()
-        self.fourth += float(squares.sum(1).square().sum())
-        self.squares4 += float(squares.square().sum())
-        self.sums = s if self.sums is None else self.sums + s
-        self.outer = o if self.outer is None else self.outer + o
-        self.count += x.shape[0]
-
-    @property
-    def vectors(self) -> int:
-        """Unit vectors seen: samples x positions kept (what the covariance is estimated from)."""
-        return 0 if self.sums is None else self.count * self.sums.shape[1]
-
-    def finish(self) -> tuple[np.ndarray, np.ndarray, float]:
-        """The statistics of everything added.
-
-        Returns:
-            ``(means, covariance, lambda)``: means ``[units, positions]`` (``[units, 1]`` for a
-            shared consumer), the shrunk covariance ``[units, units]`` (1/N normalisation, eq. 8)
-            and the shrinkage intensity used.
-        """
-        positions, n = self.sums.shape[1], self.vectors
-        offset = self.sums / self.count  # mean - centre, [units, positions]
-        mean = (self.centre + offset).numpy()
-        cov = (self.outer / n - offset @ offset.T / positions).numpy()
-        cov = (cov + cov.T) / 2
-        shrinkage = diagonal_shrinkage(cov, n, self.fourth, self.squares4) if self.shrink else 0.0
-        diagonal = np.diag(cov).copy()
-        cov *= 1.0 - shrinkage
-        np.fill_diagonal(cov, diagonal)
-        return mean, cov, shrinkage
-
-
-def diagonal_shrinkage(cov: np.ndarray, vectors: int, fourth: float, squares4: float) -> float:
-    """Schaefer & Strimmer's (2005) intensity for shrinking a covariance towards its diagonal (target D).
-
-    ``lambda = sum_{i != j} Var(s_ij) / sum_{i != j} s_ij^2`` with ``s = n/(n-1) cov`` and
-    ``Var(s_ij) = n / (n-1)^3 sum_k (w_kij - mean_k w_kij)^2``, ``w_kij = y_ki y_kj`` for the
-    centred vectors ``y_k``; the sum over ``i != j`` and k of ``w_kij^2`` is
-    ``sum_k ||y_k||^4 - sum_k sum_i y_ki^4``, so two scalars carry the fourth moments.
-
-    Args:
-        cov: the covariance (1/n normalisation) of the ``vectors`` centred vectors.
-        vectors: n.
-        fourth, squares4: ``sum_k ||y_k||^4`` and ``sum_k sum_i y_ki^4``.
-
-    Returns:
-        lambda in [0, 1] (0 for a diagonal covariance or fewer than 2 vectors).
-
-    Example:
-        >>> y = x - x.mean(0)
-        >>> diagonal_shrinkage(y.T @ y / len(y), len(y), ((y**2).sum(1)**2).sum(), (y**4).sum())
-    """
-    off = float(np.sum(cov**2) - np.sum(np.diag(cov) ** 2))
-    if vectors < 2 or off <= 0.0:
-        return 0.0
-    n = float(vectors)
-    variance = n / (n - 1) ** 3 * ((fourth - squares4) - n * off)
-    return float(np.clip(variance / ((n / (n - 1)) ** 2 * off), 0.0, 1.0))
-
-
 @dataclass(frozen=True)
 class InputStatistics:
     """Unit means and covariance of each weight layer's input over the calibration samples (eq. 8-9).
@@ -351,16 +212,6 @@ class InputStatistics:
     covariances: list[np.ndarray]
     samples: int
     shrinkage: list[float]
-
-
-@torch.no_grad()
-def accumulate_inputs(model: nn.Module, calibration: torch.Tensor, batch_size: int, readers: dict) -> None:
-    """Run ``calibration`` through ``model`` in eval mode, batch by batch, handing each module in
-    ``readers`` its input (``readers[module](x)``); the model's mode is restored afterwards."""
-    handles = [m.register_forward_pre_hook(lambda m, inputs, read=read: read(inputs[0])) for m, read in readers.items()]
-    with hooked_eval(model, handles):
-        for batch in calibration.split(batch_size):
-            model(batch)
 
 
 @torch.no_grad()
@@ -406,64 +257,6 @@ def prune_orders(stats: InputStatistics, correlated: bool) -> list[tuple[np.ndar
     return [choose(c) for c in stats.covariances]
 
 
-def weight_by_units(module: nn.Module, units_in: int) -> np.ndarray:
-    """The weight as ``[outputs, input units, taps]`` (taps: kernel positions, or the inputs of one
-    channel after a Flatten), in float64 for the refit."""
-    weight = module.weight.detach().double().numpy()
-    return weight.reshape(weight.shape[0], units_in, -1)
-
-
-def _refit(weight: np.ndarray, bias: np.ndarray, cov: np.ndarray, mean: np.ndarray,
-           keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    # Least squares on the calibration data, in closed form: the best linear estimate of every
-    # unit from the kept ones is x ~ mu + R (x_S - mu_S) with R = C[:, S] C[S, S]^+, at each
-    # position. So W x + b becomes (W R) x_S + b + W (mu - R mu_S), with W R taken over the unit
-    # axis of the [outputs, units, taps] weight.
-    mapping = _solve_psd(cov[np.ix_(keep, keep)], cov[keep, :]).T  # R: [units, |S|]
-    residual = np.broadcast_to(mean - mapping @ mean[keep], weight.shape[1:])  # [units, taps]
-    shift = np.tensordot(weight, residual, axes=([1, 2], [0, 1]))
-    # (W R) over the unit axis as one matrix product [outputs x taps, units] @ [units, |S|]: numpy's
-    # einsum here was a plain loop, and a matmul batched over outputs streams R once per output
-    # (minutes each on resnet50 and vgg11_bn).
-    outputs, units, taps = weight.shape
-    rows = np.ascontiguousarray(weight.transpose(0, 2, 1)).reshape(outputs * taps, units)
-    refit = (rows @ mapping).reshape(outputs, taps, len(keep)).transpose(0, 2, 1)
-    return np.ascontiguousarray(refit), bias + shift
-
-
-def _solve_psd(matrix: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """``matrix^+ rhs`` for a symmetric PSD ``matrix``: the minimum-norm least-squares solution.
-
-    A unit without variance (dead on every sample) has a zero row and column: the pseudo-inverse
-    gives it weight 0, and the others are solved without it. They are then solved by Cholesky on
-    the correlation-scaled system ``(D^-1/2 M D^-1/2) (D^1/2 x) = D^-1/2 rhs``, which is several
-    times faster than an eigendecomposition, when LAPACK's estimate of its 1-norm condition number
-    (``pocon``, in practice within a factor of 10 of the truth) is below ``1e8 / n``: the units
-    are then far from collinear, and the solution is the exact least-squares one. Otherwise the
-    eigendecomposition decides, dropping eigenvalues at or below 1e-10 x the largest (the cutoff
-    of SVD-based ``np.linalg.lstsq(rcond=1e-10)``, which took minutes on 2,500-wide layers).
-    """
-    diagonal = np.diag(matrix)
-    live = np.flatnonzero(diagonal > 1e-10 * diagonal.max(initial=0.0))
-    solution = np.zeros((len(matrix), rhs.shape[1]))
-    if len(live) == 0:
-        return solution
-    scale = 1.0 / np.sqrt(diagonal[live])
-    scaled = matrix[np.ix_(live, live)] * scale[:, None] * scale[None, :]
-    factor, info = lapack.dpotrf(scaled, lower=1, clean=1)
-    if info == 0:
-        rcond, info = lapack.dpocon(factor, np.abs(scaled).sum(0).max(), uplo="L")
-        if info == 0 and rcond > 1e-8 * len(live):
-            solved, info = lapack.dpotrs(factor, rhs[live] * scale[:, None], lower=1)
-            if info == 0:
-                solution[live] = solved * scale[:, None]
-                return solution
-    values, vectors = np.linalg.eigh(matrix)
-    kept = np.abs(values) > 1e-10 * np.abs(values).max(initial=0.0)
-    vectors = vectors[:, kept]
-    return (vectors / values[kept]) @ (vectors.T @ rhs)
-
-
 def _shrunk_weight(module: nn.Module, layer: WeightLayer, rows: np.ndarray, cols: np.ndarray,
                    stats: InputStatistics, position: int, refit: bool) -> tuple[np.ndarray, np.ndarray]:
     weight = weight_by_units(module, layer.units_in)[rows]
@@ -473,31 +266,6 @@ def _shrunk_weight(module: nn.Module, layer: WeightLayer, rows: np.ndarray, cols
     if len(cols) == layer.units_in:
         return weight, bias
     return kept_inputs(weight, bias, stats.covariances[position], mean, cols, refit)
-
-
-def kept_inputs(weight: np.ndarray, bias: np.ndarray, cov: np.ndarray, mean: np.ndarray, keep: np.ndarray,
-                refit: bool) -> tuple[np.ndarray, np.ndarray]:
-    """A layer's weight and bias on its kept input units only.
-
-    Args:
-        weight: ``[outputs, units, taps]`` (taps: kernel positions or a flattened group).
-        bias: ``[outputs]``.
-        cov, mean: the input's unit covariance and means (:class:`Moments`).
-        keep: kept units, increasing.
-        refit: least-squares refit on the kept units (correlation-aware); otherwise the dropped
-            units are deleted and their means move into the bias (the paper's naive pruning).
-
-    Returns:
-        ``(weight [outputs, len(keep), taps], bias)``.
-    """
-    if refit:
-        return _refit(weight, bias, cov, mean, keep)
-    # Eq. 8 measures power around the mean, so a deleted unit is replaced by its mean: its
-    # constant contribution moves into the bias (a zero-variance unit costs nothing).
-    dropped = np.setdiff1d(np.arange(weight.shape[1]), keep)
-    shift = np.tensordot(weight[:, dropped], np.broadcast_to(mean[dropped], weight[:, dropped].shape[1:]),
-                         axes=([1, 2], [0, 1]))
-    return weight[:, keep], bias + shift
 
 
 def _rebuilt(module: nn.Module, weight: np.ndarray, bias: np.ndarray, has_bias: bool) -> nn.Module:
@@ -565,80 +333,10 @@ def pruned(model: nn.Module, kept: list[int], orders: list[tuple[np.ndarray, np.
     return out
 
 
-Svd = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-class Factored(nn.Sequential):
-    """A weight layer at rank ``k``: the thin layer ``V_k^T`` then ``U_k S_k`` (Sec. 2.3).
-
-    A plain ``nn.Sequential`` of the two layers in every respect (same forward, same state-dict
-    keys); its own class marks it as one factored layer, so that a checkpoint records it as such
-    wherever it sits in a network (:mod:`edgetorch.reduce.checkpoint`).
-    """
-
-
-def svd_of(layer: nn.Module) -> Svd:
-    """``(U, S, V^T)`` in float64 of a Linear / Conv2d weight as a ``C_out x C_in k_h k_w`` matrix
-    (numpy's LAPACK: torch's first SVD call costs seconds of set-up)."""
-    weight = layer.weight.detach().double()
-    return np.linalg.svd(weight.reshape(weight.shape[0], -1).numpy(), full_matrices=False)
-
-
 def layer_svds(model: nn.Module) -> list[Svd]:
     """:func:`svd_of` every weight layer of a chain: eq. 13's curves and the factorised layers both
     read it, so it is computed once per reduction."""
-    return [svd_of(model[i]) for i in _check_chain(model)]
-
-
-def lowrank_curves(svds: list[Svd]) -> list[np.ndarray]:
-    """Eq. 13's curve for every weight layer, from :func:`layer_svds` (no data needed)."""
-    return [singular_value_curve(s) for _, s, _ in svds]
-
-
-def factored_like(layer: nn.Module, k: int) -> Factored:
-    """The (untrained) :class:`Factored` pair that replaces ``layer`` (a Linear or a ``groups=1``
-    Conv2d) at rank ``k``: the thin layer keeps the convolution's kernel, stride, padding and
-    dilation, the second is a 1x1 convolution (or a Linear) carrying the bias; built on the current
-    default device."""
-    outputs, inputs = layer.weight.shape[0], layer.weight[0].numel()
-    dtype, has_bias = layer.weight.dtype, layer.bias is not None
-    if isinstance(layer, nn.Conv2d):
-        return Factored(nn.Conv2d(layer.in_channels, k, layer.kernel_size, layer.stride, layer.padding, layer.dilation,
-                                  bias=False, padding_mode=layer.padding_mode, dtype=dtype),
-                        nn.Conv2d(k, outputs, 1, bias=has_bias, dtype=dtype))
-    return Factored(nn.Linear(inputs, k, bias=False, dtype=dtype), nn.Linear(k, outputs, bias=has_bias, dtype=dtype))
-
-
-def factor_layer(layer: nn.Module, k: int, svd: Svd) -> nn.Module:
-    """``layer`` (a Linear or a ``groups=1`` Conv2d) at rank ``k``, or ``layer`` itself at full rank.
-
-    The pair of :func:`factored_like` with weights ``V_k^T`` and ``U_k S_k``: the best rank-k
-    approximation in Frobenius norm, costing ``(M_{l-1} + M_l) k`` multiplications (a convolution:
-    ``(C_in k_h k_w + C_out) k`` per output position).
-
-    Args:
-        layer: the dense layer.
-        k: the rank, 1..min(outputs, inputs); at the full rank the dense layer is kept.
-        svd: :func:`svd_of` ``layer``.
-
-    Returns:
-        A :class:`Factored` pair, or ``layer`` (not copied) at full rank.
-
-    Example:
-        >>> dense = nn.Linear(8, 6)
-        >>> factor_layer(dense, 2, svd_of(dense))[0].out_features
-        2
-    """
-    if k >= min(layer.weight.shape[0], layer.weight[0].numel()):
-        return layer
-    pair = factored_like(layer, k)
-    u, s, vt = (torch.from_numpy(a) for a in svd)
-    with torch.no_grad():
-        pair[0].weight.copy_(vt[:k].reshape(pair[0].weight.shape))
-        pair[1].weight.copy_((u[:, :k] * s[:k]).reshape(pair[1].weight.shape))
-        if layer.bias is not None:
-            pair[1].bias.copy_(layer.bias)
-    return pair
+    return [svd_of(model[i]) for i in check_chain(model)]
 
 
 def factorised(model: nn.Module, ranks: list[int], svds: list[Svd]) -> nn.Module:
@@ -647,6 +345,6 @@ def factorised(model: nn.Module, ranks: list[int], svds: list[Svd]) -> nn.Module
     ``svds`` is :func:`layer_svds` of ``model``.
     """
     out = copy.deepcopy(model)
-    for i, k, svd in zip(_check_chain(model), ranks, svds):
+    for i, k, svd in zip(check_chain(model), ranks, svds):
         out[i] = factor_layer(out[i], k, svd)
     return out

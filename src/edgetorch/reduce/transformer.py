@@ -47,7 +47,7 @@ from .graph_problem import make_graph_problem
 from .grouped import GroupFactor
 from .knapsack import solve_separable
 from .macs import hooked_eval
-from .sequential import Moments, kept_inputs
+from .statistics import Moments, kept_inputs
 from .transformer_blocks import Block, find_blocks, head_columns, keep_heads, keep_hidden, split_attention
 
 PARTS = ("heads", "mlp")  # what ``parts=`` takes
