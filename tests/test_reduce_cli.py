@@ -143,3 +143,40 @@ def test_reduce_command_finetunes_an_over_pruned_model_and_saves_the_fine_tuned_
     assert "fine-tuned 3 epoch(s)" in result.output and "distilling from the full model" in result.output
     reduced, _ = load(out)
     assert evaluate_accuracy(reduced, test) == summary["accuracy_finetuned"]  # the saved model is the fine-tuned one
+
+
+def test_the_reduce_workflow_is_a_library_call_with_the_clis_numbers(mlp_weights, tmp_path):
+    """What `edgetorch reduce --json` writes, a Python caller gets from run_reduction, without the
+    command touching torch's global generator."""
+    from edgetorch.reduce.workflow import ReduceJob, run_reduction
+
+    _, weights = mlp_weights
+    job = ReduceJob(model="zoo:mlp", weights=weights, size=8, alpha=0.6, method="lowrank", latency_batch=4)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    run = run_reduction(job)
+    assert torch.equal(torch.get_rng_state(), state)
+    summary = run.summary()
+    assert summary["macs_reduced"] == run.macs_reduced == count_macs(run.reduction.model, torch.zeros(1, 1, 8, 8))
+    assert 1 - run.macs_reduced / run.macs_full >= 0.6 and summary["achieved_alpha"] >= 0.6
+    assert 0 <= run.accuracy_reduced <= 1 and run.latency.ratio > 0 and "finetune" not in summary
+
+    result = CliRunner().invoke(app, ["reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8",
+                                      "--alpha", "0.6", "--method", "lowrank", "--latency-batch", "4",
+                                      "--json", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    written = json.loads((tmp_path / "s.json").read_text())
+    timing = ("solver_seconds", "latency_full_s", "latency_reduced_s", "latency_ratio")
+    assert {k: v for k, v in written.items() if k not in timing} == \
+        {k: v for k, v in json.loads(json.dumps(summary, default=str)).items() if k not in timing}
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"distill": True}, "distill fine-tunes from the full model"),
+    ({"finetune_epochs": 1, "finetune_lr": 0.0}, "is not a learning rate"),
+])
+def test_a_reduce_job_refuses_what_cannot_run(fields, match):
+    from edgetorch.reduce.workflow import ReduceJob
+
+    with pytest.raises(ValueError, match=match):
+        ReduceJob(model="zoo:mlp", alpha=0.5, **fields)

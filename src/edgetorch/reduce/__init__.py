@@ -6,7 +6,8 @@ any other CNN by its coupled channel groups (``edgetorch.reduce.grouped``), or t
 transformer by its attention heads and MLP units (``edgetorch.reduce.transformer``), and returns a
 physically smaller network; ``recover`` fine-tunes it afterwards (optionally distilling from the
 full model); ``count_macs`` counts multiplications the paper's way; ``save`` / ``load`` store a
-reduced network without pickle.
+reduced network without pickle; ``run_reduction`` is the whole ``edgetorch reduce`` job (load,
+reduce, count, evaluate, fine-tune, time) as a call that returns its numbers.
 
 One vocabulary throughout: every ``method=`` takes a word of :data:`METHODS` and every
 ``allocation=`` a word of :data:`ALLOCATIONS`, as do ``edgetorch reduce --method/--allocation``.
@@ -22,6 +23,7 @@ from .problem import METHODS
 from .recover import RecoverConfig, RecoverHistory, recover
 from .sequential import KeepFeatures
 from .transformer import TransformerReduction, count_transformer_macs, reduce_transformer
+from .workflow import ReduceJob, ReduceRun, run_reduction
 
 __all__ = [
     "ALLOCATIONS",
@@ -33,6 +35,8 @@ __all__ = [
     "LayerFactor",
     "RecoverConfig",
     "RecoverHistory",
+    "ReduceJob",
+    "ReduceRun",
     "Reduction",
     "TransformerReduction",
     "allocate",
@@ -45,6 +49,7 @@ __all__ = [
     "reduce",
     "reduce_model",
     "reduce_transformer",
+    "run_reduction",
     "save",
     "solve_allocation",
 ]
