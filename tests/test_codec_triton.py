@@ -91,6 +91,7 @@ def small_topk_tiles(monkeypatch):
 # --- the interpreter run ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # about a minute: every kernel under the interpreter, in a child process
 @parent_only("this process already interprets the kernels")
 def test_kernels_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
