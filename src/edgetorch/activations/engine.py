@@ -24,6 +24,7 @@ saved a tensor and what its backward needs, in :mod:`.roles` and :mod:`.tape`.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import warnings
 import weakref
@@ -45,6 +46,9 @@ from .roles import EXACT, Need, OpWatch, storage_address
 from .tape import Slot, model_state, signature, tapes_of
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# autograd's unpack hook: every packed object answers unpack(); a C callable, no Python frame
+# between autograd and it (the hook runs once per saved tensor of every backward).
+_UNPACK = operator.methodcaller("unpack")
 
 
 class compress_activations(contextlib.ContextDecorator):
@@ -143,7 +147,7 @@ class compress_activations(contextlib.ContextDecorator):
                 self._start_watching()
             elif not self._tapes.seen or nested:
                 self._hook_modules()
-            self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_fn, self._unpack))
+            self._exits.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_fn, _UNPACK))
         except BaseException:
             self._exits.close()
             self._unhook()
@@ -465,10 +469,6 @@ class compress_activations(contextlib.ContextDecorator):
             if index is None:
                 continue
             self.ledger.supersede(index, nnz)
-
-    @staticmethod
-    def _unpack(packed) -> torch.Tensor:
-        return packed.unpack()
 
     def _record(self, t, module, storage, dense_bytes, stored_bytes, numel, need=EXACT, form="exact",
                 nnz=None) -> int | None:
