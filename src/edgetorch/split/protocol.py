@@ -20,7 +20,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from .server import Metrics, ServerConfig, error_body, error_response
+from .metrics import Metrics
+from .server import ServerConfig, error_body, error_response
 
 
 def _raw_error(status: int, kind: str | None, message: str) -> bytes:
