@@ -7,10 +7,8 @@ against plain PyTorch on the same batch, parameters, batch-norm statistics and r
 
 It lives here, in ``activations``, because it runs a training step under a policy
 (:func:`~edgetorch.activations.step.forward_backward`), and ``measure`` sits below
-``activations`` in the layer order. ``edgetorch.measure.gradient_fidelity``, the name the
-measurement was asked for under, resolves to this function on first use (importing
-``edgetorch.measure`` still imports nothing from ``activations``); ``edgetorch.gradient_fidelity``
-is the same function too.
+``activations`` in the layer order: ``edgetorch.gradient_fidelity`` is this function
+(``edgetorch.measure.gradient_fidelity``, its first name, now says where it moved).
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ class Quantized(Policy):
     positive output to 0 closes its gradient (resnet50's input-gradient cosine was 0.92 at 8 bits
     with quantized ReLU outputs), and a mask is smaller than any code; hardswish's copy keeps the
     piece of each value exact; tensors saved by no ATen op (checkpointing, custom autograd
-    Functions) stay lossless. See :func:`edgetorch.measure.gradient_fidelity` for how far
+    Functions) stay lossless. See :func:`edgetorch.gradient_fidelity` for how far
     gradients move.
 
     Args:

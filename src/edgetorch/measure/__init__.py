@@ -1,8 +1,9 @@
 """Memory accounting: the saved-tensor ledger (formulas) and measured process memory (the OS).
 
 ``gradient_fidelity`` (how far a policy moves gradients, the other number a policy is chosen by)
-is found here too, but it runs a training step under a policy, so it is defined in
-:mod:`edgetorch.activations.fidelity`, a layer above, and imported only when first asked for.
+runs a training step under a policy, so it lives a layer above, in
+:mod:`edgetorch.activations.fidelity` (``edgetorch.gradient_fidelity``); asking this module for it
+says so.
 """
 
 from typing import Any
@@ -28,9 +29,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use: importing measure (as activations does) must not import activations.
-    if name in ("GradientFidelity", "gradient_fidelity"):
-        from ..activations import fidelity
-
-        return getattr(fidelity, name)
+    if name in ("GradientFidelity", "gradient_fidelity"):  # its home until the layers were enforced
+        raise AttributeError(f"edgetorch.measure.{name} moved: use edgetorch.{name} (defined in "
+                             "edgetorch.activations.fidelity; it runs a step under a policy, a layer above measure)")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
