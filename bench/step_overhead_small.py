@@ -40,15 +40,12 @@ from torch import nn
 
 import edgetorch
 from edgetorch.activations import roles
+from edgetorch.activations.held import alias
 
 ARCHS = ("resnet18", "mobilenet_v2")
 RESOLUTION, BATCH, CLASSES = 32, 2, 10
 POOL = 8  # distinct random batches, cycled step by step (a fine-tune sees new data each step)
 BASELINE = "plain PyTorch"
-
-
-def _bare_pack(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_leaf else t.detach()  # a leaf as is; else detached, or the graph would hold itself
 
 
 def _bare_unpack(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +57,8 @@ class BareHooks:
     least (no version check, no bookkeeping, nothing stored differently). Not a usable policy."""
 
     def __call__(self):
-        return torch.autograd.graph.saved_tensors_hooks(_bare_pack, _bare_unpack)
+        # the engine's own alias: a leaf as is, else detached (or the graph would hold itself)
+        return torch.autograd.graph.saved_tensors_hooks(alias, _bare_unpack)
 
 
 # None: plain PyTorch, no hooks at all (the baseline every ratio divides by); BareHooks: the floor.

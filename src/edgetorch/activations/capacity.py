@@ -83,10 +83,9 @@ class Capacities:
         than dense at that position of a step of ``signature`` (keyed by policy too: a threshold
         or a narrower value type can make a position compress that another policy could not)."""
         try:
-            key = (signature, policy, hash(policy))
+            return _newest(self._as_is, (signature, policy))
         except TypeError:  # a policy with an unhashable field: remembered for this object only
-            key = (signature, type(policy), id(policy))
-        return _newest(self._as_is, key)
+            return _newest(self._as_is, (signature, type(policy), id(policy)))
 
 
 def _newest(by_key: dict, key) -> dict:

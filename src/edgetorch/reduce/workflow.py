@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,12 +34,8 @@ from .transformer import count_transformer_macs
 from .transformer_blocks import is_transformer
 
 # What a long step shows while it runs: a context manager made from one line of text (the CLI
-# passes a spinner; the default shows nothing).
-Status = Callable[[str], ContextManager[Any]]
-
-
-def _quiet(message: str) -> ContextManager[None]:
-    return contextlib.nullcontext()
+# passes a spinner; the default, contextlib.nullcontext, shows nothing).
+Status = Callable[[str], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -168,7 +165,7 @@ def load_for_reduction(model: str, weights: str | Path | None, dataset: str, siz
                        **({"image_size": size} if sized else {})).eval()
 
 
-def run_reduction(job: ReduceJob, status: Status = _quiet) -> ReduceRun:
+def run_reduction(job: ReduceJob, status: Status = contextlib.nullcontext) -> ReduceRun:
     """Run ``job``: load, reduce, count, evaluate, fine-tune and time (see the module docstring).
 
     Args:
