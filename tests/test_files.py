@@ -93,7 +93,7 @@ def test_every_loaders_error_is_an_input_file_error():
     from edgetorch.data.folder import ImageFolderError
     from edgetorch.data.idx import IDXFormatError
     from edgetorch.split import SplitArtifactError
-    from edgetorch.zoo.weights import CheckpointError
+    from edgetorch.weights import CheckpointError
 
     assert edgetorch.InputFileError is InputFileError
     for error in (ImageFolderError, IDXFormatError, SplitArtifactError, CheckpointError):

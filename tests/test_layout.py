@@ -11,7 +11,7 @@ import edgetorch
 
 ROOT = Path(edgetorch.__file__).parent
 LAYERS = {"cli": 3, "demo": 3, "activations": 2, "reduce": 2, "split": 2, "finetune": 2, "integrations": 2,
-          "codecs": 1, "measure": 1, "data": 1, "zoo": 1}  # anything else at the top (errors, _files): 0
+          "codecs": 1, "measure": 1, "data": 1, "zoo": 1, "training": 1}  # anything else at the top (errors, _files): 0
 
 
 def _modules() -> dict[str, Path]:

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from edgetorch.cli import app
 from edgetorch.data import load_dataset
 from edgetorch.reduce import compare_latency, count_macs, load
-from edgetorch.zoo import MLP, PlainCNN, PretrainConfig, evaluate_accuracy, save_weights
-from edgetorch.zoo.training import fit
+from edgetorch.training import Loop, one_cycle_adamw, supervised, train_epochs
+from edgetorch.zoo import MLP, PlainCNN, evaluate_accuracy, save_weights
 
 
 def test_compare_latency_times_both_models_and_reports_the_ratio():
@@ -125,7 +125,8 @@ def test_reduce_command_finetunes_an_over_pruned_model_and_saves_the_fine_tuned_
     train, test = load_dataset("digits", "train", size=8), load_dataset("digits", "test", size=8)
     torch.manual_seed(0)
     full = MLP(num_classes=10, image_size=8)  # what the CLI builds for zoo:mlp at --size 8
-    fit(full, train, PretrainConfig("mlp", "digits", epochs=10, batch_size=64, image_size=8))
+    loop = Loop(epochs=10, batch_size=64)
+    train_epochs(full.train(), train, loop, supervised(full), *one_cycle_adamw(full, loop, len(train), 3e-3, 1e-4))
     weights, out, summary_json = tmp_path / "mlp.safetensors", tmp_path / "small.safetensors", tmp_path / "s.json"
     save_weights(full, weights)
     result = CliRunner().invoke(app, [

@@ -13,8 +13,8 @@ from edgetorch.data import load_dataset
 from edgetorch.reduce import reduce_model
 from edgetorch.reduce.recover import RecoverConfig, recover
 from edgetorch.split.losses import kd_loss as split_kd_loss
-from edgetorch.zoo import MLP, PretrainConfig, evaluate_accuracy
-from edgetorch.zoo.training import fit, kd_loss
+from edgetorch.training import Loop, kd_loss, one_cycle_adamw, supervised, train_epochs
+from edgetorch.zoo import MLP, evaluate_accuracy
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,8 @@ def digits():
 def trained_mlp(digits):
     torch.manual_seed(0)
     model = MLP(num_classes=10, image_size=8, hidden=(64, 32))
-    fit(model, digits[0], PretrainConfig("mlp", "digits", epochs=15, batch_size=64, image_size=8))
+    loop = Loop(epochs=15, batch_size=64)
+    train_epochs(model.train(), digits[0], loop, supervised(model), *one_cycle_adamw(model, loop, len(digits[0]), 3e-3, 1e-4))
     return model.eval()
 
 

@@ -25,7 +25,7 @@ from edgetorch.split.bottleneck import (
     split,
 )
 from edgetorch.zoo import build_model, load_weights, save_weights
-from edgetorch.zoo.weights import CheckpointError
+from edgetorch.weights import CheckpointError
 
 SIZE = 64  # a multiple of every design's input_multiple (at most 32)
 

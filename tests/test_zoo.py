@@ -26,7 +26,7 @@ from edgetorch.zoo import (
     pretrained,
     save_weights,
 )
-from edgetorch.zoo.weights import file_sha256
+from edgetorch.weights import file_sha256
 
 TINY_MLP = PretrainConfig("mlp", "digits", epochs=1, batch_size=64, train_limit=256)
 TINY_CNN = PretrainConfig("cnn", "digits", epochs=1, batch_size=64, train_limit=128)

@@ -26,7 +26,7 @@ _EXPORTS = {
     "InputFileError": "_files", "EdgetorchError": "errors",
 }
 __all__ = sorted(_EXPORTS)
-_SUBPACKAGES = ("activations", "codecs", "data", "integrations", "measure", "reduce", "split", "zoo")
+_SUBPACKAGES = ("activations", "codecs", "data", "finetune", "integrations", "measure", "reduce", "split", "training", "zoo")
 
 if TYPE_CHECKING:
     from .activations import (BackRazor, Bitmap, CapturedStep, CaptureError, CheckpointEvery, Dense, GradientFidelity,

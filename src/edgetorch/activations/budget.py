@@ -388,7 +388,9 @@ class _restored:
     def __enter__(self) -> None:
         self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
         self._grads = {p: p.grad for p in self.model.parameters()}
-        self._rng = torch.random.fork_rng(devices=[])
+        # The CUDA stream of the model's device too: dropout on a GPU draws from it.
+        devices = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
+        self._rng = torch.random.fork_rng(devices=sorted(devices, key=str))
         self._rng.__enter__()
 
     def __exit__(self, *exc: object) -> None:

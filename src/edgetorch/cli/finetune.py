@@ -62,6 +62,7 @@ def finetune(
     from ..activations.budget import DEFAULT_POLICIES, parse_bytes
     from ..data import ImageFolderError, image_data
     from ..finetune import FinetuneConfig, finetune as run, prepare, replace_classifier, start_model
+    from ..training import TrainingDiverged
     from ..zoo import CheckpointError, input_channels
 
     policies = policy or []
@@ -119,7 +120,8 @@ def finetune(
     try:
         with _Display() as display:
             result = run(net, images.train, images.val, config, out, metadata=metadata, on_progress=display.update)
-    except (CheckpointError, ImageFolderError) as err:  # ImageFolderError: a damaged image found when decoded
+    # ImageFolderError: a damaged image found when decoded; TrainingDiverged: the loss became NaN.
+    except (CheckpointError, ImageFolderError, TrainingDiverged) as err:
         console.print(str(err), style="red")
         raise typer.Exit(1) from None
 

@@ -7,12 +7,10 @@ optimizer's step. So a plan made for this config predicts this loop's peak.
 
 Files under ``out`` (all written atomically; nothing here is ever unpickled):
 
-* ``checkpoint/model.safetensors``, ``checkpoint/optimizer.safetensors`` (optimizer state
-  tensors and the torch RNG) and ``checkpoint/state.json`` (epoch, config, history, the
-  optimizer's parameter groups, the schedule, both files' SHA-256), after every epoch. Running
-  again with the same ``out`` and config resumes after the last finished epoch and ends with the
-  same weights as an uninterrupted run (batch order is a function of seed and epoch; the RNG
-  that drives augmentation and dropout is restored).
+* ``checkpoint/``: the training loop's checkpoint (:mod:`edgetorch.training.checkpoint`), after
+  every epoch. Running again with the same ``out`` and config resumes after the last finished
+  epoch and ends with the same weights as an uninterrupted run (the batch order is a function of
+  the seed; the RNG that drives augmentation and dropout is restored).
 * ``model.safetensors``: the final ``state_dict`` under the architecture's own names, and
   ``model.json``: what a user needs to use it (classes, input size, channels, normalisation).
 * ``log.json``: the config and one record per epoch (loss, validation accuracy, throughput,
@@ -23,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,18 +28,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from .._checks import check_choice, check_positive_int
-from .._files import read_json, write_json_atomically
+from .._files import write_json_atomically
 from ..activations import freeze_batchnorm, parse_training_policy
 from ..activations.step import forward_backward
 from ..measure.process import peak_bytes, peak_kind, process_peak_rss_bytes, reset_peak
-from ..zoo import CheckpointError, evaluate_accuracy, load_weights, save_weights
-from ..zoo.weights import file_sha256, restore_training_state
+from ..training import Checkpointing, Loop, Watch, evaluate_accuracy, train_epochs
+from ..weights import save_weights
 from .model import SCOPES, set_scope
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -63,13 +57,15 @@ class FinetuneConfig:
         epochs: passes over the training images.
         batch_size: images per step. Every image is used once an epoch; the last batch is filled
             up with images from the start of the epoch's order, so every step has ``batch_size``
-            images (all of them, if there are fewer).
+            images (all of them, if there are fewer). Dropping the last partial batch instead
+            left a different few images unseen each epoch, all of them in a one-epoch run.
         optimizer: ``sgd`` (with ``momentum``), ``adam`` or ``adamw``.
         lr: initial learning rate.
         momentum: SGD momentum.
         weight_decay: L2 penalty (decoupled for adamw).
         schedule: ``cosine`` (to 0 over the run, per step) or ``constant``.
-        seed: the batch order and the new classifier's initialisation.
+        seed: the batch order (:func:`edgetorch.training.epoch_orders`) and the new classifier's
+            initialisation.
     """
 
     policy: str = "dense"
@@ -177,33 +173,26 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     how = parse_training_policy(config.policy)
     params = prepare(model, config)
     optimizer = _optimizer(config, params)
-    total_steps = config.epochs * -(-len(train) // config.batch_size)
+    loop = Loop(config.epochs, config.batch_size, config.seed, fill_last_batch=True)
+    total_steps = config.epochs * loop.steps_per_epoch(len(train))
     schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-                if config.schedule == "cosine" else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+                if config.schedule == "cosine" else None)
     out = Path(out) if out is not None else None
-    result = FinetuneResult(peak_kind=peak_kind(device))
-    start_epoch = 0
     # What a checkpoint must match to be resumed: the config, and the model and data it trains.
     identity = {**dataclasses.asdict(config), "train_samples": len(train),
                 **{k: (metadata or {}).get(k) for k in ("model", "weights", "data")}}
-    if out is not None:
-        state = _resume(out / "checkpoint", model, optimizer, schedule, identity)
-        if state is not None:
-            start_epoch = result.resumed_from = state["epoch"]
-            result.history = state["history"]
     meta = {**(metadata or {}), "config": dataclasses.asdict(config)}
-    for epoch in range(start_epoch, config.epochs):
-        record = _epoch(model, train, config, how, optimizer, schedule, epoch, device, on_progress)
-        record["val_accuracy"] = evaluate_accuracy(model, val, batch_size=config.batch_size)
-        result.history.append(record)
-        if out is not None:
-            _checkpoint(out / "checkpoint", model, optimizer, schedule, identity, epoch + 1, result.history)
-            write_json_atomically(out / "log.json", {**meta, "epochs": result.history})
-        if on_progress is not None:  # after the checkpoint: an interrupted display loses no epoch
-            on_progress({"event": "epoch", **record})
-    epochs_run = result.history[start_epoch:]
-    result.peak_bytes = max((r["peak_bytes"] for r in epochs_run), default=0)
-    result.val_accuracy = result.history[-1]["val_accuracy"] if result.history else float("nan")
+    watch = _Epochs(model, val, config.batch_size, device, out, meta, on_progress)
+
+    def step(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return forward_backward(model, x, y, how, F.cross_entropy)
+
+    model.train()
+    run = train_epochs(model, train, loop, step, optimizer, schedule, watch=watch, label="finetune",
+                       checkpoint=None if out is None else Checkpointing(out / "checkpoint", identity))  # fmt: skip
+    result = FinetuneResult(history=run.history, resumed_from=run.resumed_from, peak_kind=peak_kind(device))
+    result.peak_bytes = max((r["peak_bytes"] for r in run.history[run.resumed_from:]), default=0)
+    result.val_accuracy = run.history[-1]["val_accuracy"] if run.history else float("nan")
     if out is not None:
         result.weights = out / "model.safetensors"
         save_weights(model, result.weights)
@@ -213,129 +202,37 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     return result
 
 
+class _Epochs(Watch):
+    """Per step: the progress callback. Per epoch: the measured peak, validation, ``log.json``."""
+
+    measures = ("peak_bytes", "val_accuracy")
+
+    def __init__(self, model: nn.Module, val: Dataset, batch_size: int, device: torch.device, out: Path | None,
+                 meta: dict[str, Any], on_progress: ProgressFn | None) -> None:
+        self.model, self.val, self.batch_size, self.device = model, val, batch_size, device
+        self.out, self.meta, self.on_progress = out, meta, on_progress
+
+    def epoch_started(self, epoch: int) -> None:
+        reset_peak(self.device)
+
+    def step_done(self, epoch: int, step: int, steps: int, loss: float, images_per_second: float) -> None:
+        if self.on_progress is not None:
+            self.on_progress({"event": "step", "epoch": epoch, "step": step, "steps": steps, "loss": loss,
+                              "images_per_second": images_per_second})
+
+    def measure(self, record: dict[str, Any]) -> None:
+        record["peak_bytes"] = peak_bytes(self.device)  # the epoch's training steps, before validation
+        record["val_accuracy"] = evaluate_accuracy(self.model, self.val, batch_size=self.batch_size)
+
+    def epoch_done(self, history: list[dict[str, Any]]) -> None:
+        if self.out is not None:
+            write_json_atomically(self.out / "log.json", {**self.meta, "epochs": history})
+        if self.on_progress is not None:  # after the checkpoint: an interrupted display loses no epoch
+            self.on_progress({"event": "epoch", **history[-1]})
+
+
 def _optimizer(config: FinetuneConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
     cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
     return cls(params, lr=config.lr, weight_decay=config.weight_decay)
-
-
-def _epoch(model: nn.Module, train: Dataset, config: FinetuneConfig, how, optimizer, schedule, epoch: int,
-           device: torch.device, on_progress: ProgressFn | None) -> dict[str, Any]:
-    loader = DataLoader(train, batch_size=config.batch_size, sampler=_epoch_order(len(train), config, epoch))
-    model.train()
-    reset_peak(device)
-    start = time.perf_counter()
-    losses, seen = [], 0
-    for step, (x, y) in enumerate(loader):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(model, x, y, how, F.cross_entropy)
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss))
-        seen += len(y)
-        if on_progress is not None:
-            on_progress({"event": "step", "epoch": epoch + 1, "step": step + 1, "steps": len(loader),
-                         "loss": losses[-1], "images_per_second": seen / (time.perf_counter() - start)})
-    optimizer.zero_grad(set_to_none=True)
-    seconds = time.perf_counter() - start
-    return {"epoch": epoch + 1, "train_loss": sum(losses) / max(len(losses), 1), "seconds": seconds,
-            "images_per_second": seen / seconds, "peak_bytes": peak_bytes(device)}
-
-
-def _epoch_order(count: int, config: FinetuneConfig, epoch: int) -> list[int]:
-    """Every sample once in a seeded shuffle, then the first few again to fill the last batch.
-
-    So no sample is left out of an epoch, and every step has a full batch (as the memory plan
-    measured, and never a batch norm's batch of one). Dropping the last partial batch instead
-    left a different few images unseen each epoch, all of them in a one-epoch run, and an
-    unreadable image among them went unnoticed. The order depends on the seed and the epoch
-    only, so a resumed run sees the same batches.
-    """
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(config.seed * 1_000_003 + epoch)).tolist()
-    if count > config.batch_size:
-        order += order[: -count % config.batch_size]
-    return order
-
-
-def _checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule,
-                identity: dict[str, Any], epoch: int, history: list[dict[str, Any]]) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    opt = optimizer.state_dict()
-    tensors = {f"state.{index}.{name}": value.detach().cpu().contiguous()
-               for index, entries in opt["state"].items() for name, value in entries.items()}
-    tensors["rng.torch"] = torch.get_rng_state()
-    tmp = directory / f".optimizer.safetensors.{os.getpid()}.tmp"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, directory / "optimizer.safetensors")
-    # state.json is written last: it names the files of a finished epoch, so a run killed while
-    # writing resumes from the previous epoch's consistent set.
-    write_json_atomically(directory / "state.json", {
-        "epoch": epoch, "run": identity, "history": history,
-        "param_groups": opt["param_groups"], "schedule": schedule.state_dict(),
-        "sha256": {"model.safetensors": save_weights(model, directory / "model.safetensors"),
-                   "optimizer.safetensors": file_sha256(directory / "optimizer.safetensors")}})
-
-
-def _resume(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedule,
-            identity: dict[str, Any]) -> dict[str, Any] | None:
-    state_path = directory / "state.json"
-    if not state_path.is_file():
-        return None
-    state = read_json(state_path, error=CheckpointError)
-    try:
-        if not isinstance(state, dict) or set(state) != _STATE_KEYS:
-            raise ValueError(f"expected an object with exactly the keys {sorted(_STATE_KEYS)}")
-        recorded, epoch, digests, history = state["run"], state["epoch"], state["sha256"], state["history"]
-        if not isinstance(recorded, dict) or not isinstance(digests, dict):
-            raise ValueError("'run' and 'sha256' must be objects")
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= identity["epochs"]:
-            raise ValueError(f"epoch must be an int in [1, {identity['epochs']}], got {epoch!r}")
-        _check_history(history, epoch)
-    except ValueError as exc:
-        raise CheckpointError(f"{state_path}: not a checkpoint state this version wrote ({exc}); delete "
-                              f"{directory} to start over") from None
-    if recorded != identity:
-        changed = ", ".join(f"{k}: {recorded.get(k)!r} -> {v!r}" for k, v in identity.items() if recorded.get(k) != v)
-        raise CheckpointError(f"{directory} holds a checkpoint of another run ({changed}); give another output "
-                              "directory, or delete it to start over")
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        path = directory / name
-        if not path.is_file() or file_sha256(path) != digests.get(name):
-            raise CheckpointError(f"{path} is missing or differs from the SHA-256 in {state_path}; delete "
-                                  f"{directory} to start over")
-    load_weights(model, directory / "model.safetensors")
-    try:
-        tensors = load_file(str(directory / "optimizer.safetensors"))  # its SHA-256 was checked above
-        rng = tensors.pop("rng.torch")
-        per_param: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in tensors.items():
-            _, index, name = key.split(".", 2)
-            per_param.setdefault(int(index), {})[name] = value
-    except (SafetensorError, KeyError, ValueError) as exc:
-        raise CheckpointError(f"{directory}: optimizer.safetensors is not what this version writes ({exc!r}); "
-                              f"delete {directory} to start over") from None
-    restore_training_state(optimizer, schedule, {"state": per_param, "param_groups": state["param_groups"]},
-                           state["schedule"], str(state_path))
-    torch.set_rng_state(rng)
-    return {"epoch": epoch, "history": history}
-
-
-_STATE_KEYS = frozenset({"epoch", "run", "history", "param_groups", "schedule", "sha256"})
-_HISTORY_NUMBERS = ("train_loss", "seconds", "images_per_second", "val_accuracy")
-
-
-def _check_history(history: object, epochs: int) -> None:
-    """Raise ValueError unless ``history`` is the per-epoch records :func:`_epoch` writes, one per epoch."""
-    if not isinstance(history, list) or len(history) != epochs:
-        raise ValueError(f"history must be a list of {epochs} epoch records")
-    for number, record in enumerate(history, 1):
-        if not isinstance(record, dict) or set(record) != {"epoch", "peak_bytes", *_HISTORY_NUMBERS}:
-            raise ValueError(f"history record {number} must have exactly the keys epoch, peak_bytes, "
-                             f"{', '.join(_HISTORY_NUMBERS)}")
-        if record["epoch"] != number or type(record["epoch"]) is not int:
-            raise ValueError(f"history record {number} says epoch {record['epoch']!r}")
-        if type(record["peak_bytes"]) is not int or not all(
-                type(record[k]) in (int, float) for k in _HISTORY_NUMBERS):  # NaN allowed: a diverged loss
-            raise ValueError(f"history record {number} must hold numbers, got {record}"[:300])

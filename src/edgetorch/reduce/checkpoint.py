@@ -28,7 +28,7 @@ from torch import nn
 
 from .._files import open_regular, read_bytes, read_json
 from ..zoo import CheckpointError, load_weights, save_weights
-from ..zoo.weights import tensors_from_bytes
+from ..weights import tensors_from_bytes
 from . import graph_checkpoint, transformer_checkpoint
 from ._record import (FLAG, MAX_MODULES, MAX_RECORD_BYTES, MAX_WEIGHT_BYTES, MAX_WIDTH, NESTED, Field, check_fits,
                       fields, integer, mapping, meta_build, number, one_or_pair, optional, pair, shown, word)

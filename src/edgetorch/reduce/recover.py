@@ -2,9 +2,9 @@
 
 The paper reduces without retraining; a user who has the training data recovers most of what an
 aggressive reduction loses with a short fine-tune. :func:`recover` runs the same loop that
-pretrains the zoo (:func:`edgetorch.zoo.training.fit`) on any model, reduced by edgetorch or by
+pretrains the zoo (:func:`edgetorch.training.train_epochs` with :func:`~edgetorch.training.one_cycle_adamw`) on any model, reduced by edgetorch or by
 another library, so methods compared with it get equal fine-tuning. With ``distill=True`` the
-loss is :func:`~edgetorch.zoo.training.kd_loss` against the unreduced model's logits (the
+loss is :func:`~edgetorch.training.kd_loss` against the unreduced model's logits (the
 teacher), computed once before training: the teacher is frozen and in eval mode, and the data is
 not augmented, so its logits per sample never change.
 """
@@ -19,8 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .._checks import check_positive_int
-from ..zoo.pretrain import evaluate_accuracy
-from ..zoo.training import cross_entropy, fit, kd_loss
+from ..training import Loop, Watch, cross_entropy, evaluate_accuracy, kd_loss, one_cycle_adamw, supervised, train_epochs
 
 
 @dataclass(frozen=True)
@@ -79,6 +78,20 @@ class RecoverHistory:
         return self.accuracy[-1] if self.accuracy else None
 
 
+class _Evaluating(Watch):
+    """Records each epoch's loss and test accuracy, and the time evaluation took (not training's)."""
+
+    def __init__(self, history: RecoverHistory, model: nn.Module, test: TensorDataset | None) -> None:
+        self.history, self.model, self.test, self.seconds = history, model, test, 0.0
+
+    def measure(self, record: dict) -> None:
+        self.history.train_loss.append(record["train_loss"])
+        if self.test is not None:
+            began = time.perf_counter()
+            self.history.accuracy.append(evaluate_accuracy(self.model, self.test))
+            self.seconds += time.perf_counter() - began
+
+
 @torch.no_grad()
 def _logits(model: nn.Module, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
     was_training = model.training
@@ -127,19 +140,14 @@ def recover(model: nn.Module, train: TensorDataset, config: RecoverConfig = Reco
     else:
         loss = cross_entropy
 
-    evaluating = 0.0
-
-    def after_epoch(epoch: int, mean_loss: float) -> None:
-        nonlocal evaluating
-        history.train_loss.append(mean_loss)
-        if test is not None:
-            began = time.perf_counter()
-            history.accuracy.append(evaluate_accuracy(model, test))
-            evaluating += time.perf_counter() - began
-
+    evaluating = _Evaluating(history, model, test)
+    loop = Loop(config.epochs, config.batch_size, config.seed)
+    optimizer, schedule = one_cycle_adamw(model, loop, len(train), config.lr, config.weight_decay)
+    model.train()
     with torch.random.fork_rng(devices=[]):  # dropout draws from the seed, not the caller's RNG
         torch.manual_seed(config.seed)
-        fit(model, train, config, loss=loss, after_epoch=after_epoch, label=f"fine-tune {type(model).__name__}")
-    history.seconds = time.perf_counter() - start - evaluating
+        train_epochs(model, train, loop, supervised(model, loss), optimizer, schedule, watch=evaluating,
+                     label=f"fine-tune {type(model).__name__}")  # fmt: skip
+    history.seconds = time.perf_counter() - start - evaluating.seconds
     model.eval()
     return history

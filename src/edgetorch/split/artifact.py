@@ -161,7 +161,7 @@ def skeleton(manifest: SplitManifest) -> BottleneckModel:
 
 
 def _load_weights(root: Path, manifest: SplitManifest, model: BottleneckModel, part: str) -> nn.Module:
-    from ..zoo.weights import CheckpointError, tensors_from_bytes
+    from ..weights import CheckpointError, tensors_from_bytes
 
     data = verified_bytes(root, manifest, part, model)
     try:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-# kd_loss lives with the training loop, below split and reduce, so that reduce can distil too.
-from ..zoo.training import kd_loss
+# kd_loss lives with the training loop (edgetorch.training), below split and reduce, so that reduce can distil too.
+from ..training import kd_loss
 
 __all__ = ["ghnd_loss", "kd_loss"]
 

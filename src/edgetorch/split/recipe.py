@@ -51,7 +51,7 @@ from ..data import (DATASETS, DatasetNotFoundError, ImageFolderDataset, ImageFol
 from ..data.folder import IMAGENET_MEAN, IMAGENET_STD, SKIP_HINT
 from ..measure.plots import save_figure
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
-from ..zoo.weights import file_sha256
+from ..weights import file_sha256
 from .bottlefit import BottleFitConfig, Log, build_student, train_bottlefit
 from .bottleneck import BottleneckModel, rebuild
 from .evaluate import DECODE_CHUNK, EVAL_BATCH, evaluate_split, file_offload

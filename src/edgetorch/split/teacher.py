@@ -24,7 +24,7 @@ from torch.utils.data import TensorDataset
 from .._files import read_json, write_json_atomically
 from ..data import cache_dir, dataset_info, load_dataset
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
-from ..zoo.weights import file_sha256
+from ..weights import file_sha256
 from .bottleneck import ACCEPTED_ARCHS
 from .train import StageConfig, train_stage
 
@@ -90,7 +90,10 @@ def teacher_paths(config: TeacherConfig, cache: str | Path | None = None) -> tup
     Returns:
         The ``.safetensors`` and ``.json`` paths.
     """
-    key = hashlib.sha256(json.dumps(dataclasses.asdict(config), sort_keys=True).encode()).hexdigest()[:12]
+    # "loop": 2 since BottleFit stages run the one training loop (another batch order than before):
+    # a teacher cached by the earlier loop is not taken for one this version would train.
+    record = {**dataclasses.asdict(config), "loop": 2}
+    key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache) if cache is not None else cache_dir()
     stem = root / "split" / f"teacher-{config.arch}-{config.dataset}-{config.image_size}px-{key}"
     return stem.with_suffix(".safetensors"), stem.with_suffix(".json")

@@ -17,23 +17,17 @@ Frozen modules are kept in eval mode for the whole stage, so their batch-norm ru
 not move (the published reference code puts the whole student in train mode, which updates the
 statistics of "frozen" blocks). The teacher is always in eval mode and never receives gradients.
 
-Checkpoints (``checkpoint_dir``), written after every epoch: ``model.safetensors`` (the student's
-``state_dict``), ``state.pt`` (epoch, optimizer and scheduler state, loss history, each epoch's
-wall-clock seconds and the weights' SHA-256; read back with ``torch.load(weights_only=True)``;
-:func:`stage_progress` returns the plain parts) and ``config.json``. Calling
-:func:`train_stage` again with the same directory resumes after the last finished epoch and gives
-the same weights as an uninterrupted run (batch order is a function of seed and epoch). A
-directory written with another config, or weights that do not match the model or the recorded
-hash, raise :class:`~edgetorch.zoo.CheckpointError` instead of training from a silent mismatch.
+Checkpoints (``checkpoint_dir``) are the training loop's (:mod:`edgetorch.training.checkpoint`),
+written after every epoch; their run identity is the stage's config and the number of training
+samples. Calling :func:`train_stage` again with the same directory resumes after the last finished
+epoch and gives the same weights as an uninterrupted run. A directory written for another config
+or data, or weights that do not match the model or the recorded hash, raise
+:class:`~edgetorch.zoo.CheckpointError` instead of training from a silent mismatch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +39,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .._checks import check_choice, check_positive_int
-from .._files import read_json, read_torch
-from ..zoo import CheckpointError, load_weights, save_weights
-from ..zoo.weights import MAX_WEIGHTS_BYTES, file_sha256, restore_training_state
+from .._files import read_json
+from ..training import Checkpointing, Loop, Watch, train_epochs
+from ..training.loop import RECORD_FIELDS
+from ..training.checkpoint import state_history
+from ..weights import CheckpointError
 from .bottleneck import BottleneckModel, decompose
 from .losses import ghnd_loss, kd_loss
 
@@ -81,7 +77,7 @@ class StageConfig:
         batch_size: samples per step; the last partial batch of an epoch is dropped.
         alpha: KD weight of the hard-label loss (paper: 0.5).
         tau: KD temperature (paper: 1).
-        seed: fixes the batch order (with the epoch number).
+        seed: fixes the batch order (:func:`edgetorch.training.epoch_orders`).
     """
 
     loss: str = "ghnd"
@@ -150,40 +146,6 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, config: StageConfi
     return ghnd_loss(model.taps(x)[:-1], targets)
 
 
-def _save(directory: Path, model: nn.Module, state: dict[str, Any]) -> None:
-    state = {**state, "sha256": save_weights(model, directory / "model.safetensors")}
-    tmp = directory / f".state.pt.{os.getpid()}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, directory / "state.pt")  # the state file commits the epoch
-
-
-def _read_state(path: Path) -> dict[str, Any]:
-    state = read_torch(path, MAX_WEIGHTS_BYTES, error=CheckpointError)  # holds the optimizer's moments
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: not a training state written by train_stage; delete {path.parent} to start over")
-    history, seconds = state.get("history"), state.get("epoch_seconds", [])
-    if not isinstance(state.get("sha256"), str) or type(state.get("epoch")) is not int or not isinstance(history, list) \
-            or len(history) != state["epoch"] or not all(type(v) in (int, float) for v in history) \
-            or seconds is not None and (not isinstance(seconds, list) or len(seconds) != len(history)):
-        raise CheckpointError(f"{path}: not a training state written by train_stage; delete {path.parent} to start over")
-    return state
-
-
-def _resume(directory: Path, model: nn.Module, config: StageConfig) -> dict[str, Any] | None:
-    state_path, config_path = directory / "state.pt", directory / "config.json"
-    if not state_path.is_file():
-        return None
-    recorded = read_json(config_path, error=CheckpointError) if config_path.exists() else None
-    if recorded != dataclasses.asdict(config):
-        raise CheckpointError(f"{directory} holds a checkpoint of config {recorded}, not {config}")
-    state = _read_state(state_path)
-    weights = directory / "model.safetensors"
-    if not weights.is_file() or file_sha256(weights) != state["sha256"]:
-        raise CheckpointError(f"{weights} is missing or differs from the one recorded in {state_path}")
-    load_weights(model, weights)  # strict: raises on any key or shape mismatch
-    return state
-
-
 def stage_progress(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     """What a stage's checkpoint records about its training, without loading any weights.
 
@@ -192,8 +154,7 @@ def stage_progress(checkpoint_dir: str | Path) -> dict[str, Any] | None:
 
     Returns:
         ``{"epoch": finished epochs, "history": mean loss per epoch, "epoch_seconds": wall-clock
-        seconds per epoch}`` (``epoch_seconds`` is ``None`` for a checkpoint written before it was
-        recorded), or ``None`` when no epoch has finished there.
+        seconds per epoch}``, or ``None`` when no epoch has finished there.
 
     Raises:
         CheckpointError: an unreadable state file.
@@ -202,11 +163,29 @@ def stage_progress(checkpoint_dir: str | Path) -> dict[str, Any] | None:
         >>> stage_progress("runs/c12/stage1-ghnd")  # doctest: +SKIP
         {'epoch': 2, 'history': [0.41, 0.22], 'epoch_seconds': [61.2, 60.8]}
     """
-    path = Path(checkpoint_dir) / "state.pt"
+    path = Path(checkpoint_dir) / "state.json"
     if not path.is_file():
         return None
-    state = _read_state(path)
-    return {"epoch": state["epoch"], "history": list(state["history"]), "epoch_seconds": state.get("epoch_seconds")}
+    try:
+        history = state_history(read_json(path, error=CheckpointError), RECORD_FIELDS)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not a training state this version wrote ({exc})") from None
+    return {"epoch": len(history), "history": [r["train_loss"] for r in history],
+            "epoch_seconds": [r["seconds"] for r in history]}
+
+
+class _Bar(Watch):
+    """A rich progress bar per epoch (none when disabled)."""
+
+    def __init__(self, bar: Progress, config: StageConfig) -> None:
+        self.bar, self.config, self.task = bar, config, None
+
+    def epoch_started(self, epoch: int) -> None:
+        self.task = self.bar.add_task(f"{self.config.loss}/{self.config.trainable} epoch {epoch}/{self.config.epochs}",
+                                      total=None, loss=float("nan"))  # fmt: skip
+
+    def step_done(self, epoch: int, step: int, steps: int, loss: float, images_per_second: float) -> None:
+        self.bar.update(self.task, total=steps, completed=step, loss=loss)
 
 
 def _progress(enabled: bool) -> Progress:
@@ -237,17 +216,16 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
     Raises:
         ValueError: a missing teacher, a stage that needs a BottleneckModel, or data smaller than
             a batch.
-        CheckpointError: ``checkpoint_dir`` holds a checkpoint of another config or model.
-        FloatingPointError: the loss became inf or NaN (the checkpoint keeps the last finished epoch).
+        CheckpointError: ``checkpoint_dir`` holds a checkpoint of another config, data or model.
+        TrainingDiverged: the loss became inf or NaN (a ``FloatingPointError``; the checkpoint keeps
+            the last finished epoch).
     """
     if config.loss in _NEEDS_TEACHER and teacher is None:
         raise ValueError(f"loss={config.loss!r} needs the teacher model")
     if config.loss in ("hnd", "ghnd") and not isinstance(model, BottleneckModel):
         raise ValueError(f"loss={config.loss!r} needs a BottleneckModel, got {type(model).__name__}")
-    images, labels = data.tensors
-    steps = len(labels) // config.batch_size
-    if steps == 0:
-        raise ValueError(f"{len(labels)} samples is less than one batch of {config.batch_size}")
+    loop = Loop(config.epochs, config.batch_size, config.seed)
+    steps = loop.steps_per_epoch(len(data))
     device = next(model.parameters()).device
     was_required = [p.requires_grad for p in model.parameters()]
     params = _set_modes(model, _trainable_parts(model, config.trainable))
@@ -256,19 +234,11 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
         opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=config.lr, weight_decay=decay)
     else:
         opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=decay)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=config.lr_step or config.epochs + 1, gamma=0.1)
-    history: list[float] = []
-    seconds: list[float] | None = []  # wall-clock time of each epoch, kept across resumed runs
-    directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if directory is not None:
-        directory.mkdir(parents=True, exist_ok=True)
-        state = _resume(directory, model, config)
-        if state is not None:
-            restore_training_state(opt, sched, state.get("optimizer"), state.get("scheduler"),
-                                   str(directory / "state.pt"))
-            history = list(state["history"])
-            seconds = state.get("epoch_seconds")  # None: a checkpoint older than the field, times unknown
-        (directory / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+    # x0.1 every lr_step epochs, counted in steps: the loop steps a schedule after every step.
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=(config.lr_step or config.epochs + 1) * steps, gamma=0.1)
+    checkpoint = None
+    if checkpoint_dir is not None:
+        checkpoint = Checkpointing(Path(checkpoint_dir), {"stage": dataclasses.asdict(config), "train_samples": len(data)})
     logits = stages = None
     if teacher is not None:
         teacher.eval()
@@ -277,36 +247,19 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
             # The teacher is frozen in eval mode and the data is not augmented, so its logits are the
             # same every epoch: compute them once, not once per step.
             with torch.no_grad():
-                logits = torch.cat([teacher(batch.to(device)) for batch in images.split(256)])
-    with _progress(progress) as bar:
-        for epoch in range(len(history), config.epochs):
-            task = bar.add_task(f"{config.loss}/{config.trainable} epoch {epoch + 1}/{config.epochs}",
-                                total=steps, loss=float("nan"))  # fmt: skip
-            # A function of (seed, epoch) only, so a resumed run sees the same batches.
-            order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(config.seed * 100_003 + epoch))
-            total, start = 0.0, time.perf_counter()
-            for step in range(steps):
-                idx = order[step * config.batch_size : (step + 1) * config.batch_size].to(images.device)
-                x, y = images[idx].to(device, non_blocking=True), labels[idx].to(device, non_blocking=True)
-                loss = _loss(model, x, y, config, None if logits is None else logits[idx.to(device)], stages)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                value = loss.item()
-                if not math.isfinite(value):
-                    # Every later step would train on garbage; the last checkpoint (if any) is intact.
-                    raise FloatingPointError(f"{config.loss} loss is {value} at epoch {epoch + 1}, step {step + 1}: "
-                                             f"training diverged; lower the learning rate (lr={config.lr})")
-                total += value
-                bar.update(task, advance=1, loss=total / (step + 1))
-            sched.step()
-            history.append(total / steps)
-            if seconds is not None:
-                seconds.append(time.perf_counter() - start)
-            if directory is not None:
-                _save(directory, model, {"epoch": epoch + 1, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                         "history": history, "epoch_seconds": seconds})  # fmt: skip
-    model.eval()
-    for p, required in zip(model.parameters(), was_required):
-        p.requires_grad_(required)
-    return history
+                logits = torch.cat([teacher(batch.to(device)) for batch in data.tensors[0].split(256)])
+
+    def step(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        loss = _loss(model, x, y, config, None if logits is None else logits[index.to(device)], stages)
+        loss.backward()
+        return loss
+
+    try:
+        with _progress(progress) as bar:
+            run = train_epochs(model, data, loop, step, opt, sched, checkpoint=checkpoint, watch=_Bar(bar, config),
+                               label=f"{config.loss}/{config.trainable}")  # fmt: skip
+    finally:
+        model.eval()
+        for p, required in zip(model.parameters(), was_required):
+            p.requires_grad_(required)
+    return run.losses

@@ -7,13 +7,13 @@ from .pretrain import (
     build_zoo_model,
     checkpoint_paths,
     default_config,
-    evaluate_accuracy,
     load_pretrained,
     pretrain,
     pretrained,
 )
 from .registry import ZOO_MODELS, build_model, input_channels, redraw_batchnorm, redraw_zero_weights, torchvision_classification_models
-from .weights import CheckpointError, load_weights, read_weights, save_weights
+from ..training import evaluate_accuracy
+from ..weights import CheckpointError, load_weights, read_weights, save_weights
 
 __all__ = [
     "MLP",

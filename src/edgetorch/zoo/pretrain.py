@@ -2,7 +2,7 @@
 
 Recipe: AdamW with a one-cycle learning-rate schedule, cross-entropy, no augmentation, full
 batches only (the last partial batch of each epoch is dropped; the loop is
-:func:`edgetorch.zoo.training.fit`), evaluated on the whole test split. Besides the zoo's own
+:func:`edgetorch.training.train_epochs`), evaluated on the whole test split. Besides the zoo's own
 models, torchvision's ``resnet18`` and ``mobilenet_v2`` (``num_classes=10``, unchanged RGB stem)
 have Fashion-MNIST recipes at 32 px, the grey image repeated over the three input channels
 (:func:`edgetorch.zoo.registry.with_channels`): the models the reduction benchmark compares on.
@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import TensorDataset
 
 from .._checks import check_choice, check_positive_int
 from .._files import read_json, write_json_atomically
 from ..data import cache_dir, dataset_info, load_dataset
 from .registry import ZOO_MODELS, build_model, input_channels, takes_image_size, with_channels
-from .training import fit
-from .weights import CheckpointError, file_sha256, load_weights, save_weights
+from ..training import Loop, evaluate_accuracy, one_cycle_adamw, supervised, train_epochs
+from ..weights import CheckpointError, file_sha256, load_weights, save_weights
 
 log = logging.getLogger(__name__)
 _FORMAT_VERSION = 1
@@ -148,35 +148,6 @@ def build_zoo_model(config: PretrainConfig) -> nn.Module:
     return ZOO_MODELS[config.model](num_classes=num_classes, **sized)
 
 
-@torch.no_grad()
-def evaluate_accuracy(model: nn.Module, data: Dataset, batch_size: int = 512) -> float:
-    """Top-1 accuracy of ``model`` on ``data`` (eval mode during, previous mode restored).
-
-    Args:
-        model: a classifier returning logits.
-        data: ``(image, label)`` samples: a ``TensorDataset`` (sliced directly) or any dataset
-            (read through a ``DataLoader``); batches are moved to the model's device.
-        batch_size: inference batch size.
-
-    Returns:
-        Fraction of correct predictions in [0, 1].
-    """
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    batches = (zip(*(t.split(batch_size) for t in data.tensors)) if isinstance(data, TensorDataset)
-               else DataLoader(data, batch_size=batch_size))
-    correct = total = 0
-    try:
-        with torch.no_grad():
-            for x, y in batches:
-                correct += int((model(x.to(device)).argmax(1) == y.to(device)).sum())
-                total += len(y)
-    finally:
-        model.train(was_training)
-    return correct / max(total, 1)
-
-
 def _cache_key(config: PretrainConfig) -> str:
     # The architecture's parameter names and shapes go into the key with the config, so a
     # change to a zoo model's definition never meets a cached checkpoint of the old one.
@@ -233,7 +204,12 @@ def pretrain(
         channels = input_channels(model)
         train, test = (TensorDataset(with_channels(d.tensors[0], channels), d.tensors[1]) for d in (train, test))
         start, cpu_start = time.perf_counter(), time.process_time()
-        final_loss = fit(model, train, config, label=f"{config.model}/{config.dataset}")
+        loop = Loop(config.epochs, config.batch_size, config.seed)
+        optimizer, schedule = one_cycle_adamw(model, loop, len(train), config.lr, config.weight_decay)
+        model.train()
+        run = train_epochs(model, train, loop, supervised(model), optimizer, schedule,
+                           label=f"{config.model}/{config.dataset}")  # fmt: skip
+        final_loss = run.losses[-1]
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     accuracy = evaluate_accuracy(model, test)
     model.eval()

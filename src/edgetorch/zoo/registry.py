@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .models import MLP, PlainCNN, SmallResNet
-from .weights import load_weights
+from ..weights import load_weights
 
 ZOO_MODELS: dict[str, type[nn.Module]] = {"cnn": SmallResNet, "plaincnn": PlainCNN, "mlp": MLP}
 _FORMS = "'zoo:NAME', 'torchvision:NAME' or 'package.module:factory'"

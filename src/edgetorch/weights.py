@@ -8,7 +8,6 @@ keys rather than leaving a model half loaded.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors, load_file, save_file
 from torch import nn
 
-from .._files import InputFileError, open_regular, read_torch
+from ._files import InputFileError, open_regular, read_torch
 
 SAFETENSORS_SUFFIX = ".safetensors"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -174,78 +173,6 @@ def load_weights(model: nn.Module, path: str | Path, state: Mapping[str, torch.T
         )
     model.load_state_dict(state, strict=True, assign=assign)
     return model
-
-
-# What a resumed optimizer or schedule may have moved since it was made: the learning rate and the
-# step counters. Everything else in their state follows from the run's config, which the caller
-# has already matched, so it must equal what a fresh optimizer and schedule hold.
-_PROGRESS = frozenset({"lr", "last_epoch", "_step_count", "_last_lr"})
-
-
-def restore_training_state(optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
-                           optimizer_state: object, schedule_state: object, where: str) -> None:
-    """Load an optimizer's and a schedule's saved state, checked against fresh ones first.
-
-    A checkpoint's state file is not covered by a hash (it holds them). Loaded unchecked, an edited
-    field failed later as a traceback: a string learning rate at the first step, ``T_max`` 0 as a
-    ZeroDivisionError, a momentum buffer of another shape mid-epoch.
-
-    Args:
-        optimizer, schedule: made for this run, not stepped yet.
-        optimizer_state: ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` as saved.
-        schedule_state: the schedule's saved ``state_dict()``.
-        where: names the checkpoint in errors.
-
-    Raises:
-        CheckpointError: anything that is not what this run's optimizer and schedule save.
-    """
-    try:
-        if not isinstance(optimizer_state, Mapping) or set(optimizer_state) != {"state", "param_groups"}:
-            raise ValueError("the optimizer state needs exactly 'state' and 'param_groups'")
-        _check_like(optimizer_state["param_groups"], optimizer.state_dict()["param_groups"], "param_groups")
-        _check_like(schedule_state, schedule.state_dict(), "schedule")
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        per_param = optimizer_state["state"]
-        if not isinstance(per_param, Mapping):
-            raise ValueError("the optimizer's 'state' must map parameter indices to tensors")
-        for index, entries in per_param.items():
-            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(params) \
-                    or not isinstance(entries, Mapping):
-                raise ValueError(f"optimizer state for parameter {index!r}: no such parameter")
-            for name, value in entries.items():
-                if not isinstance(value, torch.Tensor) or value.dim() and value.shape != params[index].shape \
-                        or not torch.isfinite(value).all():
-                    raise ValueError(f"optimizer state {name!r} of parameter {index} must be a finite tensor of "
-                                     f"shape {list(params[index].shape)} (or a scalar)")
-        optimizer.load_state_dict(optimizer_state)
-        schedule.load_state_dict(schedule_state)
-    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-        raise CheckpointError(f"{where}: the optimizer state does not fit this run ({exc}); delete it to start "
-                              "over") from None
-
-
-def _check_like(value: object, fresh: object, where: str) -> None:
-    """Raise ValueError unless ``value`` has ``fresh``'s structure: the same keys and lengths, the
-    same values, except that :data:`_PROGRESS` fields may hold other finite numbers (JSON gives
-    lists for tuples)."""
-    name = where.rsplit(".", 1)[-1]
-    if isinstance(fresh, Mapping):
-        if not isinstance(value, Mapping) or set(value) != set(fresh):
-            raise ValueError(f"{where} must have exactly the keys {sorted(fresh)}")
-        for key in fresh:
-            _check_like(value[key], fresh[key], f"{where}.{key}")
-    elif isinstance(fresh, (list, tuple)):
-        if not isinstance(value, (list, tuple)) or len(value) != len(fresh):
-            raise ValueError(f"{where} must be a list of {len(fresh)}")
-        for k, (item, want) in enumerate(zip(value, fresh)):
-            _check_like(item, want, f"{where}[{k}]" if name in _PROGRESS else where)
-    elif name.split("[")[0] in _PROGRESS:
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not number or value < 0 or isinstance(fresh, int) and not isinstance(value, int):
-            raise ValueError(f"{where} must be a finite {type(fresh).__name__} >= 0, got {value!r}")
-    elif value != fresh or type(value) is not type(fresh) and not (
-            isinstance(value, (int, float)) and isinstance(fresh, (int, float)) and not isinstance(value, bool)):
-        raise ValueError(f"{where} is {value!r}; this run's config gives {fresh!r}")
 
 
 def tensors_from_bytes(data: bytes, path: str | Path) -> dict[str, torch.Tensor]:

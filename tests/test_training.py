@@ -1,0 +1,171 @@
+"""The one training loop (edgetorch.training): batch order, resume, RNG, divergence, checkpoint format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import edgetorch.training.checkpoint as checkpoint_module
+from edgetorch import EdgetorchError
+from edgetorch.training import (
+    Checkpointing,
+    Loop,
+    TrainingDiverged,
+    Watch,
+    epoch_orders,
+    one_cycle_adamw,
+    supervised,
+    train_epochs,
+)
+from edgetorch.weights import CheckpointError
+
+
+def _data(n: int = 40) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)  # dropout makes the global RNG part of the result
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+
+def _train(model: nn.Module, data, loop: Loop, directory=None, identity=None, watch=None):
+    optimizer, schedule = one_cycle_adamw(model, loop, len(data), 1e-2, 1e-4)
+    checkpoint = None if directory is None else Checkpointing(directory, identity or {"run": "test"})
+    return train_epochs(model.train(), data, loop, supervised(model), optimizer, schedule, checkpoint=checkpoint,
+                        watch=watch)  # fmt: skip
+
+
+def test_epoch_e_visits_the_e_th_permutation_of_the_seeded_generator() -> None:
+    loop = Loop(epochs=3, batch_size=4, seed=7)
+    generator = torch.Generator().manual_seed(7)
+    orders = epoch_orders(10, loop)
+    for _ in range(3):
+        expected = torch.randperm(10, generator=generator)
+        batches = next(orders)
+        assert [len(b) for b in batches] == [4, 4]  # the last partial batch is dropped
+        assert torch.equal(torch.cat(batches), expected[:8])
+
+
+def test_fill_last_batch_uses_every_sample_every_epoch_in_full_batches() -> None:
+    orders = epoch_orders(10, Loop(epochs=2, batch_size=4, fill_last_batch=True))
+    for _ in range(2):
+        batches = next(orders)
+        assert [len(b) for b in batches] == [4, 4, 4]
+        flat = torch.cat(batches)
+        assert set(flat.tolist()) == set(range(10)) and torch.equal(flat[10:], flat[:2])
+    assert [len(b) for b in next(epoch_orders(3, Loop(epochs=1, batch_size=4, fill_last_batch=True)))] == [3]
+    with pytest.raises(ValueError, match="less than one batch of 4"):
+        next(epoch_orders(3, Loop(epochs=1, batch_size=4)))
+
+
+def test_a_tensor_dataset_and_any_dataset_give_the_same_run() -> None:
+    class Wrapped(Dataset):
+        def __init__(self, data):
+            self.data = data
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            return self.data[i]
+
+    data, loop = _data(), Loop(epochs=2, batch_size=8, seed=1, fill_last_batch=True)
+    a = _model()  # seeds the global RNG: each run's dropout starts from the same state
+    losses = _train(a, data, loop).losses
+    b = _model()
+    assert _train(b, Wrapped(data), loop).losses == losses
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights_dropout_included(tmp_path, monkeypatch) -> None:
+    data, loop = _data(), Loop(epochs=3, batch_size=8, seed=2)
+    straight = _model()
+    expected = _train(straight, data, loop)
+    real_save = checkpoint_module.save
+
+    def save_then_crash(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_module, "save", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        _train(_model(), data, loop, tmp_path)
+    monkeypatch.setattr(checkpoint_module, "save", real_save)
+    torch.manual_seed(99)  # whatever the caller's RNG holds now, the checkpoint's is restored
+    resumed = _model()
+    torch.manual_seed(99)
+    run = _train(resumed, data, loop, tmp_path)
+    assert run.resumed_from == 1 and run.losses == expected.losses
+    assert all(torch.equal(x, y) for x, y in zip(resumed.state_dict().values(), straight.state_dict().values()))
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["format"] == checkpoint_module.FORMAT and state["epoch"] == 3 and state["run"] == {"run": "test"}
+
+
+def test_a_checkpoint_of_another_run_names_what_changed(tmp_path) -> None:
+    data, loop = _data(), Loop(epochs=1, batch_size=8)
+    _train(_model(), data, loop, tmp_path, {"config": {"lr": 0.1, "epochs": 1}, "samples": 40})
+    with pytest.raises(CheckpointError, match=r"another run \(config.lr: 0.1 -> 0.2\)"):
+        _train(_model(), data, loop, tmp_path, {"config": {"lr": 0.2, "epochs": 1}, "samples": 40})
+
+
+def test_checkpoints_of_earlier_versions_are_refused_with_what_to_do(tmp_path) -> None:
+    data, loop = _data(), Loop(epochs=1, batch_size=8)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "state.pt").write_bytes(b"whatever")
+    with pytest.raises(CheckpointError, match="earlier edgetorch .*delete it to start over"):
+        _train(_model(), data, loop, tmp_path / "old")
+    _train(_model(), data, loop, tmp_path / "v1")
+    state = json.loads((tmp_path / "v1" / "state.json").read_text())
+    del state["format"]  # what edgetorch finetune wrote before the loops were one
+    (tmp_path / "v1" / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"earlier edgetorch \(format 1"):
+        _train(_model(), data, loop, tmp_path / "v1")
+
+
+def test_a_diverged_loss_stops_the_run_and_keeps_the_last_finished_epoch(tmp_path) -> None:
+    data, loop = _data(), Loop(epochs=2, batch_size=8)
+
+    class PoisonSecondEpoch(Watch):
+        def epoch_done(self, history):
+            with torch.no_grad():
+                model[0].weight.fill_(float("nan"))
+
+    model = _model()
+    with pytest.raises(TrainingDiverged, match="loss is nan at epoch 2, step 1.*lower the learning rate") as err:
+        _train(model, data, loop, tmp_path, watch=PoisonSecondEpoch())
+    assert isinstance(err.value, EdgetorchError) and isinstance(err.value, FloatingPointError)
+    assert json.loads((tmp_path / "state.json").read_text())["epoch"] == 1
+
+
+def test_a_watch_sees_every_step_and_adds_its_measures(tmp_path) -> None:
+    seen = []
+
+    class Measures(Watch):
+        measures = ("norm",)
+
+        def epoch_started(self, epoch):
+            seen.append(("start", epoch))
+
+        def step_done(self, epoch, step, steps, loss, images_per_second):
+            seen.append((epoch, step, steps))
+
+        def measure(self, record):
+            record["norm"] = 1.5
+
+    run = _train(_model(), _data(20), Loop(epochs=2, batch_size=8), tmp_path, watch=Measures())
+    assert seen == [("start", 1), (1, 1, 2), (1, 2, 2), ("start", 2), (2, 1, 2), (2, 2, 2)]
+    assert [r["norm"] for r in run.history] == [1.5, 1.5]
+
+    class Forgetful(Watch):
+        measures = ("norm",)
+
+    with pytest.raises(CheckpointError, match="exactly the keys"):  # resuming needs the field it promised
+        _train(_model(), _data(20), Loop(epochs=3, batch_size=8), tmp_path, watch=Watch())
+    with pytest.raises(TypeError, match="measure added"):
+        _train(_model(), _data(20), Loop(epochs=1, batch_size=8), watch=Forgetful())
