@@ -53,7 +53,8 @@ import edgetorch as et
 from edgetorch.codecs.topk import pack_topk
 from edgetorch.data import cache_dir, load_dataset
 from edgetorch.measure.process import HONEST_MALLOC_ENV, peak_rss_bytes, reset_peak_rss, rss_bytes
-from edgetorch.zoo import SmallResNet, evaluate_accuracy, load_weights, save_weights
+from edgetorch.training.cache import cached_model
+from edgetorch.zoo import SmallResNet, evaluate_accuracy
 
 SOURCE_CLASSES = (0, 1, 2, 3, 4)
 TARGET_CLASSES = (5, 6, 7, 8, 9)
@@ -186,50 +187,40 @@ def class_subset(split: str, classes: tuple[int, ...], limit: int | None = None)
 
 def train_loop(model, params, data: TensorDataset, epochs: int, batch: int, lr: float, seed: int,
                scope_for_step) -> list[float]:
-    """Adam + cosine schedule over full batches; returns the loss of every step."""
-    images, labels = data.tensors
-    steps_per_epoch = len(labels) // batch
+    """Adam + cosine schedule over full batches (the library's loop); returns the loss of every step."""
+    loop = et.training.Loop(epochs, batch, seed)
     optimizer = torch.optim.Adam(params, lr=lr)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * steps_per_epoch)
-    order_rng = torch.Generator().manual_seed(seed)
-    losses, step = [], 0
-    model.train()
-    for _ in range(epochs):
-        order = torch.randperm(len(labels), generator=order_rng)
-        for i in range(steps_per_epoch):
-            idx = order[i * batch:(i + 1) * batch]
-            with scope_for_step(step):
-                loss = F.cross_entropy(model(images[idx]), labels[idx])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
-            losses.append(loss.item())
-            step += 1
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * loop.steps_per_epoch(len(data)))
+    losses: list[float] = []
+
+    def step(images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        with scope_for_step(len(losses)):
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        losses.append(loss.item())
+        return loss
+
+    et.training.train_epochs(model.train(), data, loop, step, optimizer, schedule)
     return losses
 
 
 def source_model(arch: str, scale: Scale) -> tuple[nn.Module, dict]:
-    """The source-pretrained model, trained once and cached as safetensors + JSON record."""
+    """The source-pretrained model, trained once and cached (edgetorch's model cache)."""
     recipe = {"arch": arch, "classes": SOURCE_CLASSES, "limit": scale.source_limit,
               "epochs": scale.source_epochs, "lr": scale.source_lr, "batch": 128, "seed": 0,
               "torch": torch.__version__.split("+")[0]}
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    weights, record = CACHE / f"{arch}-fmnist0to4-{key}.safetensors", CACHE / f"{arch}-fmnist0to4-{key}.json"
-    model = build(arch)
-    if record.exists():
-        return load_weights(model, weights), json.loads(record.read_text())
+    entry = cached_model("backrazor_transfer", f"{arch}-fmnist0to4", recipe)
     torch.manual_seed(0)
     model = build(arch)
+    record = entry.read(model)
+    if record is not None:
+        return model, record
     start = time.perf_counter()
     train_loop(model, model.parameters(), class_subset("train", SOURCE_CLASSES, scale.source_limit),
                scale.source_epochs, 128, scale.source_lr, 0, lambda step: contextlib.nullcontext())
     seconds = time.perf_counter() - start
-    meta = {"recipe": recipe, "train_seconds": seconds,
-            "source_test_accuracy": evaluate_accuracy(model, class_subset("test", SOURCE_CLASSES)),
-            "sha256": save_weights(model, weights)}
-    record.write_text(json.dumps(meta, indent=2))
-    return model, meta
+    return model, entry.write(model, {"recipe": recipe, "train_seconds": seconds, "source_test_accuracy":
+                                      evaluate_accuracy(model, class_subset("test", SOURCE_CLASSES))})
 
 
 # --- methods ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Mauch & Yang, Figs. 2 and 3: optimal layer reduction factors for the paper's MLPs, measured.
 
 What it measures, for the paper's network (5 hidden layers 2500-2000-1500-1000-500, trained and
-cached by ``bench/reduce_paper_models.py``) on Fashion-MNIST and on scikit-learn digits, with no
+cached by :func:`edgetorch.zoo.paper.paper_mlp`) on Fashion-MNIST and on scikit-learn digits, with no
 retraining after the reduction:
 
 1. Test accuracy vs the total reduction factor alpha_tot in (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
@@ -41,10 +41,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from _common import RESULTS_DIR, table, write_results  # noqa: E402
-from reduce_paper_models import HIDDEN, paper_mlp  # noqa: E402
 from torch import nn  # noqa: E402
 
 from edgetorch.data import load_dataset  # noqa: E402
+from edgetorch.zoo.paper import PAPER_HIDDEN, paper_mlp  # noqa: E402
 from edgetorch.reduce import (  # noqa: E402
     Allocation,
     compare_latency,
@@ -387,8 +387,8 @@ def plot(results: dict) -> None:
 
 def markdown(results: dict, seconds: float) -> str:
     parts = [
-        f"The paper's network (hidden {'-'.join(map(str, HIDDEN))}, ReLU; trained by "
-        "`bench/reduce_paper_models.py`, recipe in its record below) reduced with no retraining. "
+        f"The paper's network (hidden {'-'.join(map(str, PAPER_HIDDEN))}, ReLU; trained by "
+        "`edgetorch.zoo.paper.paper_mlp`, recipe in its record below) reduced with no retraining. "
         f"Allocations: `uniform` (pruning: the same keep fraction in every neuron layer; low-rank: "
         f"alpha_l = alpha_tot in every layer, the output layer included), `{PAPER_UNIFORM}` (low-rank only: "
         "the paper's Fig. 3 baseline, output layer dense and one factor alpha' for the others; the paper's "

@@ -13,6 +13,7 @@ import edgetorch.training.checkpoint as checkpoint_module
 from edgetorch import EdgetorchError
 from edgetorch.training import (
     Checkpointing,
+    LastBatch,
     Loop,
     TrainingDiverged,
     Watch,
@@ -52,14 +53,18 @@ def test_epoch_e_visits_the_e_th_permutation_of_the_seeded_generator() -> None:
         assert torch.equal(torch.cat(batches), expected[:8])
 
 
-def test_fill_last_batch_uses_every_sample_every_epoch_in_full_batches() -> None:
-    orders = epoch_orders(10, Loop(epochs=2, batch_size=4, fill_last_batch=True))
+def test_the_last_batch_is_dropped_filled_or_kept_as_asked() -> None:
+    orders = epoch_orders(10, Loop(epochs=2, batch_size=4, last_batch=LastBatch.FILL))
     for _ in range(2):
         batches = next(orders)
         assert [len(b) for b in batches] == [4, 4, 4]
         flat = torch.cat(batches)
         assert set(flat.tolist()) == set(range(10)) and torch.equal(flat[10:], flat[:2])
-    assert [len(b) for b in next(epoch_orders(3, Loop(epochs=1, batch_size=4, fill_last_batch=True)))] == [3]
+    assert [len(b) for b in next(epoch_orders(3, Loop(epochs=1, batch_size=4, last_batch=LastBatch.FILL)))] == [3]
+    kept = next(epoch_orders(10, Loop(epochs=1, batch_size=4, last_batch=LastBatch.KEEP)))
+    assert [len(b) for b in kept] == [4, 4, 2] and sorted(torch.cat(kept).tolist()) == list(range(10))
+    with pytest.raises(TypeError, match="LastBatch"):
+        Loop(epochs=1, batch_size=4, last_batch="fill")
     with pytest.raises(ValueError, match="less than one batch of 4"):
         next(epoch_orders(3, Loop(epochs=1, batch_size=4)))
 
@@ -75,7 +80,7 @@ def test_a_tensor_dataset_and_any_dataset_give_the_same_run() -> None:
         def __getitem__(self, i):
             return self.data[i]
 
-    data, loop = _data(), Loop(epochs=2, batch_size=8, seed=1, fill_last_batch=True)
+    data, loop = _data(), Loop(epochs=2, batch_size=8, seed=1, last_batch=LastBatch.FILL)
     a = _model()  # seeds the global RNG: each run's dropout starts from the same state
     losses = _train(a, data, loop).losses
     b = _model()
@@ -169,3 +174,29 @@ def test_a_watch_sees_every_step_and_adds_its_measures(tmp_path) -> None:
         _train(_model(), _data(20), Loop(epochs=3, batch_size=8), tmp_path, watch=Watch())
     with pytest.raises(TypeError, match="measure added"):
         _train(_model(), _data(20), Loop(epochs=1, batch_size=8), watch=Forgetful())
+
+
+def test_the_paper_network_trains_as_a_plain_rmsprop_loop_and_is_cached(tmp_path, monkeypatch) -> None:
+    import torch.nn.functional as F
+
+    from edgetorch.data import load_dataset
+    from edgetorch.zoo import paper
+
+    recipe = paper.PaperRecipe("digits", epochs=1, batch_size=500)  # 1,438 images: the last batch has 438
+    monkeypatch.setitem(paper.PAPER_RECIPES, "digits", recipe)
+    state = torch.get_rng_state()
+    model, record = paper.paper_mlp("digits", cache=tmp_path)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is left alone
+    # The same training written plainly: seeded init, seeded permutation, every slice a step.
+    torch.manual_seed(recipe.seed)
+    plain = paper.build_paper_mlp("digits")
+    images, labels = load_dataset("digits", "train").tensors
+    optimizer = torch.optim.RMSprop(plain.parameters(), lr=recipe.lr, alpha=recipe.rho, eps=1e-7)
+    for batch in torch.randperm(len(labels), generator=torch.Generator().manual_seed(recipe.seed)).split(500):
+        optimizer.zero_grad()
+        F.cross_entropy(plain(images[batch]), labels[batch]).backward()
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+    again, cached = paper.paper_mlp("digits", cache=tmp_path)
+    assert cached == record and record["hidden"] == list(paper.PAPER_HIDDEN)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))

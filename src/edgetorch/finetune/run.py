@@ -36,7 +36,7 @@ from .._files import write_json_atomically
 from ..activations import freeze_batchnorm, parse_training_policy
 from ..activations.step import forward_backward
 from ..measure.process import peak_bytes, peak_kind, process_peak_rss_bytes, reset_peak
-from ..training import Checkpointing, Loop, Watch, evaluate_accuracy, train_epochs
+from ..training import Checkpointing, LastBatch, Loop, Watch, evaluate_accuracy, train_epochs
 from ..weights import save_weights
 from .model import SCOPES, set_scope
 
@@ -173,7 +173,7 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     how = parse_training_policy(config.policy)
     params = prepare(model, config)
     optimizer = _optimizer(config, params)
-    loop = Loop(config.epochs, config.batch_size, config.seed, fill_last_batch=True)
+    loop = Loop(config.epochs, config.batch_size, config.seed, last_batch=LastBatch.FILL)
     total_steps = config.epochs * loop.steps_per_epoch(len(train))
     schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
                 if config.schedule == "cosine" else None)

@@ -4,15 +4,14 @@ No ImageNet weights are available offline, so edgetorch trains its own teacher: 
 architecture (default resnet18) on Fashion-MNIST resized to ``image_size`` and repeated to 3
 channels, with cross entropy and Adam (:func:`edgetorch.split.train.train_stage`). The result is
 cached under ``cache_dir() / "split"`` as ``teacher-{arch}-{dataset}-{size}px-{key}.safetensors``
-plus a ``.json`` record (config, test accuracy, SHA-256), where ``key`` hashes the config; an
-interrupted training resumes from its per-epoch checkpoint in the ``-{key}.ckpt`` directory.
+plus a ``.json`` record (config, test accuracy, SHA-256), where ``key`` hashes the config
+(:func:`edgetorch.training.cache.cached_model`); an interrupted training resumes from its
+per-epoch checkpoint in the ``-{key}.ckpt`` directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .._files import read_json, write_json_atomically
-from ..data import cache_dir, dataset_info, load_dataset
-from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
-from ..weights import file_sha256
+from ..data import dataset_info, load_dataset
+from ..training import evaluate_accuracy
+from ..training.cache import CachedModel, cached_model
+from ..zoo import build_model
 from .bottleneck import ACCEPTED_ARCHS
 from .train import StageConfig, train_stage
 
@@ -90,13 +89,15 @@ def teacher_paths(config: TeacherConfig, cache: str | Path | None = None) -> tup
     Returns:
         The ``.safetensors`` and ``.json`` paths.
     """
+    entry = _cache_entry(config, cache)
+    return entry.weights, entry.record
+
+
+def _cache_entry(config: TeacherConfig, cache: str | Path | None) -> CachedModel:
     # "loop": 2 since BottleFit stages run the one training loop (another batch order than before):
     # a teacher cached by the earlier loop is not taken for one this version would train.
-    record = {**dataclasses.asdict(config), "loop": 2}
-    key = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(cache) if cache is not None else cache_dir()
-    stem = root / "split" / f"teacher-{config.arch}-{config.dataset}-{config.image_size}px-{key}"
-    return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+    return cached_model("split", f"teacher-{config.arch}-{config.dataset}-{config.image_size}px",
+                        {**dataclasses.asdict(config), "loop": 2}, cache)
 
 
 def _build(config: TeacherConfig) -> nn.Module:
@@ -126,19 +127,16 @@ def train_teacher(config: TeacherConfig = TeacherConfig(), cache: str | Path | N
         >>> model, meta = train_teacher()  # doctest: +SKIP
         >>> meta["test_accuracy"]  # doctest: +SKIP
     """
-    weights, meta_path = teacher_paths(config, cache)
+    entry = _cache_entry(config, cache)
     model = _build(config).to(device)
-    if weights.is_file() and meta_path.is_file():
-        metadata = read_json(meta_path, error=CheckpointError)
-        if not isinstance(metadata, dict) or file_sha256(weights) != metadata.get("sha256"):
-            raise CheckpointError(f"{weights}: SHA-256 differs from {meta_path.name}; delete both to retrain")
-        return load_weights(model, weights).eval(), metadata
+    metadata = entry.read(model)
+    if metadata is not None:
+        return model.eval(), metadata
     train = load_rgb(config.dataset, "train", config.image_size, config.train_limit, device)
-    history = train_stage(model, train, config.stage, checkpoint_dir=weights.with_suffix(".ckpt"),
+    history = train_stage(model, train, config.stage, checkpoint_dir=entry.weights.with_suffix(".ckpt"),
                           progress=progress)  # fmt: skip
     test = load_rgb(config.dataset, "test", config.image_size)
-    metadata = {"config": dataclasses.asdict(config), "test_accuracy": evaluate_accuracy(model, test),
-                "test_samples": len(test), "train_samples": len(train), "loss_history": history,
-                "torch_version": torch.__version__, "sha256": save_weights(model, weights)}  # fmt: skip
-    write_json_atomically(meta_path, metadata)  # written last: weights without a record count as absent
+    metadata = entry.write(model, {"config": dataclasses.asdict(config), "test_accuracy": evaluate_accuracy(model, test),
+                                   "test_samples": len(test), "train_samples": len(train), "loss_history": history,
+                                   "torch_version": torch.__version__})  # fmt: skip
     return model.eval(), metadata

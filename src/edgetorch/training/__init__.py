@@ -3,6 +3,7 @@
 from .evaluate import evaluate_accuracy
 from .loop import (
     Checkpointing,
+    LastBatch,
     Loop,
     Step,
     TrainingDiverged,
@@ -17,6 +18,7 @@ from .losses import Loss, cross_entropy, kd_loss
 
 __all__ = [
     "Checkpointing",
+    "LastBatch",
     "Loop",
     "Loss",
     "Step",

@@ -7,9 +7,8 @@ What the loop fixes, so that no caller decides it again:
   a ``torch.Generator`` seeded with ``Loop.seed``; nothing else draws from that generator. A run
   resumed after epoch ``e`` draws (and skips) ``e`` permutations first, so it sees the batches an
   uninterrupted run would. The global RNG is left to the model (dropout).
-* **Batches.** Every step has ``batch_size`` samples: the last partial batch of an epoch is
-  dropped, or, with ``fill_last_batch``, filled up with samples from the start of the epoch's
-  order (every sample is then used every epoch: what a fine-tune on a few hundred images needs).
+* **Batches.** Consecutive slices of the epoch's order; what happens to the last partial slice is
+  the run's :class:`LastBatch` choice.
 * **Steps.** Gradients are freed before each step (``zero_grad(set_to_none=True)``), the
   :data:`Step` runs forward and backward, then the optimizer steps and the schedule steps (once
   per step: a per-epoch schedule is a per-step one with a longer period).
@@ -24,6 +23,7 @@ part of a model keeps the frozen rest in eval mode.
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import time
@@ -53,6 +53,19 @@ class TrainingDiverged(EdgetorchError, FloatingPointError):
     """The training loss became inf or NaN; every later step would train on garbage."""
 
 
+class LastBatch(enum.Enum):
+    """What a run does with the last partial batch of an epoch."""
+
+    #: Leave it out: every step has ``batch_size`` samples (a different few are unseen each epoch).
+    DROP = "drop"
+    #: Fill it up with samples from the start of the epoch's order: every sample is used every
+    #: epoch and every step is full (what a fine-tune on a few hundred images needs; with fewer
+    #: samples than a batch, one step sees them all).
+    FILL = "fill"
+    #: Train on it as it is (Keras' and ``DataLoader``'s default).
+    KEEP = "keep"
+
+
 @dataclass(frozen=True)
 class Loop:
     """How the data is walked.
@@ -61,27 +74,29 @@ class Loop:
         epochs: passes over the data.
         batch_size: samples per step.
         seed: the batch order (see the module docstring).
-        fill_last_batch: fill the last partial batch of an epoch from the start of its order
-            instead of dropping it (with fewer samples than a batch, one step sees them all).
+        last_batch: what happens to the last partial batch of each epoch.
     """
 
     epochs: int
     batch_size: int
     seed: int = 0
-    fill_last_batch: bool = False
+    last_batch: LastBatch = LastBatch.DROP
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size"):
             check_positive_int(name, getattr(self, name))
+        if not isinstance(self.last_batch, LastBatch):
+            raise TypeError(f"last_batch must be a LastBatch ({', '.join(m.name for m in LastBatch)}), "
+                            f"got {self.last_batch!r}")
 
     def steps_per_epoch(self, samples: int) -> int:
         """Optimizer steps in one epoch over ``samples`` samples.
 
         Raises:
-            ValueError: no full batch and ``fill_last_batch`` is off.
+            ValueError: fewer samples than one batch under ``LastBatch.DROP``.
         """
-        if self.fill_last_batch:
-            return max(-(-samples // self.batch_size), 1) if samples else 0
+        if self.last_batch is not LastBatch.DROP:
+            return -(-samples // self.batch_size)
         steps = samples // self.batch_size
         if steps == 0:
             raise ValueError(f"{samples} training samples is less than one batch of {self.batch_size}")
@@ -99,7 +114,7 @@ def epoch_orders(samples: int, loop: Loop) -> Iterator[list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(loop.seed)
     while True:
         order = torch.randperm(samples, generator=generator)
-        if loop.fill_last_batch and samples > loop.batch_size:
+        if loop.last_batch is LastBatch.FILL and samples > loop.batch_size:
             order = torch.cat([order, order[: -samples % loop.batch_size]])
         yield list(order.split(loop.batch_size))[: loop.steps_per_epoch(samples)]
 
@@ -186,7 +201,7 @@ def train_epochs(model: nn.Module, data: Dataset, loop: Loop, step: Step, optimi
         The :class:`TrainRun`.
 
     Raises:
-        ValueError: fewer samples than a batch without ``fill_last_batch``, or no samples.
+        ValueError: fewer samples than a batch under ``LastBatch.DROP``, or no samples.
         TrainingDiverged: the loss became inf or NaN.
         CheckpointError: the checkpoint belongs to another run or is damaged.
 

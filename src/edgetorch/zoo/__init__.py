@@ -1,6 +1,7 @@
-"""Small reference models, their pretraining recipes, and model-spec resolution."""
+"""Small reference models, their pretraining recipes (the zoo's, the layer-reduction paper's networks), and model-spec resolution."""
 
 from .models import MLP, BasicBlock, PlainCNN, SmallResNet
+from .paper import PAPER_HIDDEN, PAPER_RECIPES, PaperRecipe, paper_mlp
 from .pretrain import (
     RECIPES,
     PretrainConfig,
@@ -17,10 +18,13 @@ from ..weights import CheckpointError, load_weights, read_weights, save_weights
 
 __all__ = [
     "MLP",
+    "PAPER_HIDDEN",
+    "PAPER_RECIPES",
     "RECIPES",
     "ZOO_MODELS",
     "BasicBlock",
     "CheckpointError",
+    "PaperRecipe",
     "PlainCNN",
     "PretrainConfig",
     "SmallResNet",
@@ -32,6 +36,7 @@ __all__ = [
     "input_channels",
     "load_pretrained",
     "load_weights",
+    "paper_mlp",
     "pretrain",
     "pretrained",
     "read_weights",

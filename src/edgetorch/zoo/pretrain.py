@@ -19,8 +19,6 @@ written last: a checkpoint without it counts as absent.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import platform
@@ -34,11 +32,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .._checks import check_choice, check_positive_int
-from .._files import read_json, write_json_atomically
-from ..data import cache_dir, dataset_info, load_dataset
-from .registry import ZOO_MODELS, build_model, input_channels, takes_image_size, with_channels
+from ..data import dataset_info, load_dataset
 from ..training import Loop, evaluate_accuracy, one_cycle_adamw, supervised, train_epochs
-from ..weights import CheckpointError, file_sha256, load_weights, save_weights
+from ..training.cache import CachedModel, cached_model
+from ..weights import CheckpointError
+from .registry import ZOO_MODELS, build_model, input_channels, takes_image_size, with_channels
 
 log = logging.getLogger(__name__)
 _FORMAT_VERSION = 1
@@ -148,15 +146,15 @@ def build_zoo_model(config: PretrainConfig) -> nn.Module:
     return ZOO_MODELS[config.model](num_classes=num_classes, **sized)
 
 
-def _cache_key(config: PretrainConfig) -> str:
+def _cache_entry(config: PretrainConfig, cache: str | Path | None) -> CachedModel:
     # The architecture's parameter names and shapes go into the key with the config, so a
     # change to a zoo model's definition never meets a cached checkpoint of the old one.
     # Built on the meta device: no memory, no init work, no draw from the caller's RNG.
     with torch.device("meta"):
         model = build_zoo_model(config)
     layout = [(k, list(v.shape)) for k, v in model.state_dict().items()]
-    canonical = json.dumps([dataclasses.asdict(config), layout], sort_keys=True)
-    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+    name = config.model.replace(":", "-")  # torchvision:resnet18: no colon in a file name
+    return cached_model("zoo", f"{name}-{config.dataset}", [dataclasses.asdict(config), layout], cache)
 
 
 def checkpoint_paths(config: PretrainConfig, cache: str | Path | None = None) -> tuple[Path, Path]:
@@ -169,10 +167,8 @@ def checkpoint_paths(config: PretrainConfig, cache: str | Path | None = None) ->
     Returns:
         ``(weights_path, metadata_path)`` (``.safetensors`` and ``.json``).
     """
-    root = Path(cache) if cache is not None else cache_dir()
-    name = config.model.replace(":", "-")  # torchvision:resnet18: no colon in a file name
-    stem = root / "zoo" / f"{name}-{config.dataset}-{_cache_key(config)}"
-    return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+    entry = _cache_entry(config, cache)
+    return entry.weights, entry.record
 
 
 def pretrain(
@@ -213,8 +209,7 @@ def pretrain(
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     accuracy = evaluate_accuracy(model, test)
     model.eval()
-    weights_path, meta_path = checkpoint_paths(config, cache)
-    metadata = {
+    metadata = _cache_entry(config, cache).write(model, {
         "format": _FORMAT_VERSION,
         "config": dataclasses.asdict(config),
         "test_accuracy": accuracy,
@@ -228,9 +223,7 @@ def pretrain(
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
-        "sha256": save_weights(model, weights_path),
-    }
-    write_json_atomically(meta_path, metadata)
+    })
     log.info("%s/%s: test accuracy %.4f after %.1f s",
              config.model, config.dataset, accuracy, seconds)  # fmt: skip
     return model, metadata
@@ -252,23 +245,14 @@ def load_pretrained(
     Raises:
         CheckpointError: the cached files are corrupted, or belong to another config or model.
     """
-    weights_path, meta_path = checkpoint_paths(config, cache)
-    if not (weights_path.is_file() and meta_path.is_file()):
-        return None
-    metadata = read_json(meta_path, error=CheckpointError)
-    try:
-        recorded_config, recorded_sha = metadata["config"], metadata["sha256"]
-    except (KeyError, TypeError) as exc:
-        raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({exc})") from exc
-    if recorded_config != dataclasses.asdict(config):
-        raise CheckpointError(f"{meta_path}: records config {recorded_config}, expected {config}")
-    if file_sha256(weights_path) != recorded_sha:
-        raise CheckpointError(
-            f"{weights_path}: SHA-256 differs from the one recorded in {meta_path.name} "
-            "(file corrupted or replaced); delete both files or pass retrain=True"
-        )
+    entry = _cache_entry(config, cache)
     with torch.random.fork_rng(devices=[]):  # init is overwritten; keep the caller's RNG as is
-        model = load_weights(build_zoo_model(config), weights_path)
+        model = build_zoo_model(config)
+    metadata = entry.read(model)
+    if metadata is None:
+        return None
+    if metadata.get("config") != dataclasses.asdict(config):
+        raise CheckpointError(f"{entry.record}: records config {metadata.get('config')}, expected {config}")
     return model.eval(), metadata
 
 
