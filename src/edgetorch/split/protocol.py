@@ -166,7 +166,6 @@ def _protocol_class(config: ServerConfig, metrics: Metrics | None, connections: 
             self.http = JsonErrorsH11Protocol(**uvicorn_arguments)
             self.loop = asyncio.get_running_loop()
             self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
-            self.running = False  # the app runs a request of this connection and has not answered it
             self.idle = False  # answered, and no byte since: uvicorn's keep-alive timer covers it
             self.closed = False  # closed by this class: no request may answer after that
             self.pipelined = 0  # requests in a row that were already waiting when the previous answer went out
@@ -224,7 +223,7 @@ def _protocol_class(config: ServerConfig, metrics: Metrics | None, connections: 
             if self.closed:
                 return False
             self.pipelined = self.pipelined + 1 if self.idle else 0
-            self.running, self.idle = True, False
+            self.idle = False
             self._cancel()
             connections.waiting.pop(self, None)
             return True
@@ -249,7 +248,6 @@ def _protocol_class(config: ServerConfig, metrics: Metrics | None, connections: 
         # -- deadlines and closing -----------------------------------------------------------------
 
         def _answered(self) -> None:
-            self.running = False
             if not self.transport.is_closing():
                 self.idle = True  # uvicorn armed its keep-alive timer when the answer went out
                 connections.waiting.setdefault(self, None)
