@@ -4,6 +4,7 @@ metrics, timeouts on a real uvicorn on loopback, and a bounded HTTP fuzz that mu
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -257,6 +258,12 @@ def test_uvicorn_config_carries_the_protocol_limits():
     assert settings.host == "127.0.0.1" and settings.server_header is False
 
 
+def test_uvicorn_config_refuses_fresh_contexts_per_request():
+    # A request run in a fresh context cannot find its connection, whose header deadline it ends.
+    with pytest.raises(ValueError, match="reset_contextvars"):
+        uvicorn_config(create_app(Tail(), MANIFEST), port=0, reset_contextvars=True)
+
+
 # --- A real uvicorn on loopback: timeouts, stalled connections, errors on the wire. ---------------
 
 TIMEOUT = 0.5
@@ -328,22 +335,41 @@ def test_a_stalled_request_is_answered_408_and_closed_within_the_header_timeout(
     assert _status(raw) == 408 and _json_body(raw)["error"]["type"] == "request_timeout"
 
 
+# One byte every 50 ms, for up to HANG_GUARD_S: a server whose deadline restarted with each byte
+# would let the whole request line and headers arrive (and only time out after the last byte).
+DRIPPED = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * int(HANG_GUARD_S / 0.05)
+
+
+def _drip(sock: socket.socket) -> int:
+    """Send DRIPPED a byte at a time until the server says something; how many bytes went."""
+    for sent, byte in enumerate(DRIPPED):
+        # Stop once the server has answered: writing into a closed connection draws a reset
+        # that could discard its answer before we read it.
+        if select.select([sock], [], [], 0)[0]:
+            return sent
+        sock.sendall(bytes([byte]))
+        time.sleep(0.05)
+    return len(DRIPPED)
+
+
 def test_dripping_headers_do_not_push_the_deadline_back(server):
-    # One byte every 50 ms, for up to HANG_GUARD_S: a server whose deadline restarted with each byte
-    # would let the whole request line and headers arrive (and only time out after the last byte).
-    request = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * int(HANG_GUARD_S / 0.05)
     with _connect(server[1]) as sock:
-        sent = 0
-        for byte in request:
-            # Stop once the server has answered: writing into a closed connection draws a reset
-            # that could discard its answer before we read it.
-            if select.select([sock], [], [], 0)[0]:
-                break
-            sock.sendall(bytes([byte]))
-            sent += 1
-            time.sleep(0.05)
+        sent = _drip(sock)
         raw, _ = _read_until_closed(sock)
-    assert _status(raw) == 408 and sent < len(request), f"the server answered after {sent} of {len(request)} bytes"
+    assert _status(raw) == 408 and sent < len(DRIPPED), f"the server answered after {sent} of {len(DRIPPED)} bytes"
+
+
+def test_a_keep_alive_connections_next_request_gets_the_header_deadline_too():
+    # The deadline moves from uvicorn's keep-alive timer back to the header deadline when the next
+    # request's first byte arrives; a keep-alive past the hang guard means only the latter can close it.
+    config = ServerConfig(header_timeout_s=TIMEOUT, keep_alive_s=2 * HANG_GUARD_S)
+    with serve_in_background(create_app(Tail(), MANIFEST, config)) as url, _connect(int(url.rsplit(":", 1)[1])) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = _read_answer(sock)
+        sent = _drip(sock)
+        raw, _ = _read_until_closed(sock)
+    assert _status(first) == 200 and _status(raw) == 408 and _json_body(raw)["error"]["type"] == "request_timeout"
+    assert sent < len(DRIPPED), f"the server answered after {sent} of {len(DRIPPED)} bytes"
 
 
 def test_a_stalled_body_is_answered_408_and_closed_within_the_read_timeout(server):
@@ -554,6 +580,64 @@ def test_health_answers_with_the_connection_cap_full_of_idle_connections():
         assert app.state.metrics.dropped == {"evicted": 5}
         for sock in [keep_alive, *idle]:
             sock.close()
+
+
+class _Wire(asyncio.Transport):
+    """A transport that keeps what the server writes, so a test can drive connections by hand
+    within one turn of the event loop (a socket cannot make two events land in the same turn)."""
+
+    def __init__(self, protocol: asyncio.Protocol):
+        super().__init__()
+        self.protocol, self.written, self.closing = protocol, b"", False
+        protocol.connection_made(self)
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def get_extra_info(self, name: str, default=None):
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def test_a_request_completed_as_its_connection_is_evicted_gets_only_the_503():
+    # The app learns of a request one loop turn after its last header byte; a connection evicted
+    # (or timed out) in between has its answer already and must not get a second one.
+    from uvicorn.server import ServerState
+
+    app = create_app(Tail(), MANIFEST, ServerConfig(max_connections=1))
+    settings = uvicorn_config(app, port=0, log_level="warning", access_log=False)
+    settings.load()
+
+    async def one_turn() -> bytes:
+        state = ServerState()
+        connection = functools.partial(settings.http_protocol_class, config=settings, server_state=state, app_state={})
+        first = _Wire(connection())
+        first.protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # complete: its task is queued
+        second = _Wire(connection())  # over the cap of 1: evicts the first, which waits for its app call
+        while state.tasks:  # the request's task, then the loop turns until it has ended
+            await asyncio.sleep(0.01)
+        second.close()
+        return first.written
+
+    (status, _, answer), = _answers(asyncio.run(asyncio.wait_for(one_turn(), HANG_GUARD_S)))
+    assert status == 503 and json.loads(answer)["error"]["type"] == "over_capacity"
+    assert app.state.metrics.dropped == {"evicted": 1}
 
 
 class BlockingTail(Tail):

@@ -1,4 +1,4 @@
-"""The HTTP protocol layer of the split server: what needs uvicorn's h11 protocol rather than the app.
+"""The HTTP protocol layer of the split server: what needs the connection rather than the app.
 
 :func:`uvicorn_config` sets the header and write deadlines, idle connections, the connection and
 pipelining caps, the header size and WebSocket off, answering protocol-level refusals in the same
@@ -9,6 +9,7 @@ JSON as the app (:mod:`edgetorch.split.server`, whose docstring lists every answ
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import socket
 import threading
@@ -36,10 +37,14 @@ _TIMEOUT_ANSWER = _raw_error(408, None, "the request line and headers did not ar
 _BAD_REQUEST_ANSWER = _raw_error(400, None, "malformed HTTP request (or request line and headers over the size limit)")
 
 
+# The connection a request arrived on, for the request's ASGI call (see _protocol_class).
+_CONNECTION: contextvars.ContextVar[Any] = contextvars.ContextVar("edgetorch_split_connection")
+
+
 class _Connections:
-    """What the protocol instances of one server share (all on its one event loop): the open
-    connections, those waiting for their client (insertion-ordered: the first has waited longest),
-    and how many requests the app is running."""
+    """What the connections of one server share (all on its one event loop): the open ones, those
+    waiting for their client (insertion-ordered: the first has waited longest), and how many
+    requests the app is running."""
 
     def __init__(self) -> None:
         self.open: set[Any] = set()
@@ -48,17 +53,33 @@ class _Connections:
 
 
 class _Admission:
-    """The request cap in front of the app: beyond ``limit`` requests running at once, a JSON 503.
+    """The ASGI layer of the protocol: tells each request's connection when the request starts and
+    when its answer has gone out, and caps the requests running at once (beyond ``limit``, a JSON 503).
 
-    ``GET /health`` is let through: the event loop answers it at no cost, and an orchestrator that
-    cannot reach it restarts a server that is only busy.
+    ``GET /health`` is let through the cap: the event loop answers it at no cost, and an
+    orchestrator that cannot reach it restarts a server that is only busy.
     """
 
     def __init__(self, app: Any, limit: int, connections: _Connections, metrics: Metrics | None):
         self.app, self.limit, self.connections, self.metrics = app, limit, connections, metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or (scope["method"] == "GET" and scope["path"] == "/health"):
+        if scope["type"] != "http":  # lifespan: no connection
+            await self.app(scope, receive, send)
+            return
+        connection = _CONNECTION.get(None)
+        if connection is None:
+            raise RuntimeError("this request did not arrive through the connection class of uvicorn_config (or "
+                               "uvicorn ran it in a fresh context), so no header deadline can follow it")
+        if not connection.request_started():
+            # Its connection was answered (408 or 503) and closed in the loop turn that completed
+            # this request: nothing more may follow that answer. Returning only once the client is
+            # gone keeps uvicorn from writing a 500 for a request that never answered.
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            return
+        send = connection.tracked(send)
+        if scope["method"] == "GET" and scope["path"] == "/health":
             await self.app(scope, receive, send)
             return
         if self.connections.running >= self.limit:
@@ -76,15 +97,15 @@ class _Admission:
 
 
 def _protocol_class(config: ServerConfig, metrics: Metrics | None, connections: _Connections) -> type:
-    """uvicorn's h11 protocol plus header and write deadlines, the connection and pipelining caps,
-    and JSON protocol-level errors.
+    """The asyncio protocol of one server's connections: uvicorn's h11 protocol inside, the header
+    and write deadlines, the connection and pipelining caps and JSON protocol-level errors around it.
 
-    uvicorn (0.54) times out idle keep-alive connections only after a response: a connection that
+    uvicorn (0.54) times out idle keep-alive connections only after an answer: a connection that
     opens and sends nothing, or half a request line, is held forever, and so are slowloris clients.
-    This subclass arms one deadline whenever the connection waits for the client outside a running
-    request (from the moment it opens, and again when a new request's first bytes end a keep-alive
-    idle period); it is not pushed back by further bytes, so dripping headers does not help. While
-    the app runs a request, the app's own body deadline applies instead.
+    One deadline is armed whenever the connection waits for a request's line and headers (from the
+    moment it opens, and again when a new request's first bytes end a keep-alive idle period); it
+    is not pushed back by further bytes, so dripping headers does not help. While the app runs a
+    request, the app's own body deadline applies instead; between requests, uvicorn's keep-alive.
 
     uvicorn also waits forever for a client that does not read: its answer waits for the socket to
     drain, and closing waits for the same. The write deadline starts when the socket first refuses
@@ -99,30 +120,68 @@ def _protocol_class(config: ServerConfig, metrics: Metrics | None, connections: 
     connection beyond the cap closes the one that has waited longest for a request: an idle flood
     then pushes out its own oldest members, no connection with a request in progress is touched,
     and a closed keep-alive connection costs its client only a reconnect.
+
+    What each of these rests on, so that a uvicorn upgrade cannot switch one off unseen: the
+    deadlines and caps live in this wrapper, not in a subclass, and see uvicorn only through
+    interfaces it must keep. The event loop calls this object's asyncio protocol methods
+    (``connection_made``, ``data_received``, ``pause_writing``, ...), which arm the timers and then
+    hand on to uvicorn's protocol; the ASGI layer (:class:`_Admission`) disarms the header deadline
+    when the app is called for a request. The request finds its connection in a context variable:
+    asyncio runs a task in a copy of the context it was created in, and uvicorn creates a request's
+    task inside this ``data_received`` (or inside the previous request's task, when pipelined). A
+    change that broke that link would make every request fail loudly, never leave a deadline
+    unarmed. Idle keep-alive connections are uvicorn's documented ``timeout_keep_alive``; the
+    pipelining cap is a ``connection: close`` on the answer, which HTTP/1.1 servers honour.
+
+    The one uvicorn internal left is the answer to unparseable HTTP: uvicorn has no public hook for
+    it, and ``send_400_response`` is where it writes its text/plain 400. Were that method renamed,
+    clients would get uvicorn's 400 (still a 400, and closed), and the tests of JSON on the wire fail.
     """
-    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    timeout, cap = config.header_timeout_s, config.max_connections
+    cap = config.max_connections
     evicted_answer = _raw_error(503, "over_capacity", f"the server holds its limit of {cap} connections and "
                                                       "closed this one, which had waited longest for a complete request")
+
+    def count(what: str, status: int) -> None:
+        if metrics is not None:
+            metrics.record_request(what, status)
 
     def dropped(reason: str) -> None:
         if metrics is not None:
             metrics.record_drop(reason)
 
-    class DeadlineH11Protocol(H11Protocol):
-        _deadline: asyncio.TimerHandle | None = None
-        _write_deadline: asyncio.TimerHandle | None = None
-        _pipelined = 0  # requests in a row that were already waiting when the previous answer went out
+    class JsonErrorsH11Protocol(H11Protocol):
+        """uvicorn's h11 protocol, answering unparseable HTTP in the app's JSON shape (the 400 is
+        written on the connection that read the bytes, so nothing of uvicorn's state is touched)."""
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+        def send_400_response(self, msg: str) -> None:
+            if _CONNECTION.get()._close(_BAD_REQUEST_ANSWER):
+                count("(headers)", 400)
+
+    class Connection(asyncio.Protocol):
+        """One client connection (:func:`_protocol_class` says what it adds, and what each part rests on)."""
+
+        def __init__(self, **uvicorn_arguments: Any) -> None:
+            self.http = JsonErrorsH11Protocol(**uvicorn_arguments)
+            self.loop = asyncio.get_running_loop()
+            self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
+            self.idle = False  # answered, and no byte since: uvicorn's keep-alive timer covers it
+            self.closed = False  # closed by this class: no request may answer after that
+            self.pipelined = 0  # requests in a row that were already waiting when the previous answer went out
+            self.deadline: asyncio.TimerHandle | None = None
+            self.write_deadline: asyncio.TimerHandle | None = None
+
+        # -- the asyncio protocol: what the event loop calls, handed on to uvicorn's protocol ----
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport  # type: ignore[assignment]
+            self.http.connection_made(transport)
             # A high-water mark of 0: pause_writing comes as soon as the socket refuses a byte, and
             # resume_writing only once every byte has left, which is what the write deadline measures.
-            transport.set_write_buffer_limits(high=0)
+            self.transport.set_write_buffer_limits(high=0)
             connections.open.add(self)
-            self._watch()
+            self._wait_for_headers()
             while len(connections.open) > cap:
                 oldest = next((c for c in connections.waiting if c is not self), None)
                 if oldest is None:  # every other one is running a request: this one stays, for /health
@@ -130,93 +189,119 @@ def _protocol_class(config: ServerConfig, metrics: Metrics | None, connections: 
                 oldest._evict()
 
         def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self._watch()
+            if self.idle:  # a new request's first bytes end the keep-alive idle period
+                self.idle = False
+                self._wait_for_headers()
+            token = _CONNECTION.set(self)  # the request task uvicorn creates in here inherits it
+            try:
+                self.http.data_received(data)
+            finally:
+                _CONNECTION.reset(token)
 
-        def on_response_complete(self) -> None:
-            if self._pipelined >= config.max_pipelined and not self.transport.is_closing():
-                # The client resends whatever it had queued on a new connection (RFC 9112, 9.3.2).
-                dropped("pipelined")
-                self.transport.close()
-            super().on_response_complete()
-            # A request that runs already was complete in the buffer when this answer was sent.
-            self._pipelined = self._pipelined + 1 if self._in_app() else 0
-            self._watch()
+        def eof_received(self) -> bool | None:
+            return self.http.eof_received()
 
         def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._write_deadline is None:
-                self._write_deadline = self.loop.call_later(config.write_timeout_s, self._write_expired)
+            self.http.pause_writing()
+            if self.write_deadline is None:
+                self.write_deadline = self.loop.call_later(config.write_timeout_s, self._write_expired)
 
         def resume_writing(self) -> None:
-            super().resume_writing()
+            self.http.resume_writing()
             self._cancel_write()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel()
+            self._leave()
             self._cancel_write()
-            connections.open.discard(self)
+            self.http.connection_lost(exc)
+
+        # -- what the ASGI layer tells it ----------------------------------------------------------
+
+        def request_started(self) -> bool:
+            """A request's headers are complete and the app is called: False if this connection
+            was already answered and closed (its deadline or an eviction came first)."""
+            if self.closed:
+                return False
+            self.pipelined = self.pipelined + 1 if self.idle else 0
+            self.idle = False
+            self._cancel()
             connections.waiting.pop(self, None)
-            super().connection_lost(exc)
+            return True
 
-        def _cancel(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+        def tracked(self, send: Any) -> Any:
+            """``send`` for this request: closes the connection after the answer that reaches the
+            pipelining cap, and marks the connection idle once the answer has gone out."""
 
-        def _cancel_write(self) -> None:
-            if self._write_deadline is not None:
-                self._write_deadline.cancel()
-                self._write_deadline = None
+            async def tracked_send(message: dict) -> None:
+                headers = message.get("headers", [])
+                if (message["type"] == "http.response.start" and self.pipelined >= config.max_pipelined
+                        and not any(name.lower() == b"connection" for name, _ in headers)):
+                    # The client resends whatever it had queued on a new connection (RFC 9112, 9.3.2).
+                    dropped("pipelined")
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+                await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    self._answered()
 
-        def _in_app(self) -> bool:
-            return self.cycle is not None and not self.cycle.response_complete
+            return tracked_send
 
-        def _watch(self) -> None:
-            in_app, closing = self._in_app(), self.transport.is_closing()
-            if in_app or closing:
-                connections.waiting.pop(self, None)
-            else:  # setdefault keeps its place: bytes dripping in do not make it younger
+        # -- deadlines and closing -----------------------------------------------------------------
+
+        def _answered(self) -> None:
+            if not self.transport.is_closing():
+                self.idle = True  # uvicorn armed its keep-alive timer when the answer went out
                 connections.waiting.setdefault(self, None)
-            idle = self.timeout_keep_alive_task is not None  # uvicorn's keep-alive timer covers it
-            if in_app or idle or closing:
-                self._cancel()
-            elif self._deadline is None:
-                self._deadline = self.loop.call_later(timeout, self._expired)
 
-        def _expired(self) -> None:
-            self._deadline = None
-            if self.transport.is_closing():
-                return
-            if self.conn.our_state is h11.IDLE:  # no answer started for this request: say why we close
-                self.transport.write(_TIMEOUT_ANSWER)
-                if metrics is not None:
-                    metrics.record_request("(headers)", 408)
-            self.transport.close()
+        def _wait_for_headers(self) -> None:
+            # setdefault keeps its place: bytes dripping in do not make it younger
+            connections.waiting.setdefault(self, None)
+            self._cancel()
+            self.deadline = self.loop.call_later(config.header_timeout_s, self._headers_expired)
+
+        def _headers_expired(self) -> None:
+            self.deadline = None
+            if self._close(_TIMEOUT_ANSWER):
+                count("(headers)", 408)
 
         def _evict(self) -> None:
-            connections.open.discard(self)
-            connections.waiting.pop(self, None)
-            dropped("evicted")
-            if self.timeout_keep_alive_task is None:  # it had begun a request, or not yet: say why
-                self.transport.write(evicted_answer)
-                if metrics is not None:
-                    metrics.record_request("(capacity)", 503)
-            self.transport.close()
+            idle = self.idle  # an idle keep-alive connection is closed without a word
+            if self._close(None if idle else evicted_answer):
+                dropped("evicted")
+                if not idle:
+                    count("(capacity)", 503)
 
         def _write_expired(self) -> None:
-            self._write_deadline = None
+            self.write_deadline = None
             dropped("write_timeout")
             self.transport.abort()  # close() would wait for the unread bytes to leave first
 
-        def send_400_response(self, msg: str) -> None:
-            # uvicorn answers unparseable HTTP with text/plain; keep every 4xx in the same JSON shape.
-            self.transport.write(_BAD_REQUEST_ANSWER)
-            if metrics is not None:
-                metrics.record_request("(headers)", 400)
+        def _close(self, answer: bytes | None) -> bool:
+            """Close the connection, saying ``answer`` first; False if it was closing already."""
+            self._leave()
+            if self.transport.is_closing():
+                return False
+            self.closed = True
+            if answer is not None:
+                self.transport.write(answer)
             self.transport.close()
+            return True
 
-    return DeadlineH11Protocol
+        def _leave(self) -> None:
+            self._cancel()
+            connections.open.discard(self)
+            connections.waiting.pop(self, None)
+
+        def _cancel(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def _cancel_write(self) -> None:
+            if self.write_deadline is not None:
+                self.write_deadline.cancel()
+                self.write_deadline = None
+
+    return Connection
 
 
 def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
@@ -232,10 +317,14 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, conf
 
     Returns:
         A :class:`uvicorn.Config`: header and write deadlines, the connection and pipelining caps
-        and JSON 400/408/503s (our h11 protocol subclass), the running-request cap (a wrapper
-        around ``app``), keep-alive timeout, header size limit, WebSocket off and no ``server``
-        header. uvicorn's own ``limit_concurrency`` stays off: it answers text/plain 503s, and
-        ``/health`` with them.
+        and JSON 400/408/503s (our connection protocol around uvicorn's h11 one), the
+        running-request cap (a wrapper around ``app``), keep-alive timeout, header size limit,
+        WebSocket off and no ``server`` header. uvicorn's own ``limit_concurrency`` stays off: it
+        answers text/plain 503s, and ``/health`` with them.
+
+    Raises:
+        ValueError: ``reset_contextvars=True`` in ``overrides``: it runs each request in a fresh
+            context, where it cannot find the connection whose header deadline it must end.
 
     Example:
         >>> import uvicorn
@@ -244,6 +333,9 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, conf
     """
     import uvicorn
 
+    if overrides.get("reset_contextvars"):
+        raise ValueError("uvicorn_config cannot take reset_contextvars=True: a request run in a fresh context cannot "
+                         "find its connection, whose header deadline it ends; accepted: False (uvicorn's default)")
     config = config or getattr(app.state, "server_config", None) or ServerConfig()
     metrics, connections = getattr(app.state, "metrics", None), _Connections()
     settings = {"log_level": "info", "server_header": False, **overrides}

@@ -90,6 +90,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from torch import nn
 
+from .._checks import check_positive_int
 from .artifact import load_part
 from .manifest import SplitManifest, check_artifact_id
 from .metrics import Metrics
@@ -160,9 +161,7 @@ class ServerConfig:
         if self.expect_artifact_id is not None:
             check_artifact_id(self.expect_artifact_id)
         for name in ("max_batch", "max_connections", "max_pipelined", "max_header_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ServerConfig.{name} must be an integer >= 1, got {value!r}")
+            check_positive_int(f"ServerConfig.{name}", getattr(self, name))
         if self.max_payload_bytes is not None and (not isinstance(self.max_payload_bytes, int)
                                                    or self.max_payload_bytes < 1):
             raise ValueError(f"ServerConfig.max_payload_bytes must be None or an integer >= 1, "
