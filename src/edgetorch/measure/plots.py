@@ -1,8 +1,14 @@
-"""Figures of memory results (matplotlib, headless)."""
+"""Figures of memory results, and the two helpers every edgetorch figure is made with.
+
+Figures are built on ``matplotlib.figure.Figure`` directly, never through ``pyplot``: no
+backend is chosen (``matplotlib.use("Agg")`` would switch the whole process's, a notebook's
+included), no figure is registered globally, and nothing needs a display.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 _PARTS = [
     ("parameter_bytes", "parameters"),
@@ -12,20 +18,37 @@ _PARTS = [
 ]
 
 
-def save_figure(fig, path: str | Path, title: str = "") -> Path:
-    """Title, lay out, write (the format follows the suffix) and close a matplotlib figure.
+def new_figure(figsize: tuple[float, float], nrows: int = 1, ncols: int = 1, squeeze: bool = True) -> tuple[Any, Any]:
+    """A figure and its axes, outside pyplot (see the module docstring).
+
+    Args:
+        figsize: width and height in inches.
+        nrows, ncols, squeeze: as for ``Figure.subplots``.
+
+    Returns:
+        ``(figure, axes)``.
+
+    Example:
+        >>> fig, ax = new_figure((4, 3))
+        >>> save_figure(fig, "plot.png")  # doctest: +SKIP
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(nrows, ncols, squeeze=squeeze)
+
+
+def save_figure(fig: Any, path: str | Path, title: str = "") -> Path:
+    """Title, lay out and write a figure (the format follows the suffix).
 
     Returns:
         The path written.
     """
-    import matplotlib.pyplot as plt
-
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
@@ -42,16 +65,11 @@ def plot_memory_breakdown(profile: dict, path: str | Path) -> Path:
     Returns:
         The path written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     results = profile["results"]
     names = [r["policy"] for r in results]
     xs = list(range(len(names)))
     mib = 2.0**20
-    fig, (ledger_ax, measured_ax) = plt.subplots(1, 2, figsize=(4 + 2.4 * len(names), 5.6))
+    fig, (ledger_ax, measured_ax) = new_figure((4 + 2.4 * len(names), 5.6), 1, 2)
     bottom = [0.0] * len(names)
     for key, label in _PARTS:
         heights = [r[key] / mib for r in results]
@@ -82,13 +100,8 @@ def plot_training(history: list[dict], path: str | Path, title: str = "") -> Pat
     Returns:
         The path written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     epochs = [r["epoch"] for r in history]
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (loss_ax, acc_ax) = new_figure((9, 3.6), 1, 2)
     loss_ax.plot(epochs, [r["train_loss"] for r in history], marker="o")
     loss_ax.set(xlabel="epoch", ylabel="training loss (mean over the epoch)")
     acc_ax.plot(epochs, [100 * r["val_accuracy"] for r in history], marker="o", color="tab:green")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..measure.plots import save_figure
+from ..measure.plots import new_figure, save_figure
 from .api import LayerFactor
 
 
@@ -26,13 +26,8 @@ def plot_layer_factors(layers: Sequence[LayerFactor], alpha: float, path: str | 
         >>> plot_layer_factors(result.layers, result.allocation.alpha, "factors.png")
         PosixPath('factors.png')
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: the CLI runs on boards and servers without a display
-    import matplotlib.pyplot as plt
-
     xs, alphas = list(range(len(layers))), [f.alpha for f in layers]
-    fig, ax = plt.subplots(figsize=(2.5 + 0.7 * len(layers), 3.8))
+    fig, ax = new_figure((2.5 + 0.7 * len(layers), 3.8))
     ax.bar(xs, alphas, 0.6, label="layer factor alpha_l")
     ax.axhline(alpha, color="black", linestyle="--", linewidth=1, label=f"total alpha {alpha:.3f}")
     ax.set_xticks(xs, [f"{f.layer}\n{f.in_features}x{f.out_features}" for f in layers], fontsize=8)

@@ -49,7 +49,7 @@ from .._files import InputFileError, read_json, write_json_atomically
 from ..data import (DATASETS, DatasetNotFoundError, ImageFolderDataset, ImageFolderError, dataset_info,
                     image_folder_splits)
 from ..data.folder import IMAGENET_MEAN, IMAGENET_STD, SKIP_HINT
-from ..measure.plots import save_figure
+from ..measure.plots import new_figure, save_figure
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
 from ..weights import file_sha256
 from .bottlefit import BottleFitConfig, Log, build_student, train_bottlefit
@@ -413,12 +413,7 @@ def plot_losses(stages: Sequence[dict[str, Any]], path: str | Path, title: str =
     Returns:
         The path written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(stages), figsize=(4.5 * len(stages), 3.6), squeeze=False)
+    fig, axes = new_figure((4.5 * len(stages), 3.6), 1, len(stages), squeeze=False)
     for ax, stage in zip(axes[0], stages):
         history = stage["loss_history"]
         ax.plot(range(1, len(history) + 1), history, "o-")
