@@ -215,34 +215,6 @@ def _chain(model: nn.Module, request: _Request) -> Reduction:
     return Reduction(reduced.eval(), method, chosen, layer_factors(layers, chosen, curves))
 
 
-def _nested_chain(model: nn.Module, request: _Request) -> Reduction:
-    nested = nesting(model)
-    flat = _chain(nested.flat, request)
-    return dataclasses.replace(flat, model=nested.nest(flat.model).eval(),
-                               layers=[dataclasses.replace(f, name=nested.names[int(f.name)]) for f in flat.layers])
-
-
-def _transformer(model: nn.Module, request: _Request) -> Reduction:
-    result = reduce_transformer(model, request.alpha, request.method, request.allocation, request.calibration,
-                                request.seed)
-    return Reduction(result.model, request.method, result.allocation, [], result.groups)
-
-
-def _channel_groups(model: nn.Module, request: _Request) -> Reduction:
-    try:
-        grouped = reduce_grouped(model, request.alpha, request.method, request.allocation, request.calibration,
-                                 request.seed)
-    except (TypeError, RuntimeError) as exc:
-        if isinstance(model, nn.Sequential):  # meant as a chain, perhaps: say why it is none as well
-            nested = nesting(model)
-            try:
-                check_chain(nested.flat if nested is not None else model)
-            except TypeError as chain:  # both readings failed: give both reasons
-                raise TypeError(f"{chain}; nor can it be pruned by channel groups: {exc}") from exc
-        raise
-    return Reduction(grouped.model, request.method, grouped.allocation, [], grouped.groups)
-
-
 def _prune_allocation(curves: list, widths: list[int], scales: list[int], alpha: float, method: str,
                       allocation: str, seed: int, prune_input: bool) -> Allocation:
     """The pruning allocation of a chain; the network's input is kept whole unless ``prune_input``.
@@ -269,6 +241,19 @@ def _prune_allocation(curves: list, widths: list[int], scales: list[int], alpha:
     return solve_allocation(curves, widths, alpha, method, allocation, seed=seed, scales=scales)
 
 
+def _nested_chain(model: nn.Module, request: _Request) -> Reduction:
+    nested = nesting(model)
+    flat = _chain(nested.flat, request)
+    return dataclasses.replace(flat, model=nested.nest(flat.model).eval(),
+                               layers=[dataclasses.replace(f, name=nested.names[int(f.name)]) for f in flat.layers])
+
+
+def _transformer(model: nn.Module, request: _Request) -> Reduction:
+    result = reduce_transformer(model, request.alpha, request.method, request.allocation, request.calibration,
+                                request.seed)
+    return Reduction(result.model, request.method, result.allocation, [], result.groups)
+
+
 def _lowrank_layers(model: nn.Module, request: _Request) -> Reduction:
     calibration = request.calibration
     if not isinstance(calibration, torch.Tensor) or calibration.ndim < 2 or len(calibration) == 0:
@@ -282,6 +267,21 @@ def _lowrank_layers(model: nn.Module, request: _Request) -> Reduction:
         rows.append(LayerFactor(l + 1, *layer.units, None, k, macs, 1 - macs / dense, float(result.curves[l][k]),
                                 layer.name))
     return Reduction(result.model, "lowrank", result.allocation, rows)
+
+
+def _channel_groups(model: nn.Module, request: _Request) -> Reduction:
+    try:
+        grouped = reduce_grouped(model, request.alpha, request.method, request.allocation, request.calibration,
+                                 request.seed)
+    except (TypeError, RuntimeError) as exc:
+        if isinstance(model, nn.Sequential):  # meant as a chain, perhaps: say why it is none as well
+            nested = nesting(model)
+            try:
+                check_chain(nested.flat if nested is not None else model)
+            except TypeError as chain:  # both readings failed: give both reasons
+                raise TypeError(f"{chain}; nor can it be pruned by channel groups: {exc}") from exc
+        raise
+    return Reduction(grouped.model, request.method, grouped.allocation, [], grouped.groups)
 
 
 # What each path runs (the rule that picks one is reduction_path's).
