@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from edgetorch.reduce import count_macs, load, reduce, reduce_model, save
+from edgetorch.reduce.api import ReductionPath, reduction_path
 from edgetorch.reduce.factored import Factored
 from edgetorch.reduce.sequential import KeepFeatures
 from edgetorch.zoo import SmallResNet, redraw_batchnorm
@@ -49,6 +50,17 @@ def test_a_nested_chain_reduces_as_its_flat_chain_and_keeps_its_containers(tmp_p
     loaded, _ = load(json_path)
     assert torch.equal(loaded(x), got.model(x))
     assert loaded.state_dict().keys() == got.model.state_dict().keys()
+
+
+@pytest.mark.parametrize("method", ["prune", "prune-ls", "lowrank"])
+def test_each_kind_of_network_takes_its_path(mlp_and_data, method):
+    flat, _ = mlp_and_data
+    assert reduction_path(flat, method) is ReductionPath.CHAIN
+    assert reduction_path(nested_copy(flat), method) is ReductionPath.NESTED_CHAIN
+    other = ReductionPath.LOWRANK_LAYERS if method == "lowrank" else ReductionPath.CHANNEL_GROUPS
+    assert reduction_path(SmallResNet(), method) is other
+    # A Sequential that is no chain (a norm between layers) is read as any other network.
+    assert reduction_path(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)), method) is other
 
 
 def test_a_sequential_with_its_own_forward_is_no_chain():

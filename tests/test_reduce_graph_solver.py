@@ -11,11 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgetorch.reduce.allocate import solve_graph_allocation
-from edgetorch.reduce.exact import _dual, _fill, _min_over_lines
 from edgetorch.reduce.graph import ChannelGraph, ChannelGroup, CostTerm
 from edgetorch.reduce.graph_exact import TOLERANCE, _Graph, _min_over_line_sets, elimination_plan
 from edgetorch.reduce.graph_problem import GraphProblem, make_graph_problem
-from edgetorch.reduce.exact import feasible_tops
+from edgetorch.reduce.lagrangian import dual, feasible_tops, fill, min_over_lines
 
 floats = st.floats(-100, 100, allow_nan=False, allow_infinity=False)
 
@@ -31,7 +30,7 @@ def test_min_over_line_sets_is_the_dense_minimum(n, m, q, seed, rounded):
     slopes = np.arange(1, n + 1, dtype=np.float64)
     dense = (intercepts[:, :, None] + slopes[:, None, None] * at[None, None, :]).min(axis=0)
     np.testing.assert_allclose(_min_over_line_sets(intercepts, slopes, at), dense, rtol=1e-12, atol=1e-9)
-    np.testing.assert_allclose(_min_over_lines(intercepts[:, 0], slopes, at), dense[0], rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(min_over_lines(intercepts[:, 0], slopes, at), dense[0], rtol=1e-12, atol=1e-9)
 
 
 @st.composite
@@ -82,7 +81,7 @@ def test_the_dual_bounds_the_optimum_from_below_and_its_incumbent_fits(problem, 
     graph = _Graph(problem, elimination_plan(problem, tops), tops)
     if problem.cost(graph.minimiser(0.0)) <= problem.budget:
         return  # the solver never asks for a multiplier then
-    _, bound, incumbent = _dual(graph, precision=1e-4, guess=guess)
+    _, bound, incumbent = dual(graph, precision=1e-4, guess=guess)
     best = _brute_force(problem)
     assert bound <= best + 1e-9 * max(1.0, best)
     assert problem.feasible(incumbent) and problem.objective(incumbent) >= best - 1e-12
@@ -94,7 +93,7 @@ def test_fill_raises_until_no_single_raise_fits_and_helps(problem, data):
     start = [data.draw(st.integers(1, u)) for u in problem.upper]
     if not problem.feasible(start):
         return
-    filled = _fill(problem, start)
+    filled = fill(problem, start)
     assert problem.feasible(filled) and all(f >= s for f, s in zip(filled, start))
     for g in range(problem.layers):
         raised = list(filled)

@@ -235,8 +235,11 @@ def test_shared_statistics_give_the_same_reduction():
 
 def test_reduce_model_takes_the_transformer_path():
     from edgetorch.reduce import reduce_model
+    from edgetorch.reduce.api import ReductionPath, reduction_path
 
     model, ids = bert(), token_ids()
+    assert reduction_path(model, "prune-ls") is ReductionPath.TRANSFORMER
+    assert reduction_path(model, "lowrank") is ReductionPath.LOWRANK_LAYERS  # factored layer by layer
     result = reduce_model(model, 0.4, "prune-ls", calibration=ids)
     direct = reduce_transformer(model, 0.4, "prune-ls", calibration=ids)
     assert result.allocation.theta == direct.allocation.theta and result.allocation.alpha >= 0.4

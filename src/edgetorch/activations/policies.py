@@ -93,10 +93,10 @@ class Bitmap(Policy):
         value_dtype: store the values as ``torch.float16`` / ``torch.bfloat16`` (the paper's
             Fig. 8); None keeps each tensor's own dtype.
 
-    Example:
-        >>> with edgetorch.compress_activations(model, edgetorch.Bitmap(threshold=0.01)):
-        ...     loss = criterion(model(x), y)
-        >>> loss.backward()
+    Example (training under it: :func:`edgetorch.compress_activations`):
+        >>> policy = edgetorch.Bitmap(threshold=0.01)  # activation pruning at 0.01
+        >>> policy.spec()  # the same policy as parse_policy and ``edgetorch profile --policy`` take it
+        'bitmap:threshold=0.01'
     """
 
     name = "bitmap"
@@ -192,10 +192,9 @@ class Quantized(Policy):
         stochastic: round stochastically (unbiased gradients in expectation), drawing each
             tensor's seed from torch's global generator (so ``torch.manual_seed`` repeats it).
 
-    Example:
-        >>> with edgetorch.compress_activations(model, edgetorch.Quantized(bits=8)):
-        ...     loss = criterion(model(x), y)
-        >>> loss.backward()
+    Example (training under it: :func:`edgetorch.compress_activations`):
+        >>> edgetorch.parse_policy("quantized:bits=4,stochastic=true")  # the string form
+        Quantized(bits=4, group=64, stochastic=True)
     """
 
     name = "quantized"

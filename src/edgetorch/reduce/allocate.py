@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .._checks import check_choice
 from .exact import solve_exact
 from .graph_exact import solve_graph_exact
 from .graph_problem import GraphProblem
-from .._checks import check_choice
-from .problem import cost_model_of, make_problem
+from .lagrangian import ExactResult
+from .problem import Problem, cost_model_of, make_problem
 from .pso import PSOConfig, solve_pso
 from .uniform import uniform_lowrank, uniform_prune
 
@@ -77,22 +79,8 @@ def solve_allocation(
         'pso'
     """
     check_choice("allocation", allocation, ALLOCATIONS)
-    model = cost_model_of(method)
-    problem = make_problem(errors, widths, alpha, model, scales=scales, shapes=shapes)
-    start = time.perf_counter()
-    gap = None
-    if allocation == "uniform":
-        theta = uniform_prune(problem) if model == "prune" else uniform_lowrank(problem)
-    elif allocation == "pso":
-        theta = solve_pso(problem, PSOConfig(seed=seed))
-    else:
-        result = solve_exact(problem, time_limit)
-        theta, gap = result.theta, result.proven_gap
-    seconds = time.perf_counter() - start
-    if not problem.feasible(theta):  # every solver must return a feasible point; never ship one that is not
-        raise AssertionError(f"the {allocation} allocation returned an infeasible choice {theta}")
-    return Allocation(theta, method, allocation, problem.objective(theta), problem.cost(theta),
-                      problem.total, seconds, gap)
+    problem = make_problem(errors, widths, alpha, cost_model_of(method), scales=scales, shapes=shapes)
+    return _solve(problem, method, allocation, seed, lambda: solve_exact(problem, time_limit))
 
 
 def solve_graph_allocation(
@@ -124,15 +112,23 @@ def solve_graph_allocation(
     check_choice("allocation", allocation, ALLOCATIONS)
     if cost_model_of(method) != "prune":
         raise ValueError(f"method {method!r} is not a channel pruning method; a channel graph takes prune or prune-ls")
+    return _solve(problem, method, allocation, seed, lambda: solve_graph_exact(problem, time_limit, seed))
+
+
+def _solve(problem: Problem | GraphProblem, method: str, allocation: str, seed: int,
+           exact: Callable[[], ExactResult]) -> Allocation:
+    # One allocation of a chain or a channel graph, timed, its answer checked; ``exact`` runs the
+    # problem's own exact solver.
     start = time.perf_counter()
     gap = None
     if allocation == "uniform":
-        theta = uniform_prune(problem)
+        theta = uniform_prune(problem) if cost_model_of(method) == "prune" else uniform_lowrank(problem)
     elif allocation == "pso":
         theta = solve_pso(problem, PSOConfig(seed=seed))
     else:
-        result = solve_graph_exact(problem, time_limit, seed)
-        theta, gap = result.theta, (None if result.proven_gap != result.proven_gap else result.proven_gap)
+        result = exact()
+        # NaN: the graph solver found no bound (a graph too entangled for its tables)
+        theta, gap = result.theta, (None if math.isnan(result.proven_gap) else result.proven_gap)
     seconds = time.perf_counter() - start
     if not problem.feasible(theta):  # every solver must return a feasible point; never ship one that is not
         raise AssertionError(f"the {allocation} allocation returned an infeasible choice {theta}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +72,7 @@ class Reduction:
 
 def is_chain(model: nn.Module) -> bool:
     """Whether ``model`` is an ``nn.Sequential`` chain the layer-by-layer path takes (:mod:`.sequential`);
-    any other network goes through the channel groups of :mod:`.grouped`."""
+    :func:`reduction_path` sends any other network elsewhere."""
     if not isinstance(model, nn.Sequential):
         return False
     try:
@@ -104,6 +105,58 @@ def layer_factors(layers: list[WeightLayer], allocation: Allocation, curves) -> 
     return rows
 
 
+class ReductionPath(enum.Enum):
+    """The ways :func:`reduce_model` can reduce a network; :func:`reduction_path` picks one."""
+
+    NESTED_CHAIN = "nested chain"  # nn.Sequential containers computing a chain: reduced as it, names kept
+    CHAIN = "chain"  # an nn.Sequential chain, layer by layer (.sequential)
+    TRANSFORMER = "transformer"  # attention heads and MLP units (.transformer), pruning only
+    LOWRANK_LAYERS = "low-rank layers"  # low-rank of any other network: each layer factored on its own (.lowrank)
+    CHANNEL_GROUPS = "channel groups"  # pruning of any other network by its coupled channels (.grouped)
+
+
+def reduction_path(model: nn.Module, method: str) -> ReductionPath:
+    """Which path :func:`reduce_model` takes for ``model`` under ``method``.
+
+    The rules are tried in order and the first that holds decides: a chain (nested or not) is
+    reduced layer by layer whatever the method; a transformer is pruned by heads and units; any
+    other network is factored layer by layer under low-rank and pruned by channel groups otherwise.
+
+    Args:
+        model: the network to reduce.
+        method: one of :data:`METHODS`.
+
+    Returns:
+        The :class:`ReductionPath`.
+
+    Example:
+        >>> reduction_path(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), "prune")
+        <ReductionPath.CHAIN: 'chain'>
+    """
+    nested = nesting(model)
+    if nested is not None and is_chain(nested.flat):
+        return ReductionPath.NESTED_CHAIN
+    if is_chain(model):
+        return ReductionPath.CHAIN
+    if method != "lowrank" and is_transformer(model):
+        return ReductionPath.TRANSFORMER
+    if method == "lowrank":  # factoring a layer needs no chain
+        return ReductionPath.LOWRANK_LAYERS
+    return ReductionPath.CHANNEL_GROUPS
+
+
+@dataclass(frozen=True)
+class _Request:
+    """:func:`reduce_model`'s arguments past the model, validated; each path reads what it needs."""
+
+    alpha: float
+    method: str
+    allocation: str
+    calibration: torch.Tensor | None
+    seed: int
+    prune_input: bool
+
+
 def reduce_model(
     model: nn.Module,
     alpha: float,
@@ -114,6 +167,8 @@ def reduce_model(
     prune_input: bool = False,
 ) -> Reduction:
     """Like :func:`reduce`, also returning the allocation and the per-layer factor table.
+
+    The network goes down the path :func:`reduction_path` names for it.
 
     Args:
         model, alpha, method, allocation, calibration, seed, prune_input: see :func:`reduce`.
@@ -132,47 +187,30 @@ def reduce_model(
     check_choice("allocation", allocation, ALLOCATIONS)
     if method != "lowrank" and calibration is None:
         raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
-    nested = nesting(model)
-    if nested is not None and is_chain(nested.flat):  # the chain its containers compute
-        flat = reduce_model(nested.flat, alpha, method, allocation, calibration, seed, prune_input)
-        names = nested.names
-        return dataclasses.replace(flat, model=nested.nest(flat.model).eval(),
-                                   layers=[dataclasses.replace(f, name=names[int(f.name)]) for f in flat.layers])
-    if not is_chain(model):  # residual, depthwise, concatenating ...
-        if method != "lowrank" and is_transformer(model):  # attention heads and MLP units (.transformer)
-            result = reduce_transformer(model, alpha, method, allocation, calibration, seed)
-            return Reduction(result.model, method, result.allocation, [], result.groups)
-        if method == "lowrank":  # factoring a layer needs no chain: each one on its own
-            return _lowrank_any(model, alpha, allocation, calibration, seed)
-        try:
-            grouped = reduce_grouped(model, alpha, method, allocation, calibration, seed)
-        except (TypeError, RuntimeError) as exc:
-            if not isinstance(model, nn.Sequential):
-                raise
-            try:
-                check_chain(nested.flat if nested is not None else model)
-            except TypeError as chain:  # both readings failed: give both reasons
-                raise TypeError(f"{chain}; nor can it be pruned by channel groups: {exc}") from exc
-            raise
-        return Reduction(grouped.model, method, grouped.allocation, [], grouped.groups)
+    request = _Request(alpha, method, allocation, calibration, seed, prune_input)
+    return _PATHS[reduction_path(model, method)](model, request)
+
+
+def _chain(model: nn.Module, request: _Request) -> Reduction:
+    method, allocation, seed = request.method, request.allocation, request.seed
     if method == "lowrank":
         try:
-            layers = weight_layers(model, calibration)
+            layers = weight_layers(model, request.calibration)
         except ValueError as exc:  # a convolutional network needs an input size even for low-rank
             raise ValueError(f"{exc}: pass calibration= (for low-rank only its shape is used)") from None
         svds = layer_svds(model)
         curves = lowrank_curves(svds)
-        chosen = solve_allocation(curves, None, alpha, method, allocation, seed=seed,
+        chosen = solve_allocation(curves, None, request.alpha, method, allocation, seed=seed,
                                   shapes=[layer.matrix for layer in layers],
                                   scales=[layer.positions for layer in layers])
         reduced = factorised(model, chosen.theta, svds)
     else:
-        stats = input_statistics(model, calibration)
+        stats = input_statistics(model, request.calibration)
         layers = stats.layers
         orders = prune_orders(stats, correlated=method == "prune-ls")
         curves = [curve for _, curve in orders]
-        chosen = _prune_allocation(curves, widths_of(layers), [layer.scale for layer in layers], alpha, method,
-                                   allocation, seed, prune_input)
+        chosen = _prune_allocation(curves, widths_of(layers), [layer.scale for layer in layers], request.alpha,
+                                   method, allocation, seed, request.prune_input)
         reduced = pruned(model, chosen.theta, orders, stats, refit=method == "prune-ls")
     return Reduction(reduced.eval(), method, chosen, layer_factors(layers, chosen, curves))
 
@@ -203,12 +241,25 @@ def _prune_allocation(curves: list, widths: list[int], scales: list[int], alpha:
     return solve_allocation(curves, widths, alpha, method, allocation, seed=seed, scales=scales)
 
 
-def _lowrank_any(model: nn.Module, alpha: float, allocation: str, calibration: torch.Tensor | None,
-                 seed: int) -> Reduction:
+def _nested_chain(model: nn.Module, request: _Request) -> Reduction:
+    nested = nesting(model)
+    flat = _chain(nested.flat, request)
+    return dataclasses.replace(flat, model=nested.nest(flat.model).eval(),
+                               layers=[dataclasses.replace(f, name=nested.names[int(f.name)]) for f in flat.layers])
+
+
+def _transformer(model: nn.Module, request: _Request) -> Reduction:
+    result = reduce_transformer(model, request.alpha, request.method, request.allocation, request.calibration,
+                                request.seed)
+    return Reduction(result.model, request.method, result.allocation, [], result.groups)
+
+
+def _lowrank_layers(model: nn.Module, request: _Request) -> Reduction:
+    calibration = request.calibration
     if not isinstance(calibration, torch.Tensor) or calibration.ndim < 2 or len(calibration) == 0:
         raise ValueError(f"low-rank on a {type(model).__name__}, which is not an nn.Sequential chain, needs example "
                          "inputs to count each layer's output positions: pass calibration= (only its shape is used)")
-    result = reduce_lowrank(model, alpha, allocation, calibration, seed)
+    result = reduce_lowrank(model, request.alpha, request.allocation, calibration, request.seed)
     rows = []
     for l, (layer, k) in enumerate(zip(result.layers, result.allocation.theta)):
         macs = layer.positions * layer_lowrank_cost(*layer.matrix, k)
@@ -216,6 +267,31 @@ def _lowrank_any(model: nn.Module, alpha: float, allocation: str, calibration: t
         rows.append(LayerFactor(l + 1, *layer.units, None, k, macs, 1 - macs / dense, float(result.curves[l][k]),
                                 layer.name))
     return Reduction(result.model, "lowrank", result.allocation, rows)
+
+
+def _channel_groups(model: nn.Module, request: _Request) -> Reduction:
+    try:
+        grouped = reduce_grouped(model, request.alpha, request.method, request.allocation, request.calibration,
+                                 request.seed)
+    except (TypeError, RuntimeError) as exc:
+        if isinstance(model, nn.Sequential):  # meant as a chain, perhaps: say why it is none as well
+            nested = nesting(model)
+            try:
+                check_chain(nested.flat if nested is not None else model)
+            except TypeError as chain:  # both readings failed: give both reasons
+                raise TypeError(f"{chain}; nor can it be pruned by channel groups: {exc}") from exc
+        raise
+    return Reduction(grouped.model, request.method, grouped.allocation, [], grouped.groups)
+
+
+# What each path runs (the rule that picks one is reduction_path's).
+_PATHS = {
+    ReductionPath.NESTED_CHAIN: _nested_chain,
+    ReductionPath.CHAIN: _chain,
+    ReductionPath.TRANSFORMER: _transformer,
+    ReductionPath.LOWRANK_LAYERS: _lowrank_layers,
+    ReductionPath.CHANNEL_GROUPS: _channel_groups,
+}
 
 
 def reduce(

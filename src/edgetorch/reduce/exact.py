@@ -24,31 +24,11 @@ incumbent is returned with the proven gap ``J - g(lam*)``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
+from .lagrangian import REL_TOL, ExactResult, dual, feasible_tops, last_argmin, min_over_lines, out_of_time
 from .problem import Problem, layer_lowrank_cost
-from .pso import project
-
-_REL_TOL = 1e-9
-
-
-@dataclass(frozen=True)
-class ExactResult:
-    """What the exact solver found.
-
-    Attributes:
-        theta: the integer choice.
-        proven_gap: ``J(theta)`` minus a proven lower bound on the optimum (0.0 when proven).
-        seconds: wall time of the solve.
-        visited: partial choices the enumeration expanded.
-    """
-
-    theta: list[int]
-    proven_gap: float
-    seconds: float
-    visited: int
 
 
 class _Chain:
@@ -79,7 +59,7 @@ class _Chain:
         prefix = [unary[0]]
         for l in range(1, len(unary)):
             if self.coupled:
-                best = _min_over_lines(prefix[-1], self.values[l - 1], lam * self.scales[l - 1] * self.values[l])
+                best = min_over_lines(prefix[-1], self.values[l - 1], lam * self.scales[l - 1] * self.values[l])
             else:
                 best = np.full(len(unary[l]), prefix[-1].min())
             prefix.append(unary[l] + best)
@@ -88,165 +68,11 @@ class _Chain:
     def minimiser(self, lam: float) -> list[int]:
         """A minimiser of the Lagrangian (backtracking the DP)."""
         unary, prefix = self.tables(lam)
-        theta = [_last_argmin(prefix[-1]) + 1]
+        theta = [last_argmin(prefix[-1]) + 1]
         for l in range(len(prefix) - 2, -1, -1):
             pair = lam * self.scales[l] * self.values[l] * theta[0] if self.coupled else 0.0
-            theta.insert(0, _last_argmin(prefix[l] + pair) + 1)
+            theta.insert(0, last_argmin(prefix[l] + pair) + 1)
         return theta
-
-
-def _last_argmin(values: np.ndarray) -> int:
-    # Among equal values keep the larger choice: at alpha = 0 an error-free plateau (zero-variance
-    # neurons, full rank) then keeps the network whole rather than dropping neurons for free.
-    return len(values) - 1 - int(np.argmin(values[::-1]))
-
-
-def _min_over_lines(intercepts: np.ndarray, slopes: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """``min_i intercepts[i] + slopes[i] * t`` for every ``t`` in ``at`` (slopes increasing).
-
-    The minimum over lines at ``t`` is attained on the lower convex hull of the points
-    ``(slopes[i], intercepts[i])``, at the vertex whose edge slopes bracket ``-t``.
-    """
-    hull: list[int] = []
-    for i in range(len(slopes)):
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            if (intercepts[b] - intercepts[a]) * (slopes[i] - slopes[a]) >= (
-                intercepts[i] - intercepts[a]
-            ) * (slopes[b] - slopes[a]):
-                hull.pop()
-            else:
-                break
-        hull.append(i)
-    h = np.asarray(hull)
-    edge_slopes = np.diff(intercepts[h]) / np.diff(slopes[h])
-    vertex = h[np.searchsorted(edge_slopes, -at, side="left")]
-    return intercepts[vertex] + slopes[vertex] * at
-
-
-def _raise_costs(problem: Problem, theta: list[int]) -> list[int]:
-    # The added multiplications of raising each coordinate by one (a channel-graph problem knows
-    # them in closed form; evaluating its cost once per coordinate and step dominated the solve).
-    if hasattr(problem, "raise_costs"):
-        return problem.raise_costs(theta)
-    base, extras = problem.cost(theta), []
-    for l in range(problem.layers):
-        theta[l] += 1
-        extras.append(problem.cost(theta) - base)
-        theta[l] -= 1
-    return extras
-
-
-def feasible_tops(problem) -> list[int]:
-    """Per variable, the largest value that fits the budget with every other variable at 1 (a
-    binary search on ``problem.cost``, which must grow with every variable: pruning's does).
-    ``problem`` is a chain :class:`Problem` or a grouped one (``upper``, ``layers``, ``cost``, ``budget``)."""
-    tops = []
-    for l, top in enumerate(problem.upper):
-        lo, hi = 1, top
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            probe = [1] * problem.layers
-            probe[l] = mid
-            lo, hi = (mid, hi) if problem.cost(probe) <= problem.budget else (lo, mid - 1)
-        tops.append(lo)
-    return tops
-
-
-def out_of_time(state: dict, deadline: float) -> bool:
-    """Count a branch-and-bound node in ``state``; True once the search must stop (it stopped
-    before, or ``deadline`` has passed: the incumbent is then returned without proof)."""
-    if state["stopped"]:
-        return True
-    state["visited"] += 1
-    if time.perf_counter() > deadline:
-        state["stopped"] = True
-    return state["stopped"]
-
-
-def _fill(problem: Problem, theta: list[int]) -> list[int]:
-    # Raise single coordinates while the budget allows and J drops (best drop per added cost; the
-    # first such coordinate among equals). One numpy step per raise: on resnet50 a fill takes
-    # thousands of raises.
-    theta = np.array(theta, dtype=np.int64)
-    upper = np.asarray(problem.upper, dtype=np.int64)
-    errors = np.full((problem.layers, int(upper.max()) + 2), np.inf)
-    for l, curve in enumerate(problem.errors):
-        errors[l, : len(curve)] = curve
-    rows = np.arange(problem.layers)
-    cost = problem.cost(theta.tolist())
-    while True:
-        extra = np.asarray(_raise_costs(problem, theta.tolist()), dtype=np.int64)
-        gain = errors[rows, theta] - errors[rows, theta + 1]
-        rate = gain / np.maximum(extra, 1)
-        allowed = (theta < upper) & (cost + extra <= problem.budget) & (gain > 0) & (rate > 0)
-        if not allowed.any():
-            return theta.tolist()
-        best = int(np.flatnonzero(allowed)[np.argmax(rate[allowed])])
-        theta[best] += 1
-        cost += int(extra[best])
-
-
-def _dual(chain: _Chain, precision: float = 1e-12, slack: float = 0.0,
-          guess: float | None = None) -> tuple[float, float, list[int]]:
-    """Best multiplier, its dual bound ``g(lam)``, and the best feasible point met (filled).
-
-    ``g(lam) = min L`` is concave and piecewise linear with supergradient ``cost(theta_lam) - B``.
-    First a bracket: from ``guess`` (default: J's range per multiplication, which overshoots)
-    steps of 4x find a multiplier whose minimiser is over budget (``lo``) and one within it
-    (``hi``). Then the tangents at both ends meet at the next multiplier tried (Kelley's cutting
-    plane in one dimension), and their meeting point bounds ``max g`` from above. The search stops
-    when that bound is within ``slack`` of the best ``g`` met, or the bracket is ``precision``
-    narrow (relative); a coarser multiplier only loosens the
-    bound the enumeration prunes with, never its correctness. Where the cut moves the same end of
-    the bracket twice in a row, the bracket's geometric midpoint is tried instead, so the bracket
-    keeps shrinking on both sides. On resnet50 (a guess from the uniform allocation's marginal
-    rates) this takes about 8 minimisations where bisection to 1e-4 took 35.
-    """
-    problem = chain.problem
-    budget = problem.budget
-
-    def evaluate(lam: float) -> tuple[float, float, int, list[int]]:
-        theta = chain.minimiser(lam)
-        over = problem.cost(theta) - budget
-        return lam, problem.objective(theta) + lam * over, over, theta
-
-    start = guess if guess is not None and guess > 0 else float(sum(j.max() - j.min() for j in chain.J)) / problem.total
-    met = [evaluate(max(1e-300, start))]
-    step = 0.25 if met[0][2] <= 0 else 4.0  # feasible: step down until over budget, else up until within it
-    # Down at most 4^12 (lam = 0 is over budget; where every lam > 0 fits, e.g. a plateau of J = 0
-    # that lam = 0 breaks towards the full network, the bracket starts at 0).
-    while (met[-1][2] <= 0) == (step < 1) and (step > 1 or len(met) <= 12):
-        met.append(evaluate(met[-1][0] * step))
-    over = [p for p in met if p[2] > 0]
-    hi = min((p for p in met if p[2] <= 0), key=lambda p: p[0])
-    lo = max(over, key=lambda p: p[0]) if over else evaluate(0.0)
-    best = max(met, key=lambda p: p[1])
-    incumbent = min((_fill(problem, p[3]) for p in met if p[2] <= 0), key=problem.objective)
-    moved = []
-    for _ in range(60):
-        if hi[2] == 0:  # a zero supergradient: hi maximises g
-            break
-        cut = (hi[1] - lo[1] + lo[2] * lo[0] - hi[2] * hi[0]) / (lo[2] - hi[2])
-        top = lo[1] + lo[2] * (cut - lo[0])
-        if top - best[1] <= slack or hi[0] - lo[0] <= precision * hi[0]:
-            break
-        if not lo[0] < cut < hi[0] or moved[-2:] in (["lo", "lo"], ["hi", "hi"]):
-            cut = (lo[0] + hi[0]) / 2 if lo[0] == 0 else float(np.sqrt(lo[0] * hi[0]))
-        point = evaluate(cut)
-        best = max(best, point, key=lambda p: p[1])
-        if point[2] <= 0:
-            hi = point
-            filled = _fill(problem, point[3])
-            if problem.objective(filled) < problem.objective(incumbent):
-                incumbent = filled
-        else:
-            lo = point
-        moved.append("hi" if point[2] <= 0 else "lo")
-    if lo[0] > 0:  # the last minimiser over budget, lowered until it fits, then filled: often the better incumbent
-        repaired = _fill(problem, project(problem, np.asarray(lo[3], dtype=np.float64)))
-        incumbent = min(incumbent, repaired, key=problem.objective)
-    return best[0], best[1], incumbent
 
 
 def solve_exact(problem: Problem, time_limit: float = 60.0) -> ExactResult:
@@ -264,14 +90,14 @@ def solve_exact(problem: Problem, time_limit: float = 60.0) -> ExactResult:
     unconstrained = chain.minimiser(0.0)  # the minimum of J alone: optimal if it fits
     if problem.cost(unconstrained) <= problem.budget:
         return ExactResult(unconstrained, 0.0, time.perf_counter() - start, 0)
-    lam, lower_bound, incumbent = _dual(chain)
+    lam, lower_bound, incumbent = dual(chain)
     unary, prefix = chain.tables(lam)
     state = {"best": incumbent, "ub": problem.objective(incumbent), "visited": 0, "stopped": False}
     deadline = start + time_limit
     offset = -lam * problem.budget
 
     def improves(bound: np.ndarray | float) -> np.ndarray | bool:
-        return bound < state["ub"] - _REL_TOL * max(1.0, abs(state["ub"]))
+        return bound < state["ub"] - REL_TOL * max(1.0, abs(state["ub"]))
 
     def descend(layer: int, suffix: float, tail: list[int]) -> None:
         if out_of_time(state, deadline):

@@ -8,7 +8,7 @@ greedy order that keeps the message tables small). A group whose bucket holds on
 and bilinear cost terms is eliminated by the lower convex hull (the chain solver's trick), so a
 ResNet's inner groups cost ``O(n^2 log n)``, not ``O(n^3)``.
 
-1. Maximise the dual over ``lam`` (exact.py's ``_dual``: a bracket from the uniform/PSO seed's
+1. Maximise the dual over ``lam`` (lagrangian.py's ``dual``: a bracket from the uniform/PSO seed's
    marginal rate, then one-dimensional cutting planes, about 8 eliminations on resnet50); feasible
    minimisers greedily filled, the last one over budget lowered and filled, and the uniform and
    PSO allocations give the incumbent.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .exact import _REL_TOL, _dual, _fill, _last_argmin, _min_over_lines, ExactResult, feasible_tops, out_of_time
+from .lagrangian import REL_TOL, ExactResult, dual, feasible_tops, fill, last_argmin, min_over_lines, out_of_time
 from .graph_problem import GraphProblem
 from .pso import PSOConfig, solve_pso
 from .uniform import uniform_prune
@@ -111,7 +111,7 @@ class _Graph:
             if not outer:
                 table = rows.min(axis=0)
             else:
-                table = (_min_over_lines(rows[:, 0], self.values[x], slope_at.ravel())[None] if rows.shape[1] == 1
+                table = (min_over_lines(rows[:, 0], self.values[x], slope_at.ravel())[None] if rows.shape[1] == 1
                          else _min_over_line_sets(rows, self.values[x], slope_at.ravel()))
             shape = [len(self.values[v]) for v in (*inner, *outer)]
             order = [(*inner, *outer).index(v) for v in step.scope]
@@ -139,12 +139,12 @@ class _Graph:
         self.tables(lam)
         assign: dict[int, int] = {}
         for step in reversed(self.plan):
-            assign[step.var] = _last_argmin(self.bucket(step.var, assign))
+            assign[step.var] = last_argmin(self.bucket(step.var, assign))
         return [assign[g] + 1 for g in range(len(self.values))]
 
 
 def _min_over_line_sets(intercepts: np.ndarray, slopes: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """``exact._min_over_lines`` for ``m`` sets of lines sharing their slopes: ``[n, m]`` -> ``[m, len(at)]``.
+    """``lagrangian.min_over_lines`` for ``m`` sets of lines sharing their slopes: ``[n, m]`` -> ``[m, len(at)]``.
 
     Why a second implementation: the chain solver's hull is a Python loop over one set's points,
     and called once per set it was 90% of resnet50's solve (1,000 sets per multiplier). Here the
@@ -267,7 +267,7 @@ def solve_graph_exact(problem: GraphProblem, time_limit: float = 60.0, seed: int
     # The baselines seed the incumbent, so the answer is never worse than either (same PSO seed).
     best_seed = min((uniform_prune(problem), solve_pso(problem, PSOConfig(seed=seed))), key=problem.objective)
     if plan is None:  # too entangled for exact tables: the better baseline, raised greedily
-        return ExactResult(_fill(problem, best_seed), float("nan"), time.perf_counter() - start, 0)
+        return ExactResult(fill(problem, best_seed), float("nan"), time.perf_counter() - start, 0)
     graph = _Graph(problem, plan, tops)
     unconstrained = graph.minimiser(0.0)
     if problem.cost(unconstrained) <= problem.budget:
@@ -275,7 +275,7 @@ def solve_graph_exact(problem: GraphProblem, time_limit: float = 60.0, seed: int
     # Each multiplier costs a full elimination: the dual needs to be only well inside the
     # tolerance the enumeration proves to (a tenth of it), and the multiplier to 1e-4.
     slack = 0.1 * tolerance * max(1.0, problem.objective(best_seed))
-    lam, lower_bound, incumbent = _dual(graph, precision=1e-4, slack=slack, guess=_marginal_rate(problem, best_seed))
+    lam, lower_bound, incumbent = dual(graph, precision=1e-4, slack=slack, guess=_marginal_rate(problem, best_seed))
     if problem.objective(best_seed) < problem.objective(incumbent):
         incumbent = best_seed
     graph.tables(lam)
@@ -315,5 +315,5 @@ def solve_graph_exact(problem: GraphProblem, time_limit: float = 60.0, seed: int
     descend(0, constants)
     gap = max(0.0, state["ub"] - lower_bound)
     if not state["stopped"]:  # every point better by more than the tolerance was ruled out
-        gap = min(gap, tolerance * max(1.0, abs(state["ub"]))) if tolerance > _REL_TOL else 0.0
+        gap = min(gap, tolerance * max(1.0, abs(state["ub"]))) if tolerance > REL_TOL else 0.0
     return ExactResult(state["best"], gap, time.perf_counter() - start, state["visited"])

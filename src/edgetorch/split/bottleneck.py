@@ -86,6 +86,15 @@ def detect_arch(model: nn.Module) -> str:
     )
 
 
+def _taps(first: torch.Tensor, blocks: nn.ModuleDict, classifier: nn.Module) -> list[torch.Tensor]:
+    """``[first, each block's output..., logits]``: ``first`` run through ``blocks`` in order, then ``classifier``."""
+    outputs = [first]
+    for block in blocks.values():
+        outputs.append(block(outputs[-1]))
+    outputs.append(classifier(outputs[-1]))
+    return outputs
+
+
 class Stages(nn.Module):
     """A classifier seen as ``front -> blocks -> classifier``, with the intermediate outputs exposed.
 
@@ -103,11 +112,7 @@ class Stages(nn.Module):
 
     def taps(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``[front output, each block's output..., logits]`` for input ``x``."""
-        outputs = [self.front(x)]
-        for block in self.blocks.values():
-            outputs.append(block(outputs[-1]))
-        outputs.append(self.classifier(outputs[-1]))
-        return outputs
+        return _taps(self.front(x), self.blocks, self.classifier)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.taps(x)[-1]
@@ -182,11 +187,7 @@ class Tail(nn.Module):
 
     def taps(self, z: torch.Tensor) -> list[torch.Tensor]:
         """``[decoder output, each block's output..., logits]`` for bottleneck ``z``."""
-        outputs = [self.decoder(z)]
-        for block in self.blocks.values():
-            outputs.append(block(outputs[-1]))
-        outputs.append(self.classifier(outputs[-1]))
-        return outputs
+        return _taps(self.decoder(z), self.blocks, self.classifier)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         h = self.decoder(z)
