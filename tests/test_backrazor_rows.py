@@ -52,7 +52,7 @@ class Rows(et.BackRazor):
     """Back Razor that also records the matrices its top-k sees."""
 
     def encode(self, t, need=et.activations.roles.EXACT):
-        if self.form(need) == "prune":
+        if self.form(need) is et.activations.forms.PRUNE_FORM:
             self.seen.append(t.clone())
         return super().encode(t, need)
 

@@ -1,6 +1,7 @@
 """Quantized activation storage as policies: Quantized(bits), BackRazor(exact="int8") and
 BackRazor(values="int8"): what each stores, where gradients stay exact, and the spec strings."""
 
+import math
 from dataclasses import dataclass, replace
 
 import pytest
@@ -194,9 +195,9 @@ def test_values_int8_holds_the_kept_values_quantized():
 
 def test_encode_returns_the_quantized_codecs():
     x = torch.randn(4, 1000)
-    assert isinstance(et.Quantized(4).encode(x, et.activations.roles.Need("exact", op="gelu")), QuantizedTensor)
+    assert isinstance(et.Quantized(4).encode(x, et.activations.roles.Need(et.activations.roles.NeedKind.EXACT, op="gelu")), QuantizedTensor)
     assert not isinstance(et.Quantized(4).encode(x), QuantizedTensor)  # no op known: kept lossless
-    kept = et.BackRazor(0.9, values="int8").encode(x, et.activations.roles.Need("prune"))
+    kept = et.BackRazor(0.9, values="int8").encode(x, et.activations.roles.Need(et.activations.roles.NeedKind.PRUNE))
     assert isinstance(kept, QuantizedValues) and kept.nnz == 4 * 100
 
 
@@ -223,7 +224,7 @@ def test_spec_words():
     ("backrazor:exact=int3", "exact must be None or one of int8, int4, int2"),
     ("backrazor:values=fp8", "values must be None or one of"),
     ("backrazor:values=int8,value_dtype=float16", "not both"),
-    ("quantised", "accepted: dense, bitmap, backrazor, quantized"),
+    ("quantised", "accepted: dense, bitmap, quantized, backrazor"),
 ])
 def test_bad_specs_say_what_is_accepted(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -279,3 +280,34 @@ def test_a_sided_copy_never_serves_a_need_for_the_values(policy):
     assert ("hardswish", "int8-sided(-3,3)") in {(r.op, r.form) for r in ledger.records}
     # b's weight gradient reads h: rounded at 8 bits it stays close; clamped into (-3, 3) it would not
     assert cosine(g0["b.weight"], g1["b.weight"]) > (0.999 if isinstance(policy, et.Quantized) else 0.8)
+
+
+def test_a_policy_subclass_with_a_name_of_its_own_parses_by_it():
+    @dataclass(frozen=True)
+    class Halves(et.Policy):
+        name = "halves-test"
+        keep: float = 0.5
+
+        def encode(self, t, need=et.activations.roles.EXACT):
+            return None
+
+    try:
+        assert et.parse_policy("halves-test:keep=0.25") == Halves(keep=0.25)
+        assert Halves(keep=0.25).spec() == "halves-test:keep=0.25"
+    finally:
+        del et.activations.policies.POLICIES["halves-test"]
+    with pytest.raises(ValueError, match="unknown policy 'halves-test'"):
+        et.parse_policy("halves-test")
+
+
+def test_forms_are_interned_and_named_as_the_ledger_shows_them():
+    from edgetorch.activations.forms import EXACT_FORM, FormKind, mask_form, quantized_form
+
+    assert mask_form(0.0, math.inf) is mask_form(0.0, math.inf) and mask_form(0.0, 6.0).text == "mask(0,6)"
+    sided = quantized_form(8, (-3.0, 3.0))
+    assert sided is quantized_form(8, (-3.0, 3.0)) and sided.text == "int8-sided(-3,3)" and sided.bits == 8
+    assert quantized_form(4).kind is FormKind.QUANTIZED and quantized_form(4).interval is None
+    razor = et.BackRazor(0.9, exact="int8")
+    # a plain quantized copy serves a top-k need; a sided one (only the pieces outside the kinks) does not
+    assert razor.covers(quantized_form(8), et.activations.forms.PRUNE_FORM)
+    assert not razor.covers(sided, et.activations.forms.PRUNE_FORM) and razor.covers(EXACT_FORM, sided)

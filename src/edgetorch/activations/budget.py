@@ -57,7 +57,7 @@ from ..measure import SavedTensorLedger
 from ..measure.process import held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed, reset_peak
 from .checkpoint import find_stages
 from .policies import BackRazor, Bitmap, Dense
-from .step import CHECKPOINT_SUFFIX, TrainingPolicy, forward_backward, parse_training_policy
+from .step import TrainingPolicy, forward_backward, parse_training_policy
 
 # Checkpointed candidates are dropped for a model with no stage to checkpoint.
 VERIFY_ATTEMPTS = 6  # candidates run at their own batch before giving up (each costs one step)
@@ -261,8 +261,9 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                 candidates.append(Candidate(policy.spec(), batch, *predict(slope, intercept, batch), _exact(policy),
                                             _sparsity(policy), seconds / dense_seconds,
                                             int(saved * batch / second_batch)))
-        candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, c.policy.endswith(CHECKPOINT_SUFFIX),
-                                       not c.policy.startswith("dense"), c.step_time_ratio))
+        how = {policy.spec(): policy for policy in parsed}
+        candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, how[c.policy].checkpoint,
+                                       not isinstance(how[c.policy].policy, Dense), c.step_time_ratio))
         # The lines come from small batches, and what a bitmap saves depends on the data; so the
         # first candidate that fits is run once at its own batch before it is chosen (measured:
         # resnet18 at 112 px, bitmap at batch 32 predicted 945 MiB, trained at 1,026 MiB).

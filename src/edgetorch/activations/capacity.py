@@ -47,6 +47,7 @@ from .held import Region, Wrapper
 if TYPE_CHECKING:
     from ..measure.ledger import SavedTensorLedger
     from .held import Entry
+    from .forms import Form
     from .policies import Policy
     from .roles import Need
 
@@ -237,7 +238,7 @@ class Repack:
 
     __slots__ = ("policy", "need", "ledger", "entry", "form")
 
-    def __init__(self, policy: Policy, need: Need, ledger: SavedTensorLedger | None, entry: Entry, form: str):
+    def __init__(self, policy: Policy, need: Need, ledger: SavedTensorLedger | None, entry: Entry, form: Form):
         self.policy, self.need, self.ledger, self.form = policy, need, ledger, form
         self.entry = weakref.ref(entry)  # an entry holds what holds this: no cycle
 

@@ -39,6 +39,7 @@ from ..codecs.bitmap import CappedBitmapTensor
 from ..codecs.narrow import WIDE_INTS, pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
 from .capacity import LateChecks, Repack, capacity
+from .forms import EXACT_FORM, SHAPE_FORM, Form
 from .held import (SHAPE, Entry, Kept, Pending, Region, alias, encode_per_sample, kept_count, rows_of, sample_split,
                    span)
 from .policies import Policy
@@ -368,7 +369,7 @@ class compress_activations(contextlib.ContextDecorator):
             self._watch.flush()
 
     def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], ptr: int):
-        form = self.policy.form(need) if t.dtype in _FLOATS else "exact"  # integers: never pruned
+        form = self.policy.form(need) if t.dtype in _FLOATS else EXACT_FORM  # integers: never pruned
         lo, hi = span(t)
         key = (ptr, t.dtype)
         for ref in self._table.get(key, ()):
@@ -386,7 +387,7 @@ class compress_activations(contextlib.ContextDecorator):
         self._table.setdefault(key, []).append(weakref.ref(entry))
         return entry.view_of(t, form)
 
-    def _encode(self, entry: Entry, t, d, need: Need, form: str, module, dense_bytes: int) -> None:
+    def _encode(self, entry: Entry, t, d, need: Need, form: Form, module, dense_bytes: int) -> None:
         """Add ``form`` to ``entry``; ``dense_bytes`` is what plain PyTorch holds (0 if shared)."""
         if entry.gathered is not None:
             region, rows = d.reshape(-1), (t.shape[0] if t.dim() else 1)
@@ -396,7 +397,7 @@ class compress_activations(contextlib.ContextDecorator):
             region, rows = d, rows_of(t, entry)
         else:
             region, rows = torch.as_strided(d, (entry.hi - entry.lo,), (1,), entry.lo), rows_of(t, entry)
-        if form == "shape":
+        if form is SHAPE_FORM:
             rep = SHAPE
         else:
             floating = region.dtype in _FLOATS
@@ -413,7 +414,7 @@ class compress_activations(contextlib.ContextDecorator):
             if rep is None or rep.nbytes >= region_bytes:
                 # Never worse than plain PyTorch: what does not compress is held as it is (a
                 # gathered view as itself, so that backward sees its own strides).
-                form, rep = "exact", Region(d if entry.gathered is not None else region, d)
+                form, rep = EXACT_FORM, Region(d if entry.gathered is not None else region, d)
         superseded = entry.add(form, rep, self.policy.covers)
         storage = "dense" if isinstance(rep, Region) else "stored"
         # A form added to an entry already counted adds bytes, not elements.
@@ -427,10 +428,10 @@ class compress_activations(contextlib.ContextDecorator):
             self.ledger.hold(rep.nbytes)
             weakref.finalize(rep, self.ledger.release, rep.nbytes)
 
-    def _encode_exact_once(self, region: torch.Tensor, rows: int, need: Need, form: str, dense_bytes: int):
+    def _encode_exact_once(self, region: torch.Tensor, rows: int, need: Need, form: Form, dense_bytes: int):
         """``policy.encode`` of ``region``, except where its exact form did not compress at this
         position before: None then, without looking (.capacity); a new such position is noted."""
-        as_is = self._held_as_is() if form == "exact" and dense_bytes else None
+        as_is = self._held_as_is() if form is EXACT_FORM and dense_bytes else None
         if as_is is not None and as_is.get(self._index) == region.numel():
             return None
         rep = self.policy.encode(region.view(rows, -1), need)
@@ -438,7 +439,7 @@ class compress_activations(contextlib.ContextDecorator):
             as_is[self._index] = region.numel()
         return rep
 
-    def _encode_sized(self, x: torch.Tensor, need: Need, entry: Entry, form: str):
+    def _encode_sized(self, x: torch.Tensor, need: Need, entry: Entry, form: Form):
         """Encode ``x`` into value slots sized from the count kept at this position of an earlier
         step, with no host sync; its count is checked later (see .capacity). Where none was seen,
         exactly, reading its count (one sync), which sizes the next step's."""
@@ -470,7 +471,7 @@ class compress_activations(contextlib.ContextDecorator):
                 continue
             self.ledger.supersede(index, nnz)
 
-    def _record(self, t, module, storage, dense_bytes, stored_bytes, numel, need=EXACT, form="exact",
+    def _record(self, t, module, storage, dense_bytes, stored_bytes, numel, need=EXACT, form=EXACT_FORM,
                 nnz=None) -> int | None:
         if self.ledger is None:
             return None
@@ -486,7 +487,7 @@ class compress_activations(contextlib.ContextDecorator):
                 stored_bytes=stored_bytes,
                 numel=numel,
                 nnz=numel if nnz is None else nnz,
-                form=form,
+                form=form.text,
             )
         )
 

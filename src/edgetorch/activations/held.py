@@ -19,13 +19,14 @@ import weakref
 
 import torch
 
+from .forms import EXACT_FORM, SHAPE_FORM, Form
 from .roles import Need
 
 
 class Entry:
     """One region of one storage, held in one or more stored forms.
 
-    ``reps`` maps a form (``exact``, ``prune``, ``mask ...``, ``int8``, ``shape``) to what holds
+    ``reps`` maps a :class:`~edgetorch.activations.forms.Form` (exact, prune, a mask, int8, shape) to what holds
     it: a codec object with ``.nbytes`` and ``.unpack()``. A form the policy ranks above another
     (an ``exact`` form above all; under Back Razor a quantized form above ``prune``) serves its
     views too: adding it drops the other's copy, and the other form then maps to it.
@@ -41,8 +42,8 @@ class Entry:
         self.lo, self.hi = lo, hi  # element range of the storage this entry covers
         # gathered: holds only t's own elements, row-major (t was a sparse view of its storage)
         self.gathered = geometry(t) if gathered else None
-        self.reps: dict[str, object] = {}
-        self.records: dict[str, int] = {}  # form -> index of its ledger row (for supersession)
+        self.reps: dict[Form, object] = {}
+        self.records: dict[Form, int] = {}  # form -> index of its ledger row (for supersession)
 
     def covers(self, t: torch.Tensor, lo: int, hi: int) -> bool:
         if self.source() is None or self.version != t._version:
@@ -51,17 +52,17 @@ class Entry:
             return self.gathered == geometry(t)
         return self.lo <= lo and hi <= self.hi
 
-    def serves(self, form: str, covers) -> bool:
+    def serves(self, form: Form, covers) -> bool:
         """Whether a held form stands in for ``form`` (``covers(held, wanted)``, the policy's
         order); if so, ``form`` is from now on read from it."""
-        if form == "shape" or form in self.reps:
+        if form is SHAPE_FORM or form in self.reps:
             return True
         held = next((h for h in self.reps if covers(h, form)), None)
         if held is not None:
             self.reps[form] = self.reps[held]
         return held is not None
 
-    def add(self, form: str, rep, covers) -> list[str]:
+    def add(self, form: Form, rep, covers) -> list[Form]:
         """Hold ``rep`` for ``form``; returns the held forms it supersedes (those it covers:
         an exact form covers all), which are read from ``rep`` from now on."""
         dropped = [f for f in self.reps if f != form and covers(form, f)]
@@ -69,12 +70,12 @@ class Entry:
             self.reps[f] = rep
         return dropped
 
-    def view_of(self, t: torch.Tensor, form: str) -> View:
+    def view_of(self, t: torch.Tensor, form: Form) -> View:
         if self.gathered is not None:  # flat() returns t's own geometry
             return View(self, t.shape, t.stride(), None, form, t.dtype, t.device)
         return View(self, t.shape, t.stride(), t.storage_offset() - self.lo, form, t.dtype, t.device)
 
-    def flat(self, form: str) -> torch.Tensor:
+    def flat(self, form: Form) -> torch.Tensor:
         """The region in ``form`` as a dense tensor, decoded once for all the ops that saved it.
 
         The first decode replaces the packed form: a ReLU output read by the next convolution's
@@ -87,7 +88,7 @@ class Entry:
         kernels choose their path by layout, and a row-major stand-in for a channel slice of a
         channels-last tensor changed depthwise convolution gradients in the last bits.
         """
-        source = "exact" if "exact" in self.reps else form
+        source = EXACT_FORM if EXACT_FORM in self.reps else form
         rep = self.reps[source]
         if isinstance(rep, (Region, Decoded)):
             return rep.tensor
@@ -102,7 +103,7 @@ class Entry:
 
     def live(self) -> torch.Tensor | None:
         """A tensor sharing the saved tensor's version counter, if one is still alive."""
-        region = self.reps.get("exact")
+        region = self.reps.get(EXACT_FORM)
         return region.probe if isinstance(region, Region) else self.source()
 
 
@@ -135,7 +136,7 @@ class View:
 
     __slots__ = ("entry", "size", "stride", "offset", "form", "dtype", "device")
 
-    def __init__(self, entry: Entry, size, stride, offset: int, form: str, dtype, device):
+    def __init__(self, entry: Entry, size, stride, offset: int, form: Form, dtype, device):
         self.entry, self.size, self.stride, self.offset = entry, size, stride, offset
         self.form, self.dtype, self.device = form, dtype, device
 
@@ -143,7 +144,7 @@ class View:
         # The stored copy is the value at save time, but a later in-place change is still a
         # bug in the caller's code that plain PyTorch would report: report it too.
         check_version(self.entry.live(), self.entry.version)
-        if self.form == "shape":  # backward reads only the shape (and the layout): zero bytes
+        if self.form is SHAPE_FORM:  # backward reads only the shape (and the layout): zero bytes
             return stand_in(self.size, self.stride, self.dtype, self.device)
         base = self.entry.flat(self.form)  # a decoded copy, or the kept region in place
         if self.offset is None:  # a gathered entry decodes to this view's own geometry

@@ -13,7 +13,13 @@ from ..codecs.bitmap import (BitmapTensor, CappedBitmapTensor, pack_bitmap_cappe
 from ..codecs.mask import pack_mask
 from ..codecs.quantized import check_bits, pack_quantized, pack_quantized_sided, quantize_values
 from ..codecs.topk import check_sparsity, pack_topk
-from .roles import EXACT, UNKNOWN_OP, Need
+from .forms import EXACT_FORM, PRUNE_FORM, SHAPE_FORM, Form, FormKind, mask_form, quantized_form
+from .roles import EXACT, UNKNOWN_OP, Need, NeedKind
+
+
+#: Every policy by name, for :func:`parse_policy`: each subclass of :class:`Policy` with a
+#: ``name`` of its own adds itself.
+POLICIES: dict[str, type[Policy]] = {}
 
 
 class Policy:
@@ -27,8 +33,11 @@ class Policy:
 
     A policy that treats tensors differently by what backward needs of them sets
     ``needs_roles``; the engine then tells it, per tensor, the :class:`~edgetorch.activations.roles.Need`
-    of the op that saved it, and ``form(need)`` names the stored form (tensors saved by several
-    ops are stored once per distinct form).
+    of the op that saved it, and ``form(need)`` gives the stored :class:`~edgetorch.activations.forms.Form`
+    (tensors saved by several ops are stored once per distinct form).
+
+    A subclass with its own ``name`` is registered under it: :func:`parse_policy` and
+    ``--policy`` then accept ``name:key=value,...`` for its dataclass fields.
     """
 
     name = "policy"
@@ -44,23 +53,28 @@ class Policy:
     # an earlier step instead of reading it back (see edgetorch.activations.capacity).
     sized_by_count = False
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:  # a policy of its own, not a variant that inherits a name
+            POLICIES[cls.name] = cls
+
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
 
-    def form(self, need: Need) -> str:
+    def form(self, need: Need) -> Form:
         """The stored form for ``need``; the default stores every tensor one (exact) way."""
-        return "exact"
+        return EXACT_FORM
 
-    def per_sample(self, form: str) -> bool:
+    def per_sample(self, form: Form) -> bool:
         """Whether ``encode`` should see form ``form`` of a tensor as one row per sample even
         where the saved tensor's rows are tokens (the engine then regroups them); by default
         rows are the saved tensor's outermost dimension in memory."""
         return False
 
-    def covers(self, held: str, wanted: str) -> bool:
+    def covers(self, held: Form, wanted: Form) -> bool:
         """Whether a tensor held in form ``held`` may serve an op that wants form ``wanted``
         (then it is stored once, in ``held``). An exact form serves every need."""
-        return held == wanted or held == "exact"
+        return held is wanted or held is EXACT_FORM
 
     def spec(self) -> str:
         """The string :func:`parse_policy` turns back into this policy."""
@@ -211,36 +225,34 @@ class Quantized(Policy):
         if not isinstance(self.stochastic, bool):
             raise ValueError(f"stochastic must be true or false; got {self.stochastic!r}")
 
-    def form(self, need: Need) -> str:
-        if need.kind in ("mask", "shape"):
+    def form(self, need: Need) -> Form:
+        if need.kind is NeedKind.MASK or need.kind is NeedKind.SHAPE:
             return _exact_form(need)
         if need.op == UNKNOWN_OP:
             # Saved by no ATen op the engine saw: a custom autograd Function, or checkpointing's
             # segment inputs, whose rounding the recomputed forward would carry through a whole
             # segment (resnet50 with checkpointed stages: input-gradient cosine 0.987 at 8 bits).
-            return "exact"
-        return _quantized_form(f"int{self.bits}", need)
+            return EXACT_FORM
+        return quantized_form(self.bits, need.kinks)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
-        form = self.form(need)
-        if form.startswith("mask"):
+        kind = self.form(need).kind
+        if kind is FormKind.MASK:
             return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
-        if form == "exact":
+        if kind is FormKind.EXACT:
             return _lossless(t)
         return _quantize(t, need, self.bits, self.group, self.stochastic)
 
 
-def _quantized_form(word: str, need: Need) -> str:
-    """``int8`` etc.; a copy that keeps only the piece of its values outside a kinked need's
-    interval (:func:`~edgetorch.codecs.pack_quantized_sided`) is another form, so the engine never
-    lets it serve an op that reads the values (a Linear's weight gradient on the same tensor)."""
-    return word if need.kinks is None else f"{word}-sided({need.kinks[0]:g},{need.kinks[1]:g})"
+def _exact_form(need: Need) -> Form:
+    """The form of a need stored exactly for what backward reads of it: a 1-bit mask of the
+    interval, nothing but the shape, every value, or (Back Razor) a top-k copy."""
+    if need.kind is NeedKind.MASK:
+        return mask_form(need.low, need.high)
+    return _FORM_OF_NEED[need.kind]
 
 
-def _exact_form(need: Need) -> str:
-    """The form of a need that is stored exactly for what backward reads of it: a 1-bit mask of
-    the interval, or nothing but the shape."""
-    return f"mask({need.low:g},{need.high:g})" if need.kind == "mask" else need.kind
+_FORM_OF_NEED = {NeedKind.EXACT: EXACT_FORM, NeedKind.PRUNE: PRUNE_FORM, NeedKind.SHAPE: SHAPE_FORM}
 
 
 def _quantize(t: torch.Tensor, need: Need, bits: int, group: int = POLICY_GROUP, stochastic: bool = False):
@@ -327,33 +339,33 @@ class BackRazor(Policy):
         rest = ",".join(a for a in rest.split(",") if a and not a.startswith("sparsity="))
         return f"backrazor:sparsity={self.sparsity:g}" + (f",{rest}" if rest else "")
 
-    def form(self, need: Need) -> str:
-        if need.kind == "exact" and need.prunable and self.scope == "all":
-            return "prune"
-        if need.kind == "mask":
-            return _exact_form(need)
+    def form(self, need: Need) -> Form:
+        if need.kind is NeedKind.EXACT and need.prunable and self.scope == "all":
+            return PRUNE_FORM
         if self.exact is not None and need.quantizable:
-            return _quantized_form(self.exact, need)
-        return need.kind
+            return quantized_form(_QUANTIZED[self.exact], need.kinks)
+        return _exact_form(need)
 
-    def per_sample(self, form: str) -> bool:
-        return form == "prune" and self.rows == "sample"
+    def per_sample(self, form: Form) -> bool:
+        return form is PRUNE_FORM and self.rows == "sample"
 
-    def covers(self, held: str, wanted: str) -> bool:
+    def covers(self, held: Form, wanted: Form) -> bool:
         """A quantized copy also serves the weight gradients that want a top-k copy: it is more
         exact, and already held (the attention output that the next Linear also saves; a
-        top-k copy beside it cost ViT's out-projection a gradient cosine of 0.56)."""
-        return super().covers(held, wanted) or (held in _QUANTIZED and wanted == "prune")
+        top-k copy beside it cost ViT's out-projection a gradient cosine of 0.56). A sided copy
+        does not: it keeps only the piece of each value outside the kinks."""
+        return super().covers(held, wanted) or (
+            wanted is PRUNE_FORM and held.kind is FormKind.QUANTIZED and held.interval is None)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         form = self.form(need)
-        if form == "prune":
+        if form is PRUNE_FORM:
             kept = pack_topk(t, self.sparsity, value_dtype=self.value_dtype)
             return kept if self.values is None else quantize_values(kept, _QUANTIZED[self.values])
-        if form.startswith("mask"):
+        if form.kind is FormKind.MASK:
             return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
-        if (word := form.partition("-")[0]) in _QUANTIZED:
-            return _quantize(t, need, _QUANTIZED[word])
+        if form.kind is FormKind.QUANTIZED:
+            return _quantize(t, need, form.bits)
         return _lossless(t)
 
 
@@ -369,7 +381,6 @@ def _lossless(t: torch.Tensor) -> BitmapTensor | None:
 
 _LOSSLESS = Bitmap()
 
-POLICIES: dict[str, type[Policy]] = {"dense": Dense, "bitmap": Bitmap, "backrazor": BackRazor, "quantized": Quantized}
 _DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}

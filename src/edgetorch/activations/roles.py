@@ -50,6 +50,7 @@ marked ``exact`` (so is any pack that follows an op run under ``no_grad``: safe,
 
 from __future__ import annotations
 
+import enum
 import math
 import weakref
 from dataclasses import dataclass
@@ -62,14 +63,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 UNKNOWN_OP = "?"  # saved by no ATen op the engine saw (a custom autograd Function, checkpointing)
 
 
+class NeedKind(enum.Enum):
+    """How much of a saved tensor an op's backward reads."""
+
+    EXACT = "exact"  # every value
+    PRUNE = "prune"  # feeds only a weight gradient: each sample's top-k magnitudes are enough
+    MASK = "mask"  # only whether each value lies in an interval
+    SHAPE = "shape"  # only its shape: the values are never read
+
+
 @dataclass(frozen=True)
 class Need:
     """What backward reads of one saved tensor.
 
     Attributes:
-        kind: ``exact`` (every value), ``prune`` (feeds only a weight gradient: top-k is
-            enough), ``mask`` (only whether each value lies in ``(low, high)``), ``shape``
-            (only its shape: the values are never read).
+        kind: the :class:`NeedKind`: every value, a top-k copy, a mask of ``(low, high)``, or
+            only the shape.
         low, high: the interval of a ``mask`` need.
         inside, outside: stand-in values a mask reads back (see :func:`edgetorch.codecs.mask.pack_mask`).
         prunable: an ``exact`` need that ``BackRazor(scope="all")`` prunes anyway.
@@ -82,7 +91,7 @@ class Need:
             [0, plane size)), so it can be narrowed without reading its range back.
     """
 
-    kind: str
+    kind: NeedKind
     low: float = 0.0
     high: float = math.inf
     inside: float = 1.0
@@ -99,10 +108,10 @@ class Need:
         stores at 8 bits: every prunable one, and those that tolerate rounding but not pruning
         (``rounds``: a training batch norm's input, fused attention's q and k). Never the
         logsumexp of fused attention, nor the tensors of ops this module does not know."""
-        return self.kind == "exact" and (self.prunable or self.rounds)
+        return self.kind is NeedKind.EXACT and (self.prunable or self.rounds)
 
 
-EXACT = Need("exact")
+EXACT = Need(NeedKind.EXACT)
 
 _BILINEAR = {"convolution", "mm", "addmm", "bmm", "baddbmm", "mul"}
 _POOLS = {
@@ -177,15 +186,15 @@ def input_need(op: str, t: torch.Tensor, args: tuple, kwargs: dict, is_param: Ca
         others = [a for a in _tensors((args, kwargs)) if not _same(a, t) and a.dim() > 0]
         if others and all(is_param(a) for a in others):
             trains = any(a.requires_grad for a in others)
-            return Need("prune" if trains else "shape", op=op)
-        return Need("exact", prunable=True, op=op)  # attention scores, gating: input gradients
+            return Need(NeedKind.PRUNE if trains else NeedKind.SHAPE, op=op)
+        return Need(NeedKind.EXACT, prunable=True, op=op)  # attention scores, gating: input gradients
     if op in ("hardtanh", "hardtanh_"):
         low, high = float(_arg(args, kwargs, 1, "min_val", -1.0)), float(_arg(args, kwargs, 2, "max_val", 1.0))
         return _interval(low, high, op)
     if op in ("leaky_relu", "leaky_relu_"):
-        return Need("mask", 0.0, math.inf, 1.0, -1.0, op=op)
+        return Need(NeedKind.MASK, 0.0, math.inf, 1.0, -1.0, op=op)
     if op in _POOLS:
-        return Need("shape", op=op)
+        return Need(NeedKind.SHAPE, op=op)
     if op in _BATCH_NORMS and _same(args[0], t):
         weight = _arg(args, kwargs, 1, "weight", None)
         training = op != "_native_batch_norm_legit_no_training" and _arg(args, kwargs, 5, "training", True)
@@ -193,42 +202,42 @@ def input_need(op: str, t: torch.Tensor, args: tuple, kwargs: dict, is_param: Ca
             # Batch statistics' gradients read every input value; so does the affine weight's
             # gradient through (x - mean) / std, which top-k of x does not approximate (rounding
             # each value by a small step does).
-            return Need("exact", op=op, rounds=True)
-        return Need("shape", op=op)  # frozen: grad_input = grad * weight / std reads no x
+            return Need(NeedKind.EXACT, op=op, rounds=True)
+        return Need(NeedKind.SHAPE, op=op)  # frozen: grad_input = grad * weight / std reads no x
     if op in _ATTENTION:
         # Fused backward recomputes the probabilities as exp(q k^T * scale - logsumexp) with the
         # forward's logsumexp: a pruned q or k no longer matches it and the exponent can blow
         # up. Only v (argument 2 of every fused kernel) may be pruned. Rounding q and k by a
         # small step moves each score by a bounded amount, so exp() moves by a bounded factor.
-        return Need("exact", prunable=len(args) > 2 and _same(args[2], t), op=op, rounds=True)
+        return Need(NeedKind.EXACT, prunable=len(args) > 2 and _same(args[2], t), op=op, rounds=True)
     if op in ("hardsigmoid", "hardsigmoid_"):  # slope 1/6 inside (-3, 3), 0 outside: a mask is exact
         return _interval(-3.0, 3.0, op)
     if op in _PRUNABLE_INPUTS:
-        return Need("exact", prunable=True, op=op, kinks=_KINKS.get(op))
-    return Need("exact", op=op)
+        return Need(NeedKind.EXACT, prunable=True, op=op, kinks=_KINKS.get(op))
+    return Need(NeedKind.EXACT, op=op)
 
 
 def output_need(op: str, index: int, args: tuple, kwargs: dict) -> Need:
     """What backward of ``op`` needs of its output number ``index``, which it saved."""
     if op.startswith("max_pool") and index == 1 and args:  # flat positions in one input plane
         dims = 3 if op.startswith("max_pool3d") else 2
-        return Need("exact", op=op, bound=math.prod(args[0].shape[-dims:]) - 1)
+        return Need(NeedKind.EXACT, op=op, bound=math.prod(args[0].shape[-dims:]) - 1)
     if op in ("relu", "relu_"):
-        return Need("mask", 0.0, math.inf, 1.0, 0.0, op=op)
+        return Need(NeedKind.MASK, 0.0, math.inf, 1.0, 0.0, op=op)
     if op == "hardtanh_":
         return _interval(float(_arg(args, kwargs, 1, "min_val", -1.0)),
                          float(_arg(args, kwargs, 2, "max_val", 1.0)), op)
     if op == "leaky_relu_":
-        return Need("mask", 0.0, math.inf, 1.0, -1.0, op=op)
+        return Need(NeedKind.MASK, 0.0, math.inf, 1.0, -1.0, op=op)
     if op in _PRUNABLE_OUTPUTS or (op in _ATTENTION and index == 0):  # attention: not its logsumexp
-        return Need("exact", prunable=True, op=op)
-    return Need("exact", op=op)
+        return Need(NeedKind.EXACT, prunable=True, op=op)
+    return Need(NeedKind.EXACT, op=op)
 
 
 def _interval(low: float, high: float, op: str) -> Need:
     if not (math.isfinite(low) and math.isfinite(high) and low < high):
-        return Need("exact", op=op)
-    return Need("mask", low, high, (low + high) / 2, low, op=op)
+        return Need(NeedKind.EXACT, op=op)
+    return Need(NeedKind.MASK, low, high, (low + high) / 2, low, op=op)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
