@@ -1,7 +1,7 @@
 """The C extension behind the CPU codecs (codecs/_native.c): byte for byte against torch ops.
 
 Every kernel is checked against the torch-ops path the codecs fall back to without the extension
-(``_cpu_kernels.NATIVE = False``), on every instruction set this CPU runs (the portable C loops
+(``_cpu_kernels.torch_ops()``), on every instruction set this CPU runs (the portable C loops
 included), across chunk boundaries, on several threads, and after fork. Also: the fallback
 itself, its one-time warning, and what importing edgetorch and a first pack cost a fresh process.
 """
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from edgetorch import pack_bitmap
 from edgetorch.measure.footprint import first_call_footprint
-from edgetorch.codecs import FLOAT_DTYPES, _cpu_kernels
+from edgetorch.codecs import FLOAT_DTYPES, _backend, _cpu_kernels
 from edgetorch.codecs._cpu_kernels import torch_ops
 from edgetorch.codecs.bitmap import BitmapTensor, pack_bits, unpack_bits
 from edgetorch.codecs.mask import MaskTensor, pack_mask
@@ -436,13 +436,10 @@ def test_fallback_gives_identical_bytes() -> None:
     idx = torch.randint(-300, 300, (1000,), dtype=torch.int64)
     results = []
     for native in ([True, False] if _cpu_kernels.NATIVE else [False]):
-        saved, _cpu_kernels.NATIVE = _cpu_kernels.NATIVE, native
-        try:
+        with contextlib.nullcontext() if native else torch_ops():
             b, k = pack_bitmap(x, 0.6), pack_topk(x.view(1, -1), 0.9)
             m, n = pack_mask(x, 0.0, 2.5, inside=1.0), pack_narrow(idx)
             results.append((b, b.unpack(), k, k.unpack(), m.bitmap, m.unpack(), n.values, n.unpack()))
-        finally:
-            _cpu_kernels.NATIVE = saved
     for a, b in zip(results[0], results[-1]):
         if isinstance(a, BitmapTensor):
             assert same_packed(a, b)
@@ -452,6 +449,7 @@ def test_fallback_gives_identical_bytes() -> None:
 
 def test_missing_extension_warns_once_with_the_fix(monkeypatch) -> None:
     monkeypatch.setattr(_cpu_kernels, "NATIVE", False)
+    monkeypatch.setattr(_backend, "CPU", _backend.TORCH)  # what the table holds without the extension
     monkeypatch.setattr(_cpu_kernels, "_native", None)
     monkeypatch.setattr(_cpu_kernels, "_FORCED_OFF", False)
     monkeypatch.setattr(_cpu_kernels, "_warned", False)

@@ -11,6 +11,11 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from edgetorch.codecs import BitmapTensor, pack_bitmap, pack_quantized, pack_quantized_sided, quantize_values
+from edgetorch.codecs.bitmap import pack_bitmap_capped
+from edgetorch.codecs.held import HeldTensor
+from edgetorch.codecs.mask import pack_mask
+from edgetorch.codecs.narrow import pack_narrow
+from edgetorch.codecs.topk import pack_topk
 from edgetorch.codecs.quantized import _hash_uniform
 
 HYPO = settings(max_examples=60, deadline=None)
@@ -307,3 +312,14 @@ def test_sided_decoding_on_the_c_kernels_equals_the_torch_ops(dtype: torch.dtype
                 ref = s.unpack()
             assert out.dtype == ref.dtype and out.shape == ref.shape
             assert torch.equal(out.view(ints), ref.view(ints)), (low, high, bits)
+
+
+def test_every_held_form_answers_the_codec_protocol() -> None:
+    x = torch.relu(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
+    forms = [pack_bitmap(x), pack_bitmap_capped(x, 40), pack_topk(x, 0.5), pack_mask(x, 0.0), pack_quantized(x, 4),
+             pack_quantized_sided(x, 4, -1.0, 1.0), quantize_values(pack_topk(x, 0.5))]
+    for form in forms + [pack_narrow(torch.arange(300))]:
+        assert isinstance(form, HeldTensor), type(form).__name__
+    for form in forms:
+        assert form.unpack().shape == x.shape and form.nbytes > 0
+    assert not isinstance(x, HeldTensor)  # a tensor has nbytes, but neither nnz nor unpack

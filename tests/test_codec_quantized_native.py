@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import test_codec_quantized as golden
-from edgetorch.codecs import _cpu_kernels, pack_quantized
+from edgetorch.codecs import _backend, _cpu_kernels, pack_quantized
 from edgetorch.codecs._cpu_kernels import torch_ops
 from edgetorch.codecs.quantized import QuantizedTensor, _group_ranges, _hash_uniform
 
@@ -220,6 +220,7 @@ def test_native_path_is_taken(monkeypatch) -> None:
 
 def test_fallback_warns_once_without_the_extension(monkeypatch) -> None:
     monkeypatch.setattr(_cpu_kernels, "NATIVE", False)
+    monkeypatch.setattr(_backend, "CPU", _backend.TORCH)  # what the table holds without the extension
     monkeypatch.setattr(_cpu_kernels, "_native", None)
     monkeypatch.setattr(_cpu_kernels, "_FORCED_OFF", False)
     monkeypatch.setattr(_cpu_kernels, "_warned", False)

@@ -12,6 +12,7 @@ set by hand runs the interpreter tests in-process (useful with ``-k``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -562,7 +563,7 @@ def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatc
     from torch import nn
 
     import edgetorch as et
-    from edgetorch.codecs import _cpu_kernels, _cuda
+    from edgetorch.codecs import _backend, _cpu_kernels, _cuda
     from edgetorch.codecs.bitmap import pack_bitmap_if_smaller
     from edgetorch.codecs.topk import TopkRowsTensor
 
@@ -585,7 +586,9 @@ def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatc
     ref_top, ref_bits, ref_mask = pack_topk(x, 0.9), et.pack_bitmap(x), pack_mask(x, 0.0)
     ref_grads, ref_ledger = step()
 
-    monkeypatch.setattr(_cuda, "kernels", lambda t: T)  # every tensor takes the GPU path
+    # every tensor takes the GPU path: the table's Triton column (and the mask codec's own question)
+    monkeypatch.setattr(_backend, "CPU", _backend.triton())
+    monkeypatch.setattr(_cuda, "kernels", lambda t: T)
     monkeypatch.setattr(_cpu_kernels, "NATIVE", False)
     top = pack_topk(x, 0.9)
     assert isinstance(top, TopkRowsTensor)
@@ -788,7 +791,7 @@ def test_dequantize_any_bytes_like_the_reference(dtype, rows, n, bits, group, bl
 @interpreted
 @quiet
 def test_quantized_codec_takes_the_kernel_path_with_the_same_results(monkeypatch) -> None:
-    from edgetorch.codecs import _cuda
+    from edgetorch.codecs import _backend
 
     g = torch.Generator().manual_seed(4)
     cases = [(torch.randn(4, 3, 10, generator=g), {}), (torch.randn(2, 50, generator=g).double(), {"bits": 4}),
@@ -801,18 +804,22 @@ def test_quantized_codec_takes_the_kernel_path_with_the_same_results(monkeypatch
         refs.append((q, q.unpack()))
     calls = []
 
-    def kernels(t):
-        calls.append(t.shape)
-        return T
+    def counted(kernel):
+        def run(*args):
+            calls.append(kernel)
+            return kernel(*args)
+        return run
 
-    monkeypatch.setattr(_cuda, "kernels", kernels)  # every tensor takes the GPU path
+    triton = _backend.triton()  # every tensor takes the GPU path, counted
+    monkeypatch.setattr(_backend, "CPU", dataclasses.replace(triton, quantize=counted(triton.quantize),
+                                                             dequantize=counted(triton.dequantize)))
     for (x, kw), (ref, ref_out) in zip(cases, refs):
         q = Q.pack_quantized(x, **kw)
         assert torch.equal(q.codes, ref.codes) and torch.equal(ints(q.lo + 0.0), ints(ref.lo + 0.0))
         assert torch.equal(ints(q.scale), ints(ref.scale)) and q.nbytes == ref.nbytes
         out = q.unpack()
         assert out.shape == x.shape and out.dtype == x.dtype and same_decoded(out, ref_out)
-    assert len(calls) == 2 * (len(cases) - 1)  # pack and unpack of every non-empty case asked for kernels
+    assert len(calls) == 2 * (len(cases) - 1)  # pack and unpack of every non-empty case ran a kernel
 
 
 @interpreted
@@ -976,11 +983,12 @@ def test_launches_per_call(small_topk_tiles) -> None:
 @quiet
 def test_codec_launches_per_stored_tensor(monkeypatch, small_topk_tiles) -> None:
     # The same through the codecs' GPU path (what the engine calls per saved tensor).
-    from edgetorch.codecs import _cpu_kernels, _cuda
+    from edgetorch.codecs import _backend, _cpu_kernels, _cuda
     from edgetorch.codecs.bitmap import pack_bitmap_capped
     from edgetorch.codecs.quantized import pack_quantized
 
-    monkeypatch.setattr(_cuda, "kernels", lambda t: T)
+    monkeypatch.setattr(_backend, "CPU", _backend.triton())
+    monkeypatch.setattr(_cuda, "kernels", lambda t: T)  # the mask codec asks it
     monkeypatch.setattr(_cpu_kernels, "NATIVE", False)
     x = torch.relu(torch.randn(4, 3, 10, 10, generator=torch.Generator().manual_seed(1)))
     capped = pack_bitmap_capped(x, x.numel() // 2)

@@ -3,8 +3,8 @@
 The extension is built by the package's normal install (``setup.py``; optional, so an install
 without a C compiler still succeeds). Where it is missing, or ``EDGETORCH_NO_NATIVE=1`` is set
 before edgetorch is imported, ``NATIVE`` is False and the codecs use torch ops on CPU instead:
-the same bytes, several times slower. Tests switch paths by setting ``NATIVE`` (a plain module
-attribute read at every call).
+the same bytes, several times slower. Which kernels a codec runs is decided in ``_backend``'s
+table; :func:`torch_ops` switches it to torch ops for a block.
 
 Every wrapper takes CPU tensors, allocates its outputs with torch (so they are ordinary tensors
 that own their memory; values at their exact size, known after counting) and passes addresses
@@ -83,15 +83,19 @@ def warn_fallback() -> None:
 def torch_ops() -> Iterator[None]:
     """Within the block the CPU codecs run on torch ops, as they do without the extension.
 
-    The references of the tests and the fallback rows of the benchmarks use it. It flips
-    ``NATIVE``, which every codec reads at each call, for the whole process: not thread-safe.
+    The references of the tests and the fallback rows of the benchmarks use it. It points the
+    backend table's CPU entry at torch ops and clears ``NATIVE`` (which the policies read), for
+    the whole process: not thread-safe.
     """
+    from . import _backend
+
     global NATIVE
-    saved, NATIVE = NATIVE, False
+    saved, cpu = NATIVE, _backend.CPU
+    NATIVE, _backend.CPU = False, _backend.TORCH
     try:
         yield
     finally:
-        NATIVE = saved
+        NATIVE, _backend.CPU = saved, cpu
 
 
 def build_description() -> str:
@@ -102,14 +106,18 @@ def build_description() -> str:
     return f"C extension (abi {info['abi']}, {info['compiler'].strip()}, {info['isa']} kernels)"
 
 
-def pack(t: torch.Tensor, limit: int, max_kept: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def pack(t: torch.Tensor, limit: int, max_kept: int | None = None,
+         rows: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Bitmap and kept elements of a float (or integer-view) CPU tensor, row-major.
 
     Args:
         t: CPU tensor of 2-, 4- or 8-byte elements, any shape and layout.
-        limit: keep element i iff ``bits(i) & absmask > limit`` (``bitmap.zero_limit_bits``).
+        limit: keep element i iff ``bits(i) & absmask > limit`` (``bitmap.zero_limit_bits``);
+            with ``rows``, the values each row keeps (:func:`topk`).
         max_kept: give up after the first pass (which counts) when more elements than this are
             kept: the values are then never gathered. None: no limit.
+        rows: 0, or split ``t`` row-major into this many equal rows and keep the ``limit``
+            largest magnitudes of each (:func:`topk`).
 
     Returns:
         ``(bitmap, values)``: ``uint8`` bitmap of ``ceil(n / 8)`` bytes and the kept elements in
@@ -124,7 +132,10 @@ def pack(t: torch.Tensor, limit: int, max_kept: int | None = None) -> tuple[torc
     # per-chunk kept counts, from the first pass to the second: only above one chunk
     counts = torch.empty(-(-n // CHUNK_ELEMS), dtype=_I64) if n > CHUNK_ELEMS else None
     cp = 0 if counts is None else counts.data_ptr()
-    kept = _native.pack_build(ptr, n, width, limit, bm, cp, threads)
+    if rows:
+        kept = _native.topk_build(ptr, rows, n // rows, width, limit, bm, cp, threads)
+    else:
+        kept = _native.pack_build(ptr, n, width, limit, bm, cp, threads)
     if max_kept is not None and kept > max_kept:
         return None
     values = torch.empty(kept, dtype=t.dtype)
@@ -150,24 +161,12 @@ def unpack(bitmap: torch.Tensor, values: torch.Tensor, shape) -> torch.Tensor:
 
 
 def topk(x: torch.Tensor, rows: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row top-k of ``x`` split row-major into ``rows`` equal rows, as ``(bitmap, values)``.
+    """Per-row top-k of ``x`` split row-major into ``rows`` (>= 1) equal rows, as ``(bitmap, values)``.
 
     Each row keeps its ``keep`` largest magnitudes (compared on the bits, NaN largest), ties
     taken by position, zeros never: ``min(keep, non-zeros)`` values a row.
     """
-    if not x.is_contiguous():
-        x = x.detach().contiguous()
-    n = x.numel()
-    bitmap = torch.empty((n + 7) >> 3, dtype=_U8)
-    threads = torch.get_num_threads()
-    ptr, width, bm = x.data_ptr(), x.element_size(), bitmap.data_ptr()
-    counts = torch.empty(-(-n // CHUNK_ELEMS), dtype=_I64) if n > CHUNK_ELEMS else None
-    cp = 0 if counts is None else counts.data_ptr()
-    kept = _native.topk_build(ptr, rows, n // rows if rows else 0, width, keep, bm, cp, threads)
-    values = torch.empty(kept, dtype=x.dtype)
-    if kept:
-        _native.pack_compact(ptr, n, width, bm, cp, values.data_ptr(), kept, threads)
-    return bitmap, values
+    return pack(x, keep, None, rows)
 
 
 @functools.lru_cache(maxsize=256)

@@ -76,12 +76,12 @@ def emulate_gpu_path() -> Iterator[None]:
     and the policies' GPU branches. For tests on machines without a GPU: what the GPU path reads
     back to the host, and how many kernels it launches, can be counted on the CPU.
     """
-    from . import _cpu_kernels
+    from . import _backend, _cpu_kernels
 
     global _emulated
-    native, _emulated = _cpu_kernels.NATIVE, True
-    _cpu_kernels.NATIVE = False  # the C kernels would take CPU tensors first
+    native, cpu, _emulated = _cpu_kernels.NATIVE, _backend.CPU, True
+    _cpu_kernels.NATIVE, _backend.CPU = False, _backend.triton()  # CPU tensors to the Triton column
     try:
         yield
     finally:
-        _emulated, _cpu_kernels.NATIVE = False, native
+        _emulated, _cpu_kernels.NATIVE, _backend.CPU = False, native, cpu

@@ -81,13 +81,18 @@ QBLOCK = 1024  # elements per quantize program: 8 groups of the default 128, or 
 # number from an atomic ticket (scratch[0]), not from program_id: a program that waits on its
 # predecessors then only waits on programs that have already started, so the spin cannot deadlock
 # however the GPU schedules programs. Each tile publishes a status word ``value << 2 | flag``
-# (flag 1: the tile's own aggregate, 2: the inclusive prefix up to and including the tile; 0: not
-# yet), first its aggregate, then, after looking back over its predecessors' words (W at a time,
+# (flag _AGGREGATE: the tile's own sum, _PREFIX: the inclusive prefix up to and including the
+# tile; _EMPTY: nothing yet), first its aggregate, then, after looking back over its predecessors' words (W at a time,
 # summing aggregates back to the nearest inclusive prefix), its inclusive prefix. A segmented scan
 # (per-row top-k) publishes an inclusive prefix at once when a row starts inside the tile. The last
 # program to finish (ticket scratch[1]) zeroes the ticket, the counter and the status words, so
 # the scratch is all zeros again for the next kernel on the stream.
 _W = tl.constexpr(32)  # status words read per look-back step
+_EMPTY = tl.constexpr(0)  # status flags, in a status word's low _FLAG_BITS bits
+_AGGREGATE = tl.constexpr(1)
+_PREFIX = tl.constexpr(2)
+_FLAG_BITS = tl.constexpr(2)
+_FLAG_MASK = tl.constexpr(3)
 _RESET = tl.constexpr(1024)  # status words zeroed per store by the last program
 
 
@@ -99,7 +104,7 @@ def _ticket(scratch_ptr):
 
 @triton.jit
 def _publish(status_ptr, tile, value, flag):
-    tl.atomic_xchg(status_ptr + tile, (value.to(tl.int64) << 2) | flag, sem="release")
+    tl.atomic_xchg(status_ptr + tile, (value.to(tl.int64) << _FLAG_BITS) | flag, sem="release")
 
 
 @triton.jit
@@ -113,11 +118,11 @@ def _look_back(status_ptr, tile):
         idx = end - _W + pos
         valid = idx >= 0
         s = tl.atomic_add(status_ptr + idx, tl.zeros([_W], dtype=tl.int64), mask=valid, sem="acquire")
-        s = tl.where(valid, s, 2)  # before tile 0: an inclusive prefix of 0
-        flag = s & 3
-        lastp = tl.max(tl.where(flag == 2, pos, -1), axis=0)  # nearest inclusive prefix in the window
-        waiting = tl.sum(((pos > lastp) & (flag == 0)).to(tl.int32), axis=0)
-        add = tl.sum(tl.where(pos >= lastp, s >> 2, 0), axis=0)
+        s = tl.where(valid, s, _PREFIX)  # before tile 0: an inclusive prefix of 0
+        flag = s & _FLAG_MASK
+        lastp = tl.max(tl.where(flag == _PREFIX, pos, -1), axis=0)  # nearest inclusive prefix in the window
+        waiting = tl.sum(((pos > lastp) & (flag == _EMPTY)).to(tl.int32), axis=0)
+        add = tl.sum(tl.where(pos >= lastp, s >> _FLAG_BITS, 0), axis=0)
         excl += tl.where(waiting == 0, add, 0)
         end = tl.where(waiting == 0, tl.where(lastp >= 0, 0, end - _W), end)
     return excl
@@ -141,12 +146,12 @@ def _flat_prefix(status_ptr, tile, agg, AGG_ONLY: tl.constexpr):
     walks back to tile 0 through many windows."""
     excl = tl.zeros([], dtype=tl.int64)
     if tile == 0:
-        _publish(status_ptr, tile, agg, 2)
+        _publish(status_ptr, tile, agg, _PREFIX)
     else:
-        _publish(status_ptr, tile, agg, 1)
+        _publish(status_ptr, tile, agg, _AGGREGATE)
         excl = _look_back(status_ptr, tile)
         if not AGG_ONLY:
-            _publish(status_ptr, tile, excl + agg, 2)
+            _publish(status_ptr, tile, excl + agg, _PREFIX)
     return excl
 
 
@@ -245,14 +250,14 @@ def _unpack_kernel(bitmap_ptr, values_ptr, out_ptr, scratch_ptr, numel, nvalues,
         has_start = tl.sum(tl.where(last, seen, 0), axis=0) != 0
         excl = tl.zeros([], dtype=tl.int64)
         if (tile == 0) | has_start:
-            _publish(status, tile, agg, 2)
+            _publish(status, tile, agg, _PREFIX)
             if (tile > 0) & (tl.sum(tl.where(tl.arange(0, BLOCK) == 0, start, 0), axis=0) == 0):
                 excl = _look_back(status, tile)  # the tile's leading elements continue a row
         else:
-            _publish(status, tile, agg, 1)
+            _publish(status, tile, agg, _AGGREGATE)
             excl = _look_back(status, tile)
             if not AGG_ONLY:
-                _publish(status, tile, excl + agg, 2)
+                _publish(status, tile, excl + agg, _PREFIX)
         in_row = tl.where(seen != 0, seg - k, excl + seg - k)
         keep = keep & (in_row < width)  # a malformed bitmap must not read another row's values
         slot = row * width + in_row
@@ -359,19 +364,19 @@ def _topk_compact_kernel(bits_ptr, bitmap_ptr, values_ptr, state_ptr, scratch_pt
     excl_a = tl.zeros([], dtype=tl.int64)
     excl_t = tl.zeros([], dtype=tl.int64)
     if (tile == 0) | has_start:
-        _publish(sta, tile, agg_a, 2)
-        _publish(stt, tile, agg_t, 2)
+        _publish(sta, tile, agg_a, _PREFIX)
+        _publish(stt, tile, agg_t, _PREFIX)
         if (tile > 0) & (tl.sum(tl.where(pos == 0, start, 0), axis=0) == 0):
             excl_a = _look_back(sta, tile)
             excl_t = _look_back(stt, tile)
     else:
-        _publish(sta, tile, agg_a, 1)
-        _publish(stt, tile, agg_t, 1)
+        _publish(sta, tile, agg_a, _AGGREGATE)
+        _publish(stt, tile, agg_t, _AGGREGATE)
         excl_a = _look_back(sta, tile)
         excl_t = _look_back(stt, tile)
         if not AGG_ONLY:
-            _publish(sta, tile, excl_a + agg_a, 2)
-            _publish(stt, tile, excl_t + agg_t, 2)
+            _publish(sta, tile, excl_a + agg_a, _PREFIX)
+            _publish(stt, tile, excl_t + agg_t, _PREFIX)
     before_a = tl.where(seen != 0, sa - above, excl_a + sa - above)
     before_t = tl.where(seen != 0, st - tie, excl_t + st - tie)
     keep = (above != 0) | ((tie != 0) & (before_t < take))
@@ -766,19 +771,22 @@ def compact(
     return bitmap, values
 
 
-def pack_bitmap(bits: torch.Tensor, limit: int, *, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_bitmap(bits: torch.Tensor, limit: int, *, block: int = BLOCK,
+                max_kept: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Bitmap of ``(bits & absmask) > limit`` and the kept elements, like ``bitmap.pack_torch``.
 
     Two launches (:func:`count`, :func:`compact`) and one host sync: the kept count is read back
-    to allocate ``values`` at its exact size. :func:`pack_bitmap_capped` avoids the sync with a
-    caller-given capacity. Callers that also want the count for a decision use :func:`count` +
-    :func:`compact` and still read it once.
+    to allocate ``values`` at its exact size (and to decide against ``max_kept``: more kept than
+    that returns None after the first launch). :func:`pack_bitmap_capped` avoids the sync with a
+    caller-given capacity.
 
     Returns:
-        ``(bitmap uint8[ceil(n / 8)], values[nnz] of bits.dtype)``.
+        ``(bitmap uint8[ceil(n / 8)], values[nnz] of bits.dtype)``, or None (see ``max_kept``).
     """
     prefix = count(bits, limit, block=block)
     nnz = int(prefix[-1]) if bits.numel() else 0
+    if max_kept is not None and nnz > max_kept:
+        return None
     return compact(bits, limit, prefix, nnz, block=block)
 
 
@@ -1060,6 +1068,41 @@ def dequantize(
         _launch(_dequantize_kernel, (rows * blocks,), codes, lo, scale, out.view(torch.int16) if bf16 else out, n,
                 groups, blocks, row_bytes, group, BITS=bits, BLOCK=block, BF16=bf16, enable_fp_fusion=False)
     return out
+
+
+# --- the codecs' operations (the Triton column of ``_backend``'s table) ----------------------------
+# Signatures as the C extension's wrappers in ``_cpu_kernels`` (see ``_backend.Kernels``): a codec
+# calls either the same way. They replace the codecs' own preparation of the arguments, so a
+# codec call on CUDA makes no more Python calls than before the table.
+
+
+def codec_pack_bitmap(t: torch.Tensor, limit: int, max_kept: int | None = None):
+    """:func:`pack_bitmap` of a float tensor of any shape: values in ``t.dtype``, or None."""
+    packed = pack_bitmap(t.detach().reshape(-1).view(_INT_OF[t.dtype]), limit, max_kept=max_kept)
+    return None if packed is None else (packed[0], packed[1].view(t.dtype))
+
+
+def codec_unpack_bitmap(bitmap: torch.Tensor, values: torch.Tensor, shape) -> torch.Tensor:
+    """:func:`unpack_bitmap` into a tensor of ``shape``."""
+    return unpack_bitmap(bitmap, values.contiguous(), math.prod(shape), shape=shape)
+
+
+def codec_unpack_bitmap_capped(bitmap: torch.Tensor, values: torch.Tensor, shape) -> torch.Tensor:
+    """:func:`unpack_bitmap` of a capped bitmap's ``[capacity]`` values (fewer than the set bits
+    after an overflow: those read back as 0)."""
+    return unpack_bitmap(bitmap, values, math.prod(shape), shape=shape)
+
+
+def codec_quantize(t: torch.Tensor, rows: int, n: int, bits: int, group: int, seed: int | None):
+    """:func:`quantize` of ``t`` read row-major as ``[rows, n]``."""
+    x = t.detach() if t.requires_grad else t
+    return quantize(x if x.dim() == 2 and x.shape[0] == rows else x.reshape(rows, -1), bits, group, seed)
+
+
+def codec_dequantize(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, n: int, bits: int, group: int,
+                     dtype: torch.dtype, shape) -> torch.Tensor:
+    """:func:`dequantize` into a tensor of ``shape``."""
+    return dequantize(codes, lo, scale, n, bits, group, dtype, shape=shape)
 
 
 # --- helpers ------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _cpu_kernels, _cuda
+from . import _backend, _cpu_kernels, _cuda
+from .held import HeldValues
 
 # Floats are compared as integers of the same width: |v| as bits is monotone in |v| for every
 # IEEE-style float (NaN sorts above Inf), so "keep iff abs_bits > limit" is one integer test.
@@ -29,21 +30,6 @@ _INT_VIEW = {
 }
 _ABS_MASK = {torch.int64: 0x7FFF_FFFF_FFFF_FFFF, torch.int32: 0x7FFF_FFFF, torch.int16: 0x7FFF}
 FLOAT_DTYPES = tuple(_INT_VIEW)
-
-
-class HeldValues:
-    """What every codec that keeps ``values`` of a tensor of ``shape`` answers the same way."""
-
-    values: torch.Tensor
-    shape: torch.Size
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +57,7 @@ class BitmapTensor(HeldValues):
     @property
     def nbytes(self) -> int:
         """Exact bytes of tensor memory held: bitmap bytes + stored value bytes."""
-        return self.bitmap.numel() + self.values.numel() * self.values.element_size()
+        return self.bitmap.numel() + self.value_bytes
 
     def unpack(self) -> torch.Tensor:
         """Rebuild the dense tensor (a new, contiguous tensor; this object is left intact).
@@ -80,9 +66,11 @@ class BitmapTensor(HeldValues):
             A tensor of ``shape`` and ``dtype`` on ``device``: stored values in place, zeros elsewhere.
         """
         values = self.values if self.values.dtype == self.dtype else self.values.to(self.dtype)
-        if values.is_cpu and _cpu_kernels.NATIVE:
-            return _cpu_kernels.unpack(self.bitmap, values, self.shape)
-        flat = _unpack(self.bitmap, values.view(_INT_VIEW[self.dtype]), self.numel)
+        if (kernel := (_backend.CPU if values.is_cpu else _backend.device(values)).unpack_bitmap) is not None:
+            return kernel(self.bitmap, values, self.shape)
+        if values.is_cpu:
+            _cpu_kernels.warn_fallback()
+        flat = unpack_torch(self.bitmap, values.view(_INT_VIEW[self.dtype]), self.numel)
         return flat.view(self.dtype).view(self.shape)
 
 
@@ -121,11 +109,12 @@ def pack_bitmap(
     limit = 0 if threshold.__class__ is float and threshold == 0.0 else zero_limit_bits(t.dtype, threshold)
     if value_dtype is not None and value_dtype not in _INT_VIEW:
         raise TypeError(f"value_dtype must be one of {_names(FLOAT_DTYPES)} or None; got {value_dtype}")
-    if t.is_cpu and _cpu_kernels.NATIVE:  # straight from t's memory: no reshape or view to pay for
-        bitmap, values = _cpu_kernels.pack(t, limit)
+    if (kernel := (_backend.CPU if t.is_cpu else _backend.device(t)).pack_bitmap) is not None:
+        bitmap, values = kernel(t, limit)  # the C kernel reads t's memory: no reshape or view to pay for
     else:
-        flat = t.detach().reshape(-1)
-        bitmap, values = _pack(flat.view(_INT_VIEW[t.dtype]), limit)
+        if t.is_cpu:
+            _cpu_kernels.warn_fallback()
+        bitmap, values = pack_torch(t.detach().reshape(-1).view(_INT_VIEW[t.dtype]), limit)
         values = values.view(t.dtype)
     if value_dtype is not None and value_dtype != t.dtype:
         values = values.to(value_dtype)
@@ -169,7 +158,7 @@ class CappedBitmapTensor(HeldValues):
     @property
     def nbytes(self) -> int:
         """Bytes held: bitmap, every value slot (unused ones included) and the 8-byte count."""
-        return self.bitmap.numel() + self.values.numel() * self.values.element_size() + 8
+        return self.bitmap.numel() + self.value_bytes + 8
 
     def overflowed(self) -> torch.Tensor:
         """0-d bool tensor on the device: more elements were kept than there are slots (no sync)."""
@@ -179,16 +168,17 @@ class CappedBitmapTensor(HeldValues):
         """The dense tensor (a new one): exact when ``count <= capacity``; after an overflow the
         kept elements past the capacity read back as 0. On CUDA one launch and no sync."""
         values = self.values if self.values.dtype == self.dtype else self.values.to(self.dtype)
-        if (kernels := _cuda.kernels(values)) is not None:
-            return kernels.unpack_bitmap(self.bitmap, values, self.numel, shape=self.shape)
+        kernels = _backend.CPU if values.is_cpu else _backend.device(values)
+        if kernels.unpack_bitmap_capped is not None:
+            return kernels.unpack_bitmap_capped(self.bitmap, values, self.shape)
         ints = values.view(_INT_VIEW[self.dtype])
         kept = min(int(self.count[0]), values.numel())  # no GPU kernels here: reading it is no stall
         mask = unpack_bits(self.bitmap, self.numel)
         if kept < self.nnz:  # an overflow: drop the set bits that have no value
             mask = mask.clone()
             mask[mask.nonzero().flatten()[kept:]] = False
-        if values.is_cpu and _cpu_kernels.NATIVE:
-            return _cpu_kernels.unpack(pack_bits(mask), values[:kept], self.shape)
+        if kernels.unpack_bitmap is not None:
+            return kernels.unpack_bitmap(pack_bits(mask), values[:kept], self.shape)
         out = torch.zeros(self.numel, dtype=ints.dtype, device=ints.device).masked_scatter_(mask, ints[:kept])
         return out.view(self.dtype).view(self.shape)
 
@@ -219,8 +209,8 @@ def pack_bitmap_capped(
         raise TypeError(f"value_dtype must be one of {_names(FLOAT_DTYPES)} or None; got {value_dtype}")
     limit = zero_limit_bits(t.dtype, threshold)
     bits = _cuda.untracked(t).reshape(-1).view(_INT_VIEW[t.dtype])
-    if (kernels := _cuda.kernels(bits)) is not None:
-        bitmap, values, count = kernels.pack_bitmap_capped(bits.contiguous(), limit, capacity)
+    if (kernel := (_backend.CPU if bits.is_cpu else _backend.device(bits)).pack_bitmap_capped) is not None:
+        bitmap, values, count = kernel(bits.contiguous(), limit, capacity)
         values = values.view(t.dtype)
     else:
         packed = pack_bitmap(t, threshold)
@@ -261,26 +251,6 @@ def _limit_bits(dtype: torch.dtype, threshold: float) -> int:
     return bits
 
 
-def _pack(bits: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if (kernels := _cuda.kernels(bits)) is not None:
-        return kernels.pack_bitmap(bits, limit)  # one host sync: the kept count sizes the values
-    if bits.is_cpu:
-        if _cpu_kernels.NATIVE:
-            return _cpu_kernels.pack(bits, limit)
-        _cpu_kernels.warn_fallback()
-    return pack_torch(bits, limit)
-
-
-def _unpack(bitmap: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
-    if (kernels := _cuda.kernels(values)) is not None:
-        return kernels.unpack_bitmap(bitmap, values.contiguous(), numel)
-    if values.is_cpu:
-        if _cpu_kernels.NATIVE:
-            return _cpu_kernels.unpack(bitmap, values, (numel,))
-        _cpu_kernels.warn_fallback()
-    return unpack_torch(bitmap, values, numel)
-
-
 def pack_bitmap_if_smaller(
     t: torch.Tensor, threshold: float, value_dtype: torch.dtype | None, max_bytes: int
 ) -> BitmapTensor | None:
@@ -296,28 +266,18 @@ def pack_bitmap_if_smaller(
     limit = zero_limit_bits(t.dtype, threshold)
     value_bytes = (value_dtype or t.dtype).itemsize
     n = t.numel()
-    kernels = _cuda.kernels(t)  # also on the CPU when the tests emulate the GPU path
-    if kernels is None and t.is_cpu and _cpu_kernels.NATIVE:
+    if (kernel := (_backend.CPU if t.is_cpu else _backend.device(t)).pack_bitmap) is not None:
         # kept values that still leave the packed form under max_bytes
-        packed = _cpu_kernels.pack(t, limit, max_kept=(max_bytes - (n + 7) // 8 - 1) // value_bytes)
+        packed = kernel(t, limit, (max_bytes - (n + 7) // 8 - 1) // value_bytes)
         if packed is None:
             return None
         bitmap, values = packed
     else:
         bits = t.detach().reshape(-1).view(_INT_VIEW[t.dtype])
-        if kernels is not None:
-            prefix = kernels.count(bits, limit)
-            nnz = int(prefix[-1])
-        else:
-            keep = _kept(bits, limit)
-            nnz = int(keep.sum())
-        if (n + 7) // 8 + nnz * value_bytes >= max_bytes:
+        keep = _kept(bits, limit)
+        if (n + 7) // 8 + int(keep.sum()) * value_bytes >= max_bytes:
             return None
-        if kernels is not None:
-            bitmap, values = kernels.compact(bits, limit, prefix, nnz)
-        else:
-            bitmap, values = pack_bits(keep), bits[keep]
-        values = values.view(t.dtype)
+        bitmap, values = pack_bits(keep), bits[keep].view(t.dtype)
     if value_dtype is not None and value_dtype != t.dtype:
         values = values.to(value_dtype)
     return BitmapTensor(bitmap, values, t.shape, t.dtype)
@@ -335,8 +295,8 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     Returns:
         ``uint8`` tensor of ``ceil(mask.numel() / 8)`` bytes; the unused high bits are 0.
     """
-    if mask.is_cpu and _cpu_kernels.NATIVE:
-        return _cpu_kernels.bits_pack(mask)
+    if mask.is_cpu and (kernel := _backend.CPU.pack_bits) is not None:
+        return kernel(mask)
     flat = mask.reshape(-1)
     pad = (-flat.numel()) % 8
     if pad:
@@ -347,8 +307,8 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` bits of ``bitmap`` as a 1-D bool tensor (inverse of :func:`pack_bits`)."""
-    if bitmap.is_cpu and _cpu_kernels.NATIVE:
-        return _cpu_kernels.bits_unpack(bitmap, numel)
+    if bitmap.is_cpu and (kernel := _backend.CPU.unpack_bits) is not None:
+        return kernel(bitmap, numel)
     weights = _BIT_WEIGHTS.to(bitmap.device)
     return (bitmap.unsqueeze(1) & weights).ne(0).view(-1)[:numel]
 

@@ -12,14 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _cpu_kernels
+from . import _backend, _cpu_kernels
+from .held import HeldValues
 
 WIDE_INTS = (torch.int16, torch.int32, torch.int64)
 _NARROWER = (torch.int8, torch.int16, torch.int32)
 
 
 @dataclass(frozen=True, eq=False)
-class NarrowIntTensor:
+class NarrowIntTensor(HeldValues):
     """An integer tensor held in a narrower integer dtype.
 
     Attributes:
@@ -37,7 +38,7 @@ class NarrowIntTensor:
     @property
     def nbytes(self) -> int:
         """Exact bytes held: ``numel * narrow itemsize``."""
-        return self.values.numel() * self.values.element_size()
+        return self.value_bytes
 
     @property
     def nnz(self) -> int:
@@ -46,8 +47,8 @@ class NarrowIntTensor:
 
     def unpack(self) -> torch.Tensor:
         """The original tensor (a new, contiguous tensor of the original dtype)."""
-        if self.values.is_cpu and _cpu_kernels.NATIVE and self.values.is_contiguous():
-            return _cpu_kernels.convert(self.values, self.dtype)
+        if self.values.is_cpu and (convert := _backend.CPU.convert) is not None and self.values.is_contiguous():
+            return convert(self.values, self.dtype)
         return self.values.to(self.dtype)
 
 
@@ -81,11 +82,11 @@ def pack_narrow(t: torch.Tensor, bound: int | None = None) -> NarrowIntTensor | 
         raise ValueError(f"bound must be an int >= 0 (values lie in [0, bound]) or None; got {bound!r}")
     if t.numel() == 0:
         return None
-    native = t.is_cpu and _cpu_kernels.NATIVE and t.is_contiguous()
+    kernels = _backend.CPU if t.is_cpu and t.is_contiguous() else _backend.TORCH  # no GPU kernels
     if bound is not None:
         low, high = 0, bound
-    elif native:  # min and max in one pass
-        low, high = _cpu_kernels.minmax(t)
+    elif kernels.minmax is not None:  # min and max in one pass
+        low, high = kernels.minmax(t)
     else:
         if t.is_cpu:
             _cpu_kernels.warn_fallback()
@@ -95,5 +96,5 @@ def pack_narrow(t: torch.Tensor, bound: int | None = None) -> NarrowIntTensor | 
             return None
         info = torch.iinfo(dtype)
         if info.min <= low and high <= info.max:
-            return NarrowIntTensor(_cpu_kernels.convert(t, dtype) if native else t.to(dtype), t.dtype)
+            return NarrowIntTensor(t.to(dtype) if kernels.convert is None else kernels.convert(t, dtype), t.dtype)
     return None

@@ -40,14 +40,17 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _cpu_kernels, _cuda
-from .bitmap import FLOAT_DTYPES, _names, unpack_bits
+from . import _backend, _cpu_kernels
+from .bitmap import FLOAT_DTYPES, CappedBitmapTensor, _names, unpack_bits
+from .held import HeldValues
 from .mask import pack_mask
+from .topk import TopkRowsTensor
 
 BITS = (8, 4, 2)
 DEFAULT_GROUP = 128
 _MASK32 = 0xFFFF_FFFF
 _NAN = float("nan")
+_SLOTTED = (CappedBitmapTensor, TopkRowsTensor)  # values in fixed slots, the kept count held apart
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,13 +96,12 @@ class QuantizedTensor:
         rows = self.lo.shape[0]
         if not rows:
             return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        if (kernels := _cuda.kernels(self.codes)) is not None:
-            return kernels.dequantize(self.codes, self.lo, self.scale, self.numel // rows, self.bits, self.group,
-                                      self.dtype, shape=self.shape)
-        if self.codes.is_cpu:
-            if _cpu_kernels.NATIVE:  # one pass, straight into a tensor of the shape and dtype
-                return _cpu_kernels.dequantize(self.codes, self.lo, self.scale, self.shape.numel() // rows, self.bits,
-                                               self.group, self.dtype, self.shape)
+        codes = self.codes
+        if (kernel := (_backend.CPU if codes.is_cpu else _backend.device(codes)).dequantize) is not None:
+            # one pass, straight into a tensor of the shape and dtype
+            return kernel(codes, self.lo, self.scale, self.shape.numel() // rows, self.bits, self.group, self.dtype,
+                          self.shape)
+        if codes.is_cpu:
             _cpu_kernels.warn_fallback()
         return _dequantize_torch(self.codes, self.lo, self.scale, self.numel // rows, self.bits, self.group).to(self.dtype).view(self.shape)
 
@@ -154,14 +156,10 @@ def pack_quantized(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK32):
         raise ValueError(f"seed must be None (round to nearest) or an int in [0, 2**32) (stochastic rounding); "
                          f"got {seed!r}")
-    if rows and (kernels := _cuda.kernels(t)) is not None:  # CUDA: Triton, no host sync
-        x = _cuda.untracked(t)
-        codes, lo, scale = kernels.quantize(x if x.dim() == 2 and x.shape[0] == rows else x.reshape(rows, -1),
-                                            bits, group, seed)
-    elif rows and t.is_cpu and _cpu_kernels.NATIVE:
-        # CPU: the C kernel (groups in batches: their ranges together, then their codes from L1),
-        # reading t in place: no reshape or detach on this path (a few microseconds each)
-        codes, lo, scale = _cpu_kernels.quantize(t, rows, t.numel() // rows, bits, group, seed)
+    # CUDA: Triton, no host sync. CPU: the C kernel (groups in batches: their ranges together,
+    # then their codes from L1), reading t in place: no reshape or detach (a few microseconds each)
+    if rows and (kernel := (_backend.CPU if t.is_cpu else _backend.device(t)).quantize) is not None:
+        codes, lo, scale = kernel(t, rows, t.numel() // rows, bits, group, seed)
     else:
         x = t.detach().reshape(rows, -1) if rows else t.detach().new_empty((0, 0))
         if x.is_cpu and rows:
@@ -282,17 +280,18 @@ class QuantizedValues:
     quantized values (one row per row of the original values, groups of the default size).
     """
 
-    held: object
+    held: HeldValues
     values: QuantizedTensor
 
     @property
     def nnz(self) -> int:
-        return self.held.nnz if hasattr(self.held, "counts") else self.values.numel
+        # A form with value slots counts its kept values apart; otherwise every value was kept.
+        return self.held.nnz if isinstance(self.held, _SLOTTED) else self.values.numel
 
     @property
     def lazy_nnz(self) -> int | torch.Tensor:
         """:attr:`nnz` without a host sync (a device tensor of counts where reading it would sync)."""
-        return self.held.counts if hasattr(self.held, "counts") else self.values.numel
+        return self.held.lazy_nnz if isinstance(self.held, _SLOTTED) else self.values.numel
 
     @property
     def nbytes(self) -> int:
@@ -354,9 +353,10 @@ class SidedQuantizedTensor:
         q = self.values.unpack()
         low, high = torch.tensor([self.low, self.high], dtype=q.dtype, device=q.device)
         inner_low, inner_high = torch.nextafter(low, high), torch.nextafter(high, low)
-        if q.is_cpu and _cpu_kernels.NATIVE:  # the same values, bitwise from the C bitmap kernels
+        if q.is_cpu and (kernel := _backend.CPU.sided_select) is not None:
+            # the same values, bitwise from the C bitmap kernels
             bounds = torch.stack([low, high, inner_low, inner_high, (low + high) / 2]).tolist()
-            return _cpu_kernels.sided_select(q, self.inside, *bounds)
+            return kernel(q, self.inside, *bounds)
         inside = unpack_bits(self.inside, q.numel()).view(q.shape)
         return torch.where(inside, q.clamp(inner_low, inner_high), torch.where(q > (low + high) / 2, high, low))
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _cpu_kernels, _cuda
-from .bitmap import _ABS_MASK, _INT_VIEW, FLOAT_DTYPES, BitmapTensor, HeldValues, pack_bits
+from . import _backend, _cpu_kernels, _cuda
+from .bitmap import _ABS_MASK, _INT_VIEW, FLOAT_DTYPES, BitmapTensor, pack_bits
+from .held import HeldValues
 
 
 def kept_per_row(row_numel: int, sparsity: float) -> int:
@@ -70,13 +71,14 @@ def pack_topk(
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or t.numel() % rows:
         raise ValueError(f"rows must be a positive int dividing numel={t.numel()}; got {rows!r}")
     keep = kept_per_row(t.numel() // rows, sparsity)
-    if (kernels := _cuda.kernels(t)) is not None:
-        bitmap, values, counts = kernels.pack_topk_rows(_cuda.untracked(t).reshape(rows, -1).contiguous(), keep)
+    kernels = _backend.CPU if t.is_cpu else _backend.device(t)
+    if kernels.topk_rows is not None:
+        bitmap, values, counts = kernels.topk_rows(_cuda.untracked(t).reshape(rows, -1).contiguous(), keep)
         if value_dtype is not None and value_dtype != t.dtype:
             values = values.to(value_dtype)
         return TopkRowsTensor(bitmap, values, counts, t.shape, t.dtype)
-    if t.is_cpu and _cpu_kernels.NATIVE:
-        bitmap, values = _cpu_kernels.topk(t, rows, keep)
+    if kernels.topk is not None:
+        bitmap, values = kernels.topk(t, rows, keep)
     else:
         x = t.detach().reshape(rows, -1)
         if t.is_cpu:
@@ -122,15 +124,14 @@ class TopkRowsTensor(HeldValues):
     @property
     def nbytes(self) -> int:
         """Bytes held: bitmap, every value slot (padding included) and the row counts."""
-        return (self.bitmap.numel() + self.values.numel() * self.values.element_size()
-                + self.counts.numel() * self.counts.element_size())
+        return self.bitmap.numel() + self.value_bytes + self.counts.numel() * self.counts.element_size()
 
     def unpack(self) -> torch.Tensor:
         """The dense tensor: kept values in place, zeros elsewhere (a new tensor). No host sync."""
         values = self.values if self.values.dtype == self.dtype else self.values.to(self.dtype)
         rows = self.values.shape[0]
-        return _cuda.kernels(values).unpack_topk_rows(self.bitmap, values, rows, self.numel // max(rows, 1),
-                                                       shape=self.shape)
+        kernels = _backend.CPU if values.is_cpu else _backend.device(values)
+        return kernels.unpack_topk_rows(self.bitmap, values, rows, self.numel // max(rows, 1), shape=self.shape)
 
 
 def check_sparsity(sparsity: float) -> None:
