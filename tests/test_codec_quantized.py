@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from edgetorch.codecs import BitmapTensor, pack_bitmap, pack_quantized, pack_quantized_sided, quantize_values
 from edgetorch.codecs.bitmap import pack_bitmap_capped
-from edgetorch.codecs.held import HeldTensor
+from edgetorch.codecs.protocol import HeldTensor
 from edgetorch.codecs.mask import pack_mask
 from edgetorch.codecs.narrow import pack_narrow
 from edgetorch.codecs.topk import pack_topk

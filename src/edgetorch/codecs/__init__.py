@@ -1,7 +1,7 @@
 """How one tensor is stored: exact byte accounting, lossless and lossy codecs, CPU and GPU paths."""
 
 from .bitmap import FLOAT_DTYPES, BitmapTensor, pack_bitmap
-from .held import HeldTensor
+from .protocol import HeldTensor
 from .quantized import (QuantizedTensor, QuantizedValues, SidedQuantizedTensor, pack_quantized, pack_quantized_sided,
                         quantize_values)
 

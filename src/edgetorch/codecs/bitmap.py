@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _backend, _cpu_kernels, _cuda
-from .held import HeldValues
+from .protocol import HeldValues
 
 # Floats are compared as integers of the same width: |v| as bits is monotone in |v| for every
 # IEEE-style float (NaN sorts above Inf), so "keep iff abs_bits > limit" is one integer test.

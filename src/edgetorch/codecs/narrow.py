@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _backend, _cpu_kernels
-from .held import HeldValues
+from .protocol import HeldValues
 
 WIDE_INTS = (torch.int16, torch.int32, torch.int64)
 _NARROWER = (torch.int8, torch.int16, torch.int32)

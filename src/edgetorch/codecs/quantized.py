@@ -42,7 +42,7 @@ import torch
 
 from . import _backend, _cpu_kernels
 from .bitmap import FLOAT_DTYPES, CappedBitmapTensor, _names, unpack_bits
-from .held import HeldValues
+from .protocol import HeldValues
 from .mask import pack_mask
 from .topk import TopkRowsTensor
 

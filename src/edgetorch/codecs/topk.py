@@ -25,7 +25,7 @@ import torch
 
 from . import _backend, _cpu_kernels, _cuda
 from .bitmap import _ABS_MASK, _INT_VIEW, FLOAT_DTYPES, BitmapTensor, pack_bits
-from .held import HeldValues
+from .protocol import HeldValues
 
 
 def kept_per_row(row_numel: int, sparsity: float) -> int:
