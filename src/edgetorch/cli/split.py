@@ -265,21 +265,10 @@ def infer(
                            "payload_bytes": result.payload_bytes, "seconds": result.seconds})
 
 
-TRAINING_RESULTS = Path("docs/results/split_training.json")
-
-
-def _training_results_accuracy():
-    """Accuracies from the training benchmark's results when run in the repository, else None."""
-    from ..split.plan import load_accuracy
-
-    if not TRAINING_RESULTS.is_file():
-        return None
-    try:
-        return load_accuracy(TRAINING_RESULTS)
-    except ValueError:
-        console.print(f"{TRAINING_RESULTS} holds no {{teacher, split}} accuracies; pass --accuracy FILE")
-        return None
-
+# Said when `split plan` has no --accuracy. --accuracy once defaulted to docs/results/split_training.json
+# read from the current directory: the same command planned differently by where it was run.
+NO_ACCURACY = ("none given: pass --accuracy FILE (the training benchmark's accuracies are in "
+               "docs/results/split_training.json in the repository)")
 
 # `split plan` and `split measure-server` share these defaults, so a server measured with its
 # defaults covers a default plan.
@@ -299,7 +288,7 @@ def plan(
     channels: list[int] = typer.Option(PLAN_CHANNELS, help="repeatable: bottleneck channels to compare"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
     resolution: int = typer.Option(PLAN_RESOLUTION, min=8, help="input height = width"),
-    accuracy: Path = typer.Option(None, help="accuracy JSON {teacher, jpeg, split: {C: acc}} (default: docs/results/split_training.json if it holds them)"),
+    accuracy: Path = typer.Option(None, help="accuracy JSON {teacher, jpeg, split: {C: acc}}, e.g. the training benchmark's docs/results/split_training.json (default: none, the plan shows no accuracy)"),
     server: str = typer.Option("quadro-p600", help="quadro-p600 (the paper's edge server, speed assumed), this-machine, or a .json (e.g. from `split measure-server` run on the server)"),
     images: Path = typer.Option(None, help="offload file sizes from your own images under this folder (default: Fashion-MNIST test images)"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the plan(s) as JSON here"),
@@ -315,7 +304,7 @@ def plan(
         links = [parse_link(spec) for spec in link]
         profile = load_profile(device)
         server_profile = load_server(server)
-        known = load_accuracy(accuracy) if accuracy is not None else _training_results_accuracy()
+        known = None if accuracy is None else load_accuracy(accuracy)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     try:  # before the timing, so a bad --images folder is reported at once
@@ -332,7 +321,7 @@ def plan(
                   f"{profile.reference_seconds / times.reference_s:.3g}")
     console.print(f"server: {server_profile.name} ({server_profile.source}); its times: "
                   f"{server_times(times, profile, server_profile).basis}")
-    console.print(f"accuracy: {known.source if known else 'none given (pass --accuracy FILE)'}; offload files: "
+    console.print(f"accuracy: {known.source if known else NO_ACCURACY}; offload files: "
                   f"{images or 'Fashion-MNIST test images'} at {resolution}px (PNG {files['png']:,.0f} B, "
                   f"JPEG {files['jpeg']:,.0f} B; device-side encoding is counted)")
     records = []
