@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
 from ..errors import EdgetorchError
 from ._app import app, console, device_option, output_dir, output_file, plot_file, write_json
+
+if TYPE_CHECKING:  # the commands import torch-backed modules only when they run
+    from ..split.student import StudentRun
 
 split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, plan (measure-server for the planner).", no_args_is_help=True)
 app.add_typer(split_app, name="split")
@@ -75,7 +79,7 @@ def train(
                               bottlefit=BottleFitConfig(channels=channels, split_point=split_point, downsample=downsample,
                                                         architecture=architecture, stage2=stage2, freeze_encoder=freeze_encoder, epochs=epochs,
                                                         batch_size=batch_size, lr=lr, seed=seed))  # fmt: skip
-        record = train_student(config, out, device=device, progress=progress, log=console.print)
+        run = train_student(config, out, device=device, progress=progress, log=console.print)
     except ValueError as err:  # bad input, found before training starts (ImageFolderError, CheckpointError)
         raise typer.BadParameter(str(err)) from None
     except KeyboardInterrupt:
@@ -85,29 +89,29 @@ def train(
     except (RuntimeError, FloatingPointError, OSError) as err:
         console.print(f"split train failed: {err}", style="red")
         raise typer.Exit(1) from None
-    _print_evaluation(record)
-    write_json(json_path, record)
+    _print_evaluation(run)
+    write_json(json_path, run.to_json())
     if plot is not None:
-        plot_losses(record["stages"], plot, f"{teacher} -> C={channels} {split_point} student")
+        plot_losses(run.stages, plot, f"{teacher} -> C={channels} {split_point} student")
         console.print(f"wrote {plot}")
     artifact = out / "artifact"
     console.print(f"student: {out / 'student.safetensors'}; export it with:\n"
                   f"  edgetorch split export --trained {shlex.quote(str(out))} --out {shlex.quote(str(artifact))}")
 
 
-def _print_evaluation(record: dict) -> None:
+def _print_evaluation(run: StudentRun) -> None:
     """The evaluation of `split train` as a table: accuracy and bytes sent per image, per option."""
-    ev = record["evaluation"]
-    student, files = ev["student"], ev["offload"]
-    table = Table(title=f"validation: {ev['val_images']:,} images at {record['resolution']} px")
+    ev = run.evaluation
+    student, files = ev.student, ev.offload
+    table = Table(title=f"validation: {ev.val_images:,} images at {run.resolution} px")
     for col in ("option", "accuracy", "bytes per image"):
         table.add_column(col, justify="left" if col == "option" else "right")
-    table.add_row("teacher (float input, no transfer)", f"{ev['teacher_accuracy']:.2%}", "-")
+    table.add_row("teacher (float input, no transfer)", f"{ev.teacher_accuracy:.2%}", "-")
     for name, label in (("png", "teacher on PNG files (full offload)"), ("jpeg90", "teacher on JPEG q90 files")):
-        table.add_row(label, f"{files[name]['accuracy']:.2%}", f"{files[name]['mean_bytes']:,.0f}")
-    shape = "x".join(map(str, student["bottleneck_shape"]))
-    table.add_row(f"student, float {shape} bottleneck", f"{student['float_accuracy']:.2%}", f"{student['float32_bytes']:,}")
-    table.add_row("student, 8-bit payload (deployed)", f"{student['quantized_accuracy']:.2%}", f"{student['payload_bytes']:,}")
+        table.add_row(label, f"{files[name].accuracy:.2%}", f"{files[name].mean_bytes:,.0f}")
+    shape = "x".join(map(str, student.bottleneck_shape))
+    table.add_row(f"student, float {shape} bottleneck", f"{student.float_accuracy:.2%}", f"{student.float32_bytes:,}")
+    table.add_row("student, 8-bit payload (deployed)", f"{student.quantized_accuracy:.2%}", f"{student.payload_bytes:,}")
     console.print(table)
 
 
@@ -136,7 +140,8 @@ def export(
     from ..split.bottleneck import inject_bottleneck
     from ..split.export import save
     from ..split.manifest import Preprocess
-    from ..split.recipe import NORMALISATIONS, load_trained
+    from ..split.recipe import NORMALISATIONS
+    from ..split.student import load_trained
     from ..zoo import build_model, load_weights
 
     if sum((checkpoint is not None, trained is not None, random_init)) != 1:
