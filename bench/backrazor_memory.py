@@ -65,8 +65,8 @@ def vision(log) -> list[dict]:
         log(f"{name}: ledger sweep {time.perf_counter() - start:.0f} s")
         if spec is not None:
             measured = profile_policies(spec, BATCH, RESOLUTION, MEASURED + extra[:1], freeze_batchnorm=frozen)
-            row["measured"] = {r["policy"]: r for r in measured["results"]}
-            log(f"{name}: measured {len(measured['results'])} fresh processes")
+            row["measured"] = {r.policy: r.to_json() for r in measured.results}
+            log(f"{name}: measured {len(measured.results)} fresh processes")
         rows.append(row)
         del model
         gc.collect()

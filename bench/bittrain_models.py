@@ -151,7 +151,7 @@ def measured(log: Callable[[str], None]) -> list[dict]:
     for name in MEASURED_MODELS:
         start = time.perf_counter()
         profile = profile_policies(f"torchvision:{name}", BATCH, 32, MEASURED_POLICIES, num_classes=10)
-        out.append({"model": name, "resolution": 32, "results": profile["results"]})
+        out.append({"model": name, "resolution": 32, "results": profile.to_json()["results"]})
         log(f"measured {name}: {time.perf_counter() - start:.1f} s")
     return out
 

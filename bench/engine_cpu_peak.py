@@ -30,17 +30,17 @@ FORWARD_SHARE = 0.90
 
 def measure(name: str, batch: int, resolution: int) -> dict:
     profile = profile_policies(f"torchvision:{name}", batch, resolution, ["dense", "bitmap"], num_classes=10)
-    dense, bitmap = profile["results"]
-    ledger_saving = dense["activation_bytes"] - bitmap["activation_bytes"]
-    forward_saving = dense["forward_increase_bytes"] - bitmap["forward_increase_bytes"]
+    dense, bitmap = profile.results
+    ledger_saving = dense.activation_bytes - bitmap.activation_bytes
+    forward_saving = dense.forward_increase_bytes - bitmap.forward_increase_bytes
     return {
-        "model": name, "batch": batch, "resolution": resolution, "dense": dense, "bitmap": bitmap,
+        "model": name, "batch": batch, "resolution": resolution, "dense": dense.to_json(), "bitmap": bitmap.to_json(),
         "ledger_saving_bytes": ledger_saving, "forward_saving_bytes": forward_saving,
         "forward_share": forward_saving / ledger_saving if ledger_saving > 0 else None,
-        "peak_ok": bitmap["peak_memory_bytes"] <= dense["peak_memory_bytes"],
+        "peak_ok": bitmap.peak_memory_bytes <= dense.peak_memory_bytes,
         "forward_ok": ledger_saving > 0 and forward_saving >= FORWARD_SHARE * ledger_saving,
-        "step_ok": bitmap["step_peak_increase_bytes"] <= dense["step_peak_increase_bytes"],
-        "machine": profile["machine"],
+        "step_ok": bitmap.step_peak_increase_bytes <= dense.step_peak_increase_bytes,
+        "machine": profile.machine,
     }
 
 

@@ -156,10 +156,10 @@ def step_times(model: nn.Module, x: torch.Tensor, y: torch.Tensor, specs: list[s
 def measured_row(spec: str, batch: int, specs: list[str], frozen: bool, log) -> dict:
     """Each spec's step measured in a fresh process (profile_policies), by spec."""
     results = profile_policies(spec, batch, RESOLUTION, specs, freeze_batchnorm=frozen,
-                               on_result=lambda r: log(f"{spec} batch {batch} {r['policy']} measured"))["results"]
+                               on_result=lambda r: log(f"{spec} batch {batch} {r.policy} measured")).results
     keys = ("activation_bytes", "peak_memory_bytes", "step_peak_increase_bytes", "forward_increase_bytes",
             "rss_before_step_bytes", "step_seconds")
-    return {s: {k: r[k] for k in keys} for s, r in zip(specs, results)}
+    return {s: {k: getattr(r, k) for k in keys} for s, r in zip(specs, results)}
 
 
 def vision(log) -> list[dict]:

@@ -340,11 +340,11 @@ def plot(rows: list[dict], files: dict, teacher_png: float, path) -> None:
                 label="autoencoder baseline, 8-bit" if c == CHANNELS[0] else None)
         ax.annotate(f"C={c}", (ae["payload_bytes"], 100 * ae["quantized_accuracy"]), textcoords="offset points",
                     xytext=(4, 4), fontsize=7, color="tab:purple")
-    jpeg = sorted((v["mean_bytes"], 100 * v["accuracy"], k) for k, v in files.items() if k.startswith("jpeg"))
+    jpeg = sorted((v.mean_bytes, 100 * v.accuracy, k) for k, v in files.items() if k.startswith("jpeg"))
     ax.plot([j[0] for j in jpeg], [j[1] for j in jpeg], "D-", color="tab:orange", label="offload JPEG (teacher)")
     for b, a, k in jpeg:
         ax.annotate(f"q{k[4:]}", (b, a), textcoords="offset points", xytext=(4, -10), fontsize=7, color="tab:orange")
-    ax.plot(files["png"]["mean_bytes"], 100 * files["png"]["accuracy"], "*", ms=12, color="tab:green",
+    ax.plot(files["png"].mean_bytes, 100 * files["png"].accuracy, "*", ms=12, color="tab:green",
             label="offload PNG (teacher, lossless)")
     ax.axhline(100 * teacher_png, color="gray", lw=0.8, ls=":")
     ax.set_xscale("log")
@@ -415,26 +415,26 @@ def main() -> None:
     teacher_float = evaluate_accuracy(teacher, test, batch_size=EVAL_BATCH)
     files = file_offload(teacher, test, "gray", jpeg_qualities=JPEG_QUALITIES, batch_size=EVAL_BATCH)
     for name, result in files.items():
-        log(f"offload {name}: {result['mean_bytes']:,.0f} B mean, teacher accuracy {100 * result['accuracy']:.2f}%")
+        log(f"offload {name}: {result.mean_bytes:,.0f} B mean, teacher accuracy {100 * result.accuracy:.2f}%")
     for r in rows:
         r["size"] = scale.size
 
     png, jpeg = files["png"], files[f"jpeg{PLANNER_JPEG_QUALITY}"]
-    teacher_png = png["accuracy"]
+    teacher_png = png.accuracy
     split_acc = {str(r["channels"]): r["quantized_accuracy"] for r in rows if r["method"] == DEPLOYED}
 
     # Target: at C = 12 with the 8-bit payload, within 1 point of the teacher, payload <= 10% of the PNG.
     deployed12 = next(r for r in rows if r["method"] == DEPLOYED and r["channels"] == 12)
     best12 = max((r for r in rows if r["channels"] == 12 and r["family"] == "bottlefit"),
                  key=lambda r: r["quantized_accuracy"])
-    ratio12 = deployed12["payload_bytes"] / png["mean_bytes"]
+    ratio12 = deployed12["payload_bytes"] / png.mean_bytes
     elements12 = int(np.prod(deployed12["bottleneck_shape"])) / (3 * scale.size**2)
     target = {
         "accuracy_gap_points": 100 * (teacher_png - deployed12["quantized_accuracy"]),
         "best_bottlefit_row": best12["method"],
         "best_bottlefit_gap_points": 100 * (teacher_png - best12["quantized_accuracy"]),
         "payload_over_png": ratio12,
-        "payload_over_jpeg90": deployed12["payload_bytes"] / jpeg["mean_bytes"],
+        "payload_over_jpeg90": deployed12["payload_bytes"] / jpeg.mean_bytes,
         "bottleneck_elements_over_rgb_input_elements": elements12,
     }
     target["accuracy_met"] = target["accuracy_gap_points"] <= 1.0
@@ -479,7 +479,7 @@ def main() -> None:
     claim_table = table(["C", "best baseline, 8-bit %", "BottleFit 4 rows, 8-bit %", "best BottleFit - best baseline",
                          f"{DEPLOYED} - best baseline", "KD - CE", "HND - KD", "AE - best baseline",
                          "max |8-bit - float| (pts)"], claim_rows)
-    jpeg_low_key = min((k for k in files if k.startswith("jpeg")), key=lambda k: files[k]["mean_bytes"])
+    jpeg_low_key = min((k for k in files if k.startswith("jpeg")), key=lambda k: files[k].mean_bytes)
     jpeg_low = files[jpeg_low_key]
 
     table_rows = []
@@ -492,8 +492,8 @@ def main() -> None:
                         "payload B (8-bit)", "float32 B", "training s"], table_rows)
     extra_rows = [[r["channels"], pct(r["float_accuracy"]), pct(r["quantized_accuracy"]), f"{r['payload_bytes']:,}"]
                   for r in sorted((r for r in rows if r["method"] == DEPLOYED), key=lambda r: r["channels"])]
-    offload_rows = [["PNG (lossless)", f"{png['mean_bytes']:,.0f}", pct(png["accuracy"])]]
-    offload_rows += [[f"JPEG q{q}", f"{files[f'jpeg{q}']['mean_bytes']:,.0f}", pct(files[f"jpeg{q}"]["accuracy"])]
+    offload_rows = [["PNG (lossless)", f"{png.mean_bytes:,.0f}", pct(png.accuracy)]]
+    offload_rows += [[f"JPEG q{q}", f"{files[f'jpeg{q}'].mean_bytes:,.0f}", pct(files[f"jpeg{q}"].accuracy)]
                      for q in JPEG_QUALITIES]
     verdict = "MET" if target["met"] else "NOT MET"
     if device.type == "cuda":
@@ -566,14 +566,14 @@ BottleFit {DEPLOYED} at every C trained (8-bit payload):
   ({'met' if target['accuracy_met'] else 'not met'}); the best BottleFit row at C = 12,
   {best12['method']}, is {target['best_bottlefit_gap_points']:.2f} points below (a negative gap is above).
 * size: the payload is {deployed12['payload_bytes']:,} B = {100 * ratio12:.1f}% of the mean PNG
-  ({png['mean_bytes']:,.0f} B) and {100 * target['payload_over_jpeg90']:.1f}% of the mean JPEG q90
+  ({png.mean_bytes:,.0f} B) and {100 * target['payload_over_jpeg90']:.1f}% of the mean JPEG q90
   ({'met' if target['size_met'] else 'not met'}). The bottleneck holds
   {100 * elements12:.2f}% as many elements as the RGB model input (the paper's "93.3% fewer tensor
   elements" measure), but Fashion-MNIST pictures are gray, small and mostly flat background, so
   their PNG files are already far smaller than the raw RGB tensor, and an SP2 bottleneck
   (C x H/8 x W/8 = C/64 values per input pixel) with C = 12 carries 12/64 of a byte per pixel
   before the header.
-* against JPEG: the smallest JPEG measured (q{jpeg_low_key[4:]}, {jpeg_low['mean_bytes']:,.0f} B) keeps the teacher at {pct(jpeg_low['accuracy'])}%;
+* against JPEG: the smallest JPEG measured (q{jpeg_low_key[4:]}, {jpeg_low.mean_bytes:,.0f} B) keeps the teacher at {pct(jpeg_low.accuracy)}%;
   the C = 12 payload is {deployed12['payload_bytes']:,} B at {pct(deployed12['quantized_accuracy'])}%.
 
 `split` in the JSON (read by `edgetorch.split.plan.load_accuracy`) holds {DEPLOYED}'s 8-bit
@@ -582,7 +582,7 @@ accuracy per C; `teacher` is the teacher on PNG input and `jpeg` on JPEG q{PLANN
     write_results("split_training", "BottleFit training: baselines, two-stage training, 8-bit payload (Tables I/II, Fig. 5)",
                   body, {
                       "teacher": teacher_png,
-                      "jpeg": jpeg["accuracy"],
+                      "jpeg": jpeg.accuracy,
                       "split": split_acc,
                       "split_method": DEPLOYED,
                       "scale": dataclasses.asdict(scale),
@@ -590,7 +590,7 @@ accuracy per C; `teacher` is the teacher on PNG input and `jpeg` on JPEG q{PLANN
                       "teacher_record": {k: tmeta[k] for k in ("config", "test_accuracy", "test_samples",
                                                               "train_samples", "loss_history", "sha256")},
                       "teacher_float_accuracy_on_test_subset": teacher_float,
-                      "offload": files,
+                      "offload": {name: dataclasses.asdict(score) for name, score in files.items()},
                       "rows": rows,
                       "target": target,
                       "paper_claims": claims,

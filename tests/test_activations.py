@@ -323,7 +323,7 @@ def test_profile_on_cuda_measures_the_allocator_not_host_memory():
 
     for policy in ("dense", "bitmap"):
         r = profile_one(ProfileRequest("torchvision:resnet18", batch=8, resolution=64, policy=policy, device="cuda"))
-        assert r["peak_memory_kind"] == "cuda_max_allocated"
-        assert r["step_peak_increase_bytes"] >= r["forward_increase_bytes"] > 0
+        assert r.peak_memory_kind == "cuda_max_allocated"
+        assert r.step_peak_increase_bytes >= r.forward_increase_bytes > 0
         # The allocator holds what the ledger says the forward saved, plus logits and rounding.
-        assert 0.98 * r["activation_bytes"] <= r["forward_increase_bytes"] <= 1.05 * r["activation_bytes"] + 2**20
+        assert 0.98 * r.activation_bytes <= r.forward_increase_bytes <= 1.05 * r.activation_bytes + 2**20

@@ -18,7 +18,7 @@ from edgetorch import InputFileError
 from edgetorch.split import inject_bottleneck
 from edgetorch.split.plan import load_accuracy
 from edgetorch.split.power import PROFILES, SERVERS, load_profile, load_server
-from edgetorch.split.recipe import RECORD_FORMAT, RECORD_NAME, RECORD_VERSION, WEIGHTS_NAME, load_trained
+from edgetorch.split.student import RECORD_FORMAT, RECORD_NAME, RECORD_VERSION, WEIGHTS_NAME, load_trained
 from edgetorch.zoo import save_weights
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats() | st.text(max_size=8),

@@ -245,6 +245,29 @@ def test_cli_plan_prints_every_option_and_writes_json(tmp_path):
     assert no_images.exit_code == 2 and "images found" in _flat(no_images.output)
 
 
+def test_cli_plan_reads_nothing_from_the_current_directory_and_leaves_the_rng_alone(tmp_path, monkeypatch):
+    """No --accuracy: no accuracy, and a message that says what to pass, wherever the command runs
+    (it once read docs/results/split_training.json from there); its seeded timing models leave
+    the caller's random stream where it was."""
+    import torch
+
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (results / "split_training.json").write_text(json.dumps({"teacher": 0.9, "jpeg": 0.85, "split": {"3": 0.87}}))
+    device = tmp_path / "board.json"
+    device.write_text(profile_json(DeviceProfile("board", "torchvision:resnet18", 32, 0.5, 3.0, 1.5, 1.0, "ASSUMPTION: test")))
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    result = _cli()("split", "plan", "--link", "wifi:5", "--device", str(device), "--server", "this-machine",
+                    "--resolution", "32", "--channels", "3", "--json", "plan.json")
+    assert result.exit_code == 0, result.output
+    assert torch.equal(torch.rand(4), expected)
+    assert "accuracy: none given: pass --accuracy FILE" in _flat(result.output)
+    assert all(row["accuracy"] is None for row in json.loads((tmp_path / "plan.json").read_text())[0]["rows"])
+
+
 def test_accuracy_file_without_accuracies_is_refused(tmp_path):
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"benchmark": "split_training", "runs": []}))

@@ -287,8 +287,8 @@ def test_png_offload_is_lossless_and_the_8_bit_path_is_the_payloads(teacher, col
     images = ((pixels.float() / 255).expand(-1, 3, -1, -1) - m) / s
     val = TensorDataset(images, torch.randint(0, 4, (12,), generator=gen))
     files = file_offload(teacher, val, color, mean, std, jpeg_qualities=(50,), batch_size=5)
-    assert files["png"]["accuracy"] == evaluate_accuracy(teacher, val)  # the decoded PNG is the input, exactly
-    assert set(files) == {"png", "jpeg50"} and all(f["mean_bytes"] > 0 for f in files.values())
+    assert files["png"].accuracy == evaluate_accuracy(teacher, val)  # the decoded PNG is the input, exactly
+    assert set(files) == {"png", "jpeg50"} and all(f.mean_bytes > 0 for f in files.values())
     student = inject_bottleneck(teacher, 2)
     result = evaluate_split(student, val, batch_size=5)
     with torch.inference_mode():
@@ -404,6 +404,69 @@ def test_split_train_then_export_serve_and_infer_a_real_image(trained, photos, t
     assert predicted and predicted.group(1) in CLASSES, answer.output
     record = json.loads((out / "infer.json").read_text())
     assert record["images"][0]["top"][0]["class"] == predicted.group(1) and record["payload_bytes"] > 0
+
+
+def _skeleton(value):
+    """A JSON value's keys, in order, with every leaf None and a list as its first item's skeleton."""
+    if isinstance(value, dict):
+        return {key: _skeleton(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_skeleton(item) for item in value[:1]]
+    return None
+
+
+_STAGE_RECORD = {"name": None, "config": dict.fromkeys(["loss", "trainable", "epochs", "optimizer", "lr", "momentum",
+                                                        "weight_decay", "lr_step", "batch_size", "alpha", "tau", "seed"]),
+                 "loss_history": [None], "seconds": None, "seconds_this_run": None}
+# student.json as `split train` wrote it before StudentRun (at cacdc18): keys, order and nesting.
+STUDENT_RECORD = {
+    "format": None, "version": None, "weights": {"path": None, "sha256": None},
+    "model": dict.fromkeys(["arch", "channels", "split_point", "downsample", "num_classes", "architecture"]),
+    "resolution": None, "preprocess": {"color": None, "mean": [None], "std": [None]}, "class_names": [None],
+    "recipe": {**dict.fromkeys(["teacher", "data", "teacher_weights", "size", "color", "normalize", "val_fraction",
+                                "train_limit", "val_limit", "skip_bad_images"]),
+               "bottlefit": dict.fromkeys(["channels", "split_point", "downsample", "architecture", "stage2",
+                                           "freeze_encoder", "epochs", "batch_size", "lr", "seed"])},
+    "skipped_images": [], "stages": [_STAGE_RECORD],
+    "evaluation": {"val_images": None, "teacher_accuracy": None,
+                   "student": {"float_accuracy": None, "quantized_accuracy": None, "bottleneck_shape": [None],
+                               "float32_bytes": None, "payload_bytes": None},
+                   "offload": {name: {"mean_bytes": None, "accuracy": None} for name in ("png", "jpeg90")}},
+    "torch_version": None,
+}  # fmt: skip
+
+
+def test_student_record_keeps_its_format(trained) -> None:
+    """StudentRun.to_json writes student.json key for key as the untyped record did: `split export
+    --trained` and every run directory already written depend on it."""
+    from edgetorch.split.student import load_trained
+
+    out, _ = trained
+    record = json.loads((out / "student.json").read_text())
+    assert json.dumps(_skeleton(record)) == json.dumps(STUDENT_RECORD)  # as text: the key order counts too
+    assert (record["format"], record["version"], record["weights"]["path"]) == ("edgetorch-split-student", 1,
+                                                                                "student.safetensors")
+    assert record["resolution"] == record["recipe"]["size"] == 32 and record["class_names"] == list(CLASSES)
+    assert record["preprocess"] == {"color": "rgb", "mean": list(NORMALISATIONS["imagenet"][0]),
+                                    "std": list(NORMALISATIONS["imagenet"][1])}
+    assert load_trained(out).record == record
+
+
+def test_train_student_returns_the_run_it_records(teacher_file, photos, tmp_path) -> None:
+    """The library call, no CLI: a typed StudentRun whose to_json is the student.json written."""
+    from edgetorch.split import RecipeConfig, StudentRun, train_student
+    from edgetorch.split.bottlefit import StageRun
+
+    config = RecipeConfig(teacher="torchvision:resnet18", teacher_weights=str(teacher_file), data=str(photos), size=32,
+                          val_fraction=0.25, bottlefit=BottleFitConfig(channels=2, epochs=1, batch_size=8))
+    run = train_student(config, tmp_path / "run", progress=False)
+    assert isinstance(run, StudentRun) and run.recipe == config.resolved() and run.class_names == CLASSES
+    assert all(isinstance(stage, StageRun) for stage in run.stages) and len(run.stages[1].loss_history) == 1
+    assert run.evaluation.student.payload_bytes == payload_size((1, 2, 4, 4)) and run.evaluation.val_images == 9
+    assert run.evaluation.offload["png"].mean_bytes > run.evaluation.student.payload_bytes
+    assert (run.resolution, run.preprocess.size, run.preprocess.color) == (32, (32, 32), "rgb")
+    assert json.loads((tmp_path / "run" / "student.json").read_text()) == json.loads(json.dumps(run.to_json()))
+    assert not run.model.training
 
 
 def test_an_interrupted_split_train_resumes_to_the_same_weights(trained, teacher_file, photos, tmp_path,

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
 from ._app import app, console, device_option, mib, output_file, plot_file, write_json
+
+if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
+    from ..activations.profile import PolicyProfile
 
 
 @app.command()
@@ -45,7 +50,7 @@ def profile(
     with console.status("") as status:
         done = []
 
-        def progress(result: dict) -> None:
+        def progress(result: PolicyProfile) -> None:
             done.append(result)
             status.update(f"profiled {len(done)}/{len(policy)} policies")
 
@@ -60,26 +65,25 @@ def profile(
                 "forward incr. MiB\n(measured)", "step incr. MiB\n(measured)",
                 "peak MiB\n(measured)", "step s"):
         table.add_column(col, justify="right")
-    for r in result["results"]:
-        table.add_row(r["policy"], mib(r["activation_bytes"]), mib(r["dense_activation_bytes"]),
-                      f"{r['activation_bytes'] / max(r['dense_activation_bytes'], 1):.3f}",
-                      f"{r['sparsity']:.1%}", mib(r["forward_increase_bytes"]),
-                      mib(r["step_peak_increase_bytes"]), mib(r["peak_memory_bytes"]),
-                      f"{r['step_seconds']:.2f}")
+    for r in result.results:
+        table.add_row(r.policy, mib(r.activation_bytes), mib(r.dense_activation_bytes), f"{r.stored_over_dense:.3f}",
+                      f"{r.sparsity:.1%}", mib(r.forward_increase_bytes), mib(r.step_peak_increase_bytes),
+                      mib(r.peak_memory_bytes), f"{r.step_seconds:.2f}")
     console.print(table)
     console.print("ledger = exact tensor bytes autograd holds; measured = the process peak "
-                  f"({result['results'][0]['peak_memory_kind']}); they are different quantities.")
+                  f"({result.results[0].peak_memory_kind}); they are different quantities.")
     if fidelity:
         # A table of its own: twelve columns do not fit the console's 130 (headers were cut).
-        console.print(_fidelity_table(result["results"]))
-    write_json(json_path, result)
+        console.print(_fidelity_table(result.results))
+    record = result.to_json()
+    write_json(json_path, record)
     if plot is not None:
         from ..measure.plots import plot_memory_breakdown
 
-        console.print(f"wrote {plot_memory_breakdown(result, plot)}")
+        console.print(f"wrote {plot_memory_breakdown(record, plot)}")
 
 
-def _fidelity_table(results: list[dict]) -> Table:
+def _fidelity_table(results: list[PolicyProfile]) -> Table:
     """Memory and gradient fidelity side by side, one row per policy ('-': no input gradient, or
     a number that is not finite, which the JSON record holds as null)."""
     table = Table(title="one step's gradients against plain PyTorch's on the same batch")
@@ -88,10 +92,10 @@ def _fidelity_table(results: list[dict]) -> Table:
         table.add_column(col, justify="right")
     table.add_column("worst parameter")
     for r in results:
-        f = r["fidelity"]
-        inputs = None if f["input"] is None else f["input"]["cosine"]
-        table.add_row(r["policy"], f"{r['activation_bytes'] / max(r['dense_activation_bytes'], 1):.3f}",
-                      *("-" if v is None else format(v, spec) for v, spec in
-                        ((f["worst_cosine"], ".4f"), (f["max_relative_error"], ".3g"), (inputs, ".4f"))),
-                      f["worst_parameter"] or "-")
+        f = r.fidelity
+        inputs = None if f.input is None else f.input.cosine
+        table.add_row(r.policy, f"{r.stored_over_dense:.3f}",
+                      *("-" if v is None or not math.isfinite(v) else format(v, spec) for v, spec in
+                        ((f.worst_cosine, ".4f"), (f.max_relative_error, ".3g"), (inputs, ".4f"))),
+                      f.worst_parameter or "-")
     return table

@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
 from ..errors import EdgetorchError
 from ._app import app, console, device_option, output_dir, output_file, plot_file, write_json
+
+if TYPE_CHECKING:  # the commands import torch-backed modules only when they run
+    from ..split.student import StudentRun
 
 split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, plan (measure-server for the planner).", no_args_is_help=True)
 app.add_typer(split_app, name="split")
@@ -75,7 +79,7 @@ def train(
                               bottlefit=BottleFitConfig(channels=channels, split_point=split_point, downsample=downsample,
                                                         architecture=architecture, stage2=stage2, freeze_encoder=freeze_encoder, epochs=epochs,
                                                         batch_size=batch_size, lr=lr, seed=seed))  # fmt: skip
-        record = train_student(config, out, device=device, progress=progress, log=console.print)
+        run = train_student(config, out, device=device, progress=progress, log=console.print)
     except ValueError as err:  # bad input, found before training starts (ImageFolderError, CheckpointError)
         raise typer.BadParameter(str(err)) from None
     except KeyboardInterrupt:
@@ -85,29 +89,29 @@ def train(
     except (RuntimeError, FloatingPointError, OSError) as err:
         console.print(f"split train failed: {err}", style="red")
         raise typer.Exit(1) from None
-    _print_evaluation(record)
-    write_json(json_path, record)
+    _print_evaluation(run)
+    write_json(json_path, run.to_json())
     if plot is not None:
-        plot_losses(record["stages"], plot, f"{teacher} -> C={channels} {split_point} student")
+        plot_losses(run.stages, plot, f"{teacher} -> C={channels} {split_point} student")
         console.print(f"wrote {plot}")
     artifact = out / "artifact"
     console.print(f"student: {out / 'student.safetensors'}; export it with:\n"
                   f"  edgetorch split export --trained {shlex.quote(str(out))} --out {shlex.quote(str(artifact))}")
 
 
-def _print_evaluation(record: dict) -> None:
+def _print_evaluation(run: StudentRun) -> None:
     """The evaluation of `split train` as a table: accuracy and bytes sent per image, per option."""
-    ev = record["evaluation"]
-    student, files = ev["student"], ev["offload"]
-    table = Table(title=f"validation: {ev['val_images']:,} images at {record['resolution']} px")
+    ev = run.evaluation
+    student, files = ev.student, ev.offload
+    table = Table(title=f"validation: {ev.val_images:,} images at {run.resolution} px")
     for col in ("option", "accuracy", "bytes per image"):
         table.add_column(col, justify="left" if col == "option" else "right")
-    table.add_row("teacher (float input, no transfer)", f"{ev['teacher_accuracy']:.2%}", "-")
+    table.add_row("teacher (float input, no transfer)", f"{ev.teacher_accuracy:.2%}", "-")
     for name, label in (("png", "teacher on PNG files (full offload)"), ("jpeg90", "teacher on JPEG q90 files")):
-        table.add_row(label, f"{files[name]['accuracy']:.2%}", f"{files[name]['mean_bytes']:,.0f}")
-    shape = "x".join(map(str, student["bottleneck_shape"]))
-    table.add_row(f"student, float {shape} bottleneck", f"{student['float_accuracy']:.2%}", f"{student['float32_bytes']:,}")
-    table.add_row("student, 8-bit payload (deployed)", f"{student['quantized_accuracy']:.2%}", f"{student['payload_bytes']:,}")
+        table.add_row(label, f"{files[name].accuracy:.2%}", f"{files[name].mean_bytes:,.0f}")
+    shape = "x".join(map(str, student.bottleneck_shape))
+    table.add_row(f"student, float {shape} bottleneck", f"{student.float_accuracy:.2%}", f"{student.float32_bytes:,}")
+    table.add_row("student, 8-bit payload (deployed)", f"{student.quantized_accuracy:.2%}", f"{student.payload_bytes:,}")
     console.print(table)
 
 
@@ -136,7 +140,8 @@ def export(
     from ..split.bottleneck import inject_bottleneck
     from ..split.export import save
     from ..split.manifest import Preprocess
-    from ..split.recipe import NORMALISATIONS, load_trained
+    from ..split.recipe import NORMALISATIONS
+    from ..split.student import load_trained
     from ..zoo import build_model, load_weights
 
     if sum((checkpoint is not None, trained is not None, random_init)) != 1:
@@ -265,21 +270,10 @@ def infer(
                            "payload_bytes": result.payload_bytes, "seconds": result.seconds})
 
 
-TRAINING_RESULTS = Path("docs/results/split_training.json")
-
-
-def _training_results_accuracy():
-    """Accuracies from the training benchmark's results when run in the repository, else None."""
-    from ..split.plan import load_accuracy
-
-    if not TRAINING_RESULTS.is_file():
-        return None
-    try:
-        return load_accuracy(TRAINING_RESULTS)
-    except ValueError:
-        console.print(f"{TRAINING_RESULTS} holds no {{teacher, split}} accuracies; pass --accuracy FILE")
-        return None
-
+# Said when `split plan` has no --accuracy. --accuracy once defaulted to docs/results/split_training.json
+# read from the current directory: the same command planned differently by where it was run.
+NO_ACCURACY = ("none given: pass --accuracy FILE (the training benchmark's accuracies are in "
+               "docs/results/split_training.json in the repository)")
 
 # `split plan` and `split measure-server` share these defaults, so a server measured with its
 # defaults covers a default plan.
@@ -299,7 +293,7 @@ def plan(
     channels: list[int] = typer.Option(PLAN_CHANNELS, help="repeatable: bottleneck channels to compare"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
     resolution: int = typer.Option(PLAN_RESOLUTION, min=8, help="input height = width"),
-    accuracy: Path = typer.Option(None, help="accuracy JSON {teacher, jpeg, split: {C: acc}} (default: docs/results/split_training.json if it holds them)"),
+    accuracy: Path = typer.Option(None, help="accuracy JSON {teacher, jpeg, split: {C: acc}}, e.g. the training benchmark's docs/results/split_training.json (default: none, the plan shows no accuracy)"),
     server: str = typer.Option("quadro-p600", help="quadro-p600 (the paper's edge server, speed assumed), this-machine, or a .json (e.g. from `split measure-server` run on the server)"),
     images: Path = typer.Option(None, help="offload file sizes from your own images under this folder (default: Fashion-MNIST test images)"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the plan(s) as JSON here"),
@@ -315,7 +309,7 @@ def plan(
         links = [parse_link(spec) for spec in link]
         profile = load_profile(device)
         server_profile = load_server(server)
-        known = load_accuracy(accuracy) if accuracy is not None else _training_results_accuracy()
+        known = None if accuracy is None else load_accuracy(accuracy)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     try:  # before the timing, so a bad --images folder is reported at once
@@ -332,7 +326,7 @@ def plan(
                   f"{profile.reference_seconds / times.reference_s:.3g}")
     console.print(f"server: {server_profile.name} ({server_profile.source}); its times: "
                   f"{server_times(times, profile, server_profile).basis}")
-    console.print(f"accuracy: {known.source if known else 'none given (pass --accuracy FILE)'}; offload files: "
+    console.print(f"accuracy: {known.source if known else NO_ACCURACY}; offload files: "
                   f"{images or 'Fashion-MNIST test images'} at {resolution}px (PNG {files['png']:,.0f} B, "
                   f"JPEG {files['jpeg']:,.0f} B; device-side encoding is counted)")
     records = []

@@ -68,9 +68,9 @@ def run(console: Console) -> None:
     table = Table(title=f"measured: one step of {MEASURED_MODEL}, batch {MEASURED_BATCH}, {MEASURED_SIZE}px")
     for col in ("policy", "ledger stored MiB", "forward increase MiB", "step increase MiB", "peak RSS MiB"):
         table.add_column(col, justify="right")
-    for r in measured["results"]:
-        table.add_row(r["policy"], *(f"{r[k] / 2**20:.1f}" for k in (
-            "activation_bytes", "forward_increase_bytes", "step_peak_increase_bytes", "peak_memory_bytes")))
+    for r in measured.results:
+        table.add_row(r.policy, *(f"{v / 2**20:.1f}" for v in (
+            r.activation_bytes, r.forward_increase_bytes, r.step_peak_increase_bytes, r.peak_memory_bytes)))
     console.print(table)
     console.print("Measured = resident memory, each policy in a fresh process (random init): 'forward increase' "
                   "is what the forward added and "

@@ -59,7 +59,8 @@ def plot_memory_breakdown(profile: dict, path: str | Path) -> Path:
     are resident process memory, and a shared axis would invite comparing them as equals.
 
     Args:
-        profile: the dict returned by :func:`edgetorch.activations.profile.profile_policies`.
+        profile: the record ``edgetorch profile --json`` writes
+            (:meth:`edgetorch.activations.profile.ProfileResult.to_json`).
         path: where to write the PNG.
 
     Returns:

@@ -1,7 +1,7 @@
 """BottleFit split computing: bottleneck injection, two-stage training, 8-bit payloads, runtime.
 
 The few verbs a user needs are re-exported here (:func:`train_student` is the whole recipe that
-``edgetorch split train`` runs); the HTTP server (``edgetorch.split.server``) and
+``edgetorch split train`` runs; it returns a :class:`StudentRun`); the HTTP server (``edgetorch.split.server``) and
 the device client (``edgetorch.split.client``) are imported from their modules.
 
 Example:
@@ -13,7 +13,7 @@ Example:
 from .artifact import load
 from .bottlefit import BottleFitConfig, train_bottlefit
 from .bottleneck import ACCEPTED_ARCHS, SPLIT_POINTS, BottleneckModel, inject_autoencoder, inject_bottleneck, split
-from .evaluate import SplitAccuracy, evaluate_split, file_offload
+from .evaluate import OffloadScore, SplitAccuracy, evaluate_split, file_offload
 from .export import save
 from .links import parse_link
 from .losses import ghnd_loss, kd_loss
@@ -22,7 +22,8 @@ from .onnx_head import load_onnx_head
 from .payload import PayloadError, decode, encode, payload_size
 from .plan import compare_deployments, measure_server
 from .power import DeviceProfile, ServerProfile, load_profile, load_server
-from .recipe import RecipeConfig, load_trained, train_student
+from .recipe import RecipeConfig, train_student
+from .student import StudentEvaluation, StudentRun, load_trained
 from .teacher import TeacherConfig, load_rgb, train_teacher
 from .train import StageConfig, train_stage
 
@@ -31,6 +32,7 @@ __all__ = [
     "BottleFitConfig",
     "BottleneckModel",
     "DeviceProfile",
+    "OffloadScore",
     "PayloadError",
     "RecipeConfig",
     "SPLIT_POINTS",
@@ -38,6 +40,8 @@ __all__ = [
     "SplitAccuracy",
     "SplitArtifactError",
     "StageConfig",
+    "StudentEvaluation",
+    "StudentRun",
     "TeacherConfig",
     "compare_deployments",
     "decode",

@@ -41,6 +41,19 @@ class SplitAccuracy:
     payload_bytes: int
 
 
+@dataclass(frozen=True)
+class OffloadScore:
+    """The unsplit model on images sent as files of one format (:func:`file_offload`).
+
+    Attributes:
+        mean_bytes: the files' mean size.
+        accuracy: the model's accuracy on the decoded files.
+    """
+
+    mean_bytes: float
+    accuracy: float
+
+
 @torch.inference_mode()
 def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int = EVAL_BATCH) -> SplitAccuracy:
     """Float and 8-bit accuracy of a student, and the bytes one image sends.
@@ -80,7 +93,7 @@ def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int 
 
 def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mean: Sequence[float] = (0.0,),
                  std: Sequence[float] = (1.0,), jpeg_qualities: Sequence[int] = (JPEG_QUALITY,),
-                 batch_size: int = EVAL_BATCH) -> dict[str, dict[str, float]]:  # fmt: skip
+                 batch_size: int = EVAL_BATCH) -> dict[str, OffloadScore]:  # fmt: skip
     """Full offload of the same images: each sent as a PNG or JPEG file, and ``model`` on the decoded files.
 
     Each input is un-normalised to [0, 1] and rounded to 8 bits (the picture a device holds at the
@@ -96,7 +109,7 @@ def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mea
         batch_size: images per forward pass.
 
     Returns:
-        ``{"png": {"mean_bytes", "accuracy"}, "jpeg90": {...}, ...}``.
+        An :class:`OffloadScore` per format: ``"png"``, then ``"jpeg{q}"`` per quality (``"jpeg90"``).
 
     Raises:
         ValueError: an unknown color.
@@ -133,5 +146,4 @@ def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mea
             with torch.inference_mode():
                 correct[name] += int((model(inputs.to(device)).argmax(1).cpu() == y.cpu()).sum())
     model.train(was_training)
-    return {name: {"mean_bytes": float(np.mean(sizes[name])), "accuracy": correct[name] / len(labels)}
-            for name in sizes}
+    return {name: OffloadScore(float(np.mean(sizes[name])), correct[name] / len(labels)) for name in sizes}

@@ -48,6 +48,9 @@ from .power import (
     ServerProfile,
 )
 
+# The random weights and inputs the planner times (a dense CNN's time does not depend on them).
+TIMING_SEED = 0
+
 
 @dataclass(frozen=True)
 class HostTimes:
@@ -195,21 +198,26 @@ def _timing_calls(arch: str, channels: list[int], resolution: int, split_point: 
                   references: dict[str, tuple[str, int]],
                   device: str = "cpu") -> dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]]:
     """What :func:`time_modules` times: ``full``, per C ``head{c}``, ``tail{c}`` and ``encode{c}``, and each
-    reference model under its key, with batch-1 inputs on ``device`` (random weights: see callers)."""
+    reference model under its key, with batch-1 inputs on ``device`` (random weights: see callers).
+
+    The weights and inputs are drawn from :data:`TIMING_SEED` under :func:`torch.random.fork_rng`:
+    the same on every run, and the caller's random state is left as it was."""
     from ..zoo import build_model
     from .bottleneck import inject_bottleneck
 
-    torch.manual_seed(0)
-    teacher = build_model(arch, num_classes=num_classes).to(device)
-    x = torch.rand(1, 3, resolution, resolution, device=device)
-    calls: dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]] = {"full": (teacher, x)}
-    for c in channels:
-        student = inject_bottleneck(teacher, c, split_point).to(device).eval()
-        with torch.inference_mode():
-            z = student.head(x)
-        calls[f"head{c}"], calls[f"tail{c}"], calls[f"encode{c}"] = (student.head, x), (student.tail, z), (encode, z)
-    for key, (model, side) in references.items():
-        calls[key] = (build_model(model, num_classes=1000).to(device), torch.rand(1, 3, side, side, device=device))
+    forked = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=forked):
+        torch.manual_seed(TIMING_SEED)
+        teacher = build_model(arch, num_classes=num_classes).to(device)
+        x = torch.rand(1, 3, resolution, resolution, device=device)
+        calls: dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]] = {"full": (teacher, x)}
+        for c in channels:
+            student = inject_bottleneck(teacher, c, split_point).to(device).eval()
+            with torch.inference_mode():
+                z = student.head(x)
+            calls[f"head{c}"], calls[f"tail{c}"], calls[f"encode{c}"] = (student.head, x), (student.tail, z), (encode, z)
+        for key, (model, side) in references.items():
+            calls[key] = (build_model(model, num_classes=1000).to(device), torch.rand(1, 3, side, side, device=device))
     return calls
 
 

@@ -12,8 +12,9 @@ Two layers, both used by ``edgetorch split train`` and ``bench/split_training.py
   weight file, the data from an image folder or a built-in dataset, :func:`train_bottlefit`, then
   an evaluation on the validation split through the real 8-bit payload (:func:`evaluate_split`)
   against the teacher and against sending the same images as PNG or JPEG files
-  (:func:`file_offload`). It writes ``student.safetensors`` and ``student.json``, which
-  ``edgetorch split export --trained DIR`` reads (:func:`load_trained`).
+  (:func:`file_offload`). It returns a :class:`~edgetorch.split.student.StudentRun` and writes
+  ``student.safetensors`` and ``student.json`` (its ``to_json()``), which
+  ``edgetorch split export --trained DIR`` reads (:func:`~edgetorch.split.student.load_trained`).
 
 Choices (docs/split_training.md says why): images go through the device client's own
 preprocessing (:func:`edgetorch.split.client.preprocess_images`: the whole image resized to
@@ -24,8 +25,8 @@ same weights; the learning rate drops x0.1 after the first half of each stage, a
 Example:
     >>> config = RecipeConfig(teacher="torchvision:resnet18", teacher_weights="teacher.safetensors",
     ...                       data="photos", size=64, bottlefit=BottleFitConfig(channels=3, epochs=2))
-    >>> record = train_student(config, "runs/c3")  # doctest: +SKIP
-    >>> record["evaluation"]["student"]["quantized_accuracy"]  # doctest: +SKIP
+    >>> run = train_student(config, "runs/c3")  # doctest: +SKIP
+    >>> run.evaluation.student.quantized_accuracy  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -44,24 +45,22 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .._checks import check_json_fields
 from .._files import InputFileError, read_json, write_json_atomically
 from ..data import (DATASETS, DatasetNotFoundError, ImageFolderDataset, ImageFolderError, dataset_info,
                     image_folder_splits)
 from ..data.folder import IMAGENET_MEAN, IMAGENET_STD, SKIP_HINT
 from ..measure.plots import new_figure, save_figure
-from ..zoo import CheckpointError, build_model, evaluate_accuracy, load_weights, save_weights
+from ..zoo import CheckpointError, build_model, evaluate_accuracy, save_weights
 from ..weights import file_sha256
-from .bottlefit import BottleFitConfig, Log, build_student, train_bottlefit
-from .bottleneck import BottleneckModel, rebuild
+from .bottlefit import BottleFitConfig, Log, StageRun, build_student, train_bottlefit
 from .evaluate import DECODE_CHUNK, EVAL_BATCH, evaluate_split, file_offload
-from .manifest import MAX_RESOLUTION, Preprocess
+from .manifest import Preprocess
+from .student import RECORD_NAME, WEIGHTS_NAME, StudentEvaluation, StudentRun
 from .teacher import load_rgb
 
 # Pixel normalisation after scaling to [0, 1]: what `split export --normalize` and `split train` accept.
 NORMALISATIONS = {"none": ((0.0,), (1.0,)), "imagenet": (IMAGENET_MEAN, IMAGENET_STD)}
-WEIGHTS_NAME, RECORD_NAME, RECIPE_NAME = "student.safetensors", "student.json", "recipe.json"
-RECORD_FORMAT, RECORD_VERSION = "edgetorch-split-student", 1
+RECIPE_NAME = "recipe.json"
 
 
 @dataclass(frozen=True)
@@ -267,7 +266,7 @@ def _claim(out: Path, identity: dict[str, Any]) -> None:
 
 
 def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch.device = "cpu",
-                  progress: bool = True, log: Log | None = None) -> dict[str, Any]:  # fmt: skip
+                  progress: bool = True, log: Log | None = None) -> StudentRun:  # fmt: skip
     """The BottleFit recipe from files: train, evaluate and save a student that ``split export`` takes.
 
     Every check of the input runs before any training: a missing or mismatched weight file, an
@@ -278,16 +277,17 @@ def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch
         config: the teacher, data and student.
         out_dir: the run directory: ``recipe.json`` (what the checkpoints belong to), one
             checkpoint directory per stage (the same call resumes after the last finished epoch),
-            then ``student.safetensors`` and ``student.json`` (this function's record).
+            then ``student.safetensors`` and ``student.json`` (the result's ``to_json()``).
         device: where the teacher and student train (``"cpu"``, ``"cuda"``).
         progress: show progress bars.
         log: called with a line per step of the recipe.
 
     Returns:
-        The record written to ``student.json``: the student (``model``: its spec, ``resolution``,
-        ``preprocess``, ``class_names``), the ``recipe``, each stage's losses and time, and the
-        ``evaluation`` on the validation images: ``teacher_accuracy``, ``student``
-        (:class:`SplitAccuracy` as a dict) and ``offload`` (:func:`file_offload`, PNG and JPEG).
+        The :class:`~edgetorch.split.student.StudentRun`: the trained student, its resolution,
+        preprocessing and class names, the resolved ``recipe``, each stage's
+        :class:`~edgetorch.split.bottlefit.StageRun`, and the ``evaluation`` on the validation
+        images (the teacher's accuracy, the student's :class:`SplitAccuracy`, and the teacher on
+        PNG and JPEG files, :func:`file_offload`).
 
     Raises:
         ValueError: bad input (subclasses: :class:`~edgetorch.data.ImageFolderError`,
@@ -310,103 +310,23 @@ def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch
     run = train_bottlefit(prepared.teacher, train, config.bottlefit, out, progress, log)
     log("evaluating on the validation images (8-bit payload, PNG, JPEG)")
     mean, std = NORMALISATIONS[config.normalize]
-    evaluation = {"val_images": len(prepared.val),
-                  "teacher_accuracy": evaluate_accuracy(prepared.teacher, prepared.val, batch_size=EVAL_BATCH),
-                  "student": dataclasses.asdict(evaluate_split(run.student, prepared.val)),
-                  "offload": file_offload(prepared.teacher, prepared.val, config.color, mean, std)}  # fmt: skip
-    record = {"format": RECORD_FORMAT, "version": RECORD_VERSION,
-              "weights": {"path": WEIGHTS_NAME, "sha256": save_weights(run.student, out / WEIGHTS_NAME)},
-              "model": run.student.spec(), "resolution": config.size,
-              "preprocess": {"color": config.color, "mean": list(mean), "std": list(std)},
-              "class_names": prepared.class_names, "recipe": dataclasses.asdict(config),
-              "skipped_images": [why for _, why in prepared.skipped],
-              "stages": [stage.to_json() for stage in run.stages], "evaluation": evaluation,
-              "torch_version": torch.__version__}  # fmt: skip
-    write_json_atomically(out / RECORD_NAME, record)
-    return record
+    evaluation = StudentEvaluation(len(prepared.val),
+                                   evaluate_accuracy(prepared.teacher, prepared.val, batch_size=EVAL_BATCH),
+                                   evaluate_split(run.student, prepared.val),
+                                   file_offload(prepared.teacher, prepared.val, config.color, mean, std))
+    result = StudentRun(run.student, save_weights(run.student, out / WEIGHTS_NAME), config.size,
+                        Preprocess((config.size, config.size), config.color, mean, std),
+                        tuple(prepared.class_names), config, tuple(why for _, why in prepared.skipped),
+                        tuple(run.stages), evaluation, torch.__version__)  # fmt: skip
+    write_json_atomically(out / RECORD_NAME, result.to_json())
+    return result
 
 
-@dataclass(frozen=True)
-class TrainedStudent:
-    """A student read back from a :func:`train_student` directory.
-
-    Attributes:
-        model: the student with its trained weights (CPU, eval mode).
-        resolution: the input height = width it was trained at.
-        preprocess: how images become its input (what ``split export`` writes to the manifest).
-        class_names: one name per class.
-        record: the whole ``student.json``.
-    """
-
-    model: BottleneckModel
-    resolution: int
-    preprocess: Preprocess
-    class_names: tuple[str, ...]
-    record: dict[str, Any]
-
-
-def load_trained(directory: str | Path) -> TrainedStudent:
-    """Read ``student.json`` and ``student.safetensors`` from a :func:`train_student` directory.
-
-    The layers are rebuilt from the recorded spec (:func:`~edgetorch.split.bottleneck.rebuild`:
-    torchvision constructors only) and the weights loaded strictly after their SHA-256 is checked
-    against the record; nothing is unpickled.
-
-    Args:
-        directory: the ``--out`` of ``edgetorch split train``.
-
-    Returns:
-        The :class:`TrainedStudent`.
-
-    Raises:
-        ValueError: not such a directory, an unfinished run, a malformed record, or weights that
-            differ from the record (:class:`~edgetorch.zoo.CheckpointError`).
-
-    Example:
-        >>> trained = load_trained("runs/c12")  # doctest: +SKIP
-        >>> save(trained.model, "artifact", trained.resolution, trained.preprocess)  # doctest: +SKIP
-    """
-    root = Path(directory)
-    path = root / RECORD_NAME
-    if not path.is_file():
-        what = "has no " + RECORD_NAME if root.is_dir() else "is not a directory"
-        raise ValueError(f"{root} {what}: it is written when `edgetorch split train --out {root}` finishes "
-                         "(an interrupted run resumes with the same command)")
-    record = read_json(path, error=CheckpointError)
-    try:
-        if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or \
-                record.get("version") != RECORD_VERSION:
-            got = (record.get("format"), record.get("version")) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{got} is not {RECORD_FORMAT!r} version {RECORD_VERSION}")
-        with torch.device("meta"):  # a record's sizes cost nothing until the weights are known to hold them
-            skeleton = rebuild(record["model"])
-        resolution, prep, class_names = record["resolution"], record["preprocess"], record["class_names"]
-        if isinstance(resolution, bool) or not isinstance(resolution, int) or not 0 < resolution <= MAX_RESOLUTION:
-            raise ValueError(f"resolution must be an int in [1, {MAX_RESOLUTION}], got {resolution!r}")
-        check_json_fields(Preprocess, {k: v for k, v in prep.items() if k != "size"}, "preprocess")
-        preprocess = Preprocess((resolution, resolution), prep["color"], tuple(prep["mean"]), tuple(prep["std"]))
-        preprocess.check(3)
-        if not isinstance(class_names, list) or not all(isinstance(name, str) for name in class_names):
-            raise ValueError("class_names must be a list of strings")
-        sha256 = record["weights"]["sha256"]
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable `split train` record ({exc})") from None
-    weights = root / WEIGHTS_NAME
-    if not weights.is_file() or file_sha256(weights) != sha256:
-        raise CheckpointError(f"{weights} is missing or differs from the one recorded in {path}")
-    needed = sum(t.numel() * t.element_size() for t in skeleton.state_dict().values())
-    if needed > weights.stat().st_size:  # the layers are built for real only once the file can fill them
-        raise CheckpointError(f"{path} describes a model of {needed} bytes of weights; {weights} has "
-                              f"{weights.stat().st_size}")
-    model = rebuild(record["model"])
-    return TrainedStudent(load_weights(model, weights).eval(), resolution, preprocess, tuple(class_names), record)
-
-
-def plot_losses(stages: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+def plot_losses(stages: Sequence[StageRun], path: str | Path, title: str = "") -> Path:
     """Training loss per epoch, one panel per stage (GHND's and FT/KD's losses have different units).
 
     Args:
-        stages: :meth:`StageRun.to_json` records (``student.json``'s ``stages``).
+        stages: the stages as trained (:attr:`StudentRun.stages <edgetorch.split.student.StudentRun.stages>`).
         path: the image to write (format from the suffix: .png, .pdf, .svg).
         title: the figure's title.
 
@@ -415,9 +335,9 @@ def plot_losses(stages: Sequence[dict[str, Any]], path: str | Path, title: str =
     """
     fig, axes = new_figure((4.5 * len(stages), 3.6), 1, len(stages), squeeze=False)
     for ax, stage in zip(axes[0], stages):
-        history = stage["loss_history"]
+        history = stage.loss_history
         ax.plot(range(1, len(history) + 1), history, "o-")
-        ax.set_title(f"{stage['name']} ({stage['config']['loss']}, {stage['config']['trainable']} trainable)", fontsize=9)
+        ax.set_title(f"{stage.name} ({stage.config.loss}, {stage.config.trainable} trainable)", fontsize=9)
         ax.set_xlabel("epoch")
         ax.set_ylabel("mean training loss")
         ax.xaxis.get_major_locator().set_params(integer=True)
