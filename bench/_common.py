@@ -77,6 +77,14 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 
 
+def against_clone(times: dict[str, list[float]]) -> dict:
+    """Interleaved timings of a codec bench as its JSON cell: median and minimum seconds of every
+    variant, and clone's median over each other variant's (above 1: faster than copying the tensor)."""
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"seconds": median, "min_seconds": {name: min(ts) for name, ts in times.items()},
+            "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"}}
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A GitHub markdown table; cells are rendered with ``str``."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
