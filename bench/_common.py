@@ -63,6 +63,11 @@ def machine_line(info: dict) -> str:
     )
 
 
+def log(message: str) -> None:
+    """A progress line with the wall-clock time, flushed at once (benches run for minutes)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 def mib(nbytes: float) -> str:
     """Bytes as MiB with two decimals (the unit of every memory table)."""
     return f"{nbytes / MIB:.2f}"
