@@ -138,8 +138,8 @@ def one_step_counts(bench: Bench, policy: edgetorch.Policy | BareHooks | None) -
     return {"dispatch_calls": calls.count, "saved_count": saved}
 
 
-def verdict(ratios: tuple[float, float], bound: float) -> str:
-    return "met" if max(ratios) <= bound else "NOT met"
+def verdict(measured: tuple[float, float], bound: float) -> str:
+    return "met" if max(measured) <= bound else "NOT met"
 
 
 def main() -> None:
