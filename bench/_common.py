@@ -63,6 +63,11 @@ def machine_line(info: dict) -> str:
     )
 
 
+def log(message: str) -> None:
+    """A progress line with the wall-clock time, flushed at once (benches run for minutes)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 def mib(nbytes: float) -> str:
     """Bytes as MiB with two decimals (the unit of every memory table)."""
     return f"{nbytes / MIB:.2f}"
@@ -75,6 +80,14 @@ def pct(fraction: float) -> str:
 
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
+
+
+def against_clone(times: dict[str, list[float]]) -> dict:
+    """Interleaved timings of a codec bench as its JSON cell: median and minimum seconds of every
+    variant, and clone's median over each other variant's (above 1: faster than copying the tensor)."""
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"seconds": median, "min_seconds": {name: min(ts) for name, ts in times.items()},
+            "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"}}
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

@@ -46,7 +46,6 @@ import os
 import signal
 import statistics
 import time
-import warnings
 from pathlib import Path
 from collections.abc import Callable
 
@@ -59,6 +58,8 @@ from torch.utils.checkpoint import checkpoint
 
 import edgetorch
 from edgetorch.activations import capacity
+from edgetorch.measure.counters import allocator_peak, count_host_syncs, kernel_profile
+from edgetorch.measure.timing import per_call, synchronize, wall_time
 
 MODELS = ("resnet18", "resnet50", "vgg11_bn", "mobilenet_v2")
 BATCH, SIZE, WARMUP, STEPS = 32, 224, 3, 10
@@ -68,7 +69,6 @@ COMPILE_S = 120
 TIME_TARGETS = {"dense": 1.05, "bitmap": 1.20, "backrazor": 1.30, "quantized": 1.30}  # step time vs plain
 SYNC_TARGETS = {"bitmap": 1, "backrazor": 0, "quantized": 0}  # host syncs per step, at most
 INPLACE_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.SiLU, nn.Hardswish, nn.LeakyReLU)
-LAUNCH_CALLS = ("LaunchKernel", "GraphLaunch", "LaunchCooperativeKernel")  # host-side launch API names
 
 
 class Stop(Exception):
@@ -191,85 +191,29 @@ class Runner:
         print(f"    {self.config.label}: {self.error}", flush=True)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(run: Callable[[], None], device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    run()
-    _sync(device)
-    return time.perf_counter() - start
-
-
-def peak_of(run: Callable[[], None], device) -> tuple[int | None, int | None]:
+def peak_of(run: Callable[[dict], None], device) -> tuple[int | None, int | None]:
     """Allocator peak of one step minus what was allocated before it, and the forward's increase."""
-    if device.type != "cuda":
-        run()
-        return None, None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
     marks: dict = {}
-    run(marks)
-    torch.cuda.synchronize()
-    forward = marks["forward_end"] - before if "forward_end" in marks else None
-    return torch.cuda.max_memory_allocated() - before, forward
+    peak = allocator_peak(lambda: run(marks), device)
+    if peak is None:
+        return None, None
+    return peak.increase, (marks["forward_end"] - peak.before if "forward_end" in marks else None)
 
 
 def syncs_of(run: Callable[[], None], device) -> int | None:
     """Host syncs one step makes: those torch's sync debug mode warns (reads of device values),
     plus edgetorch's waits for bitmap counts (``Event.synchronize``, which the mode does not see)."""
-    if device.type != "cuda":
-        return None
     waits = capacity.host_waits()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    _sync(device)
-    return sum("synchroniz" in str(w.message) for w in caught) + capacity.host_waits() - waits
+    syncs = count_host_syncs(run, device)
+    return None if syncs is None else syncs + capacity.host_waits() - waits
 
 
 def profile_of(run: Callable[[], None], device) -> dict:
     """One step under torch.profiler: wall ms, the sum of GPU kernel durations, kernel count,
     memcpy/memset count, and the host's launch API calls (a graph replay is one)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    # CUDA activity alone on a GPU: kernels, memcpy/memset and the runtime/driver API calls (launches)
-    # without an event per ATen op, which would slow the profiled step and the parsing.
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    _sync(device)
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        wall = time.perf_counter() - start
-    kernels = copies = launches = 0
-    kernel_ns = 0
-    results = getattr(prof.profiler, "kineto_results", None)
-    if results is not None:  # the raw events: no FunctionEvent tree to build
-        events = [(e.name(), e.device_type(), _duration_ns(e)) for e in results.events()]
-    else:
-        events = [(e.name, e.device_type, 1000 * e.time_range.elapsed_us()) for e in prof.events()]
-    for name, device_type, ns in events:
-        if device_type == torch.autograd.DeviceType.CUDA:
-            if name.startswith(("Memcpy", "Memset")):
-                copies += 1
-            else:
-                kernels += 1
-                kernel_ns += ns
-        elif any(k in name for k in LAUNCH_CALLS):
-            launches += 1
-    gpu = device.type == "cuda"
-    return {"profiled_wall_ms": 1e3 * wall, "kernel_ms": kernel_ns / 1e6 if gpu else None,
-            "kernels": kernels if gpu else None, "copies": copies if gpu else None,
-            "host_launch_calls": launches if gpu else None}
+    p = kernel_profile(run, device)
+    return {"profiled_wall_ms": 1e3 * p.wall_s, "kernel_ms": None if p.kernel_ns is None else p.kernel_ns / 1e6,
+            "kernels": p.kernels, "copies": p.copies, "host_launch_calls": p.launch_calls}
 
 
 def host_profile_of(run: Callable[[], None], device, top: int = 12) -> dict:
@@ -279,11 +223,11 @@ def host_profile_of(run: Callable[[], None], device, top: int = 12) -> dict:
     import cProfile
     import pstats
 
-    _sync(device)
+    synchronize(device)
     profiler = cProfile.Profile()
     profiler.enable()
     run()
-    _sync(device)
+    synchronize(device)
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, self, cumulative, callers)
     total = sum(v[2] for v in stats.values())
@@ -317,34 +261,20 @@ def launch_costs(device, calls: int = 300) -> list[dict]:
         "quantize": lambda: T.quantize(rows, 8, 64),
     }
 
-    def per_call(fn) -> float:
-        for _ in range(20):
-            fn()
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host = time.perf_counter() - start
-        _sync(device)
-        return host / calls * 1e6
+    def host_us(fn) -> float:
+        return per_call(fn, calls, warmup=20, device=device).wall_s * 1e6
 
     direct = T._DIRECT
     out = []
     try:
         for name, fn in calls_of.items():
             T._DIRECT = False
-            ordinary = per_call(fn)
+            ordinary = host_us(fn)
             T._DIRECT = direct
-            out.append({"call": name, "host_us_direct": per_call(fn) if direct else None, "host_us_triton": ordinary})
+            out.append({"call": name, "host_us_direct": host_us(fn) if direct else None, "host_us_triton": ordinary})
     finally:
         T._DIRECT = direct
     return out
-
-
-def _duration_ns(event) -> int:
-    if hasattr(event, "duration_ns"):
-        return event.duration_ns()
-    return int(1000 * event.duration_us())
 
 
 # -- one model ----------------------------------------------------------------------------------
@@ -402,7 +332,7 @@ def run_model(name: str, device: torch.device, batch: int, size: int, warmup: in
     times: dict[str, list[float]] = {r.config.label: [] for r in runners}
     for _ in range(steps):
         for r in runners:
-            t = _attempt(r, "timed step", lambda r=r: timed(lambda: r.step(x, y), device))
+            t = _attempt(r, "timed step", lambda r=r: wall_time(lambda: r.step(x, y), device))
             if t is not None:
                 times[r.config.label].append(t)
 
@@ -483,14 +413,14 @@ def run_compiled(name: str, device: torch.device, batch: int, size: int, warmup:
             for _ in range(warmup):
                 _attempt(runner, "compile and warm-up", lambda: runner.step(x, y))
             if runner.error is None:
-                _sync(device)
+                synchronize(device)
                 compile_s = time.perf_counter() - start
             for _ in range(warmup):
                 eager.step(x, y)
             times: dict[str, list[float]] = {"plain": [], "compiled": []}
             for _ in range(steps):
-                times["plain"].append(timed(lambda: eager.step(x, y), device))
-                t = _attempt(runner, "timed step", lambda: timed(lambda: runner.step(x, y), device))
+                times["plain"].append(wall_time(lambda: eager.step(x, y), device))
+                t = _attempt(runner, "timed step", lambda: wall_time(lambda: runner.step(x, y), device))
                 if t is not None:
                     times["compiled"].append(t)
             plain_peak, _ = peak_of(lambda marks=None: eager.step(x, y, marks=marks), device)

@@ -14,14 +14,14 @@ Usage: python bench/backrazor_rows.py
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.nn.functional as F
-from _common import machine, machine_line, table, write_results
+from _common import log, machine, machine_line, table, write_results
 from quantized_memory import BATCH, RESOLUTION, minilm_batch, photo_batch, random_model, step_times
 
 import edgetorch
+from edgetorch.measure.timing import interleave
 
 MODELS = {"vit_b_16": "torchvision:vit_b_16", "deit_tiny": "timm.models:deit_tiny_patch16_224",
           "swin_t": "torchvision:swin_t"}
@@ -72,20 +72,11 @@ def codec_times(shape: tuple[int, int, int], repeats: int = 15) -> dict:
     x = torch.randn(b, t, d, generator=torch.Generator().manual_seed(0))
     jobs = {"token": lambda: pack_topk(x.view(b * t, d), 0.9), "sample": lambda: pack_topk(x.view(b, t * d), 0.9),
             "gather": lambda: x.view(t, b, d).transpose(0, 1).reshape(b, -1)}
-    best = {k: math.inf for k in jobs}
-    for _ in range(repeats):  # interleaved
-        for k, job in jobs.items():
-            start = time.perf_counter()
-            job()
-            best[k] = min(best[k], time.perf_counter() - start)
-    return best
+    return {k: min(ts) for k, ts in interleave(jobs, repeats).items()}
 
 
 def main() -> None:
     info = machine()
-
-    def log(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
     log(machine_line(info))
     results = {}

@@ -28,6 +28,8 @@ from edgetorch import pack_bitmap
 from edgetorch.codecs.bitmap import pack_bitmap_capped, pack_torch, unpack_torch
 from edgetorch.codecs.mask import pack_mask
 from edgetorch.codecs.topk import pack_topk
+from edgetorch.measure.counters import kernel_profile
+from edgetorch.measure.timing import event_time, interleave
 
 SIZES = (10_000_000, 100_000_000)
 REPEATS = 11
@@ -37,34 +39,10 @@ COLUMNS = ("pack", "unpack", "capped_pack", "capped_unpack", "topk_pack", "topk_
            "torch_pack", "torch_unpack")
 
 
-def _time(fn, device: torch.device) -> float:
-    if device.type != "cuda":
-        import time
-
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3
-
-
 def _launches(fn, device: torch.device) -> int | None:
-    """GPU kernels (and memcpy/memset) that one call of ``fn`` puts on the stream (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
+    """GPU kernels (and memcpy/memset) that one warm call of ``fn`` puts on the stream (None off CUDA)."""
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return kernel_profile(fn, device).on_stream
 
 
 def measure(n: int, device: torch.device, repeats: int) -> dict:
@@ -91,11 +69,9 @@ def measure(n: int, device: torch.device, repeats: int) -> dict:
         "torch_pack": lambda: pack_torch(bits, 0),
         "torch_unpack": lambda: unpack_torch(ref[0], ref[1], n),
     }
-    times = {k: [] for k in ("clone", *variants)}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            times["clone"].append(_time(t.clone, device))
-            times[name].append(_time(fn, device))
+    # clone is timed right before every variant: each ratio compares neighbours
+    pairs = [pair for name, fn in variants.items() for pair in (("clone", t.clone), (name, fn))]
+    times = interleave(pairs, repeats, measure=lambda fn: event_time(fn, device))
     clone = statistics.median(times["clone"])
     return {"elements": n, "clone_seconds": clone,
             **{f"{k}_seconds": statistics.median(v) for k, v in times.items() if k != "clone"},

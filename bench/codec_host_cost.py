@@ -48,8 +48,6 @@ POLICIES = ("plain", "Dense()", "Bitmap()", "BackRazor(0.9)", "Quantized(bits=8)
 def measure(calls: int) -> dict[str, float]:
     """One round in this process: mean host us per call of each codec entry point."""
     os.environ["TRITON_INTERPRET"] = "1"  # the kernels module imports on a machine without a GPU
-    import time
-
     import torch
 
     from edgetorch.codecs import _cuda, _triton
@@ -57,6 +55,7 @@ def measure(calls: int) -> dict[str, float]:
     from edgetorch.codecs.mask import pack_mask
     from edgetorch.codecs.quantized import pack_quantized
     from edgetorch.codecs.topk import pack_topk
+    from edgetorch.measure.timing import per_call
 
     torch.manual_seed(0)
     x = torch.relu(torch.randn(32, 4096))
@@ -75,12 +74,7 @@ def measure(calls: int) -> dict[str, float]:
             "pack_quantized": lambda: pack_quantized(x, 8, group=64),
             "quantized unpack": quantized.unpack,
         }.items():
-            for _ in range(20):
-                fn()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            out[name] = (time.perf_counter() - start) / calls * 1e6
+            out[name] = per_call(fn, calls, warmup=20).wall_s * 1e6
         _triton._launch = _launch_writing_zero_counts
         out.update(_steps())
     return out

@@ -44,13 +44,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
 import torch
-from _common import write_results
+from _common import against_clone, table, write_results
 
 from edgetorch.codecs import _cpu_kernels, pack_bitmap
 from edgetorch.codecs._cpu_kernels import torch_ops
@@ -60,6 +59,7 @@ from edgetorch.codecs.narrow import pack_narrow
 from edgetorch.codecs.topk import kept_per_row, pack_topk
 from edgetorch.measure.footprint import first_call_footprint
 from edgetorch.measure.process import HONEST_MALLOC_ENV
+from edgetorch.measure.timing import interleave, interleave_rounds, per_call, within
 
 SIZES = {1_000_000: 21, 10_000_000: 11, 100_000_000: 5}  # elements -> repeats
 ZERO_FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -79,19 +79,6 @@ def _sparse(n: int, zero_fraction: float, seed: int) -> torch.Tensor:
     return t
 
 
-def _time(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _on_torch_ops(fn: Callable[[], object]) -> Callable[[], object]:
-    def run() -> object:
-        with torch_ops():
-            return fn()
-    return run
-
-
 def _without_hugepages(fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
         saved = _cpu_kernels._native.set_hugepage_min(-1)
@@ -100,16 +87,6 @@ def _without_hugepages(fn: Callable[[], object]) -> Callable[[], object]:
         finally:
             _cpu_kernels._native.set_hugepage_min(saved)
     return run
-
-
-def _rounds(rounds: list[tuple[int, dict[str, Callable[[], object]]]]) -> dict[str, list[float]]:
-    """Seconds of every variant; within a round, variants interleaved in each repeat."""
-    times: dict[str, list[float]] = {}
-    for count, variants in rounds:
-        for _ in range(count):
-            for name, fn in variants.items():
-                times.setdefault(name, []).append(_time(fn))
-    return times
 
 
 # --- 1. first call in a fresh process -------------------------------------------------------------
@@ -128,19 +105,11 @@ def fixed_cost(n: int) -> dict:
     packed = pack_bitmap(t)
     calls = max(200, 2_000_000 // max(n, 1_000))
     variants = {"pack": lambda: pack_bitmap(t), "unpack": packed.unpack, "clone": t.clone}
-    per_call: dict[str, list[float]] = {k: [] for k in variants}
-    cpu: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(15):
-        for name, fn in variants.items():
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            for _ in range(calls):
-                fn()
-            per_call[name].append((time.perf_counter() - start) / calls)
-            cpu[name].append((time.thread_time() - start_cpu) / calls)
+    costs = interleave(variants, 15, measure=lambda fn: per_call(fn, calls))
     return {"elements": n, "calls_per_batch": calls,
-            "seconds": {k: statistics.median(v) for k, v in per_call.items()},
-            "min_seconds": {k: min(v) for k, v in per_call.items()},
-            "thread_cpu_seconds": {k: statistics.median(v) for k, v in cpu.items()}}
+            "seconds": {k: statistics.median(c.wall_s for c in v) for k, v in costs.items()},
+            "min_seconds": {k: min(c.wall_s for c in v) for k, v in costs.items()},
+            "thread_cpu_seconds": {k: statistics.median(c.thread_s for c in v) for k, v in costs.items()}}
 
 
 # --- 3. throughput --------------------------------------------------------------------------------
@@ -166,33 +135,23 @@ def measure(n: int, zero_fraction: float, repeats: int, seed: int = 0) -> dict:
     assert torch.equal(packed.unpack(), t)
     # The torch path runs in its own round afterwards: its temporaries grow the heap, which would
     # otherwise change where the other variants' buffers come from.
-    rounds = [
-        (repeats, {
-            "clone": t.clone,
-            "pack": lambda: pack_bitmap(t),
-            "unpack": packed.unpack,
-            "pack_4k": _without_hugepages(lambda: pack_bitmap(t)),
-            "unpack_4k": _without_hugepages(packed.unpack),
-        }),
-    ]
+    rounds = [({
+        "clone": t.clone,
+        "pack": lambda: pack_bitmap(t),
+        "unpack": packed.unpack,
+        "pack_4k": _without_hugepages(lambda: pack_bitmap(t)),
+        "unpack_4k": _without_hugepages(packed.unpack),
+    }, repeats)]
     if n <= TORCH_PATH_MAX_ELEMENTS:
         with torch_ops():
             ref_bitmap, ref_values = pack_torch(bits, 0)
         assert torch.equal(ref_bitmap, packed.bitmap)
-        rounds.append((min(repeats, TORCH_PATH_MAX_REPEATS), {
-            "torch_pack": _on_torch_ops(lambda: pack_torch(bits, 0)),
-            "torch_unpack": _on_torch_ops(lambda: unpack_torch(ref_bitmap, ref_values, n)),
-        }))
-    times = _rounds(rounds)
-    median = {name: statistics.median(ts) for name, ts in times.items()}
-    return {
-        "elements": n,
-        "zero_fraction": round(1 - packed.nnz / n, 4),
-        "repeats": repeats,
-        "seconds": median,
-        "min_seconds": {name: min(ts) for name, ts in times.items()},
-        "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"},
-    }
+        rounds.append(({
+            "torch_pack": within(torch_ops, lambda: pack_torch(bits, 0)),
+            "torch_unpack": within(torch_ops, lambda: unpack_torch(ref_bitmap, ref_values, n)),
+        }, min(repeats, TORCH_PATH_MAX_REPEATS)))
+    times = interleave_rounds(rounds)
+    return {"elements": n, "zero_fraction": round(1 - packed.nnz / n, 4), "repeats": repeats, **against_clone(times)}
 
 
 def run_throughput(sizes: dict[int, int]) -> list[dict]:
@@ -231,10 +190,7 @@ def by_isa(sizes: tuple[int, ...], repeats: int) -> list[dict]:
                 return run
             variants[f"pack_{isa}"] = with_isa(lambda: pack_bitmap(t))
             variants[f"unpack_{isa}"] = with_isa(packed.unpack)
-        times = _rounds([(repeats, variants)])
-        median = {k: statistics.median(v) for k, v in times.items()}
-        rows.append({"elements": n, "seconds": median,
-                     "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"}})
+        rows.append({"elements": n, **against_clone(interleave(variants, repeats))})
     return rows
 
 
@@ -278,13 +234,13 @@ def topk(shape: tuple[int, int], repeats: int) -> dict:
     t = torch.randn(shape, generator=torch.Generator().manual_seed(3))
     native, old = pack_topk(t, 0.9), _old_pack_topk(t, 0.9)
     assert torch.equal(native.bitmap, old.bitmap) and torch.equal(native.values, old.values)
-    times = _rounds([(repeats, {
+    times = interleave({
         "clone": t.clone,
         "native": lambda: pack_topk(t, 0.9),
         "old_numpy": lambda: _old_pack_topk(t, 0.9),
-        "torch_fallback": _on_torch_ops(lambda: pack_topk(t, 0.9)),
+        "torch_fallback": within(torch_ops, lambda: pack_topk(t, 0.9)),
         "native_unpack": native.unpack,
-    })])
+    }, repeats)
     median = {k: statistics.median(v) for k, v in times.items()}
     return {"shape": list(shape), "sparsity": 0.9, "seconds": median,
             "min_seconds": {k: min(v) for k, v in times.items()},
@@ -302,14 +258,13 @@ def other_codecs(n: int, repeats: int) -> list[dict]:
     rows = []
     for name, pack in (("mask (x > 0)", lambda: pack_mask(x, 0.0)), ("narrow int64 indices", lambda: pack_narrow(idx))):
         packed = pack()
-        times = _rounds([(repeats, {
+        times = interleave({
             "clone": (x if name.startswith("mask") else idx).clone,
             "pack": pack, "unpack": packed.unpack,
-            "torch_pack": _on_torch_ops(pack), "torch_unpack": _on_torch_ops(packed.unpack),
-        })])
-        median = {k: statistics.median(v) for k, v in times.items()}
-        rows.append({"codec": name, "elements": (x if name.startswith("mask") else idx).numel(), "seconds": median,
-                     "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"}})
+            "torch_pack": within(torch_ops, pack), "torch_unpack": within(torch_ops, packed.unpack),
+        }, repeats)
+        rows.append({"codec": name, "elements": (x if name.startswith("mask") else idx).numel(),
+                     **against_clone(times)})
     return rows
 
 
@@ -341,6 +296,12 @@ def markdown(results: dict[str, list[dict]], extras: dict, first: list[dict], lo
     rss = sorted(r["rss_delta_bytes"] / 2**20 for r in first)
     call = sorted(1e3 * r["first_call_seconds"] for r in first)
     imp = sorted(1e3 * r["import_seconds"] for r in first)
+
+    def fixed_row(row: dict) -> list[str]:
+        s, m, c = row["seconds"], row["min_seconds"], row["thread_cpu_seconds"]
+        return [f"{row['elements']:,}", f"{_us(s['pack'])} ({_us(m['pack'])})", f"{_us(s['unpack'])} ({_us(m['unpack'])})",
+                _us(s["pack"] + s["unpack"]), _us(c["pack"]), _us(c["unpack"]), _us(s["clone"])]
+
     lines = [
         f"1-min load average {load[0]} at start, {load[1]} at end (shared machine). Codec kernels: "
         f"`{_cpu_kernels.build_description()}`; {torch.get_num_threads()} torch threads.",
@@ -350,11 +311,10 @@ def markdown(results: dict[str, list[dict]], extras: dict, first: list[dict], lo
         f"{len(first)} fresh processes: `import torch`, a 1,000-element fp32 tensor, then `import edgetorch`, "
         "`pack_bitmap` and `unpack`. RSS is read from /proc before `import edgetorch` and after the unpack.",
         "",
-        "| | median | max |",
-        "|---|---:|---:|",
-        f"| RSS added over `import torch` (MiB) | {statistics.median(rss):.2f} | {rss[-1]:.2f} |",
-        f"| first `pack_bitmap` + `unpack` (ms) | {statistics.median(call):.3f} | {call[-1]:.3f} |",
-        f"| `import edgetorch` (ms) | {statistics.median(imp):.1f} | {imp[-1]:.1f} |",
+        table(["", "median", "max"], [
+            ["RSS added over `import torch` (MiB)", f"{statistics.median(rss):.2f}", f"{rss[-1]:.2f}"],
+            ["first `pack_bitmap` + `unpack` (ms)", f"{statistics.median(call):.3f}", f"{call[-1]:.3f}"],
+            ["`import edgetorch` (ms)", f"{statistics.median(imp):.1f}", f"{imp[-1]:.1f}"]]),
         "",
         "## Fixed cost per call",
         "",
@@ -363,15 +323,9 @@ def markdown(results: dict[str, list[dict]], extras: dict, first: list[dict], lo
         "inflate. Below 2 x 32,768 elements the kernels run on the calling thread only; `clone` "
         "may use torch's threads.",
         "",
-        "| elements | pack_bitmap us | unpack us | pack + unpack us | pack CPU us | unpack CPU us | clone us |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in extras["fixed_cost"]:
-        s, m, c = row["seconds"], row["min_seconds"], row["thread_cpu_seconds"]
-        lines.append(f"| {row['elements']:,} | {_us(s['pack'])} ({_us(m['pack'])}) | {_us(s['unpack'])} "
-                     f"({_us(m['unpack'])}) | {_us(s['pack'] + s['unpack'])} | {_us(c['pack'])} | "
-                     f"{_us(c['unpack'])} | {_us(s['clone'])} |")
-    lines += [
+        table(["elements", "pack_bitmap us", "unpack us", "pack + unpack us", "pack CPU us", "unpack CPU us",
+               "clone us"],
+              [fixed_row(row) for row in extras["fixed_cost"]]),
         "",
         "## Bitmap throughput (fp32)",
         "",
@@ -391,16 +345,13 @@ def markdown(results: dict[str, list[dict]], extras: dict, first: list[dict], lo
             "",
             f"### {regime}",
             "",
-            "| elements | zeros | clone ms | pack ms | unpack ms | pack | unpack | pack 4k "
-            "| unpack 4k | torch pack | torch unpack |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            table(["elements", "zeros", "clone ms", "pack ms", "unpack ms", "pack", "unpack", "pack 4k", "unpack 4k",
+                   "torch pack", "torch unpack"],
+                  [[f"{row['elements']:,}", f"{100 * row['zero_fraction']:.0f}%",
+                    *(_ms(row["seconds"][k]) for k in ("clone", "pack", "unpack")),
+                    *(f"{row['ratio_to_clone'][k]:.2f}x" if k in row["ratio_to_clone"] else "–" for k in RATIO_COLUMNS)]
+                   for row in rows]),
         ]
-        for row in rows:
-            t, r = row["seconds"], row["ratio_to_clone"]
-            ms = [_ms(t[k]) for k in ("clone", "pack", "unpack")]
-            ratios = [f"{r[k]:.2f}x" if k in r else "–" for k in RATIO_COLUMNS]
-            cells = [f"{row['elements']:,}", f"{100 * row['zero_fraction']:.0f}%", *ms, *ratios]
-            lines.append("| " + " | ".join(cells) + " |")
     if extras["by_isa"]:
         isas = [k.removeprefix("pack_") for k in extras["by_isa"][0]["ratio_to_clone"] if k.startswith("pack_")]
         lines += [
@@ -411,13 +362,11 @@ def markdown(results: dict[str, list[dict]], extras: dict, first: list[dict], lo
             "`generic` is the portable C that every other CPU runs (ARM boards included; there the "
             "compiler vectorises it for NEON, not measured here).",
             "",
-            "| elements | clone ms | " + " | ".join(f"pack {i} | unpack {i}" for i in isas) + " |",
-            "|---:|---:|" + "---:|" * (2 * len(isas)),
+            table(["elements", "clone ms", *(f"{k} {i}" for i in isas for k in ("pack", "unpack"))],
+                  [[f"{row['elements']:,}", _ms(row["seconds"]["clone"]),
+                    *(f"{_ms(row['seconds'][k + i])} ({row['ratio_to_clone'][k + i]:.2f}x)"
+                      for i in isas for k in ("pack_", "unpack_"))] for row in extras["by_isa"]]),
         ]
-        for row in extras["by_isa"]:
-            r, s = row["ratio_to_clone"], row["seconds"]
-            cells = [f"{_ms(s[k + i])} ({r[k + i]:.2f}x)" for i in isas for k in ("pack_", "unpack_")]
-            lines.append(f"| {row['elements']:,} | {_ms(s['clone'])} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "## Per-row top-k (fp32, sparsity 0.9)",
@@ -426,29 +375,23 @@ def markdown(results: dict[str, list[dict]], extras: dict, first: list[dict], lo
         "the path it replaced (numpy introselect on two threads + torch ops); `torch`: the fallback "
         "(`kthvalue` on the magnitude bits). Milliseconds, medians.",
         "",
-        "| rows x row length | clone ms | native ms | old numpy ms | torch ms | native vs old numpy "
-        "| native vs torch | clone / native | unpack ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in extras["topk"]:
-        s, sp = row["seconds"], row["native_speedup"]
-        lines.append(
-            f"| {row['shape'][0]} x {row['shape'][1]:,} | {_ms(s['clone'])} | {_ms(s['native'])} | "
-            f"{_ms(s['old_numpy'])} | {_ms(s['torch_fallback'])} | {sp['old_numpy']:.2f}x faster | "
-            f"{sp['torch_fallback']:.2f}x faster | {row['ratio_to_clone']['native']:.2f}x | {_ms(s['native_unpack'])} |")
-    lines += [
+        table(["rows x row length", "clone ms", "native ms", "old numpy ms", "torch ms", "native vs old numpy",
+               "native vs torch", "clone / native", "unpack ms"],
+              [[f"{row['shape'][0]} x {row['shape'][1]:,}",
+                *(_ms(row["seconds"][k]) for k in ("clone", "native", "old_numpy", "torch_fallback")),
+                *(f"{row['native_speedup'][k]:.2f}x faster" for k in ("old_numpy", "torch_fallback")),
+                f"{row['ratio_to_clone']['native']:.2f}x", _ms(row["seconds"]["native_unpack"])]
+               for row in extras["topk"]]),
         "",
         "## Mask and integer narrowing",
         "",
         "Ratio to clone of the input; `torch`: the fallback.",
         "",
-        "| codec | elements | clone ms | pack | unpack | torch pack | torch unpack |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        table(["codec", "elements", "clone ms", "pack", "unpack", "torch pack", "torch unpack"],
+              [[row["codec"], f"{row['elements']:,}", _ms(row["seconds"]["clone"]),
+                *(f"{row['ratio_to_clone'][k]:.2f}x" for k in ("pack", "unpack", "torch_pack", "torch_unpack"))]
+               for row in extras["other_codecs"]]),
     ]
-    for row in extras["other_codecs"]:
-        r = row["ratio_to_clone"]
-        lines.append(f"| {row['codec']} | {row['elements']:,} | {_ms(row['seconds']['clone'])} | {r['pack']:.2f}x | "
-                     f"{r['unpack']:.2f}x | {r['torch_pack']:.2f}x | {r['torch_unpack']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

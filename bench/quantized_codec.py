@@ -39,16 +39,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
-from _common import table, write_results
+from _common import against_clone, table, write_results
 
 from edgetorch.codecs import _cpu_kernels, pack_quantized
 from edgetorch.codecs._cpu_kernels import torch_ops
+from edgetorch.measure.timing import interleave, interleave_rounds, within
 
 SIZES = {2**16: 201, 2**18: 101, 2**20: 101, 2**22: 41, 2**24: 15}  # elements -> repeats (a noisy shared VM)
 QUICK_SIZES = {2**16: 31, 2**18: 15, 2**20: 9}
@@ -61,38 +60,8 @@ TARGET_FROM = 2**20  # the goal: pack and unpack (8, 4, 2 bits) at least as fast
 ONE_THREAD_SIZES = {2**20: 101, 2**22: 41}
 
 
-def _time(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _rounds(rounds: list[tuple[int, dict[str, Callable[[], object]]]]) -> dict[str, list[float]]:
-    """Seconds of every variant; within a round, variants interleaved in each repeat."""
-    times: dict[str, list[float]] = {}
-    for count, variants in rounds:
-        for _ in range(count):
-            for name, fn in variants.items():
-                times.setdefault(name, []).append(_time(fn))
-    return times
-
-
-def _on_torch_ops(fn: Callable[[], object]) -> Callable[[], object]:
-    def run() -> object:
-        with torch_ops():
-            return fn()
-    return run
-
-
 def _cell(times: dict[str, list[float]], n: int, repeats: int) -> dict:
-    median = {name: statistics.median(ts) for name, ts in times.items()}
-    return {
-        "elements": n,
-        "repeats": repeats,
-        "seconds": median,
-        "min_seconds": {name: min(ts) for name, ts in times.items()},
-        "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"},
-    }
+    return {"elements": n, "repeats": repeats, **against_clone(times)}
 
 
 def throughput(n: int, repeats: int) -> dict:
@@ -105,16 +74,14 @@ def throughput(n: int, repeats: int) -> dict:
         variants[f"pack{bits}"] = lambda bits=bits: pack_quantized(x, bits)
         variants[f"unpack{bits}"] = packed[bits].unpack
     variants["pack8_stochastic"] = lambda: pack_quantized(x, 8, seed=1)
-    rounds = [(repeats, variants)]
+    rounds = [(variants, repeats)]
     if n <= TORCH_MAX_ELEMENTS:
         with torch_ops():  # the reference writes the same bytes (tests pin it; checked once here)
             ref = pack_quantized(x, 8)
             assert torch.equal(ref.codes, packed[8].codes) and torch.equal(ref.unpack(), packed[8].unpack())
-        rounds.append((min(repeats, TORCH_MAX_REPEATS), {
-            "torch_pack8": _on_torch_ops(lambda: pack_quantized(x, 8)),
-            "torch_unpack8": _on_torch_ops(ref.unpack),
-        }))
-    return _cell(_rounds(rounds), n, repeats)
+        rounds.append(({"torch_pack8": within(torch_ops, lambda: pack_quantized(x, 8)),
+                        "torch_unpack8": within(torch_ops, ref.unpack)}, min(repeats, TORCH_MAX_REPEATS)))
+    return _cell(interleave_rounds(rounds), n, repeats)
 
 
 def one_thread(n: int, repeats: int) -> dict:
@@ -128,7 +95,7 @@ def one_thread(n: int, repeats: int) -> dict:
         for bits in BITS:
             variants[f"pack{bits}"] = lambda bits=bits: pack_quantized(x, bits)
             variants[f"unpack{bits}"] = packed[bits].unpack
-        return _cell(_rounds([(repeats, variants)]), n, repeats)
+        return _cell(interleave(variants, repeats), n, repeats)
     finally:
         torch.set_num_threads(saved)
 
@@ -139,8 +106,8 @@ def element_types(n: int, repeats: int) -> list[dict]:
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
         x = torch.randn(n // ROW, ROW, generator=torch.Generator().manual_seed(1)).to(dtype)
         packed, into = pack_quantized(x, 8), torch.empty_like(x)
-        times = _rounds([(repeats, {"clone": x.clone, "copy": lambda x=x, into=into: into.copy_(x),
-                                    "pack8": lambda x=x: pack_quantized(x, 8), "unpack8": packed.unpack})])
+        times = interleave({"clone": x.clone, "copy": lambda x=x, into=into: into.copy_(x),
+                            "pack8": lambda x=x: pack_quantized(x, 8), "unpack8": packed.unpack}, repeats)
         rows.append({"dtype": str(dtype).removeprefix("torch."), **_cell(times, n, repeats)})
     return rows
 

@@ -22,7 +22,6 @@ Outputs: docs/results/reduce_conv.{json,md,png}. Run: ``.venv/bin/python bench/r
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 
 import matplotlib
@@ -30,7 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from _common import RESULTS_DIR, table, write_results  # noqa: E402
+from _common import RESULTS_DIR, log, table, write_results  # noqa: E402
 from torch import nn  # noqa: E402
 
 from edgetorch.data import load_dataset  # noqa: E402
@@ -41,10 +40,6 @@ NAME = "reduce_conv"
 ALPHAS = (0.3, 0.5, 0.7, 0.8, 0.9)
 CALIBRATION = 2_000
 LATENCY_BATCH, LATENCY_ROUNDS = 256, 15
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torchvision
@@ -27,6 +28,7 @@ from _common import median, table, timed_step, write_results
 from torch import nn
 
 import edgetorch
+from edgetorch.measure.timing import interleave, ratios
 
 MODEL, RESOLUTION, BATCH = "resnet18", 224, 16
 # The issues' bounds: lossless bitmap (BitTrain) and Back Razor at 90% sparsity (issue 10: 1.10x).
@@ -121,24 +123,22 @@ def main() -> None:
         for name in names:
             train_step(model, optimizer, x, y, CONFIGS[name])
 
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]  # no config always runs first
-        for name in order:
-            times[name].append(train_step(model, optimizer, x, y, CONFIGS[name]))
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names),
-              flush=True)  # fmt: skip
+    def progress(r: int, times: dict[str, list[float]]) -> None:
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names), flush=True)
+
+    # rotated per round so that no configuration always runs first; each step times itself
+    times = interleave({name: partial(train_step, model, optimizer, x, y, CONFIGS[name]) for name in names},
+                       args.rounds, rotate=True, measure=lambda step: step(), each_round=progress)
 
     base_min = min(times[BASELINE])
     rows, results = [], {}
     for name in names:
-        paired = median(t / b for t, b in zip(times[name], times[BASELINE]))
+        vs = ratios(times[name], times[BASELINE])
         results[name] = {"policy": None if CONFIGS[name] is None else CONFIGS[name].spec(),
                          "seconds": times[name], "median_s": median(times[name]), "min_s": min(times[name]),
-                         "ratio_of_minima": min(times[name]) / base_min,
-                         "median_paired_ratio": paired}  # fmt: skip
+                         "ratio_of_minima": vs.of_minima, "median_paired_ratio": vs.median_paired}  # fmt: skip
         rows.append([name, f"{median(times[name]):.3f}", f"{min(times[name]):.3f}",
-                     f"{max(times[name]):.3f}", f"{min(times[name]) / base_min:.3f}x", f"{paired:.3f}x"])  # fmt: skip
+                     f"{max(times[name]):.3f}", f"{vs.of_minima:.3f}x", f"{vs.median_paired:.3f}x"])  # fmt: skip
 
     # Codec breakdown: separate bitmap steps with the codec calls timed, one clock per step.
     clocks = []

@@ -41,6 +41,8 @@ from torch import nn
 import edgetorch
 from edgetorch.activations import roles
 from edgetorch.activations.held import alias
+from edgetorch.measure.counters import count_calls
+from edgetorch.measure.timing import ratios, rotation
 
 ARCHS = ("resnet18", "mobilenet_v2")
 RESOLUTION, BATCH, CLASSES = 32, 2, 10
@@ -112,23 +114,6 @@ class Bench:
         return (time.perf_counter() - start) / steps
 
 
-@contextlib.contextmanager
-def count_dispatch():
-    """Count calls of ``OpWatch.__torch_dispatch__`` (patched on the class, restored after)."""
-    original = vars(roles.OpWatch)["__torch_dispatch__"]
-    calls = [0]
-
-    def counting(self, *args, **kwargs):
-        calls[0] += 1
-        return original(self, *args, **kwargs)
-
-    roles.OpWatch.__torch_dispatch__ = counting
-    try:
-        yield calls
-    finally:
-        roles.OpWatch.__torch_dispatch__ = original
-
-
 def plain_saved_count(bench: Bench) -> int:
     """Tensors autograd saves in one plain step, counted by identity saved_tensors_hooks."""
     count = [0]
@@ -145,17 +130,16 @@ def plain_saved_count(bench: Bench) -> int:
 
 def one_step_counts(bench: Bench, policy: edgetorch.Policy | BareHooks | None) -> dict:
     """Dispatch-mode calls and packed tensors of one untimed step."""
-    if not isinstance(policy, edgetorch.Policy):  # the same packs as plain
-        with count_dispatch() as calls:
+    with count_calls(roles.OpWatch, "__torch_dispatch__") as calls:
+        if not isinstance(policy, edgetorch.Policy):  # the same packs as plain
             saved = plain_saved_count(bench)
-        return {"dispatch_calls": calls[0], "saved_count": saved}
-    with count_dispatch() as calls:
-        scope = bench.step(policy)
-    return {"dispatch_calls": calls[0], "saved_count": scope.saved_count}
+        else:
+            saved = bench.step(policy).saved_count
+    return {"dispatch_calls": calls.count, "saved_count": saved}
 
 
-def verdict(ratios: tuple[float, float], bound: float) -> str:
-    return "met" if max(ratios) <= bound else "NOT met"
+def verdict(measured: tuple[float, float], bound: float) -> str:
+    return "met" if max(measured) <= bound else "NOT met"
 
 
 def main() -> None:
@@ -187,9 +171,8 @@ def main() -> None:
 
     times: dict[str, dict[str, list[float]]] = {arch: {n: [] for n in names} for arch in ARCHS}
     for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]  # no config always runs first
         for arch, bench in benches.items():
-            for name in order:
+            for name in rotation(names, r):  # no config always runs first
                 times[arch][name].append(bench.block(CONFIGS[name], args.block_steps))
         print(f"round {r + 1}/{rounds}: " + "; ".join(
             f"{arch} " + " ".join(f"{1e3 * times[arch][n][-1]:.1f}" for n in names) for arch in ARCHS) + " ms/step",
@@ -204,12 +187,11 @@ def main() -> None:
     sections, verdicts = [], []
     for arch in ARCHS:
         base = times[arch][BASELINE]
-        base_min = min(base)
         rows = []
         for name in names:
             t = times[arch][name]
-            paired = median(a / b for a, b in zip(t, base))
-            minima = min(t) / base_min
+            vs = ratios(t, base)
+            paired, minima = vs.median_paired, vs.of_minima
             bound = TARGETS.get(name)
             results[arch][name] = {
                 "policy": CONFIGS[name].spec() if isinstance(CONFIGS[name], edgetorch.Policy) else None,

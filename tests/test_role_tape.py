@@ -12,20 +12,14 @@ from torch.nn import functional as F
 
 import edgetorch as et
 from edgetorch.activations import roles, tape
+from edgetorch.measure.counters import count_calls
 
 
 @pytest.fixture()
-def dispatches(monkeypatch):
+def dispatches():
     """Counts the role dispatch mode's calls (one per ATen op it sees)."""
-    calls = [0]
-    original = roles.OpWatch.__torch_dispatch__
-
-    def counted(self, *args, **kwargs):
-        calls[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(roles.OpWatch, "__torch_dispatch__", counted)
-    return calls
+    with count_calls(roles.OpWatch, "__torch_dispatch__") as calls:
+        yield calls
 
 
 def run(model, x, y, policy, ledger=None):
@@ -57,13 +51,13 @@ def test_steady_state_runs_no_dispatch_mode_and_matches_watching(name, policy, d
             m.train()  # batch statistics: batch norm's input stays exact (a training need)
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
     run(model, x, y, policy, et.SavedTensorLedger())  # records the tape (with a ledger: roles too)
-    before = dispatches[0]
+    before = dispatches.count
     assert before > 0
     ledger = et.SavedTensorLedger()
     grads, block = run(model, x, y, policy, ledger)  # a ledger must not switch watching back on
-    assert dispatches[0] == before, "the dispatch mode ran on a steady-state step"
+    assert dispatches.count == before, "the dispatch mode ran on a steady-state step"
     grads_plain, _ = run(model, x, y, policy)
-    assert dispatches[0] == before
+    assert dispatches.count == before
     ref_ledger = et.SavedTensorLedger()
     ref, ref_block = watched(model, x, y, policy, ref_ledger)
     assert block.saved_count == ref_block.saved_count
@@ -99,9 +93,9 @@ def test_a_step_that_leaves_its_tape_watches_the_rest_and_stays_exact(dispatches
     for use_relu in (True, True, False, False, True, False, True):
         model.use_relu = use_relu
         ledger = et.SavedTensorLedger()
-        before = dispatches[0]
+        before = dispatches.count
         grads, _ = run(model, x, y, policy, ledger)
-        watched_steps.append(dispatches[0] > before)
+        watched_steps.append(dispatches.count > before)
         ref_ledger = et.SavedTensorLedger()
         ref, _ = watched(model, x, y, policy, ref_ledger)
         names = [name for name, _ in model.named_parameters()]
@@ -126,9 +120,9 @@ def test_each_input_size_gets_its_own_tape(dispatches):
     for x, y in batches:
         run(model, x, y, policy)
     for x, y in batches * 2:  # the last, smaller batch of an epoch, then the next epoch
-        before = dispatches[0]
+        before = dispatches.count
         grads, _ = run(model, x, y, policy)
-        assert dispatches[0] == before
+        assert dispatches.count == before
         assert all(torch.equal(a, b) for a, b in zip(grads, watched(model, x, y, policy)[0]))
 
 

@@ -1,0 +1,213 @@
+"""What one call of a callable does, counted: calls of a patched function, host syncs, GPU kernels
+and the host's launch calls (``torch.profiler``), and the CUDA caching allocator's peak.
+
+The device counts are CUDA facts: off CUDA they are ``None`` (not measured), never 0.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .timing import synchronize
+
+# The host-side CUDA API calls that launch work (a CUDA graph replay is one launch).
+LAUNCH_CALLS = ("LaunchKernel", "GraphLaunch", "LaunchCooperativeKernel")
+
+
+def _cuda(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+@dataclass
+class CallCount:
+    """Calls counted so far (read it while the counting block is open or after it closed)."""
+
+    count: int = 0
+
+
+@contextmanager
+def count_calls(owner: object, name: str) -> Iterator[CallCount]:
+    """Count the calls of ``owner.name`` (a function of a module, or a method defined on a class)
+    while the block runs; the attribute is put back when it ends.
+
+    Args:
+        owner: the module or class that holds the function.
+        name: its attribute name.
+
+    Returns:
+        A context manager that yields the running :class:`CallCount`.
+
+    Raises:
+        AttributeError: ``owner`` has no attribute ``name``.
+
+    Example:
+        >>> import math
+        >>> with count_calls(math, "sqrt") as calls:
+        ...     _ = [math.sqrt(4.0) for _ in range(3)]
+        >>> calls.count
+        3
+    """
+    original = getattr(owner, name)
+    own = vars(owner).get(name)  # restored as it was found (an inherited method: deleted again)
+    counted = CallCount()
+
+    def counting(*args, **kwargs):
+        counted.count += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counting)
+    try:
+        yield counted
+    finally:
+        if own is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
+
+
+def count_host_syncs(fn: Callable[[], object], device: torch.device | str) -> int | None:
+    """Host syncs one call of ``fn`` makes: the warnings of ``torch.cuda.set_sync_debug_mode("warn")``,
+    one per synchronizing call (a device value read on the host, ``nonzero``, a blocking copy).
+
+    Waits the debug mode does not see (``Event.synchronize``, ``Stream.synchronize``) are not in it:
+    a caller that makes such waits counts them itself. The device is synchronized after the call.
+
+    Args:
+        fn: the call to watch.
+        device: where its work runs.
+
+    Returns:
+        The count; ``None`` off CUDA, where ``fn`` is not called.
+
+    Example:
+        >>> count_host_syncs(lambda: None, "cpu") is None
+        True
+    """
+    if not _cuda(device):
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    synchronize(device)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """One call under ``torch.profiler``. Device counts are ``None`` off CUDA."""
+
+    wall_s: float  # wall time of the profiled call, profiler overhead included
+    kernel_ns: float | None  # nanoseconds, the sum of its GPU kernels' durations (memcpy/memset not included)
+    kernels: int | None  # GPU kernel events
+    copies: int | None  # memcpy and memset events on the device
+    launch_calls: int | None  # the host's kernel and graph launch API calls
+
+    @property
+    def on_stream(self) -> int | None:
+        """Kernels plus copies: everything the call put on the device's stream."""
+        return None if self.kernels is None else self.kernels + self.copies
+
+
+def _duration_ns(event) -> int:
+    if hasattr(event, "duration_ns"):
+        return event.duration_ns()
+    return int(1000 * event.duration_us())
+
+
+def kernel_profile(fn: Callable[[], object], device: torch.device | str) -> KernelProfile:
+    """Run ``fn`` once under ``torch.profiler`` and count what it ran on the device.
+
+    On CUDA only CUDA activity is recorded: kernels, memcpy/memset and the runtime and driver API
+    calls (the launches), without an event per ATen op, which would slow the profiled call and the
+    counting. The device is synchronized before the call and, inside the timed span, after it.
+
+    Args:
+        fn: the call to profile.
+        device: where its work runs; off CUDA the call runs under CPU activity and only its wall
+            time is reported.
+
+    Returns:
+        The call's :class:`KernelProfile`.
+
+    Example:
+        >>> kernel_profile(lambda: torch.ones(4).sum(), "cpu").kernels is None
+        True
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = _cuda(device)
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    if not gpu:
+        return KernelProfile(wall, None, None, None, None)
+    kernels = copies = launches = kernel_ns = 0
+    results = getattr(prof.profiler, "kineto_results", None)
+    if results is not None:  # the raw events: no FunctionEvent tree to build
+        events = [(e.name(), e.device_type(), _duration_ns(e)) for e in results.events()]
+    else:
+        events = [(e.name, e.device_type, 1000 * e.time_range.elapsed_us()) for e in prof.events()]
+    for name, device_type, ns in events:
+        if device_type == torch.autograd.DeviceType.CUDA:
+            if name.startswith(("Memcpy", "Memset")):
+                copies += 1
+            else:
+                kernels += 1
+                kernel_ns += ns
+        elif any(k in name for k in LAUNCH_CALLS):
+            launches += 1
+    return KernelProfile(wall, kernel_ns, kernels, copies, launches)
+
+
+@dataclass(frozen=True)
+class AllocatorPeak:
+    """The CUDA caching allocator around one call, in bytes."""
+
+    before: int  # allocated when the call began
+    peak: int  # the most allocated at once during it
+
+    @property
+    def increase(self) -> int:
+        """What the call added at its peak over what was allocated before it."""
+        return self.peak - self.before
+
+
+def allocator_peak(fn: Callable[[], object], device: torch.device | str) -> AllocatorPeak | None:
+    """The CUDA caching allocator's peak during one call of ``fn``.
+
+    The device is synchronized and the allocator's peak reset before the call, and synchronized
+    after it; blocks held in the cache but not allocated are not counted.
+
+    Args:
+        fn: the call to measure.
+        device: where its work runs.
+
+    Returns:
+        What was allocated before and at the peak; ``None`` off CUDA (``fn`` still runs once).
+
+    Example:
+        >>> allocator_peak(lambda: None, "cpu") is None
+        True
+    """
+    if not _cuda(device):
+        fn()
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return AllocatorPeak(before, torch.cuda.max_memory_allocated(device))
