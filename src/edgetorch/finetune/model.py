@@ -38,15 +38,22 @@ def classifier_name(model: nn.Module) -> str:
     return names[-1]
 
 
-def replace_classifier(model: nn.Module, num_classes: int) -> bool:
+def replace_classifier(model: nn.Module, num_classes: int, *, new_task: bool = False) -> bool:
     """Give ``model`` a new classifier with ``num_classes`` outputs, unless it has that many.
+
+    Args:
+        model: the model (its classifier is found with :func:`classifier_name`).
+        num_classes: outputs of the new classifier.
+        new_task: replace it even when it has ``num_classes`` outputs: a model trained on other
+            classes, as many as the new task's (transfer from classes 0-4 to 5-9), has a head
+            that maps features to the wrong labels.
 
     Returns:
         Whether a new classifier was made (from the current torch RNG).
     """
     name = classifier_name(model)
     old = model.get_submodule(name)
-    if old.out_features == num_classes:
+    if old.out_features == num_classes and not new_task:
         return False
     parent_name, _, attr = name.rpartition(".")
     new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None,

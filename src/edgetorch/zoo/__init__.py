@@ -1,5 +1,7 @@
-"""Small reference models, their pretraining recipes (the zoo's, the layer-reduction paper's networks), and model-spec resolution."""
+"""Small reference models, their pretraining recipes (the zoo's, the layer-reduction paper's networks), MiniLM-L6 as a
+text classifier with its fine-tuning recipe, and model-spec resolution."""
 
+from .minilm import MiniLMClassifier, minilm_optimizer, minilm_path, text_accuracy
 from .models import MLP, BasicBlock, PlainCNN, SmallResNet
 from .paper import PAPER_HIDDEN, PAPER_RECIPES, PaperRecipe, paper_mlp
 from .pretrain import (
@@ -18,6 +20,7 @@ from ..weights import CheckpointError, load_weights, read_weights, save_weights
 
 __all__ = [
     "MLP",
+    "MiniLMClassifier",
     "PAPER_HIDDEN",
     "PAPER_RECIPES",
     "RECIPES",
@@ -36,6 +39,8 @@ __all__ = [
     "input_channels",
     "load_pretrained",
     "load_weights",
+    "minilm_optimizer",
+    "minilm_path",
     "paper_mlp",
     "pretrain",
     "pretrained",
@@ -43,5 +48,6 @@ __all__ = [
     "redraw_batchnorm",
     "redraw_zero_weights",
     "save_weights",
+    "text_accuracy",
     "torchvision_classification_models",
 ]
