@@ -33,7 +33,7 @@ from _common import table, write_results
 from torch import nn
 
 from edgetorch.data import load_dataset
-from edgetorch.reduce.allocate import solve_graph_allocation
+from edgetorch.reduce.allocation import solve_graph_allocation
 from edgetorch.reduce.graph import channel_graph
 from edgetorch.reduce.graph_problem import make_graph_problem
 from edgetorch.reduce.grouped import group_orders, group_statistics

@@ -5,7 +5,7 @@ norms, 224 px, 1,000 classes) the grouped problem of ``reduce_grouped(..., "prun
 that function builds it: ``channel_graph`` + ``group_statistics`` on a fixed calibration set (the
 first CALIBRATION Fashion-MNIST test images, upsampled to 224 px and repeated over RGB) +
 ``group_orders(correlated=True)`` + ``make_graph_problem``. At every alpha in ALPHAS it then runs
-the three allocations of :func:`edgetorch.reduce.allocate.solve_graph_allocation` (exact,
+the three allocations of :func:`edgetorch.reduce.allocation.solve_graph_allocation` (exact,
 PSO with seed 0, uniform) and records J, seconds and the exact solver's proven gap. The target
 checked: exact J <= PSO J (and <= uniform J) everywhere.
 
@@ -100,7 +100,7 @@ def load_problem_data(name: str):
 
 def solve_exact_only(names, alphas) -> dict[str, list[dict]]:
     """The exact solver alone on each model's cached problem (what the baseline subprocess runs)."""
-    from edgetorch.reduce.allocate import solve_graph_allocation
+    from edgetorch.reduce.allocation import solve_graph_allocation
     from edgetorch.reduce.graph_problem import make_graph_problem
 
     results = {}
@@ -148,7 +148,7 @@ def run(models, alphas, revision: str | None) -> None:
     import torch
     from _common import table, write_results
 
-    from edgetorch.reduce.allocate import solve_graph_allocation
+    from edgetorch.reduce.allocation import solve_graph_allocation
     from edgetorch.reduce.graph_problem import make_graph_problem
 
     torch.set_num_threads(1)

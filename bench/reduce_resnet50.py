@@ -33,7 +33,7 @@ from torch import nn
 
 from edgetorch.data import load_dataset
 from edgetorch.reduce import count_macs
-from edgetorch.reduce.allocate import solve_graph_allocation
+from edgetorch.reduce.allocation import solve_graph_allocation
 from edgetorch.reduce.graph import channel_graph
 from edgetorch.reduce.graph_problem import make_graph_problem
 from edgetorch.reduce.grouped import group_orders, group_statistics, prune_groups

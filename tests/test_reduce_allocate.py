@@ -1,4 +1,4 @@
-"""reduce.allocate: every allocation feasible; "optimal" equals brute force on random small instances."""
+"""reduce.allocation: every allocation feasible; "optimal" equals brute force on random small instances."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgetorch.reduce import allocate, solve_allocation
+from edgetorch.reduce import solve_allocation
 from edgetorch.reduce.problem import full_cost, lowrank_cost, make_problem, prune_cost
 
 
@@ -121,7 +121,7 @@ def test_paper_fig1_toy_problem_by_enumeration():
     errors = [eq14_curve(rng.gamma(1.0, size=10)), eq14_curve(rng.gamma(1.0, size=5))]
     widths = [10, 5, 5]
     best, problem = brute_force(errors, widths, 0.5, "prune")
-    theta = allocate(errors, widths, 0.5, "prune", "optimal")
+    theta = solve_allocation(errors, widths, 0.5, "prune", "optimal").theta
     assert problem.feasible(theta) and problem.objective(theta) == pytest.approx(best, rel=1e-12)
     assert problem.cost(theta) <= 37  # 75 multiplications in full, at most half kept
     pso = solve_allocation(errors, widths, 0.5, "prune", "pso")
@@ -131,17 +131,17 @@ def test_paper_fig1_toy_problem_by_enumeration():
 def test_alpha_zero_keeps_everything():
     widths = [6, 5, 4, 3]
     prune = [[0] + [1.0 / v for v in range(1, w + 1)] for w in widths[:-1]]
-    assert allocate(prune, widths, 0.0, "prune") == [6, 5, 4]
+    assert solve_allocation(prune, widths, 0.0, "prune").theta == [6, 5, 4]
     ranks = [[0] + [1.0 / v for v in range(1, min(a, b) + 1)] for a, b in zip(widths[:-1], widths[1:])]
-    assert allocate(ranks, widths, 0.0, "lowrank") == [5, 4, 3]
-    assert allocate(prune, widths, 0.0, "prune", "uniform") == [6, 5, 4]
+    assert solve_allocation(ranks, widths, 0.0, "lowrank").theta == [5, 4, 3]
+    assert solve_allocation(prune, widths, 0.0, "prune", "uniform").theta == [6, 5, 4]
 
 
 def test_pso_is_seeded():
     widths = [30, 20, 10, 5]
     rng = np.random.default_rng(0)
     errors = [eq14_curve(rng.gamma(1.0, size=w)) for w in widths[:-1]]
-    runs = [allocate(errors, widths, 0.6, "prune", "pso", seed=s) for s in (3, 3)]
+    runs = [solve_allocation(errors, widths, 0.6, "prune", "pso", seed=s).theta for s in (3, 3)]
     assert runs[0] == runs[1]
 
 
@@ -197,4 +197,4 @@ def test_bad_input_is_rejected_clearly(kwargs, fragment):
     args = {"errors": [[0, 3, 2, 1, 0], [0, 1, 0]], "widths": [4, 2, 2], "alpha": 0.2,
             "method": "prune", "allocation": "optimal", **kwargs}
     with pytest.raises(ValueError, match=fragment):
-        allocate(args["errors"], args["widths"], args["alpha"], args["method"], args["allocation"])
+        solve_allocation(args["errors"], args["widths"], args["alpha"], args["method"], args["allocation"]).theta

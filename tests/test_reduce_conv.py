@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetorch.reduce import KeepFeatures, count_macs, load, reduce, reduce_model, save
+from edgetorch.reduce import KeepFeatures, count_macs, load, reduce_model, save
 from edgetorch.reduce.curves import correlated_order, power_order
 from edgetorch.reduce.sequential import input_statistics, pruned, weight_layers
 
@@ -80,7 +80,7 @@ def test_naive_pruning_moves_a_constant_channel_into_the_next_layer_bias(small_c
 def test_pruned_input_channels_are_selected_on_dim_1_and_checkpoints_round_trip(tmp_path, cnn_and_data):
     model, x = cnn_and_data
     for method in ("prune", "lowrank"):
-        small = reduce(model, 0.8, method, calibration=x)
+        small = reduce_model(model, 0.8, method, calibration=x).model
         path = tmp_path / f"{method}.safetensors"
         save(small, path, {"alpha": 0.8})
         loaded, record = load(path)
@@ -101,21 +101,21 @@ def test_pruned_input_channels_are_selected_on_dim_1_and_checkpoints_round_trip(
 def test_unsupported_convolutional_networks_are_rejected_clearly(cnn_and_data):
     model, x = cnn_and_data
     with pytest.raises(ValueError, match="pass calibration="):
-        reduce(model, 0.5, "lowrank")
+        reduce_model(model, 0.5, "lowrank").model
     # Low-rank factors what it can (the 1x1 convolution); the grouped one keeps its 648 of 720 MACs.
     grouped = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.ReLU(), nn.Conv2d(4, 2, 1))
     with pytest.raises(ValueError, match="648 of them are in layers that cannot be factored .grouped"):
-        reduce(grouped, 0.5, "lowrank", calibration=torch.rand(2, 4, 5, 5))
-    assert count_macs(reduce(grouped, 0.02, "lowrank", calibration=torch.rand(2, 4, 5, 5)), torch.rand(1, 4, 5, 5)) == 702
+        reduce_model(grouped, 0.5, "lowrank", calibration=torch.rand(2, 4, 5, 5)).model
+    assert count_macs(reduce_model(grouped, 0.02, "lowrank", calibration=torch.rand(2, 4, 5, 5)).model, torch.rand(1, 4, 5, 5)) == 702
     # Not a chain, but channel groups (edgetorch.reduce.grouped) prune it: a per-feature norm after
     # the Flatten loses each channel's block of features.
     per_feature = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.BatchNorm1d(4 * 36), nn.Linear(4 * 36, 2)).eval()
     x = torch.rand(8, 3, 8, 8)
-    small = reduce(per_feature, 0.5, "prune", calibration=x)
+    small = reduce_model(per_feature, 0.5, "prune", calibration=x).model
     assert count_macs(small, x[:1]) <= 0.5 * count_macs(per_feature, x[:1]) and small(x).shape == (8, 2)
     residual = nn.Sequential(nn.Conv2d(3, 4, 3), nn.LayerNorm(6), nn.Conv2d(4, 2, 1))
     with pytest.raises(TypeError, match="does not act on each unit separately.*LayerNorm"):
-        reduce(residual, 0.5, "prune", calibration=torch.rand(4, 3, 8, 8))
+        reduce_model(residual, 0.5, "prune", calibration=torch.rand(4, 3, 8, 8)).model
 
 
 def test_count_macs_counts_transposed_convolutions_by_brute_force():

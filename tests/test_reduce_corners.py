@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetorch.reduce import count_macs, load, reduce, reduce_model, save
+from edgetorch.reduce import count_macs, load, reduce_model, save
 from edgetorch.reduce.api import ReductionPath, reduction_path
 from edgetorch.reduce.factored import Factored
 from edgetorch.reduce.sequential import KeepFeatures
@@ -74,8 +74,8 @@ def test_a_sequential_with_its_own_forward_is_no_chain():
         weight_layers(Skip(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
     # Low-rank does not need a chain: the skip connection is kept and both layers may be factored.
     model, x = Skip(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)).eval(), torch.randn(8, 16)
-    assert torch.equal(reduce(model, 0.0, "lowrank", calibration=x)(x), model(x))
-    small = reduce(model, 0.5, "lowrank", calibration=x)
+    assert torch.equal(reduce_model(model, 0.0, "lowrank", calibration=x).model(x), model(x))
+    small = reduce_model(model, 0.5, "lowrank", calibration=x).model
     assert type(small) is Skip and count_macs(small, x) <= 0.5 * count_macs(model, x)
 
 
@@ -89,7 +89,7 @@ def resnet_and_data():
 @pytest.mark.parametrize("allocation", ["optimal", "uniform", "pso"])
 def test_lowrank_factors_a_residual_network_layer_by_layer(tmp_path, resnet_and_data, allocation):
     model, x = resnet_and_data
-    assert torch.equal(reduce(model, 0.0, "lowrank", allocation, calibration=x)(x), model(x))
+    assert torch.equal(reduce_model(model, 0.0, "lowrank", allocation, calibration=x).model(x), model(x))
     result = reduce_model(model, 0.5, "lowrank", allocation, calibration=x)
     full, macs = count_macs(model, x[:1]), count_macs(result.model, x[:1])
     assert macs == result.allocation.cost == sum(f.macs for f in result.layers) and 1 - macs / full >= 0.5
@@ -125,7 +125,7 @@ def test_lowrank_on_torchvision_resnet18(tmp_path):
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).eval()
     x = torch.rand(2, 3, 32, 32)
-    assert torch.equal(reduce(model, 0.0, "lowrank", "uniform", calibration=x)(x), model(x))
+    assert torch.equal(reduce_model(model, 0.0, "lowrank", "uniform", calibration=x).model(x), model(x))
     for allocation in ("optimal", "uniform"):
         result = reduce_model(model, 0.5, "lowrank", allocation, calibration=x)
         assert 1 - count_macs(result.model, x[:1]) / count_macs(model, x[:1]) >= 0.5
@@ -138,7 +138,7 @@ def test_lowrank_on_torchvision_resnet18(tmp_path):
 @pytest.mark.parametrize("method", ["prune", "lowrank"])
 def test_load_takes_what_save_returns_for_a_chain(tmp_path, cnn_and_data, method):
     model, x = cnn_and_data
-    small = reduce(model, 0.5, method, calibration=x)
+    small = reduce_model(model, 0.5, method, calibration=x).model
     json_path = save(small, tmp_path / "small.safetensors", {"method": method})
     assert json_path.suffix == ".json"
     for path in (json_path, tmp_path / "small.safetensors"):
@@ -157,7 +157,7 @@ def test_a_tampered_factored_record_is_refused(tmp_path, resnet_and_data, factor
     from edgetorch.zoo import CheckpointError
 
     model, x = resnet_and_data
-    json_path = save(reduce(model, 0.5, "lowrank", "uniform", calibration=x), tmp_path / "small.safetensors")
+    json_path = save(reduce_model(model, 0.5, "lowrank", "uniform", calibration=x).model, tmp_path / "small.safetensors")
     record = json.loads(json_path.read_text())
     json_path.write_text(json.dumps({**record, "factored": factored}))
     with pytest.raises(CheckpointError, match=fragment):

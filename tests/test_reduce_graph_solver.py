@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgetorch.reduce.allocate import solve_graph_allocation
+from edgetorch.reduce.allocation import solve_graph_allocation
 from edgetorch.reduce.graph import ChannelGraph, ChannelGroup, CostTerm
 from edgetorch.reduce.graph_exact import TOLERANCE, _Graph, _min_over_line_sets, elimination_plan
 from edgetorch.reduce.graph_problem import GraphProblem, make_graph_problem

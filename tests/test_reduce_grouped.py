@@ -19,8 +19,8 @@ import torch
 import torchvision
 from torch import nn
 
-from edgetorch.reduce import count_macs, load, reduce, reduce_model, save
-from edgetorch.reduce.allocate import solve_graph_allocation
+from edgetorch.reduce import count_macs, load, reduce_model, save
+from edgetorch.reduce.allocation import solve_graph_allocation
 from edgetorch.reduce.graph_exact import TOLERANCE
 from edgetorch.reduce.graph import ChannelGraph, ChannelGroup, CostTerm, channel_graph
 from edgetorch.reduce.graph_problem import make_graph_problem
@@ -76,7 +76,7 @@ def test_residual_groups_tie_the_stream_to_its_consumers():
 @pytest.mark.parametrize("method", ["prune", "prune-ls"])
 def test_alpha_zero_leaves_the_outputs_identical(network, method):
     name, model, x = network
-    small = reduce(model, 0.0, method, "optimal", calibration=x)
+    small = reduce_model(model, 0.0, method, "optimal", calibration=x).model
     with torch.no_grad():
         torch.testing.assert_close(small(x), model(x), atol=1e-7, rtol=0)
 
@@ -199,7 +199,7 @@ def test_densenet_concatenations_reduce_within_budget(tmp_path):
     assert graph.cost() == count_macs(model, x[:1])
     assert any(len(t.inputs) > 2 for t in graph.terms)  # a layer reading many groups' channels
     with torch.no_grad():
-        torch.testing.assert_close(reduce(model, 0.0, calibration=x)(x), model(x), atol=1e-7, rtol=0)
+        torch.testing.assert_close(reduce_model(model, 0.0, calibration=x).model(x), model(x), atol=1e-7, rtol=0)
     result = reduce_model(model, 0.5, "prune", "optimal", calibration=x)
     assert count_macs(result.model, x[:1]) == result.allocation.cost <= 0.5 * count_macs(model, x[:1])
     # The uniform allocation of the same curves (no second reduction: only its J is compared).
@@ -216,15 +216,15 @@ def test_unsupported_layers_and_methods_are_refused_by_name():
     with torch.device("meta"):  # refused before any forward pass: no need for real (slowly initialised) weights
         resnext = torchvision.models.get_model("resnext50_32x4d", weights=None, num_classes=10).eval()
     with pytest.raises(TypeError, match=r"layer 'layer1.0.conv2' \(Conv2d, groups=32\): a grouped convolution"):
-        reduce(resnext, 0.5, calibration=x)
+        reduce_model(resnext, 0.5, calibration=x).model
     with pytest.raises(ValueError, match="alpha=0.999 is infeasible"):
-        reduce(model, 0.999, calibration=x)
+        reduce_model(model, 0.999, calibration=x).model
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     model, x = build("resnet18")
-    small = reduce(model, 0.5, "prune", "uniform", calibration=x)
+    small = reduce_model(model, 0.5, "prune", "uniform", calibration=x).model
     path = tmp_path_factory.mktemp("ckpt") / "small.safetensors"
     return save(small, path), x
 
@@ -267,7 +267,7 @@ def test_a_model_without_a_known_constructor_needs_source():
             return self.head(h.mean((2, 3)))
 
     model, x = Net().eval(), torch.rand(8, 3, 10, 10)
-    small = reduce(model, 0.3, calibration=x)  # a residual sum ties a and b
+    small = reduce_model(model, 0.3, calibration=x).model  # a residual sum ties a and b
     assert small.a.out_channels == small.b.out_channels == small.head.in_features < 8
     with pytest.raises(ValueError, match="pass source="):
         save(small, "/nonexistent/x.safetensors")

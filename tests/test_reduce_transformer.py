@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetorch.reduce.allocate import solve_graph_allocation
+from edgetorch.reduce.allocation import solve_graph_allocation
 from edgetorch.reduce.graph_problem import make_graph_problem
 from edgetorch.reduce.knapsack import solve_separable
 from edgetorch.reduce.transformer import (block_statistics, cost_graph, count_transformer_macs, head_order,

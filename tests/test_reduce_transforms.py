@@ -13,7 +13,6 @@ from edgetorch.reduce import (
     KeepFeatures,
     count_macs,
     load,
-    reduce,
     reduce_model,
     save,
 )
@@ -43,7 +42,7 @@ NETWORKS = ["mlp_and_data", "cnn_and_data"]  # conftest.py
 @pytest.mark.parametrize("allocation", ["optimal", "uniform"])
 def test_alpha_zero_gives_identical_outputs(request, network, method, allocation):
     model, x = request.getfixturevalue(network)
-    small = reduce(model, 0.0, method, allocation, calibration=x)
+    small = reduce_model(model, 0.0, method, allocation, calibration=x).model
     assert torch.equal(small(x), model(x))
 
 
@@ -142,7 +141,7 @@ def test_naive_pruning_moves_a_constant_neuron_into_the_bias():
 @pytest.mark.parametrize("method", ["prune", "lowrank"])
 def test_checkpoint_roundtrip_without_pickle(tmp_path, mlp_and_data, method):
     model, x = mlp_and_data
-    small = reduce(model, 0.85, method, calibration=x, prune_input=True)
+    small = reduce_model(model, 0.85, method, calibration=x, prune_input=True).model
     if method == "prune":
         assert any(isinstance(m, KeepFeatures) for m in small)
     json_path = save(small, tmp_path / "small.safetensors", {"alpha": 0.85})
@@ -158,14 +157,14 @@ def test_checkpoint_roundtrip_without_pickle(tmp_path, mlp_and_data, method):
 def test_bad_inputs_are_rejected(mlp_and_data):
     model, x = mlp_and_data
     with pytest.raises(ValueError, match="needs calibration"):
-        reduce(model, 0.5, "prune")
+        reduce_model(model, 0.5, "prune").model
     with pytest.raises(ValueError, match="unknown method"):
-        reduce(model, 0.5, "svd")
+        reduce_model(model, 0.5, "svd").model
     with pytest.raises(ValueError, match="unknown allocation"):
-        reduce(model, 0.5, "lowrank", allocation="greedy")
+        reduce_model(model, 0.5, "lowrank", allocation="greedy").model
     with pytest.raises(TypeError, match="no nn.Linear or groups=1 nn.Conv2d layer: low-rank has nothing"):
-        reduce(nn.Module(), 0.5, "lowrank", calibration=x)
+        reduce_model(nn.Module(), 0.5, "lowrank", calibration=x).model
     with pytest.raises(ValueError, match="not an nn.Sequential chain, needs example inputs"):
-        reduce(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)), 0.5, "lowrank")
+        reduce_model(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)), 0.5, "lowrank").model
     with pytest.raises(ValueError, match="infeasible"):
-        reduce(model, 0.999, "lowrank")
+        reduce_model(model, 0.999, "lowrank").model

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..data import load_dataset
-from ..reduce import count_macs, reduce, reduce_model
+from ..reduce import count_macs, reduce_model
 from ..zoo import evaluate_accuracy, pretrained
 
 # The CNN has far less redundancy than the 2-hidden-layer MLP, so it is shown at smaller budgets.
@@ -38,7 +38,7 @@ def _reduce_table(console: Console, name: str) -> None:
     calibration = train.tensors[0][:500]
     one = test.tensors[0][:1]
     full_macs = count_macs(model, one)
-    if not torch.equal(reduce(model, 0.0, "prune", calibration=calibration)(test.tensors[0]),
+    if not torch.equal(reduce_model(model, 0.0, "prune", calibration=calibration).model(test.tensors[0]),
                        model(test.tensors[0])):
         raise SystemExit(f"reduce of the zoo {name} at alpha = 0 changed the outputs")
 

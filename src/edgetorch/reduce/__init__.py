@@ -1,6 +1,6 @@
 """Layer reduction (Mauch & Yang): per-layer pruning / low-rank factors for a multiplication budget.
 
-``allocate`` solves the allocation problem (eq. 15) on its own; ``reduce`` applies it to a
+``solve_allocation`` solves the allocation problem (eq. 15) on its own; ``reduce_model`` applies it to a
 trained MLP or plain CNN (an ``nn.Sequential`` chain, see ``edgetorch.reduce.sequential``), or to
 any other CNN by its coupled channel groups (``edgetorch.reduce.grouped``), or to a BERT/ViT
 transformer by its attention heads and MLP units (``edgetorch.reduce.transformer``), and returns a
@@ -13,8 +13,10 @@ One vocabulary throughout: every ``method=`` takes a word of :data:`METHODS` and
 ``allocation=`` a word of :data:`ALLOCATIONS`, as do ``edgetorch reduce --method/--allocation``.
 """
 
-from .allocate import ALLOCATIONS, Allocation, allocate, solve_allocation
-from .api import LayerFactor, Reduction, reduce, reduce_model
+from typing import Any
+
+from .allocation import ALLOCATIONS, Allocation, solve_allocation
+from .api import LayerFactor, Reduction, reduce_model
 from .grouped import GroupFactor
 from .checkpoint import architecture, load, save
 from .latency import LatencyComparison, compare_latency
@@ -39,17 +41,25 @@ __all__ = [
     "ReduceRun",
     "Reduction",
     "TransformerReduction",
-    "allocate",
     "architecture",
     "compare_latency",
     "count_macs",
     "count_transformer_macs",
     "load",
     "recover",
-    "reduce",
     "reduce_model",
     "reduce_transformer",
     "run_reduction",
     "save",
     "solve_allocation",
 ]
+
+# Names folded into the record-returning ones (each returned one field of the other): say where.
+_FOLDED = {"reduce": "reduce_model(...).model", "allocate": "solve_allocation(...).theta"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FOLDED:
+        raise AttributeError(f"edgetorch.reduce.{name} was folded into {_FOLDED[name].split('(')[0]}: use "
+                             f"{_FOLDED[name]}, which returns the same value")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``reduce``: a trained network in, a physically smaller one out, at a total multiplication budget."""
+"""``reduce_model``: a trained network in, a physically smaller one out, at a total multiplication budget."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .._checks import check_choice
-from .allocate import ALLOCATIONS, Allocation, solve_allocation
+from .allocation import ALLOCATIONS, Allocation, solve_allocation
 from .factored import lowrank_curves
 from .grouped import GroupFactor, reduce_grouped
 from .lowrank import reduce_lowrank
@@ -166,19 +166,55 @@ def reduce_model(
     seed: int = 0,
     prune_input: bool = False,
 ) -> Reduction:
-    """Like :func:`reduce`, also returning the allocation and the per-layer factor table.
+    """Reduce a trained network so that at least ``alpha`` of its multiplications are saved.
+
+    Args:
+        model: an ``nn.Sequential`` of Linear layers and elementwise activations (a Flatten may
+            come first), e.g. :class:`edgetorch.zoo.MLP`; or a plain CNN: ``Conv2d`` layers with
+            batch norm, activations and pooling between them, one ``Flatten``, then Linear layers
+            (see :mod:`edgetorch.reduce.sequential`); nested ``nn.Sequential`` containers that
+            compute such a chain are reduced as it and keep their structure. Convolutions lose
+            output channels (pruning) or become a thin convolution + 1x1 convolution (low-rank).
+            Any other CNN (residual, depthwise, concatenating, squeeze-excitation: torchvision,
+            timm, the zoo's SmallResNet) is pruned by channel groups (:mod:`edgetorch.reduce.grouped`,
+            needs ``pip install 'edgetorch[reduce]'``), or factored layer by layer under low-rank
+            (:mod:`edgetorch.reduce.lowrank`: every Linear and ``groups=1`` Conv2d on its own).
+            A model with Hugging Face BERT-style layers or torchvision ViT encoder blocks loses
+            attention heads and MLP hidden units (:mod:`edgetorch.reduce.transformer`; calibration
+            is then token ids or images).
+        alpha: total reduction factor in [0, 1) (eq. 7 / 11).
+        method: one of :data:`METHODS`: ``"prune"`` (the paper's naive pruning: keep the
+            highest-power neurons), ``"prune-ls"`` (correlation-aware: pivoted-Cholesky selection
+            and least-squares refit of the next layer) or ``"lowrank"`` (SVD, no data needed).
+        allocation: one of :data:`ALLOCATIONS`: ``"optimal"`` (exact solution of eq. 15),
+            ``"pso"`` (the paper's solver) or ``"uniform"`` (the same factor in every layer; for
+            low-rank the paper's baseline: the last layer dense, one factor for the others).
+        calibration: unlabeled input samples ``[N, ...]`` (pruning; low-rank on a convolutional
+            network or one that is not a chain reads only their shape, to count output positions).
+        seed: PSO seed.
+        prune_input: pruning a chain, also prune the network's input features (the paper's
+            ``M~_0``, read through a :class:`~edgetorch.reduce.sequential.KeepFeatures` gather); by
+            default the input is kept whole and pruned only when the budget cannot be met
+            otherwise: on the zoo MLP that was as accurate and faster at batch 1 and 64
+            (``bench/reduce_input_selection.py``).
+
+    Returns:
+        The :class:`Reduction`: ``model``, a new, smaller module in eval mode (the input model is
+        not modified); the method; the :class:`Allocation` record (J, cost, solver time, proven
+        gap); and one :class:`LayerFactor` per weight layer.
+
+    Raises:
+        ValueError: unknown method or allocation, missing calibration data, infeasible alpha.
+        TypeError: an unsupported architecture (the message names the layer and the reason).
+        ImportError: a network that is not a chain, without Torch-Pruning installed.
 
     The network goes down the path :func:`reduction_path` names for it.
 
-    Args:
-        model, alpha, method, allocation, calibration, seed, prune_input: see :func:`reduce`.
-
-    Returns:
-        The :class:`Reduction`: the smaller model, the method, the :class:`Allocation` record
-        (J, cost, solver time, proven gap) and one :class:`LayerFactor` per weight layer.
-
     Example:
-        >>> result = reduce_model(model, 0.5, "lowrank", allocation="optimal")
+        >>> small = reduce_model(model, 0.5, "prune", calibration=images[:1000]).model
+        >>> count_macs(small, images[:1]) <= 0.5 * count_macs(model, images[:1])
+        True
+        >>> result = reduce_model(model, 0.5, "lowrank")
         >>> result.allocation.alpha >= 0.5 and all(f.rank is not None for f in result.layers)
         True
     """
@@ -292,60 +328,3 @@ _PATHS = {
     ReductionPath.LOWRANK_LAYERS: _lowrank_layers,
     ReductionPath.CHANNEL_GROUPS: _channel_groups,
 }
-
-
-def reduce(
-    model: nn.Module,
-    alpha: float,
-    method: str = "prune",
-    allocation: str = "optimal",
-    calibration: torch.Tensor | None = None,
-    seed: int = 0,
-    prune_input: bool = False,
-) -> nn.Module:
-    """Reduce a trained network so that at least ``alpha`` of its multiplications are saved.
-
-    Args:
-        model: an ``nn.Sequential`` of Linear layers and elementwise activations (a Flatten may
-            come first), e.g. :class:`edgetorch.zoo.MLP`; or a plain CNN: ``Conv2d`` layers with
-            batch norm, activations and pooling between them, one ``Flatten``, then Linear layers
-            (see :mod:`edgetorch.reduce.sequential`); nested ``nn.Sequential`` containers that
-            compute such a chain are reduced as it and keep their structure. Convolutions lose
-            output channels (pruning) or become a thin convolution + 1x1 convolution (low-rank).
-            Any other CNN (residual, depthwise, concatenating, squeeze-excitation: torchvision,
-            timm, the zoo's SmallResNet) is pruned by channel groups (:mod:`edgetorch.reduce.grouped`,
-            needs ``pip install 'edgetorch[reduce]'``), or factored layer by layer under low-rank
-            (:mod:`edgetorch.reduce.lowrank`: every Linear and ``groups=1`` Conv2d on its own).
-            A model with Hugging Face BERT-style layers or torchvision ViT encoder blocks loses
-            attention heads and MLP hidden units (:mod:`edgetorch.reduce.transformer`; calibration
-            is then token ids or images).
-        alpha: total reduction factor in [0, 1) (eq. 7 / 11).
-        method: one of :data:`METHODS`: ``"prune"`` (the paper's naive pruning: keep the
-            highest-power neurons), ``"prune-ls"`` (correlation-aware: pivoted-Cholesky selection
-            and least-squares refit of the next layer) or ``"lowrank"`` (SVD, no data needed).
-        allocation: one of :data:`ALLOCATIONS`: ``"optimal"`` (exact solution of eq. 15),
-            ``"pso"`` (the paper's solver) or ``"uniform"`` (the same factor in every layer; for
-            low-rank the paper's baseline: the last layer dense, one factor for the others).
-        calibration: unlabeled input samples ``[N, ...]`` (pruning; low-rank on a convolutional
-            network or one that is not a chain reads only their shape, to count output positions).
-        seed: PSO seed.
-        prune_input: pruning a chain, also prune the network's input features (the paper's
-            ``M~_0``, read through a :class:`~edgetorch.reduce.sequential.KeepFeatures` gather); by
-            default the input is kept whole and pruned only when the budget cannot be met
-            otherwise: on the zoo MLP that was as accurate and faster at batch 1 and 64
-            (``bench/reduce_input_selection.py``).
-
-    Returns:
-        A new, smaller module in eval mode; the input model is not modified.
-
-    Raises:
-        ValueError: unknown method or allocation, missing calibration data, infeasible alpha.
-        TypeError: an unsupported architecture (the message names the layer and the reason).
-        ImportError: a network that is not a chain, without Torch-Pruning installed.
-
-    Example:
-        >>> small = reduce(model, 0.5, "prune", calibration=images[:1000])
-        >>> count_macs(small, images[:1]) <= 0.5 * count_macs(model, images[:1])
-        True
-    """
-    return reduce_model(model, alpha, method, allocation, calibration, seed, prune_input).model

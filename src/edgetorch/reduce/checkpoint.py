@@ -84,7 +84,7 @@ def architecture(model: nn.Sequential) -> dict[str, Any]:
     """The JSON-able description of a reduced (or full) supported network.
 
     Args:
-        model: an ``nn.Sequential`` of the modules :func:`edgetorch.reduce.reduce` produces.
+        model: an ``nn.Sequential`` of the modules :func:`edgetorch.reduce.reduce_model` produces.
 
     Returns:
         ``{"format": ..., "modules": [...]}``.
@@ -345,7 +345,7 @@ def save(model: nn.Module, path: str | Path, extra: dict[str, Any] | None = None
         TypeError: a module that the JSON architecture cannot describe.
 
     Example:
-        >>> save(reduce(model, 0.5, "lowrank"), "small.safetensors", {"alpha": 0.5})
+        >>> save(reduce_model(model, 0.5, "lowrank").model, "small.safetensors", {"alpha": 0.5})
         PosixPath('small.json')
     """
     path = Path(path)

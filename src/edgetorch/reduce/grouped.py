@@ -13,7 +13,7 @@
    consumer contributes only its diagonal, since it cannot recover a dropped channel from the
    others (its output channel is dropped with its input);
 3. allocates kept channels per group under the MAC budget (``optimal`` / ``pso`` / ``uniform``,
-   :func:`edgetorch.reduce.allocate.solve_graph_allocation`);
+   :func:`edgetorch.reduce.allocation.solve_graph_allocation`);
 4. keeps the ``k_g`` first channels of each group's order and rewrites every dense consumer on
    its kept inputs (the dropped channels' means move into its bias, or, for ``prune-ls``, a
    least-squares refit over all of the consumer's kept inputs), then lets Torch-Pruning delete the
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .allocate import Allocation, solve_graph_allocation
+from .allocation import Allocation, solve_graph_allocation
 from .curves import correlated_order, power_order
 from .graph import ChannelGraph, CostTerm, channel_graph
 from .graph_problem import make_graph_problem

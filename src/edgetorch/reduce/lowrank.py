@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .allocate import Allocation, solve_allocation
+from .allocation import Allocation, solve_allocation
 from .factored import factor_layer, lowrank_curves, svd_of
 from .macs import count_macs, hooked_eval
 from .problem import budget_for, layer_lowrank_cost
@@ -119,7 +119,7 @@ def reduce_lowrank(model: nn.Module, alpha: float, allocation: str, example: tor
     Args:
         model: any module (it is not modified).
         alpha: total reduction factor in [0, 1), of the whole network's multiplications.
-        allocation: one of :data:`~edgetorch.reduce.allocate.ALLOCATIONS`.
+        allocation: one of :data:`~edgetorch.reduce.allocation.ALLOCATIONS`.
         example: input samples; only their shape is used (output positions).
         seed: PSO seed.
 

@@ -155,7 +155,7 @@ def make_problem(
     scales: Sequence[int] | None = None,
     shapes: Sequence[tuple[int, int]] | None = None,
 ) -> Problem:
-    """Validate the inputs of :func:`edgetorch.reduce.allocate` and build the problem.
+    """Validate the inputs of :func:`edgetorch.reduce.solve_allocation` and build the problem.
 
     Args:
         errors: per weight layer, ``J_l(v)`` for ``v = 0..upper_l`` (see the module docstring).

@@ -121,7 +121,7 @@ def recover(model: nn.Module, train: TensorDataset, config: RecoverConfig = Reco
         ValueError: ``config.distill`` without a teacher, or fewer training samples than a batch.
 
     Example:
-        >>> history = recover(reduce(model, 0.7, "prune-ls", calibration=x), train,
+        >>> history = recover(reduce_model(model, 0.7, "prune-ls", calibration=x).model, train,
         ...                    RecoverConfig(epochs=2, distill=True), teacher=model, test=test)
         >>> history.accuracy_after >= history.accuracy_before
         True

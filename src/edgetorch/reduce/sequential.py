@@ -100,7 +100,7 @@ def check_chain(model: nn.Module) -> list[int]:
     if not isinstance(model, nn.Sequential) or type(model).forward is not nn.Sequential.forward:
         raise TypeError(
             f"expected an nn.Sequential chain, got {type(model).__name__}, whose forward is its own code: "
-            "residual additions, concatenations or branches make it no chain; reduce() prunes such a network "
+            "residual additions, concatenations or branches make it no chain; reduce_model() prunes such a network "
             "by channel groups and factors its layers one by one (low-rank)")
     children = list(model)
     weights = [i for i, m in enumerate(children) if isinstance(m, WEIGHT_LAYERS)]

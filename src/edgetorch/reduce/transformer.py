@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .._checks import check_choice
-from .allocate import ALLOCATIONS, Allocation, solve_graph_allocation
+from .allocation import ALLOCATIONS, Allocation, solve_graph_allocation
 from .curves import correlated_order, power_order, tail_over_head
 from .graph import ChannelGraph, ChannelGroup, CostTerm
 from .graph_problem import make_graph_problem

@@ -63,20 +63,38 @@ def solve_allocation(
     scales: Sequence[int] | None = None,
     shapes: Sequence[tuple[int, int]] | None = None,
 ) -> Allocation:
-    """Like :func:`allocate`, returning the full :class:`Allocation` record (J, cost, time, gap).
+    """Per-layer kept neurons (pruning) or ranks (low-rank) minimising ``sum_l J_l`` (eq. 15).
 
     Args:
-        errors, widths, alpha, method, allocation, scales, shapes: see :func:`allocate`.
+        errors: per weight layer l = 1..L, the curve ``J_l(v)`` for v = 0..M_{l-1} (pruning:
+            kept input neurons) or v = 0..K_l, K_l = min(M_{l-1}, M_l) (low-rank: rank; full
+            rank keeps the layer dense). Index 0 is never chosen.
+        widths: ``[M_0, ..., M_L]``, input first.
+        alpha: the minimum total reduction factor, in [0, 1).
+        method: one of :data:`METHODS`; it picks the cost model: ``"prune"`` and ``"prune-ls"``
+            count eq. 7, ``"lowrank"`` counts eq. 11.
+        allocation: one of :data:`ALLOCATIONS`: ``"optimal"`` (the exact optimum of eq. 15),
+            ``"pso"`` (the paper's particle swarm on the relaxation, projected to a feasible
+            integer point) or ``"uniform"`` (the same factor everywhere).
         seed: PSO seed.
         time_limit: the optimal allocation's time limit in seconds (past it, the best choice
             found so far is returned with its proven gap).
+        scales: per weight layer, multiplications per unit pair ``s_l`` (a convolution's kernel
+            area x output positions when its units are channels); default all 1 (the paper's MLP).
+        shapes: low-rank only, in place of ``widths``: per weight layer ``(m_in, m_out)`` of its
+            weight matrix (a convolution's is ``(C_in k_h k_w, C_out)``), which need not chain.
 
     Returns:
-        The allocation record.
+        The :class:`Allocation`: ``theta``, the chosen ``[M~_0, ..., M~_{L-1}]`` or ``[k_1, ..., k_L]``
+        meeting ``1 - cost/total >= alpha``, with its J, cost, solver, time and proven gap.
+
+    Raises:
+        ValueError: unknown method or allocation, wrong curve lengths, NaN/negative errors, bad
+            widths/shapes/scales, or an alpha that even the smallest network misses.
 
     Example:
-        >>> solve_allocation([[0, 3, 1, 0], [0, 5, 0]], [3, 2, 2], 0.3, "prune", "pso").solver
-        'pso'
+        >>> solve_allocation([[0, 3, 1, 0], [0, 5, 0]], [3, 2, 2], alpha=0.3, method="prune").theta
+        [1, 2]
     """
     check_choice("allocation", allocation, ALLOCATIONS)
     problem = make_problem(errors, widths, alpha, cost_model_of(method), scales=scales, shapes=shapes)
@@ -135,46 +153,3 @@ def _solve(problem: Problem | GraphProblem, method: str, allocation: str, seed: 
     return Allocation(theta, method, allocation, problem.objective(theta), problem.cost(theta),
                       problem.total, seconds, gap)
 
-
-def allocate(
-    errors: Sequence[Sequence[float]],
-    widths: Sequence[int] | None,
-    alpha: float,
-    method: str,
-    allocation: str = "optimal",
-    *,
-    seed: int = 0,
-    scales: Sequence[int] | None = None,
-    shapes: Sequence[tuple[int, int]] | None = None,
-) -> list[int]:
-    """Per-layer kept neurons (pruning) or ranks (low-rank) minimising ``sum_l J_l`` (eq. 15).
-
-    Args:
-        errors: per weight layer l = 1..L, the curve ``J_l(v)`` for v = 0..M_{l-1} (pruning:
-            kept input neurons) or v = 0..K_l, K_l = min(M_{l-1}, M_l) (low-rank: rank; full
-            rank keeps the layer dense). Index 0 is never chosen.
-        widths: ``[M_0, ..., M_L]``, input first.
-        alpha: the minimum total reduction factor, in [0, 1).
-        method: one of :data:`METHODS`; it picks the cost model: ``"prune"`` and ``"prune-ls"``
-            count eq. 7, ``"lowrank"`` counts eq. 11.
-        allocation: one of :data:`ALLOCATIONS`: ``"optimal"`` (the exact optimum of eq. 15),
-            ``"pso"`` (the paper's particle swarm on the relaxation, projected to a feasible
-            integer point) or ``"uniform"`` (the same factor everywhere).
-        seed: PSO seed.
-        scales: per weight layer, multiplications per unit pair ``s_l`` (a convolution's kernel
-            area x output positions when its units are channels); default all 1 (the paper's MLP).
-        shapes: low-rank only, in place of ``widths``: per weight layer ``(m_in, m_out)`` of its
-            weight matrix (a convolution's is ``(C_in k_h k_w, C_out)``), which need not chain.
-
-    Returns:
-        ``[M~_0, ..., M~_{L-1}]`` or ``[k_1, ..., k_L]``, meeting ``1 - cost/total >= alpha``.
-
-    Raises:
-        ValueError: unknown method or allocation, wrong curve lengths, NaN/negative errors, bad
-            widths/shapes/scales, or an alpha that even the smallest network misses.
-
-    Example:
-        >>> allocate([[0, 3, 1, 0], [0, 5, 0]], [3, 2, 2], alpha=0.3, method="prune", allocation="optimal")
-        [1, 2]
-    """
-    return solve_allocation(errors, widths, alpha, method, allocation, seed=seed, scales=scales, shapes=shapes).theta
