@@ -100,7 +100,10 @@ def load_problem_data(name: str):
 
 def solve_exact_only(names, alphas) -> dict[str, list[dict]]:
     """The exact solver alone on each model's cached problem (what the baseline subprocess runs)."""
-    from edgetorch.reduce.allocation import solve_graph_allocation
+    try:
+        from edgetorch.reduce.allocation import solve_graph_allocation
+    except ImportError:  # a baseline revision from before reduce/allocate.py was renamed
+        from edgetorch.reduce.allocate import solve_graph_allocation
     from edgetorch.reduce.graph_problem import make_graph_problem
 
     results = {}
@@ -229,5 +232,4 @@ def run(models, alphas, revision: str | None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()
