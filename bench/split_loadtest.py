@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 
 import httpx
 import torch
@@ -138,7 +139,7 @@ def slow_reader_phase(artifacts: str, count: int) -> tuple[dict, dict]:
                             headers={"content-type": "application/octet-stream", "authorization": AUTH})
         answer.raise_for_status()
         target = Target("127.0.0.1", port, TOKEN, server.pid)
-        slow = run_slow_readers(target, body, len(answer.content), count, 4 * TIMEOUT_S).to_json()
+        slow = asdict(run_slow_readers(target, body, len(answer.content), count, 4 * TIMEOUT_S))
         slow["health_after"] = httpx.get(url + "/health", timeout=10).status_code
         return slow, metrics_totals(target)
     finally:
@@ -167,19 +168,19 @@ def main() -> None:
             rss = RssSampler(server.pid)
             run_load(target, body, LoadConfig(1, 3))  # warm-up, not recorded
             memory = {"start": rss.now()}
-            runs = [run_load(target, body, LoadConfig(c, m)).to_json() for c, m in LOADS]
+            runs = [asdict(run_load(target, body, LoadConfig(c, m))) for c, m in LOADS]
             memory["after_load"] = rss.now()
-            stall = run_stall(target, body, StallConfig(args.stalled, TIMEOUT_S)).to_json()
+            stall = asdict(run_stall(target, body, StallConfig(args.stalled, TIMEOUT_S)))
             memory["peak_while_stalled"] = stall["peak_rss_bytes"]
             time.sleep(1.0)
             memory["after_stall"] = rss.now()
             limit = payload_size((64, *shape))
-            fuzz = run_fuzz(target, shape, limit, FuzzConfig(args.fuzz_requests, 0, FUZZ_CONCURRENCY, TIMEOUT_S)).to_json()
+            fuzz = asdict(run_fuzz(target, shape, limit, FuzzConfig(args.fuzz_requests, 0, FUZZ_CONCURRENCY, TIMEOUT_S)))
             memory["after_fuzz"] = rss.now()
             health_after = httpx.get(url + "/health", timeout=10).status_code
-            cap = run_connection_cap(target, CapConfig(args.idle, 20, TIMEOUT_S)).to_json()
+            cap = asdict(run_connection_cap(target, CapConfig(args.idle, 20, TIMEOUT_S)))
             memory["peak_with_idle_connections"] = cap["peak_rss_bytes"]
-            pipelining = run_pipelining(target, PipeliningConfig(args.pipeliners, PIPELINED, PIPELINING_WINDOW_S)).to_json()
+            pipelining = asdict(run_pipelining(target, PipeliningConfig(args.pipeliners, PIPELINED, PIPELINING_WINDOW_S)))
             time.sleep(1.0)
             memory["after_pipelining"] = rss.now()
             server_counts = metrics_totals(target)

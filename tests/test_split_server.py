@@ -704,11 +704,13 @@ def _mostly(draw, common: list, rare: st.SearchStrategy, rare_one_in: int = 5):
 
 @st.composite
 def _requests(draw):
+    # A generated path never starts "//": the test client would read "//::" as a host and port (a
+    # client-side InvalidURL, not a server answer); "//infer" stays among the sampled paths.
     method = _mostly(draw, ["POST"], st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "TRACE"])
                      | st.text(st.characters(min_codepoint=65, max_codepoint=90), min_size=1, max_size=8))
     path = _mostly(draw, ["/infer"], st.sampled_from(["/", "/health", "/metrics", "/docs", "/openapi.json", "/redoc",
                                                       "/infer/", "//infer", "/infer?x=1", "/%00", "/../infer"])
-                   | st.text(_SAFE, max_size=30).map(lambda t: "/" + t.replace("#", "").replace("?", "")))
+                   | st.text(_SAFE, max_size=30).map(lambda t: "/" + t.replace("#", "").replace("?", "").lstrip("/")))
     headers = {}
     content_type = _mostly(draw, ["application/octet-stream", "APPLICATION/OCTET-STREAM", "application/octet-stream; x=y"],
                            st.sampled_from([None, "application/json", "text/plain", "", ";", "application/octet-stream;;;"])

@@ -286,6 +286,8 @@ def probe(
 
     Exits 1 when a check fails: a load error, a stalled connection held past the deadline + 1 s, or an answer of 500 or more.
     """
+    from dataclasses import asdict
+
     import httpx
 
     from ..split.fuzz import FuzzConfig, run_fuzz
@@ -313,7 +315,7 @@ def probe(
     table.add_row(f"load: {clients} x {requests}", f"{load.errors} errors of {load.requests}; p50 {load.p50_ms:.1f} ms, "
                   f"p90 {load.p90_ms:.1f}, p99 {load.p99_ms:.1f}, max {load.max_ms:.1f}; {load.throughput_rps:.1f} req/s",
                   "ok" if checks[-1] else "FAILED")
-    record = {"load": load.to_json()}
+    record = {"load": asdict(load)}
     if hostile:
         stall = run_stall(target, payload, StallConfig(stalled, deadline))
         held = "-" if stall.closed_after_s_max is None else f"median {stall.closed_after_s_median:.2f} s, max {stall.closed_after_s_max:.2f} s"
@@ -327,7 +329,7 @@ def probe(
         checks.append(fuzzed.answers_5xx == 0)
         table.add_row(f"fuzz: {fuzz}", f"{fours} 4xx, {fuzzed.answers_5xx} 5xx, {fuzz - sum(answered.values())} "
                       f"unanswered; {json.dumps(fuzzed.statuses)}", "ok" if checks[-1] else "FAILED")
-        record.update(stall=stall.to_json(), fuzz=fuzzed.to_json())
+        record.update(stall=asdict(stall), fuzz=asdict(fuzzed))
     console.print(table)
     write_json(json_path, record)
     if not all(checks):

@@ -15,7 +15,7 @@ import random
 import struct
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -193,9 +193,6 @@ class FuzzResult:
     answers_5xx: int
     by_payload_kind: dict[str, dict[str, int]]
     first_5xx: list[dict]
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 async def _fuzz(target: Target, fuzzer: Fuzzer, config: FuzzConfig) -> FuzzResult:

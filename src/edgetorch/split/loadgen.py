@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
@@ -94,9 +94,6 @@ class LoadResult:
     p90_ms: float
     p99_ms: float
     max_ms: float
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 async def _one_client(target: Target, payload: bytes, config: LoadConfig) -> tuple[list[float], list[float], int]:

@@ -20,7 +20,7 @@ import select
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
@@ -101,9 +101,6 @@ class StallResult:
     health_p50_ms: float | None
     health_max_ms: float | None
     peak_rss_bytes: int | None = None
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def _closing_times(results: list[dict]) -> dict:
@@ -219,9 +216,6 @@ class CapResult:
     idle_connections_ended: dict[str, int]
     peak_rss_bytes: int | None = None
 
-    def to_json(self) -> dict:
-        return asdict(self)
-
 
 async def _connection_cap(target: Target, config: CapConfig, rss: RssSampler | None) -> CapResult:
     held = {"now": 0}
@@ -304,9 +298,6 @@ class PipeliningResult:
     answers_per_connection_median: float
     ends: dict[str, int]
     health_during_flood: PollSummary
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 async def _pipelining(target: Target, config: PipeliningConfig) -> PipeliningResult:
@@ -393,9 +384,6 @@ class SlowReaderResult:
     closed_after_s_median: float | None
     closed_after_s_max: float | None
     peak_rss_bytes: int | None = None
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def _held_by_server(pid: int, port: int, client_ports: set[int]) -> set[int]:
