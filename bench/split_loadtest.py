@@ -23,37 +23,36 @@ and 5 s header, body and write deadlines) serves the tail of a resnet18 split at
    Recorded: when the server let go of each (its socket gone from the server process).
 7. RSS of the server process before and after each phase (and peaks while connections are held).
 
-The process raises its soft open-file limit to what phases 2, 4 and 5 hold (the server process
-inherits it). Run: ``.venv/bin/python bench/split_loadtest.py [--fuzz-requests 10000]``
+The clients are the library's (``edgetorch.split.loadgen``, ``probe`` and ``fuzz``; ``edgetorch
+split probe URL`` runs them against any server): this script starts the server, chooses the sizes
+and writes docs/results/split_loadtest.{json,md}. The process raises its soft open-file limit to
+what phases 2, 4 and 5 hold (the server process inherits it). Run:
+``.venv/bin/python bench/split_loadtest.py [--fuzz-requests 10000]``
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import collections
 import json
-import random
 import resource
-import select
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import zlib
+from dataclasses import asdict
 
 import httpx
-import numpy as np
-import psutil
 import torch
 
 from _common import table, write_results
 from edgetorch.split.bottleneck import inject_bottleneck
 from edgetorch.split.export import save
+from edgetorch.split.fuzz import FuzzConfig, run_fuzz
+from edgetorch.split.loadgen import LoadConfig, Target, metrics_totals, run_load
 from edgetorch.split.payload import encode, payload_size
+from edgetorch.split.probe import (CapConfig, PipeliningConfig, RssSampler, StallConfig, run_connection_cap,
+                                   run_pipelining, run_slow_readers, run_stall)
 from edgetorch.split.server import ServerConfig
 from edgetorch.zoo import build_model
 
@@ -100,523 +99,6 @@ def wait_until_up(url: str, process: subprocess.Popen) -> None:
     raise RuntimeError("the server did not come up")
 
 
-# --- 1. load -----------------------------------------------------------------------------------
-
-async def one_client(url: str, body: bytes, requests: int) -> tuple[list[float], list[float], int]:
-    latencies, server_times, errors = [], [], 0
-    async with httpx.AsyncClient(base_url=url, timeout=120,
-                                 headers={"content-type": "application/octet-stream", "authorization": AUTH}) as client:
-        for _ in range(requests):
-            start = time.perf_counter()
-            try:
-                answer = await client.post("/infer", content=body)
-                ok = answer.status_code == 200 and len(answer.json()["logits"]) == 1
-            except httpx.HTTPError:
-                ok = False
-            latencies.append(time.perf_counter() - start)
-            errors += not ok
-            if ok:
-                server_times.append(sum(answer.json()["timing"].values()))
-    return latencies, server_times, errors
-
-
-async def run_load(url: str, body: bytes, clients: int, requests: int) -> dict:
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one_client(url, body, requests) for _ in range(clients)))
-    wall = time.perf_counter() - start
-    latencies = np.array([t for lat, _, _ in results for t in lat])
-    server = np.array([t for _, times, _ in results for t in times])
-    return {"clients": clients, "requests_per_client": requests, "requests": int(latencies.size),
-            "errors": int(sum(e for _, _, e in results)), "wall_s": wall,
-            "server_p50_ms": float(np.median(server) * 1e3) if server.size else None,
-            "throughput_rps": latencies.size / wall,
-            **{f"p{q}_ms": float(np.percentile(latencies, q) * 1e3) for q in (50, 90, 99)},
-            "max_ms": float(latencies.max() * 1e3)}
-
-
-# --- 2. stalled connections ---------------------------------------------------------------------
-
-def _status_of(raw: bytes) -> int | None:
-    try:
-        return int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/") else None
-    except (IndexError, ValueError):
-        return None
-
-
-async def run_stall(url: str, port: int, body: bytes, count: int, timeout_s: float, rss: RssSampler) -> dict:
-    """Open ``count`` stalled connections at once while polling /health; time each one's closing."""
-    partial_headers = b"POST /infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/oc"
-    partial_body = (b"POST /infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
-                    b"Authorization: " + AUTH.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
-                    + body[:len(body) // 2])
-    held = {"now": 0, "max": 0}
-    done = asyncio.Event()
-
-    async def stalled(i: int) -> dict:
-        kind = "partial body" if i % 2 else "partial headers"
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError as err:
-            return {"kind": kind, "error": f"connect: {err}"}
-        writer.write(partial_body if i % 2 else partial_headers)
-        await writer.drain()
-        sent = time.perf_counter()
-        held["now"] += 1
-        held["max"] = max(held["max"], held["now"])
-        try:
-            raw = await asyncio.wait_for(reader.read(), timeout_s + 60)  # until the server closes
-            closed_after = time.perf_counter() - sent
-        except (asyncio.TimeoutError, OSError):
-            raw, closed_after = b"", None
-        held["now"] -= 1
-        writer.close()
-        return {"kind": kind, "closed_after_s": closed_after, "status": _status_of(raw)}
-
-    async def poll_health() -> list[dict]:
-        polls = []
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            while not done.is_set():
-                start = time.perf_counter()
-                try:
-                    status = (await client.get("/health")).status_code
-                except httpx.HTTPError as err:
-                    status = type(err).__name__
-                polls.append({"status": status, "latency_s": time.perf_counter() - start, "held": held["now"]})
-                await asyncio.sleep(0.1)
-        return polls
-
-    rss.start_peak()
-    poller = asyncio.create_task(poll_health())
-    start = time.perf_counter()
-    results = await asyncio.gather(*(stalled(i) for i in range(count)))
-    wall = time.perf_counter() - start
-    done.set()
-    polls = await poller
-    peak_rss = rss.stop_peak()
-    closed = np.array([r["closed_after_s"] for r in results if r.get("closed_after_s") is not None])
-    while_held = [p for p in polls if p["held"] > 0]
-    by_kind = {}
-    for kind in ("partial headers", "partial body"):
-        mine = [r for r in results if r["kind"] == kind]
-        times = [r["closed_after_s"] for r in mine if r.get("closed_after_s") is not None]
-        by_kind[kind] = {"connections": len(mine), "closed": len(times),
-                         "answered_408": sum(r.get("status") == 408 for r in mine),
-                         "closed_after_s_median": float(np.median(times)) if times else None,
-                         "closed_after_s_max": float(max(times)) if times else None}
-    ok_polls = [p for p in while_held if p["status"] == 200]
-    return {"connections": count, "timeout_s": timeout_s, "wall_s": wall,
-            "connect_errors": sum("error" in r for r in results),
-            "closed": int(closed.size), "answered_408": sum(r.get("status") == 408 for r in results),
-            "closed_after_s_min": float(closed.min()) if closed.size else None,
-            "closed_after_s_median": float(np.median(closed)) if closed.size else None,
-            "closed_after_s_max": float(closed.max()) if closed.size else None,
-            "closed_within_timeout_plus_1s": int((closed <= timeout_s + 1.0).sum()),
-            "max_held_at_once": held["max"], "by_kind": by_kind,
-            "health_polls_while_held": len(while_held), "health_ok_while_held": len(ok_polls),
-            "health_max_held_during_an_ok_poll": max((p["held"] for p in ok_polls), default=0),
-            "health_p50_ms": float(np.median([p["latency_s"] for p in ok_polls]) * 1e3) if ok_polls else None,
-            "health_max_ms": float(max(p["latency_s"] for p in ok_polls) * 1e3) if ok_polls else None,
-            "peak_rss_bytes": peak_rss}
-
-
-# --- 3. fuzz ------------------------------------------------------------------------------------
-
-def _reseal(blob: bytes) -> bytes:
-    """Recompute a payload's CRC, as an encoder that lies on purpose would."""
-    if len(blob) < 13:
-        return blob
-    crc = zlib.crc32(blob[13:], zlib.crc32(blob[:9]))
-    return blob[:9] + struct.pack("<I", crc) + blob[13:]
-
-
-class Fuzzer:
-    """Seeded generator of raw HTTP requests, most of them close enough to valid to reach the
-    payload checks and the model, the rest probing the HTTP parser, routing and limits."""
-
-    def __init__(self, seed: int, shape: tuple[int, ...], limit: int):
-        self.rng, self.shape, self.limit = random.Random(seed), shape, limit
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def pick(self, common: list, rare: list, rare_share: float = 0.2):
-        return self.rng.choice(rare) if self.rng.random() < rare_share else self.rng.choice(common)
-
-    def text(self, size: int, alphabet: str = "") -> str:
-        chars = alphabet or "".join(chr(c) for c in range(0x21, 0x7F))
-        return "".join(self.rng.choice(chars) for _ in range(self.rng.randint(0, size)))
-
-    def payload(self) -> tuple[str, bytes]:
-        rng = self.rng
-        batch = rng.choice([1, 1, 2, 4, 8])
-        scale = rng.choice([1.0, 1.0, 1e-30, 1e10, 1e30, 3e38])
-        x = (torch.rand(batch, *self.shape, generator=self.generator) * 2 - 1) * scale
-        try:
-            valid = encode(x, per_sample=rng.random() < 0.8)
-        except ValueError:
-            valid = encode(torch.zeros(1, *self.shape))
-        kind = rng.choice(["valid", "valid", "valid", "mutated", "resealed", "truncated", "wrong shape",
-                           "huge batch", "extreme scale", "garbage", "empty"])
-        if kind == "valid":
-            return kind, valid
-        if kind in ("mutated", "resealed"):
-            blob = bytearray(valid)
-            for _ in range(rng.randint(1, 6)):
-                blob[rng.randrange(len(blob))] = rng.randrange(256)
-            return kind, _reseal(bytes(blob)) if kind == "resealed" else bytes(blob)
-        if kind == "truncated":
-            return kind, valid[:rng.randrange(len(valid))]
-        if kind == "wrong shape":
-            dims = [rng.randint(1, 6) for _ in range(rng.randint(1, 5))]
-            return kind, encode(torch.randn(*dims, generator=self.generator))
-        if kind == "huge batch":  # a header declaring a batch far over the limit, CRC valid
-            return kind, _reseal(valid[:13] + struct.pack("<I", rng.choice([1025, 2**20, 2**32 - 1])) + valid[17:])
-        if kind == "extreme scale":  # first scale replaced: 3e38 overflows float32 on decode
-            at = 13 + 4 * (1 + len(self.shape))
-            return kind, _reseal(valid[:at] + struct.pack("<f", rng.choice([3e38, 1e30, float("inf"), -1.0]))
-                                 + valid[at + 4:])
-        if kind == "garbage":
-            return kind, bytes(rng.randrange(256) for _ in range(rng.randint(1, 3000)))
-        return kind, b""
-
-    def request(self) -> tuple[str, bytes, bool]:
-        """One request: (kind, raw bytes, whether it declares more body than it sends)."""
-        rng = self.rng
-        method = self.pick(["POST"], ["GET", "PUT", "DELETE", "HEAD", "OPTIONS", "post", "P@ST", "", "BREW",
-                                      "X" * 300])
-        target = self.pick(["/infer"], ["/", "/health", "/metrics", "/docs", "/openapi.json", "/infer/", "*",
-                                        "http://127.0.0.1/infer", "/infer?x=" + self.text(20), "/%ff%00",
-                                        "/" + self.text(40), "/" + "a" * 20000, "/../../etc/passwd"])
-        version = self.pick(["HTTP/1.1"], ["HTTP/1.0", "HTTP/2", "HTTP/9.9", "HTCPCP/1.0", ""], 0.05)
-        kind, body = self.payload()
-        headers = [("Host", "127.0.0.1")] if rng.random() < 0.95 else []
-        headers.append(("Content-Type", self.pick(
-            ["application/octet-stream", "APPLICATION/OCTET-STREAM", "application/octet-stream; q=1"],
-            ["text/plain", "application/json", "", "application/octet-stream;;", self.text(30)])))
-        auth = self.pick([AUTH, "bearer " + TOKEN], ["Bearer wrong", "Basic dXNlcjpwYXNz", "Bearer", "",
-                                                      AUTH + " extra", self.text(40)])
-        if auth is not None and rng.random() < 0.97:
-            headers.append(("Authorization", auth))
-        lying = False
-        framing = self.pick(["length"], ["chunked", "none", "short", "huge", "bad", "twice", "long"], 0.15)
-        if framing == "length":
-            headers.append(("Content-Length", str(len(body))))
-        elif framing == "chunked":
-            headers.append(("Transfer-Encoding", "chunked"))
-            body = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:500], body[500:]) if part) + b"0\r\n\r\n"
-            if rng.random() < 0.3:  # broken chunk framing
-                body = body.replace(b"\r\n", b"\n", 1)
-        elif framing == "short":
-            headers.append(("Content-Length", str(max(len(body) - rng.randint(1, 10), 0))))
-        elif framing == "huge":
-            headers.append(("Content-Length", rng.choice(["99999999999", str(self.limit + 1), "1" * 40])))
-            body = body[:100]
-        elif framing == "bad":
-            headers.append(("Content-Length", rng.choice(["-1", "abc", "1e3", "", "0x10", "\u00b2"])))
-        elif framing == "twice":
-            headers += [("Content-Length", str(len(body))), ("Content-Length", str(len(body) + 1))]
-        elif framing == "long":  # declares more than it sends: only the body deadline ends it
-            headers.append(("Content-Length", str(len(body) + rng.randint(1, 100))))
-            lying = True
-        for _ in range(rng.choice([0, 0, 1, 3])):
-            headers.append(rng.choice([("X-" + self.text(10, "abcdefghij"), self.text(50)),
-                                       ("Bad Name", "x"), ("X-Fold", "a\r\n b"), ("X-Nul", "a\x00b"),
-                                       ("X-Long", "v" * rng.choice([100, 20000]))]))
-        if rng.random() < 0.8:
-            headers.append(("Connection", "close"))
-        head = f"{method} {target} {version}\r\n".encode("latin-1") + b"".join(
-            f"{name}: {value}\r\n".encode("latin-1", "replace") for name, value in headers)
-        return kind, head + b"\r\n" + body, lying
-
-
-async def fuzz_one(port: int, raw: bytes, wait_s: float) -> str:
-    """Send one raw request and return the answer's status code (or why there is none)."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
-    except (OSError, asyncio.TimeoutError) as err:
-        return f"connect failed ({type(err).__name__})"
-    try:
-        writer.write(raw)
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait_s)
-        status = _status_of(head)
-        return str(status) if status is not None else "unparseable answer"
-    except asyncio.IncompleteReadError as err:
-        return "closed without an answer" if not err.partial else "unparseable answer"
-    except asyncio.TimeoutError:
-        return "no answer in time"
-    except (OSError, asyncio.LimitOverrunError) as err:
-        return f"transport error ({type(err).__name__})"
-    finally:
-        writer.close()
-
-
-async def run_fuzz(port: int, fuzzer: Fuzzer, count: int, timeout_s: float) -> dict:
-    statuses: collections.Counter = collections.Counter()
-    by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    server_errors = []
-    queue = [fuzzer.request() for _ in range(count)]
-    lying = sum(request[2] for request in queue)
-    position = 0
-
-    async def worker() -> None:
-        nonlocal position
-        while position < len(queue):
-            kind, raw, _ = queue[position]
-            position += 1
-            status = await fuzz_one(port, raw, timeout_s + 10)
-            statuses[status] += 1
-            by_kind[kind][status] += 1
-            if status.isdigit() and int(status) >= 500:
-                server_errors.append({"status": status, "request_head": raw[:300].decode("latin-1")})
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(FUZZ_CONCURRENCY)))
-    wall = time.perf_counter() - start
-    answered_5xx = sum(n for s, n in statuses.items() if s.isdigit() and int(s) >= 500)
-    return {"requests": count, "concurrency": FUZZ_CONCURRENCY, "wall_s": wall, "declaring_more_body_than_sent": lying,
-            "statuses": dict(sorted(statuses.items())), "answers_5xx": answered_5xx,
-            "by_payload_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())},
-            "first_5xx": server_errors[:10]}
-
-
-# --- 4. idle connections over the connection cap -------------------------------------------------
-
-async def health_once(port: int, wait_s: float) -> dict:
-    """One ``GET /health`` on a new connection: its status, whether the body is JSON, the latency."""
-    start = time.perf_counter()
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), wait_s)
-    except (OSError, asyncio.TimeoutError) as err:
-        return {"status": f"connect failed ({type(err).__name__})", "json": False, "latency_s": None}
-    try:
-        writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        raw = await asyncio.wait_for(reader.read(), wait_s)  # until the server closes
-        status = _status_of(raw)
-        try:
-            json.loads(raw.partition(b"\r\n\r\n")[2])
-            is_json = True
-        except ValueError:
-            is_json = False
-        return {"status": str(status) if status is not None else "no answer", "json": is_json,
-                "latency_s": time.perf_counter() - start}
-    except asyncio.TimeoutError:
-        return {"status": "no answer in time", "json": False, "latency_s": None}
-    except OSError as err:
-        return {"status": f"transport error ({type(err).__name__})", "json": False, "latency_s": None}
-    finally:
-        writer.close()
-
-
-def summarise_polls(polls: list[dict]) -> dict:
-    latencies = [p["latency_s"] for p in polls if p["status"] == "200"]
-    return {"polls": len(polls), "ok": len(latencies), "statuses": dict(collections.Counter(p["status"] for p in polls)),
-            "errors_with_json_body": sum(p["json"] for p in polls if p["status"] != "200" and p["latency_s"] is not None),
-            "errors_answered": sum(p["status"] != "200" and p["latency_s"] is not None for p in polls),
-            "p50_ms": float(np.median(latencies) * 1e3) if latencies else None,
-            "max_ms": float(max(latencies) * 1e3) if latencies else None}
-
-
-async def run_connection_cap(port: int, count: int, polls: int, timeout_s: float, rss: RssSampler) -> dict:
-    """``count`` idle connections (half silent, half half a request line), then /health polled on new
-    connections while they are held; how each idle one ended."""
-    held = {"now": 0}
-
-    async def idle(i: int) -> dict:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError as err:
-            return {"status": f"connect failed ({type(err).__name__})"}
-        if i % 2:
-            writer.write(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        held["now"] += 1
-        try:
-            raw = await asyncio.wait_for(reader.read(), timeout_s + 30)
-            status, is_json = _status_of(raw), raw.partition(b"\r\n\r\n")[2][:1] == b"{"
-            outcome = f"{status} {'JSON' if is_json else 'not JSON'}" if status else "closed without an answer"
-        except asyncio.TimeoutError:
-            outcome = "still open"
-        except OSError as err:
-            outcome = f"transport error ({type(err).__name__})"
-        held["now"] -= 1
-        writer.close()
-        return {"status": outcome}
-
-    rss.start_peak()
-    tasks = [asyncio.create_task(idle(i)) for i in range(count)]
-    while held["now"] + sum(t.done() for t in tasks) < count:  # every one connected (or failed)
-        await asyncio.sleep(0.05)
-    opened = held["now"]
-    results = []
-    for _ in range(polls):
-        results.append({**await health_once(port, 30), "held": held["now"]})
-        await asyncio.sleep(0.1)
-    ends = collections.Counter(r["status"] for r in await asyncio.gather(*tasks))
-    return {"connections": count, "held_when_polling_began": opened, "health": summarise_polls(results),
-            "health_min_held_during_a_poll": min(r["held"] for r in results),
-            "idle_connections_ended": dict(sorted(ends.items())), "peak_rss_bytes": rss.stop_peak()}
-
-
-# --- 5. pipelining flood ------------------------------------------------------------------------
-
-async def run_pipelining(port: int, count: int, depth: int, window_s: float) -> dict:
-    """``count`` connections each writing ``depth`` pipelined ``GET /`` at once and reading the
-    answers, while /health is polled every 0.25 s on new connections; the flood is stopped after
-    ``window_s`` if the server has not ended it."""
-    request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * depth
-    live = {"now": 0}
-    done = asyncio.Event()
-
-    async def flood() -> dict:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError as err:
-            return {"answers": 0, "end": f"connect failed ({type(err).__name__})"}
-        live["now"] += 1
-        answers, tail, end = 0, b"", "window over"
-        try:
-            writer.write(request)
-            while True:
-                chunk = await reader.read(65536)
-                if not chunk:
-                    end = "closed by the server"
-                    break
-                answers += (tail + chunk).count(b"HTTP/1.1 ")  # answer heads; tail: one cut at a chunk edge
-                tail = chunk[-8:]
-        except OSError as err:
-            end = f"closed by the server ({type(err).__name__})"
-        except asyncio.CancelledError:
-            pass
-        finally:
-            live["now"] -= 1
-            writer.close()
-        return {"answers": answers, "end": end}
-
-    async def poll() -> list[dict]:
-        polls = []
-        while not done.is_set():
-            polls.append({**await health_once(port, window_s), "flooding": live["now"]})
-            await asyncio.sleep(0.25)
-        return polls
-
-    start = time.perf_counter()
-    poller = asyncio.create_task(poll())
-    floods = [asyncio.create_task(flood()) for _ in range(count)]
-    _, pending = await asyncio.wait(floods, timeout=window_s)
-    for task in pending:
-        task.cancel()
-    results = [r if isinstance(r, dict) else {"answers": 0, "end": "window over"}
-               for r in await asyncio.gather(*floods, return_exceptions=True)]
-    wall = time.perf_counter() - start
-    done.set()
-    polls = await poller
-    answers = [r["answers"] for r in results]
-    during = [p for p in polls if p["flooding"] > 0]
-    return {"connections": count, "pipelined_per_connection": depth, "window_s": window_s, "wall_s": wall,
-            "ended_by_server_within_window": not pending, "answers_total": int(sum(answers)),
-            "answers_per_connection_max": int(max(answers)), "answers_per_connection_median": float(np.median(answers)),
-            "ends": dict(collections.Counter(r["end"] for r in results)),
-            "health_during_flood": summarise_polls(during)}
-
-
-# --- 6. clients that do not read ----------------------------------------------------------------
-
-def held_by_server(pid: int, port: int, client_ports: set[int]) -> set[int]:
-    """The client ports whose connection the server process still holds a socket for."""
-    return {c.raddr.port for c in psutil.Process(pid).net_connections("tcp")
-            if c.laddr and c.laddr.port == port and c.raddr and c.raddr.port in client_ports}
-
-
-async def run_slow_readers(port: int, pid: int, body: bytes, answer_bytes: int, count: int, window_s: float,
-                           rss: RssSampler) -> dict:
-    """``count`` connections that each send one request whose answer is larger than loopback's
-    socket buffers take, and never read: when did the server let go of each (its socket gone from
-    the server process), counted from the first byte of its answer (seen with select, not read)?
-
-    Polled every 0.1 s. All clients send at once: the server renders each JSON answer in a worker
-    thread (rendering them on the event loop, about 0.2 s each, delayed the deadline timers by
-    whole renders: the last of 30 was dropped at 7.35 s). Observation ends ``window_s`` after the
-    last answer began.
-    """
-    loop = asyncio.get_running_loop()
-    request = (b"POST /infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
-               b"Authorization: " + AUTH.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    rss.start_peak()
-    sockets: list[socket.socket] = []
-    answering, seen, closed = {}, set(), {}
-    guard = time.perf_counter() + count * 30 + window_s  # a hang guard for a server that never answers
-    while len(closed) < count and time.perf_counter() < guard:
-        while len(sockets) < count:
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # the smallest window, set before connecting
-            sock.setblocking(False)
-            await loop.sock_connect(sock, ("127.0.0.1", port))
-            await loop.sock_sendall(sock, request)
-            sockets.append(sock)
-        readable = select.select(sockets, [], [], 0)[0]  # the answer began to arrive (nothing is read)
-        held = held_by_server(pid, port, {sock.getsockname()[1] for sock in sockets})
-        now = time.perf_counter()
-        for sock in readable:
-            answering.setdefault(sock.getsockname()[1], now)
-        seen |= held
-        for client_port in (seen - held) & set(answering) - set(closed):  # seen held first: not yet accepted is not gone
-            closed[client_port] = now - answering[client_port]
-        if len(answering) == count and now - max(answering.values()) > window_s:
-            break
-        await asyncio.sleep(0.1)
-    peak = rss.stop_peak()
-    for sock in sockets:
-        sock.close()
-    times = sorted(closed.values())
-    return {"connections": count, "window_s": window_s, "answer_bytes": answer_bytes, "answers_begun": len(answering),
-            "closed": len(times), "held_at_end_of_window": count - len(times),
-            "closed_after_s_median": float(np.median(times)) if times else None,
-            "closed_after_s_max": times[-1] if times else None, "peak_rss_bytes": peak}
-
-
-# --- RSS ---------------------------------------------------------------------------------------
-
-class RssSampler:
-    """RSS of the server process now, and its peak over a window (sampled every 50 ms)."""
-
-    def __init__(self, pid: int):
-        self.process = psutil.Process(pid)
-        self._peak, self._stop, self._thread = 0, threading.Event(), None
-
-    def now(self) -> int:
-        return self.process.memory_info().rss
-
-    def start_peak(self) -> None:
-        self._peak, self._stop = self.now(), threading.Event()
-
-        def sample() -> None:
-            while not self._stop.wait(0.05):
-                self._peak = max(self._peak, self.now())
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-
-    def stop_peak(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self._peak, self.now())
-
-
-def metrics_totals(url: str) -> dict:
-    text = httpx.get(url + "/metrics", headers={"authorization": AUTH}, timeout=30).text
-    totals: dict = {"requests": 0, "errors_by_code": {}}
-    for line in text.splitlines():
-        if line.startswith("edgetorch_split_requests_total"):
-            totals["requests"] += int(float(line.rsplit(" ", 1)[1]))
-        elif line.startswith("edgetorch_split_errors_total"):
-            code = line.split('code="', 1)[1].split('"', 1)[0]
-            totals["errors_by_code"][code] = int(float(line.rsplit(" ", 1)[1]))
-        elif line.startswith("edgetorch_split_connections_dropped_total"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            totals.setdefault("connections_dropped", {})[reason] = int(float(line.rsplit(" ", 1)[1]))
-        elif line.startswith("edgetorch_split_inference_seconds_count"):
-            totals["inferences"] = int(float(line.rsplit(" ", 1)[1]))
-    return totals
-
-
 def raise_fd_limit(needed: int) -> None:
     """Raise this process's soft open-file limit to ``needed`` (the server process inherits it)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -656,10 +138,10 @@ def slow_reader_phase(artifacts: str, count: int) -> tuple[dict, dict]:
         answer = httpx.post(url + "/infer", content=body, timeout=120,
                             headers={"content-type": "application/octet-stream", "authorization": AUTH})
         answer.raise_for_status()
-        slow = asyncio.run(run_slow_readers(port, server.pid, body, len(answer.content), count, 4 * TIMEOUT_S,
-                                            RssSampler(server.pid)))
+        target = Target("127.0.0.1", port, TOKEN, server.pid)
+        slow = asdict(run_slow_readers(target, body, len(answer.content), count, 4 * TIMEOUT_S))
         slow["health_after"] = httpx.get(url + "/health", timeout=10).status_code
-        return slow, metrics_totals(url)
+        return slow, metrics_totals(target)
     finally:
         stop(server)
 
@@ -682,24 +164,26 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         server = start_server(artifacts, port)
         try:
+            target = Target("127.0.0.1", port, TOKEN, server.pid)
             rss = RssSampler(server.pid)
-            asyncio.run(run_load(url, body, 1, 3))  # warm-up, not recorded
+            run_load(target, body, LoadConfig(1, 3))  # warm-up, not recorded
             memory = {"start": rss.now()}
-            runs = [asyncio.run(run_load(url, body, c, m)) for c, m in LOADS]
+            runs = [asdict(run_load(target, body, LoadConfig(c, m))) for c, m in LOADS]
             memory["after_load"] = rss.now()
-            stall = asyncio.run(run_stall(url, port, body, args.stalled, TIMEOUT_S, rss))
+            stall = asdict(run_stall(target, body, StallConfig(args.stalled, TIMEOUT_S)))
             memory["peak_while_stalled"] = stall["peak_rss_bytes"]
             time.sleep(1.0)
             memory["after_stall"] = rss.now()
-            fuzz = asyncio.run(run_fuzz(port, Fuzzer(0, shape, payload_size((64, *shape))), args.fuzz_requests, TIMEOUT_S))
+            limit = payload_size((64, *shape))
+            fuzz = asdict(run_fuzz(target, shape, limit, FuzzConfig(args.fuzz_requests, 0, FUZZ_CONCURRENCY, TIMEOUT_S)))
             memory["after_fuzz"] = rss.now()
             health_after = httpx.get(url + "/health", timeout=10).status_code
-            cap = asyncio.run(run_connection_cap(port, args.idle, 20, TIMEOUT_S, rss))
+            cap = asdict(run_connection_cap(target, CapConfig(args.idle, 20, TIMEOUT_S)))
             memory["peak_with_idle_connections"] = cap["peak_rss_bytes"]
-            pipelining = asyncio.run(run_pipelining(port, args.pipeliners, PIPELINED, PIPELINING_WINDOW_S))
+            pipelining = asdict(run_pipelining(target, PipeliningConfig(args.pipeliners, PIPELINED, PIPELINING_WINDOW_S)))
             time.sleep(1.0)
             memory["after_pipelining"] = rss.now()
-            server_counts = metrics_totals(url)
+            server_counts = metrics_totals(target)
         finally:
             stop(server)
         slow, slow_counts = slow_reader_phase(wide_artifacts, SLOW_READERS)

@@ -16,7 +16,7 @@ from ._app import app, console, device_option, output_dir, output_file, plot_fil
 if TYPE_CHECKING:  # the commands import torch-backed modules only when they run
     from ..split.student import StudentRun
 
-split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, plan (measure-server for the planner).", no_args_is_help=True)
+split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, probe, plan (measure-server for the planner).", no_args_is_help=True)
 app.add_typer(split_app, name="split")
 
 
@@ -268,6 +268,72 @@ def infer(
     write_json(json_path, {"images": [{"path": str(path), "top": [{"class": name, "probability": p} for name, p in ranked]}
                                       for path, ranked in zip(images, predictions)],
                            "payload_bytes": result.payload_bytes, "seconds": result.seconds})
+
+
+@split_app.command()
+def probe(
+    url: str = typer.Argument(..., help="the tail server as your devices reach it, e.g. http://10.0.0.5:8000 (through any proxy in front)"),
+    token_env: str = typer.Option(None, help="send the bearer token read from this environment variable"),
+    clients: int = typer.Option(4, min=1, help="load: concurrent keep-alive clients"),
+    requests: int = typer.Option(25, min=1, help="load: batch-1 requests per client, back to back"),
+    hostile: bool = typer.Option(False, "--hostile", help="also open stalled connections and send fuzzed requests"),
+    stalled: int = typer.Option(100, min=1, help="with --hostile: connections that stop halfway through a request"),
+    fuzz: int = typer.Option(500, min=1, help="with --hostile: seeded malformed requests, 32 at a time"),
+    deadline: float = typer.Option(10.0, min=0.1, help="with --hostile: the header and body deadline the server should keep (its --header-timeout/--read-timeout), in seconds"),
+    json_path: Path = typer.Option(None, "--json", callback=output_file, help="write every phase's full result here"),
+) -> None:
+    """Check a running tail server end to end: load latency, and with --hostile stalled connections and fuzzing.
+
+    Exits 1 when a check fails: a load error, a stalled connection held past the deadline + 1 s, or an answer of 500 or more.
+    """
+    from dataclasses import asdict
+
+    import httpx
+
+    from ..split.fuzz import FuzzConfig, run_fuzz
+    from ..split.loadgen import LoadConfig, Target, run_load
+    from ..split.payload import encode
+    from ..split.probe import StallConfig, run_stall
+
+    try:
+        target = Target.from_url(url, _secret(token_env, "bearer token"))
+        info = httpx.get(target.url + "/", timeout=30).json()
+        shape, limit = tuple(info["bottleneck_shape"]), int(info["max_payload_bytes"])
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    except (httpx.HTTPError, KeyError, TypeError) as err:
+        console.print(f"{url} did not answer GET / as a split tail server does: {err!r}", style="red")
+        raise typer.Exit(1) from None
+    import torch
+
+    payload = encode(torch.randn(1, *shape, generator=torch.Generator().manual_seed(0)))
+    load = run_load(target, payload, LoadConfig(clients, requests))
+    table = Table(title=f"{url}: bottleneck {list(shape)}, payload {len(payload):,} bytes")
+    for col in ("phase", "result", "check"):
+        table.add_column(col)
+    checks = [load.errors == 0]
+    table.add_row(f"load: {clients} x {requests}", f"{load.errors} errors of {load.requests}; p50 {load.p50_ms:.1f} ms, "
+                  f"p90 {load.p90_ms:.1f}, p99 {load.p99_ms:.1f}, max {load.max_ms:.1f}; {load.throughput_rps:.1f} req/s",
+                  "ok" if checks[-1] else "FAILED")
+    record = {"load": asdict(load)}
+    if hostile:
+        stall = run_stall(target, payload, StallConfig(stalled, deadline))
+        held = "-" if stall.closed_after_s_max is None else f"median {stall.closed_after_s_median:.2f} s, max {stall.closed_after_s_max:.2f} s"
+        checks.append(stall.closed_within_timeout_plus_1s == stall.connections)
+        table.add_row(f"stalled: {stalled}", f"{stall.closed} closed by the server ({stall.answered_408} with 408), "
+                      f"held {held}; /health {stall.health_ok_while_held}/{stall.health_polls_while_held} while held",
+                      "ok" if checks[-1] else "FAILED")
+        fuzzed = run_fuzz(target, shape, limit, FuzzConfig(fuzz, timeout_s=deadline))
+        answered = {s: n for s, n in fuzzed.statuses.items() if s.isdigit()}  # the rest: why there was no answer
+        fours = sum(n for s, n in answered.items() if s.startswith("4"))
+        checks.append(fuzzed.answers_5xx == 0)
+        table.add_row(f"fuzz: {fuzz}", f"{fours} 4xx, {fuzzed.answers_5xx} 5xx, {fuzz - sum(answered.values())} "
+                      f"unanswered; {json.dumps(fuzzed.statuses)}", "ok" if checks[-1] else "FAILED")
+        record.update(stall=asdict(stall), fuzz=asdict(fuzzed))
+    console.print(table)
+    write_json(json_path, record)
+    if not all(checks):
+        raise typer.Exit(1)
 
 
 # Said when `split plan` has no --accuracy. --accuracy once defaulted to docs/results/split_training.json

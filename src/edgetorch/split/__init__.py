@@ -1,8 +1,9 @@
 """BottleFit split computing: bottleneck injection, two-stage training, 8-bit payloads, runtime.
 
 The few verbs a user needs are re-exported here (:func:`train_student` is the whole recipe that
-``edgetorch split train`` runs; it returns a :class:`StudentRun`); the HTTP server (``edgetorch.split.server``) and
-the device client (``edgetorch.split.client``) are imported from their modules.
+``edgetorch split train`` runs; it returns a :class:`StudentRun`); the HTTP server (``edgetorch.split.server``),
+the device client (``edgetorch.split.client``) and the clients that check a running server (``loadgen``, ``probe``,
+``fuzz``, as ``edgetorch split probe`` runs them) are imported from their modules.
 
 Example:
     >>> import torchvision, edgetorch.split as es
