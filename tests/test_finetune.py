@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import re
 import shutil
 
 import pytest
@@ -15,10 +17,18 @@ from typer.testing import CliRunner
 
 from edgetorch.cli import app
 from edgetorch.data import image_data
-from edgetorch.finetune import FinetuneConfig, classifier_name, finetune, replace_classifier, set_scope, start_model
+from edgetorch.finetune import (FinetuneConfig, FinetuneJob, NothingFits, classifier_name, finetune, replace_classifier,
+                                run_finetune, set_scope, start_model)
 from edgetorch.zoo import CheckpointError, save_weights
 
 COLORS = {"red": (200, 30, 30), "green": (30, 180, 40), "blue": (40, 50, 210)}
+# The keys, in order, of what `edgetorch finetune --json` wrote before the command became a call
+# of run_finetune (read from its output at 8641608): scripts that read the summary keep working.
+SUMMARY_KEYS = ["model", "weights", "origin", "data", "classes", "num_classes", "image_size", "channels", "normalize",
+                "skipped_images", "config", "history", "val_accuracy", "peak_bytes", "peak_kind",
+                "process_peak_bytes", "resumed_from_epoch", "weights_file"]
+PLAN_KEYS = ["budget_bytes", "chosen", "reason", "held_bytes", "memory_kind", "calibration_batches", "candidates",
+             "measured_peak_bytes", "within_budget", "prediction_error"]
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +189,9 @@ def test_cli_memory_budget_plans_then_stays_within(folder, imagenet_weights, tmp
     result, text = _run([*args, "--memory-budget", "16GiB"])
     assert result.exit_code == 0, text
     assert "candidates for a" in text and "why: dense at batch 8: an exact policy" in text
-    plan = json.loads((tmp_path / "run.json").read_text())["plan"]
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert list(summary) == [*SUMMARY_KEYS, "plan"] and list(summary["plan"]) == PLAN_KEYS
+    plan = summary["plan"]
     assert plan["within_budget"] and plan["chosen"]["policy"] == "dense"
     assert {c["policy"] for c in plan["candidates"]} >= {"bitmap+checkpoint", "backrazor:sparsity=0.97"}
 
@@ -344,3 +356,63 @@ def test_an_unedited_checkpoint_resumes(one_epoch, tmp_path):
     model, _ = start_model("zoo:cnn", 3)
     result = finetune(model, data.train, data.val, config, shutil.copytree(out, tmp_path / "run"))
     assert result.resumed_from == 1 and [r["epoch"] for r in result.history] == [1, 2]
+
+
+def test_run_finetune_draws_from_the_jobs_seed_and_leaves_the_callers_rng(folder, tmp_path):
+    def first_classifier(run):
+        heads.append(run.model.get_submodule(classifier_name(run.model)).weight.detach().clone())
+
+    heads = []
+    job = FinetuneJob(model="zoo:mlp", data=folder, epochs=1, batch=8, out=tmp_path / "a")
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    run = run_finetune(job, on_loaded=first_classifier)
+    assert torch.equal(torch.get_rng_state(), before)  # neither advanced nor reset
+    assert "new 3-class classifier" in run.origin and run.plan is None and run.config == job.config
+    assert list(run.summary()) == SUMMARY_KEYS and run.summary()["weights_file"] == str(tmp_path / "a" / "model.safetensors")
+    trained = load_file(str(run.result.weights))
+    assert all(torch.equal(trained[k], v) for k, v in run.model.state_dict().items())
+
+    torch.manual_seed(7)  # another state before the call: the same draws, the same bytes
+    run_finetune(dataclasses.replace(job, out=tmp_path / "b"), on_loaded=first_classifier)
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
+    run_finetune(dataclasses.replace(job, out=None, seed=1), on_loaded=first_classifier)
+    assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
+
+
+def test_run_finetune_plans_trains_and_refuses_a_budget_nothing_fits():
+    events = []
+    job = FinetuneJob(model="zoo:mlp", data="digits", limit=64, epochs=1, batch=16, policy=("dense", "bitmap"),
+                      memory_budget="16GiB")
+    run = run_finetune(job, on_loaded=lambda run: events.append("loaded"),
+                       on_plan=lambda plan: events.append(f"plan {plan.chosen.policy}"),
+                       on_training=lambda run: events.append(f"training {run.config.policy}"),
+                       on_progress=lambda event: events.append(event["event"]))
+    assert events[:4] == ["loaded", "plan dense", "training dense", "step"] and events[-1] == "epoch"
+    summary = run.summary()
+    assert list(summary) == [*SUMMARY_KEYS, "plan"] and list(summary["plan"]) == PLAN_KEYS
+    assert summary["plan"]["within_budget"] is run.within_budget is True and summary["weights_file"] is None
+    assert json.loads(json.dumps(summary))["config"]["batch_size"] == run.plan.chosen.batch == 16
+
+    with pytest.raises(NothingFits, match="nothing fits 1 MiB") as refused:
+        run_finetune(dataclasses.replace(job, memory_budget="1MiB"))
+    assert refused.value.plan.chosen is None and len(refused.value.plan.candidates) >= 2
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"policy": ("dense", "bitmap")}, "without a budget give one"),
+    ({"memory_budget": "lots"}, "not a number with a unit"),
+    ({"optimizer": "lion"}, "accepted: sgd, adam, adamw"),
+    ({"val_fraction": 0.0}, "must be in (0, 1)"),
+    ({"min_batch": 0}, "min_batch must be a positive int"),
+    ({"limit": 0}, "limit must be a positive int"),
+    ({"device": "gpu"}, "accepted: cpu, cuda, cuda:N"),
+])
+def test_a_job_refuses_a_bad_field_saying_what_is_accepted(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FinetuneJob(model="zoo:mlp", data="digits", **fields)
+
+
+def test_a_job_takes_one_policy_given_as_a_string_as_one_spec():
+    job = FinetuneJob(model="zoo:mlp", data="digits", policy="bitmap")
+    assert job.policy == ("bitmap",) and job.config.policy == "bitmap"

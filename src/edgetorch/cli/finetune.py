@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -12,6 +12,10 @@ from rich.text import Text
 
 from ..errors import EdgetorchError
 from ._app import app, console, device_option, mib, output_dir, output_file, plot_file, write_json
+
+if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
+    from ..activations import MemoryPlan
+    from ..finetune import FinetuneRun
 
 _POLICY_HELP = ("repeatable: dense, bitmap[:threshold=..,value_dtype=..], backrazor[:sparsity=0.9], each optionally "
                 "+checkpoint. Without --memory-budget give one; with it, these are the candidates (default: "
@@ -56,118 +60,92 @@ def finetune(
     plot: Path = typer.Option(None, callback=plot_file, help="write loss and validation accuracy per epoch here (.png, .pdf, .svg)"),
 ) -> None:
     """Fine-tune a model on your images: per-epoch validation accuracy, measured peak memory, resumable."""
-    import torch
-
-    from ..activations import parse_training_policy, plan_memory
-    from ..activations.budget import DEFAULT_POLICIES, parse_bytes
-    from ..data import ImageFolderError, image_data
-    from ..finetune import FinetuneConfig, finetune as run, prepare, replace_classifier, start_model
+    from ..data import ImageFolderError
+    from ..finetune import FinetuneJob, NothingFits, run_finetune
     from ..training import TrainingDiverged
-    from ..zoo import CheckpointError, input_channels
+    from ..zoo import CheckpointError
 
-    policies = policy or []
     try:
-        for spec in policies:
-            parse_training_policy(spec)
-        if memory_budget is None and len(policies) > 1:
-            raise ValueError("several --policy values are candidates for --memory-budget; without a budget give one")
-        budget = parse_bytes(memory_budget) if memory_budget is not None else None
-        config = FinetuneConfig(policy=policies[0] if policies else "dense", scope=scope, freeze_batchnorm=freeze_batchnorm,
-                                epochs=epochs, batch_size=batch, optimizer=optimizer, lr=lr,
-                                weight_decay=weight_decay, schedule=schedule, seed=seed)
-        if not 0 < val_fraction < 1:
-            raise ValueError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-        torch.manual_seed(seed)
-        net, origin = start_model(model, None, weights)
-        size = size or (28 if model.startswith("zoo:") else 224)
-        images = image_data(data, size=size, channels=input_channels(net), val_fraction=val_fraction, seed=seed,
-                            limit=limit, skip_bad_images=skip_bad_images)
-        if replace_classifier(net, len(images.classes)):
-            origin += f"; new {len(images.classes)}-class classifier"
-    except (EdgetorchError, ValueError, TypeError, ImportError) as err:
+        job = FinetuneJob(model=model, data=data, weights=weights, out=out, policy=tuple(policy or ()),
+                          memory_budget=memory_budget, scope=scope, freeze_batchnorm=freeze_batchnorm, epochs=epochs,
+                          batch=batch, min_batch=min_batch, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+                          schedule=schedule, seed=seed, size=size, val_fraction=val_fraction, limit=limit,
+                          skip_bad_images=skip_bad_images, device=device)
+    except ValueError as err:
         raise typer.BadParameter(str(err)) from None
-    net = net.to(device)
-    console.print(f"model {model}: {origin}")
-    console.print(f"data {images.description}; {size}x{size} px")
-    if images.skipped:  # the library's warning named the first few
-        console.print(f"left out {len(images.skipped)} unreadable image(s) (--skip-bad-images), each listed with "
-                      f"the reason in {out / 'model.json'}", style="yellow")
+    loaded = []  # an error before the model and data are ready is a usage error (exit 2), after it a failure (1)
 
-    plan = None
-    if budget is not None:
-        prepare(net, config)  # the plan measures the model as it will train
-        try:
-            x, y = next(iter(torch.utils.data.DataLoader(images.train, batch_size=min(batch, len(images.train)))))
-        except ImageFolderError as err:  # a damaged image behind an intact header
-            console.print(str(err), style="red")
-            raise typer.Exit(1) from None
-        with console.status(f"measuring {len(policies) or len(DEFAULT_POLICIES)} candidate policies "
-                            f"(two small steps each) against {memory_budget}"):
-            plan = plan_memory(net, (x.to(device), y.to(device)), budget, policies=policies or DEFAULT_POLICIES,
-                               optimizer=config.planner_optimizer, weight_decay=weight_decay, min_batch=min_batch)
-        _print_plan(plan)
-        if plan.chosen is None:  # the table's "why" line said what to change
-            raise typer.Exit(1)
-        config = dataclasses.replace(config, policy=plan.chosen.policy, batch_size=plan.chosen.batch)
-        del x, y
+    def show_loaded(run: FinetuneRun) -> None:
+        loaded.append(run)
+        console.print(f"model {model}: {run.origin}")
+        console.print(f"data {run.data.description}; {run.image_size}x{run.image_size} px")
+        if run.data.skipped:  # the library's warning named the first few
+            console.print(f"left out {len(run.data.skipped)} unreadable image(s) (--skip-bad-images), each listed "
+                          f"with the reason in {out / 'model.json'}", style="yellow")
 
-    console.print(f"training: {config.policy}, scope {config.scope}, batch {config.batch_size}, {config.epochs} "
-                  f"epoch(s), {config.optimizer} lr {config.lr} ({config.schedule})")
-    metadata = {"model": model, "weights": str(weights) if weights else None, "origin": origin,
-                "data": images.description, "classes": images.classes, "num_classes": len(images.classes),
-                "image_size": size, "channels": input_channels(net), "normalize": images.normalize,
-                "skipped_images": [why for _, why in images.skipped]}
+    def show_training(run: FinetuneRun) -> None:
+        config = run.config
+        console.print(f"training: {config.policy}, scope {config.scope}, batch {config.batch_size}, {config.epochs} "
+                      f"epoch(s), {config.optimizer} lr {config.lr} ({config.schedule})")
+
     try:
         with _Display() as display:
-            result = run(net, images.train, images.val, config, out, metadata=metadata, on_progress=display.update)
-    # ImageFolderError: a damaged image found when decoded; TrainingDiverged: the loss became NaN.
-    except (CheckpointError, ImageFolderError, TrainingDiverged) as err:
+            run = run_finetune(job, on_loaded=show_loaded, on_plan=_print_plan, on_training=show_training,
+                               on_progress=display.update, status=console.status)
+    except NothingFits:  # the table's "why" line said what to change
+        raise typer.Exit(1) from None
+    except (EdgetorchError, ValueError, TypeError, ImportError) as err:
+        if not loaded:
+            raise typer.BadParameter(str(err)) from None
+        # ImageFolderError: a damaged image found when decoded; TrainingDiverged: the loss became NaN.
+        if not isinstance(err, (CheckpointError, ImageFolderError, TrainingDiverged)):
+            raise
         console.print(str(err), style="red")
         raise typer.Exit(1) from None
 
-    summary = {**metadata, "config": dataclasses.asdict(config), "history": result.history,
-               "val_accuracy": result.val_accuracy, "peak_bytes": result.peak_bytes, "peak_kind": result.peak_kind,
-               "process_peak_bytes": result.process_peak_bytes,
-               "resumed_from_epoch": result.resumed_from, "weights_file": str(result.weights)}
+    result, plan = run.result, run.plan
     measured = f"measured peak {mib(result.peak_bytes)} MiB ({result.peak_kind}, training)"
     if result.process_peak_bytes is not None:
         measured += f", {mib(result.process_peak_bytes)} MiB over the whole process"
     if plan is not None:
-        predicted = plan.chosen.predicted_peak_bytes
-        within = max(result.peak_bytes, result.process_peak_bytes or 0) <= plan.budget_bytes
-        summary["plan"] = _plan_dict(plan) | {"measured_peak_bytes": result.peak_bytes, "within_budget": within,
-                                              "prediction_error": predicted / result.peak_bytes - 1}
+        predicted, within = plan.chosen.predicted_peak_bytes, run.within_budget
         console.print(f"{measured}, {'within' if within else 'OVER'} the budget of {mib(plan.budget_bytes)} MiB; "
-                      f"predicted {mib(predicted)} MiB ({predicted / result.peak_bytes - 1:+.1%})",
+                      f"predicted {mib(predicted)} MiB ({run.prediction_error:+.1%})",
                       style=None if within else "red")
     else:
         console.print(measured)
     if result.resumed_from:
         console.print(f"resumed after epoch {result.resumed_from} from {out / 'checkpoint'}")
     console.print(f"validation accuracy {result.val_accuracy:.4f}; wrote {result.weights} and {out / 'model.json'} "
-                  f"(a state_dict of {model} with num_classes={len(images.classes)})")
-    write_json(json_path, summary)
+                  f"(a state_dict of {model} with num_classes={len(run.data.classes)})")
+    write_json(json_path, run.summary())
     if plot is not None:
         from ..measure.plots import plot_training
 
-        console.print(f"wrote {plot_training(result.history, plot, f'{model} on {images.description}')}")
+        console.print(f"wrote {plot_training(result.history, plot, f'{model} on {run.data.description}')}")
 
 
 class _Display:
-    """A progress bar per epoch with the running loss and throughput, and a line per finished epoch."""
+    """A progress bar per epoch with the running loss and throughput, and a line per finished epoch.
+
+    It goes live at the first event of the training loop, not on entry: before that the planner's
+    spinner may run, and rich shows one live display at a time.
+    """
 
     def __enter__(self) -> _Display:
-        self.progress = Progress(TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("loss {task.fields[loss]:.4f}  {task.fields[speed]:.1f} img/s"),
-                                 TimeElapsedColumn(), console=console, transient=True)
-        self.progress.__enter__()
-        self.task = None
+        self.progress, self.task = None, None
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
 
     def update(self, event: dict) -> None:
+        if self.progress is None:
+            self.progress = Progress(TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("loss {task.fields[loss]:.4f}  {task.fields[speed]:.1f} img/s"),
+                                     TimeElapsedColumn(), console=console, transient=True)
+            self.progress.__enter__()
         if event["event"] == "step":
             if self.task is None:
                 self.task = self.progress.add_task("", total=event["steps"], epoch=event["epoch"], loss=0.0, speed=0.0)
@@ -182,14 +160,7 @@ class _Display:
                 f"{event['images_per_second']:.1f} img/s, peak {mib(event['peak_bytes'])} MiB")
 
 
-def _plan_dict(plan) -> dict:
-    return {"budget_bytes": plan.budget_bytes, "chosen": dataclasses.asdict(plan.chosen) if plan.chosen else None,
-            "reason": plan.reason, "held_bytes": plan.held_bytes, "memory_kind": plan.memory_kind,
-            "calibration_batches": plan.calibration_batches,
-            "candidates": [dataclasses.asdict(c) for c in plan.candidates]}
-
-
-def _print_plan(plan) -> None:
+def _print_plan(plan: MemoryPlan) -> None:
     table = Table(title=f"candidates for a {mib(plan.budget_bytes)} MiB budget ({plan.memory_kind}), "
                         "in order of preference")
     for col in ("policy", "batch", "predicted peak MiB", "measured MiB (one step)", "fits", "step time vs dense",
