@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import re
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from .._checks import check_positive_int
+from .._status import Status
 from ..activations import MemoryPlan, parse_bytes, parse_training_policy, plan_memory
 from ..activations.budget import DEFAULT_POLICIES
 from ..data import ImageData, image_data
@@ -36,9 +36,6 @@ from ..zoo import input_channels
 from .model import replace_classifier, start_model
 from .run import FinetuneConfig, FinetuneResult, ProgressFn, finetune, prepare
 
-# What a long step shows while it runs: a context manager made from one line of text (the CLI
-# passes a spinner; the default, contextlib.nullcontext, shows nothing).
-Status = Callable[[str], AbstractContextManager[Any]]
 
 
 class NothingFits(EdgetorchError, RuntimeError):

@@ -16,8 +16,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from .._status import Status
 from .api import Reduction, reduce_model
 from .latency import LatencyComparison, compare_latency
 from .macs import count_macs
@@ -33,9 +32,6 @@ from .recover import RecoverConfig, RecoverHistory, recover
 from .transformer import count_transformer_macs
 from .transformer_blocks import is_transformer
 
-# What a long step shows while it runs: a context manager made from one line of text (the CLI
-# passes a spinner; the default, contextlib.nullcontext, shows nothing).
-Status = Callable[[str], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,11 @@
+"""What a long library call shows while it works, as the workflows take it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+#: A context manager made from one line of text, entered around a long step (the CLI passes a
+#: spinner; the workflows' default, ``contextlib.nullcontext``, shows nothing).
+Status = Callable[[str], AbstractContextManager[Any]]
