@@ -84,7 +84,7 @@ from edgetorch.measure.timing import wall_time
 from edgetorch.split import (BottleFitConfig, StageConfig, TeacherConfig, evaluate_split, file_offload, load_rgb,
                              train_stage, train_teacher)
 from edgetorch.split.bottlefit import build_student, lr_step
-from edgetorch.split.comparison import (STAGE1_ONLY, TABLE1_BASELINES, TABLE2_VARIANTS, Baseline,
+from edgetorch.split.comparison import (STAGE1_ONLY, TABLE1_BASELINES, TABLE2_VARIANTS, Baseline, paper_claims,
                                         plot_accuracy_vs_bytes, train_rows)
 from edgetorch.split.teacher import teacher_paths
 from edgetorch.zoo import build_model, evaluate_accuracy
@@ -265,26 +265,14 @@ def main() -> None:
     # The paper's claims, checked per C: BottleFit (Table II) against the best baseline (Table I).
     claim_rows, claims = [], {}
     for c in CHANNELS:
-        at_c = {r["method"]: r for r in rows if r["channels"] == c}
-        base = max((at_c[m.name] for m in TABLE1_BASELINES if not m.autoencoder), key=lambda r: r["quantized_accuracy"])
-        bf = [at_c[m.name]["quantized_accuracy"] for m in TABLE2_VARIANTS]
-        claims[str(c)] = {"best_baseline": base["method"], "best_baseline_accuracy": base["quantized_accuracy"],
-                          "bottlefit_min": min(bf), "bottlefit_max": max(bf),
-                          "deployed_gain_points": 100 * (at_c[DEPLOYED]["quantized_accuracy"] - base["quantized_accuracy"]),
-                          "kd_minus_ce_points": 100 * (at_c["KD"]["quantized_accuracy"]
-                                                       - at_c["Conventional (CE)"]["quantized_accuracy"]),
-                          "hnd_minus_kd_points": 100 * (at_c["HND"]["quantized_accuracy"] - at_c["KD"]["quantized_accuracy"]),
-                          "autoencoder_minus_best_baseline_points":
-                              100 * (at_c["Autoencoder"]["quantized_accuracy"] - base["quantized_accuracy"]),
-                          "max_quantization_change_points": max(abs(100 * (r["quantized_accuracy"] - r["float_accuracy"]))
-                                                                for r in at_c.values())}  # fmt: skip
-        k = claims[str(c)]
-        claim_rows.append([c, f"{base['method']} {pct(base['quantized_accuracy'])}",
-                           f"{pct(min(bf))} - {pct(max(bf))}",
-                           f"{100 * (max(bf) - base['quantized_accuracy']):+.2f}", f"{k['deployed_gain_points']:+.2f}",
-                           f"{k['kd_minus_ce_points']:+.2f}", f"{k['hnd_minus_kd_points']:+.2f}",
-                           f"{k['autoencoder_minus_best_baseline_points']:+.2f}",
-                           f"{k['max_quantization_change_points']:.2f}"])
+        k = paper_claims(trained, c, DEPLOYED)
+        claims[str(c)] = dataclasses.asdict(k)
+        claim_rows.append([c, f"{k.best_baseline} {pct(k.best_baseline_accuracy)}",
+                           f"{pct(k.bottlefit_min)} - {pct(k.bottlefit_max)}",
+                           f"{100 * (k.bottlefit_max - k.best_baseline_accuracy):+.2f}", f"{k.deployed_gain_points:+.2f}",
+                           f"{k.kd_minus_ce_points:+.2f}", f"{k.hnd_minus_kd_points:+.2f}",
+                           f"{k.autoencoder_minus_best_baseline_points:+.2f}",
+                           f"{k.max_quantization_change_points:.2f}"])
     claim_table = table(["C", "best baseline, 8-bit %", "BottleFit 4 rows, 8-bit %", "best BottleFit - best baseline",
                          f"{DEPLOYED} - best baseline", "KD - CE", "HND - KD", "AE - best baseline",
                          "max |8-bit - float| (pts)"], claim_rows)

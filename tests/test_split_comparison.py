@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from edgetorch.split import OffloadScore
-from edgetorch.split.bottlefit import BottleFitConfig, build_student
-from edgetorch.split.comparison import (STAGE1_ONLY, TABLE1_BASELINES, TABLE2_VARIANTS, plot_accuracy_vs_bytes,
-                                        train_rows)
+from edgetorch.split import OffloadScore, SplitAccuracy, StageConfig
+from edgetorch.split.bottlefit import BottleFitConfig, StageRun, build_student
+from edgetorch.split.comparison import (STAGE1_ONLY, TABLE1_BASELINES, TABLE2_VARIANTS, ComparisonRow, paper_claims,
+                                        plot_accuracy_vs_bytes, train_rows)
 from edgetorch.zoo import build_model
 
 SIZE = 16
@@ -61,3 +62,18 @@ def test_fig5_is_drawn_from_the_rows(tmp_path):
     files = {"png": OffloadScore(700.0, 0.5), "jpeg90": OffloadScore(300.0, 0.45), "jpeg10": OffloadScore(90.0, 0.3)}
     path = plot_accuracy_vs_bytes(rows, files, 0.5, tmp_path / "fig5.png", TABLE2_VARIANTS[0].name, (3,), "title")
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_paper_claims_compare_bottlefit_with_the_best_baseline_but_the_autoencoder():
+    stage = StageRun("stage", StageConfig(loss="ce", trainable="all"), [1.0], 1.0, 0.0)
+    accuracy = {"Conventional (CE)": 0.50, "KD": 0.55, "HND": 0.52, "Autoencoder": 0.90, STAGE1_ONLY.name: 0.40,
+                "GHND -> FT (FE)": 0.60, "GHND -> KD (FE)": 0.61, "GHND -> FT": 0.58, "GHND -> KD": 0.62}
+    rows = [ComparisonRow(name, "x", 3, SplitAccuracy(q + (0.05 if name == "HND" else 0.0), q, (3, 4, 4), 192, 60),
+                          stage) for name, q in accuracy.items()]
+    rows.append(ComparisonRow("KD", "baseline", 12, SplitAccuracy(1.0, 1.0, (12, 4, 4), 768, 200), stage))  # other C
+    claims = paper_claims(rows, 3, "GHND -> FT (FE)")
+    assert (claims.best_baseline, claims.bottlefit_min, claims.bottlefit_max) == ("KD", 0.58, 0.62)
+    assert claims.deployed_gain_points == pytest.approx(5.0)
+    assert claims.kd_minus_ce_points == pytest.approx(5.0) and claims.hnd_minus_kd_points == pytest.approx(-3.0)
+    assert claims.autoencoder_minus_best_baseline_points == pytest.approx(35.0)
+    assert claims.max_quantization_change_points == pytest.approx(5.0)

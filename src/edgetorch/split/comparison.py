@@ -208,6 +208,58 @@ def train_rows(teacher: nn.Module, train: TensorDataset, test: TensorDataset, ch
     return rows
 
 
+@dataclass(frozen=True)
+class PaperClaims:
+    """The paper's claims at one C, read off the rows (8-bit accuracies; ``_points`` are differences x 100).
+
+    The paper (ImageNet, 10 + 10 epochs) reports every BottleFit configuration above the best
+    baseline, KD above conventional training, HND best at C = 12 and worst at C = 3, the
+    autoencoder below the baselines, and 8-bit quantisation costing no accuracy.
+
+    Attributes:
+        best_baseline, best_baseline_accuracy: the best Table I row but the autoencoder.
+        bottlefit_min, bottlefit_max: the range of the four Table II rows.
+        deployed_gain_points: the deployed row over the best baseline.
+        kd_minus_ce_points, hnd_minus_kd_points: KD over conventional, HND over KD.
+        autoencoder_minus_best_baseline_points: the autoencoder over the best baseline.
+        max_quantization_change_points: the largest |8-bit - float| of any row at this C.
+    """
+
+    best_baseline: str
+    best_baseline_accuracy: float
+    bottlefit_min: float
+    bottlefit_max: float
+    deployed_gain_points: float
+    kd_minus_ce_points: float
+    hnd_minus_kd_points: float
+    autoencoder_minus_best_baseline_points: float
+    max_quantization_change_points: float
+
+
+def paper_claims(rows: Sequence[ComparisonRow], channels: int, deployed: str) -> PaperClaims:
+    """Check the paper's claims at C = ``channels``: BottleFit (Table II) against the best baseline (Table I).
+
+    Args:
+        rows: the rows of :func:`train_rows`, with every Table I and Table II row at this C.
+        channels: the C to read.
+        deployed: the row whose gain over the best baseline is reported.
+
+    Returns:
+        The :class:`PaperClaims`.
+
+    Raises:
+        KeyError: a row of Table I or II is missing at this C.
+    """
+    at_c = {r.method: r.accuracy for r in rows if r.channels == channels}
+    q = {name: a.quantized_accuracy for name, a in at_c.items()}
+    base = max((m.name for m in TABLE1_BASELINES if not m.autoencoder), key=lambda name: q[name])
+    bf = [q[v.name] for v in TABLE2_VARIANTS]
+    return PaperClaims(base, q[base], min(bf), max(bf), 100 * (q[deployed] - q[base]),
+                       100 * (q["KD"] - q["Conventional (CE)"]), 100 * (q["HND"] - q["KD"]),
+                       100 * (q["Autoencoder"] - q[base]),
+                       max(abs(100 * (a.quantized_accuracy - a.float_accuracy)) for a in at_c.values()))
+
+
 def plot_accuracy_vs_bytes(rows: Sequence[ComparisonRow], files: dict[str, OffloadScore], teacher_accuracy: float,
                            path: str | Path, deployed: str, channels: Sequence[int], title: str) -> Path:  # fmt: skip
     """Fig. 5: accuracy against the bytes sent per image, split rows beside full offload of the image file.
