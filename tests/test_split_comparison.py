@@ -1,4 +1,4 @@
-"""BottleFit against the paper's baselines (edgetorch.split.comparison): the rows, where they train, what they record."""
+"""BottleFit against the paper's baselines (edgetorch.split.comparison): the rows, where they train, what they say."""
 
 from __future__ import annotations
 
