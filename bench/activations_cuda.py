@@ -227,17 +227,21 @@ def _attempt(runner: Runner, what: str, fn: Callable[[], object], default=None):
         return default
 
 
+def workload(name: str, device: torch.device, batch: int, size: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The seed-0 model (1,000 classes, train mode) and one random batch that every configuration steps."""
+    torch.manual_seed(0)
+    base = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
+    return base, torch.randn(batch, 3, size, size, device=device), torch.randint(0, 1000, (batch,), device=device)
+
+
+def sgd(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+
+
 def run_model(name: str, device: torch.device, batch: int, size: int, warmup: int, steps: int) -> list[dict]:
     print(f"{name}: building", flush=True)
     configs = configurations(device.type == "cuda" and os.environ.get("ACT_NO_CAPTURED") != "1")
-    torch.manual_seed(0)
-    base = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
-    x = torch.randn(batch, 3, size, size, device=device)
-    y = torch.randint(0, 1000, (batch,), device=device)
-
-    def sgd(net):
-        return torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
-
+    base, x, y = workload(name, device, batch, size)
     eager_opt = sgd(base)  # every eager configuration steps the same model
     runners: list[Runner] = []
     for c in configs:
@@ -325,19 +329,15 @@ def run_compiled(name: str, device: torch.device, batch: int, size: int, warmup:
     import torch._dynamo
     import torch._functorch.config as functorch_config
 
-    torch.manual_seed(0)
-    base = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
-    x = torch.randn(batch, 3, size, size, device=device)
-    y = torch.randint(0, 1000, (batch,), device=device)
-    eager = Runner(Config("plain"), base, torch.optim.SGD(base.parameters(), lr=1e-4, momentum=0.9))
+    base, x, y = workload(name, device, batch, size)
+    eager = Runner(Config("plain"), base, sgd(base))
     rows = []
     for budget in BUDGETS:
         print(f"{name}: torch.compile, activation_memory_budget={budget}", flush=True)
         torch._dynamo.reset()
         net = copy.deepcopy(base)
         runner = Runner(Config(f"compiled budget={budget}" + ("" if backend == "inductor" else f" ({backend})")),
-                        torch.compile(net, backend=backend),
-                        torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9))
+                        torch.compile(net, backend=backend), sgd(net))
         patch = {"activation_memory_budget": budget}
         if hasattr(functorch_config, "enable_autograd_cache"):
             patch["enable_autograd_cache"] = False  # a cached partition must not serve another budget
