@@ -9,7 +9,7 @@ configuration:
   ``quantized8`` (``Quantized(8)``);
 * ``checkpoint (per block)``: the peer a GPU user picks, non-reentrant ``torch.utils.checkpoint``
   around every block, no edgetorch, on a copy of the model with in-place activations turned off
-  (see :func:`per_block_checkpoint`);
+  (:func:`edgetorch.activations.checkpoint.checkpoint_blocks`);
 * ``captured ...``: the whole step (forward under the policy, backward, SGD step) captured as one
   CUDA graph by :func:`edgetorch.capture_step` and replayed: ``captured plain`` (the fair baseline
   for graph replay), ``captured backrazor@0.9``, ``captured quantized8``;
@@ -54,11 +54,11 @@ import torchvision
 from _common import mib, table, write_results
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 import edgetorch
 from edgetorch.activations import capacity
-from edgetorch.measure.counters import allocator_peak, count_host_syncs, kernel_profile
+from edgetorch.activations.checkpoint import CheckpointedBlock, checkpoint_blocks
+from edgetorch.measure.counters import allocator_peak, count_host_syncs, host_profile, kernel_profile
 from edgetorch.measure.timing import per_call, synchronize, wall_time
 
 MODELS = ("resnet18", "resnet50", "vgg11_bn", "mobilenet_v2")
@@ -68,7 +68,6 @@ BUDGET_S = 300  # seconds: models left when it is spent are skipped; compile nee
 COMPILE_S = 120
 TIME_TARGETS = {"dense": 1.05, "bitmap": 1.20, "backrazor": 1.30, "quantized": 1.30}  # step time vs plain
 SYNC_TARGETS = {"bitmap": 1, "backrazor": 0, "quantized": 0}  # host syncs per step, at most
-INPLACE_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.SiLU, nn.Hardswish, nn.LeakyReLU)
 
 
 class Stop(Exception):
@@ -104,57 +103,6 @@ def configurations(cuda: bool) -> list[Config]:
     configs += [Config("bf16 plain", bf16=True), Config("bf16 bitmap", bitmap, bf16=True),
                 Config("bf16 backrazor@0.9", br, bf16=True), Config("bf16 quantized8", q8, bf16=True)]
     return configs
-
-
-# -- the peer: per-block checkpointing, built so that it runs ---------------------------------------
-
-class _Checkpointed(nn.Module):
-    """One block run under non-reentrant ``torch.utils.checkpoint``."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        return checkpoint(self.block, x, use_reentrant=False) if torch.is_grad_enabled() else self.block(x)
-
-
-def per_block_checkpoint(model: nn.Module) -> nn.Module:
-    """``model`` (edited in place) with every block checkpointed and no in-place activation.
-
-    Blocks: ResNet stages' blocks; the children of ``features`` that are blocks themselves
-    (MobileNet's inverted residuals); where ``features`` is a flat run of layers (VGG), a
-    convolution with the batch norm, activation and pooling after it (checkpointing a lone
-    activation or batch norm stores its input, which it saves anyway). In-place activations are
-    turned off (``inplace=False``) because torchvision's ``ReLU(inplace=True)`` modifies a tensor a
-    checkpointed block saved as its input ("one of the variables needed for gradient computation
-    has been modified by an inplace operation" on vgg11_bn with one checkpoint per layer).
-    """
-    for m in model.modules():
-        if isinstance(m, INPLACE_ACTIVATIONS) and getattr(m, "inplace", False):
-            m.inplace = False
-    for i in range(1, 5):
-        stage = getattr(model, f"layer{i}", None)
-        if stage is not None:
-            for j, block in enumerate(stage):
-                stage[j] = _Checkpointed(block)
-    features = getattr(model, "features", None)
-    if isinstance(features, nn.Sequential):
-        blocks: list[nn.Module] = []
-        run: list[nn.Module] = []
-        for child in features:
-            if any(True for _ in child.children()):  # a block of its own
-                blocks += [nn.Sequential(*run)] if run else []
-                blocks.append(child)
-                run = []
-            else:
-                if isinstance(child, nn.Conv2d) and run:
-                    blocks.append(nn.Sequential(*run))
-                    run = []
-                run.append(child)
-        blocks += [nn.Sequential(*run)] if run else []
-        model.features = nn.Sequential(*(_Checkpointed(b) for b in blocks))
-    return model
 
 
 # -- one configuration, ready to step -----------------------------------------------------------
@@ -217,28 +165,16 @@ def profile_of(run: Callable[[], None], device) -> dict:
 
 
 def host_profile_of(run: Callable[[], None], device, top: int = 12) -> dict:
-    """One step under cProfile: where the host's Python time goes (the profiler inflates every
-    call, so read shares, not absolute times): the functions with the most self time, and the
-    Triton kernel launches (``JITFunction.run``) with their total time."""
-    import cProfile
-    import pstats
-
-    synchronize(device)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run()
-    synchronize(device)
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, self, cumulative, callers)
-    total = sum(v[2] for v in stats.values())
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    launches = [(v[0], v[3]) for (f, _, name), v in stats.items() if name == "run" and "triton" in f and "jit" in f]
+    """One step under cProfile (:func:`~edgetorch.measure.counters.host_profile`): the functions
+    with the most self time, and the Triton kernel launches (``JITFunction.run``) with their total time."""
+    p = host_profile(run, device)
+    launches = [f for f in p.functions if f.name == "run" and "triton" in f.file and "jit" in f.file]
     return {
-        "host_profile_ms": total * 1e3,
-        "host_top": [{"function": f"{Path(f).name}:{line}:{name}", "calls": v[0], "self_ms": v[2] * 1e3}
-                     for (f, line, name), v in rows],
-        "triton_launches": sum(n for n, _ in launches),
-        "triton_launch_ms": sum(t for _, t in launches) * 1e3,
+        "host_profile_ms": p.total_s * 1e3,
+        "host_top": [{"function": f"{Path(f.file).name}:{f.line}:{f.name}", "calls": f.calls, "self_ms": f.self_s * 1e3}
+                     for f in p.functions[:top]],
+        "triton_launches": sum(f.calls for f in launches),
+        "triton_launch_ms": sum(f.cumulative_s for f in launches) * 1e3,
     }
 
 
@@ -291,17 +227,21 @@ def _attempt(runner: Runner, what: str, fn: Callable[[], object], default=None):
         return default
 
 
+def workload(name: str, device: torch.device, batch: int, size: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The seed-0 model (1,000 classes, train mode) and one random batch that every configuration steps."""
+    torch.manual_seed(0)
+    base = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
+    return base, torch.randn(batch, 3, size, size, device=device), torch.randint(0, 1000, (batch,), device=device)
+
+
+def sgd(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+
+
 def run_model(name: str, device: torch.device, batch: int, size: int, warmup: int, steps: int) -> list[dict]:
     print(f"{name}: building", flush=True)
     configs = configurations(device.type == "cuda" and os.environ.get("ACT_NO_CAPTURED") != "1")
-    torch.manual_seed(0)
-    base = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
-    x = torch.randn(batch, 3, size, size, device=device)
-    y = torch.randint(0, 1000, (batch,), device=device)
-
-    def sgd(net):
-        return torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
-
+    base, x, y = workload(name, device, batch, size)
     eager_opt = sgd(base)  # every eager configuration steps the same model
     runners: list[Runner] = []
     for c in configs:
@@ -312,7 +252,7 @@ def run_model(name: str, device: torch.device, batch: int, size: int, warmup: in
             try:
                 net = copy.deepcopy(base)
                 if c.kind == "checkpoint":
-                    net = per_block_checkpoint(net)
+                    net = checkpoint_blocks(net)
                 runner.net, runner.opt = net, sgd(net)
             except Exception as e:
                 runner.fail("build", e)
@@ -389,19 +329,15 @@ def run_compiled(name: str, device: torch.device, batch: int, size: int, warmup:
     import torch._dynamo
     import torch._functorch.config as functorch_config
 
-    torch.manual_seed(0)
-    base = torchvision.models.get_model(name, weights=None, num_classes=1000).to(device).train()
-    x = torch.randn(batch, 3, size, size, device=device)
-    y = torch.randint(0, 1000, (batch,), device=device)
-    eager = Runner(Config("plain"), base, torch.optim.SGD(base.parameters(), lr=1e-4, momentum=0.9))
+    base, x, y = workload(name, device, batch, size)
+    eager = Runner(Config("plain"), base, sgd(base))
     rows = []
     for budget in BUDGETS:
         print(f"{name}: torch.compile, activation_memory_budget={budget}", flush=True)
         torch._dynamo.reset()
         net = copy.deepcopy(base)
         runner = Runner(Config(f"compiled budget={budget}" + ("" if backend == "inductor" else f" ({backend})")),
-                        torch.compile(net, backend=backend),
-                        torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9))
+                        torch.compile(net, backend=backend), sgd(net))
         patch = {"activation_memory_budget": budget}
         if hasattr(functorch_config, "enable_autograd_cache"):
             patch["enable_autograd_cache"] = False  # a cached partition must not serve another budget
@@ -611,7 +547,7 @@ def check_peers(device: torch.device) -> list[str]:
     for name in MODELS:
         torch.manual_seed(0)
         model = torchvision.models.get_model(name, weights=None, num_classes=10).to(device).eval()
-        peer = per_block_checkpoint(copy.deepcopy(model))
+        peer = checkpoint_blocks(copy.deepcopy(model))
         x = torch.randn(2, 3, 32, 32, device=device, requires_grad=True)
         grads = []
         for net in (model, peer):
@@ -621,7 +557,7 @@ def check_peers(device: torch.device) -> list[str]:
             grads.append([x.grad.clone()] + [p.grad.clone() for p in net.parameters()])
         close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*grads))
         peer.train()(x).sum().backward()  # and in train mode, where the in-place ReLU crashed vgg11_bn's
-        blocks = sum(isinstance(m, _Checkpointed) for m in peer.modules())
+        blocks = sum(isinstance(m, CheckpointedBlock) for m in peer.modules())
         out.append(f"{name}: {blocks} checkpointed blocks, gradients {'equal plain' if close else 'DIFFER'} "
                    "(eval mode), a train-mode step runs")
         print(out[-1], flush=True)

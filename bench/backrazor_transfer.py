@@ -51,7 +51,9 @@ import edgetorch as et
 from edgetorch.codecs.topk import pack_topk
 from edgetorch.data import cache_dir, load_dataset
 from edgetorch.finetune import replace_classifier, set_scope
+from edgetorch.activations.step import TrainingPolicy, storing
 from edgetorch.measure import run_fresh
+from edgetorch.measure.plots import new_figure, save_figure
 from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
 from edgetorch.training.cache import cached_model
 from edgetorch.zoo import SmallResNet, evaluate_accuracy
@@ -110,11 +112,9 @@ class Method:
         return isinstance(self.storage(), et.Dense)
 
     def step_scope(self, model: nn.Module, ledger: et.SavedTensorLedger | None = None):
-        """The context one step's forward runs in: plain PyTorch for a dense method without a
-        ledger, otherwise the engine under this method's policy (filling ``ledger``)."""
-        if self.dense and ledger is None:
-            return contextlib.nullcontext()
-        return et.compress_activations(model, self.storage(), ledger=ledger)
+        """The context one step's forward runs in (:func:`edgetorch.activations.step.storing`): plain
+        PyTorch for a dense method without a ledger, otherwise the engine under this method's policy."""
+        return storing(model, TrainingPolicy(self.storage()), ledger)
 
 
 def table_methods(arch: str) -> list[Method]:
@@ -512,12 +512,8 @@ def plot_convergence(losses: dict[str, list[float]], path: Path) -> None:
 
     ``losses`` maps ``arch/method/seedN`` to that run's per-step losses.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     archs = [a for a in ARCHS if any(k.startswith(f"{a}/") for k in losses)]
-    fig, axes = plt.subplots(1, len(archs), figsize=(5.5 * len(archs), 4), squeeze=False)
+    fig, axes = new_figure((5.5 * len(archs), 4), 1, len(archs), squeeze=False)
     for ax, arch in zip(axes[0], archs):
         for name, color in (("FT-Full", "tab:blue"), ("Back Razor@90%", "tab:red")):
             curves = [v for k, v in losses.items() if k.rpartition("/seed")[0] == f"{arch}/{name}"]
@@ -527,18 +523,12 @@ def plot_convergence(losses: dict[str, list[float]], path: Path) -> None:
         ax.set(title=f"{arch.upper()}: Fashion-MNIST 0-4 -> 5-9", xlabel="training step", ylabel="training loss",
                yscale="log")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_fig3(points: list[dict], path: Path) -> None:
     """Fig. 3: accuracy vs pruning ratio, symmetric vs backward-only, ledger bytes on the right axis."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = new_figure((6, 4))
     ratios = [100 * p["sparsity"] for p in points]
     ax.plot(ratios, [p["backward_only_accuracy"] * 100 for p in points], "o-", color="tab:red", label="Back Razor (backward only)")
     ax.plot(ratios, [p["symmetric_accuracy"] * 100 for p in points], "s-", color="tab:blue", label="forward + backward (symmetric)")
@@ -548,9 +538,7 @@ def plot_fig3(points: list[dict], path: Path) -> None:
     right.set_ylabel("saved activations MiB (ledger)")
     ax.legend(loc="lower left", fontsize=8)
     right.legend(loc="center left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # --- main -------------------------------------------------------------------------------------

@@ -89,13 +89,6 @@ def _without_hugepages(fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-# --- 1. first call in a fresh process -------------------------------------------------------------
-
-def first_call(runs: int) -> list[dict]:
-    """RSS and time of import edgetorch + the first pack/unpack, each in a fresh process."""
-    return [first_call_footprint() for _ in range(runs)]
-
-
 # --- 2. fixed cost --------------------------------------------------------------------------------
 
 
@@ -416,7 +409,7 @@ def main() -> None:
         return
     load_start = round(os.getloadavg()[0], 2)
     print("first call", file=sys.stderr, flush=True)
-    first = first_call(FIRST_CALL_RUNS)
+    first = [first_call_footprint() for _ in range(FIRST_CALL_RUNS)]  # 1. each in a fresh process
     print("extras", file=sys.stderr, flush=True)
     extras = _worker("extras", args.quick, {})
     results = {}

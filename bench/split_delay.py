@@ -22,22 +22,12 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from _common import RESULTS_DIR, table, write_results  # noqa: E402
-from edgetorch.split.links import parse_link  # noqa: E402
-from edgetorch.split.plan import (  # noqa: E402
-    HostTimes,
-    compare_deployments,
-    image_file_bytes,
-    load_accuracy,
-    measure_host_times,
-    plan_record,
-)
-from edgetorch.split.power import DEFAULT_SERVER, PROFILES, SERVERS, DeviceProfile  # noqa: E402
+from _common import RESULTS_DIR, table, write_results
+from edgetorch.measure.plots import new_figure, save_figure
+from edgetorch.split.links import parse_link
+from edgetorch.split.plan import (HostTimes, compare_deployments, image_file_bytes, load_accuracy, measure_host_times,
+                                  plan_record)
+from edgetorch.split.power import DEFAULT_SERVER, PROFILES, SERVERS, DeviceProfile
 
 ARCH, DEFAULT_RESOLUTION, CHANNELS = "torchvision:resnet18", 96, [1, 2, 3, 6, 9, 12]
 LINKS = ["wifi:50", "wifi:20", "wifi:5", "wifi:1", "lte:20", "lte:5", "lte:1",
@@ -97,7 +87,7 @@ def main() -> None:
                      "best energy"], lines))
 
     plot_path = RESULTS_DIR / "split_delay.png"
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = new_figure((10, 4.5))
     for i, option in enumerate(options):
         ax.plot(range(len(links)), [measured[link.name][i].e2e_s for link in links], marker="o", label=option)
     ax.set_xticks(range(len(links)), [link.name.replace(" Mbit/s", "") for link in links], rotation=30, ha="right")
@@ -105,8 +95,7 @@ def main() -> None:
     ax.set_ylabel("end-to-end delay, s (log)")
     ax.set_title(f"{ARCH} {resolution}px, compute measured on this CPU (device = server)")
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(plot_path, dpi=120)
+    save_figure(fig, plot_path)
 
     acc_note = (f"Accuracies from `{ACCURACY.name}`." if accuracy else
                 f"`{ACCURACY.name}` held no accuracies when this ran: this benchmark reports delay and energy only.")

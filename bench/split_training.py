@@ -10,8 +10,10 @@ bottleneck channels, students are trained with
 * BottleFit (Table II): GHND stage 1 (eq. 4), then stage 2 in the four configurations FT or KD,
   with the encoder frozen ("FE") or not.
 
-The BottleFit rows are trained by the library's own recipe, :func:`edgetorch.split.train_bottlefit`
-(what ``edgetorch split train`` runs): its stage-1 checkpoint is shared by the four stage-2 rows.
+The rows, their training and Fig. 5 are :mod:`edgetorch.split.comparison`'s (:func:`train_rows`,
+:func:`plot_accuracy_vs_bytes`); the BottleFit rows are trained by the library's own recipe,
+:func:`edgetorch.split.train_bottlefit` (what ``edgetorch split train`` runs): its stage-1
+checkpoint is shared by the four stage-2 rows.
 Each row is evaluated on held-out test images by :func:`edgetorch.split.evaluate_split`, with the
 float bottleneck (``tail(head(x))``) and with the real 8-bit payload (``head -> encode -> bytes ->
 decode -> tail``), with its exact byte size. Fig. 5 (accuracy vs transferred bytes) adds full
@@ -71,37 +73,21 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import matplotlib
-import matplotlib.ticker
 import numpy as np
 import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from _common import RESULTS_DIR, table, write_results  # noqa: E402
-from edgetorch.data import cache_dir  # noqa: E402
-from edgetorch.split import (  # noqa: E402
-    BottleFitConfig,
-    BottleneckModel,
-    StageConfig,
-    TeacherConfig,
-    evaluate_split,
-    file_offload,
-    inject_autoencoder,
-    load_rgb,
-    train_bottlefit,
-    train_stage,
-    train_teacher,
-)
-from edgetorch.split.bottlefit import StageRun, build_student, lr_step, run_stage  # noqa: E402
-from edgetorch.split.teacher import teacher_paths  # noqa: E402
-from edgetorch.zoo import build_model, evaluate_accuracy  # noqa: E402
+from _common import RESULTS_DIR, table, write_results
+from edgetorch.data import cache_dir
+from edgetorch.measure.timing import wall_time
+from edgetorch.split import (BottleFitConfig, StageConfig, TeacherConfig, evaluate_split, file_offload, load_rgb,
+                             train_stage, train_teacher)
+from edgetorch.split.bottlefit import build_student, lr_step
+from edgetorch.split.comparison import (STAGE1_ONLY, TABLE1_BASELINES, TABLE2_VARIANTS, Baseline, paper_claims,
+                                        plot_accuracy_vs_bytes, train_rows)
+from edgetorch.split.teacher import teacher_paths
+from edgetorch.zoo import build_model, evaluate_accuracy
 
 ARCH = "resnet18"
 DATASET = "fashion-mnist"
@@ -128,53 +114,6 @@ class Scale:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
 
-@dataclass(frozen=True)
-class Method:
-    """A baseline row of Table I: one stage from the teacher's weights.
-
-    Attributes:
-        name: row label.
-        loss, trainable, optimizer: the :class:`StageConfig` fields.
-        autoencoder: build the student with :func:`inject_autoencoder` instead of the SP2 bottleneck.
-    """
-
-    name: str
-    loss: str
-    trainable: str
-    optimizer: str
-    autoencoder: bool = False
-    family: str = "baseline"
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A BottleFit row of Table II: the shared GHND stage 1, then ``stage2`` (None: stage 1 itself).
-
-    Attributes:
-        name: row label.
-        stage2, freeze_encoder: the :class:`BottleFitConfig` fields.
-    """
-
-    name: str
-    stage2: str | None
-    freeze_encoder: bool = False
-    family: str = "bottlefit"
-
-
-BASELINES = (
-    Method("Conventional (CE)", "ce", "all", "sgd"),
-    Method("KD", "kd", "all", "sgd"),
-    Method("HND", "hnd", "bottleneck", "adam"),
-    Method("Autoencoder", "hnd", "bottleneck", "adam", autoencoder=True),
-)
-STAGE1 = Variant("GHND (stage 1 only)", None)
-STAGE2 = (
-    Variant("GHND -> FT (FE)", "ft", freeze_encoder=True),
-    Variant("GHND -> KD (FE)", "kd", freeze_encoder=True),
-    Variant("GHND -> FT", "ft"),
-    Variant("GHND -> KD", "kd"),
-)
-
 _START = time.perf_counter()
 
 
@@ -183,77 +122,11 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} +{(time.perf_counter() - _START) / 60:5.1f} min] {message}", flush=True)
 
 
-def stage_config(method: Method, epochs: int, batch: int) -> StageConfig:
-    """A baseline's single stage, with the BottleFit stages' schedule (:func:`lr_step`)."""
-    return StageConfig(loss=method.loss, trainable=method.trainable, epochs=epochs, optimizer=method.optimizer,
-                       lr=1e-3, momentum=0.9, lr_step=lr_step(epochs), batch_size=batch)
-
-
-def bottlefit_config(variant: Variant, channels: int, epochs: int, batch: int) -> BottleFitConfig:
-    return BottleFitConfig(channels=channels, split_point=SPLIT_POINT, stage2=variant.stage2,
-                           freeze_encoder=variant.freeze_encoder, epochs=epochs, batch_size=batch, lr=1e-3)
-
-
 def teacher_config(scale: Scale) -> TeacherConfig:
     return TeacherConfig(arch=ARCH, dataset=DATASET, image_size=scale.size, train_limit=scale.train,
                          stage=StageConfig(loss="ce", trainable="all", epochs=scale.teacher_epochs,
                                            optimizer="adam", lr=1e-3, lr_step=lr_step(scale.teacher_epochs),
                                            batch_size=scale.batch))
-
-
-def baseline_student(teacher: nn.Module, channels: int, method: Method) -> BottleneckModel:
-    """The SP2 student BottleFit starts from (same seeded layers), or the autoencoder baseline's."""
-    if not method.autoencoder:
-        return build_student(teacher, BottleFitConfig(channels=channels, split_point=SPLIT_POINT))
-    device = next(teacher.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(0)
-        return inject_autoencoder(teacher, channels)  # new layers are made on the teacher's device
-
-
-def row_info(stage: StageRun) -> dict:
-    """A row's training record: losses, training time of all runs and of this one, the stage config."""
-    return {"loss_history": stage.loss_history, "train_seconds": stage.seconds,
-            "seconds_this_run": stage.seconds_this_run, "config": dataclasses.asdict(stage.config)}
-
-
-# ----------------------------------------------------------------------------- training
-
-
-def run_channels(teacher: nn.Module, train: TensorDataset, test: TensorDataset, scale: Scale, channels: int,
-                 methods: tuple[Method | Variant, ...], root) -> list[dict]:
-    """Train and evaluate ``methods`` (baselines and/or stage-2 variants) at one C."""
-    rows = []
-
-    def record(method: Method | Variant, model: BottleneckModel, info: dict) -> None:
-        result = dataclasses.asdict(evaluate_split(model, test, batch_size=EVAL_BATCH))
-        rows.append({"method": method.name, "family": method.family, "channels": channels, **result, **info})
-        log(f"C={channels} {method.name}: float {100 * result['float_accuracy']:.2f}%, "
-            f"8-bit {100 * result['quantized_accuracy']:.2f}%, {result['payload_bytes']} B")
-
-    def at_c(line: str) -> None:
-        log(f"C={channels} {line}")
-
-    base = root / f"C{channels}"
-    for method in (m for m in methods if m.family == "baseline"):
-        student = baseline_student(teacher, channels, method)
-        config = stage_config(method, 2 * scale.stage_epochs, scale.batch)
-        stage = run_stage(student, train, config, teacher, base / slug(method.name), progress=False, log=at_c)
-        record(method, student, row_info(stage))
-    variants = [m for m in methods if m.family == "bottlefit"]
-    # Stage 1 alone first: it trains the checkpoint every stage-2 variant then starts from.
-    for variant in [STAGE1, *variants] if variants else []:
-        config = bottlefit_config(variant, channels, scale.stage_epochs, scale.batch)
-        run = train_bottlefit(teacher, train, config, base, progress=False, log=at_c)
-        info = row_info(run.stages[-1])
-        if variant.stage2 is not None:
-            info["stage1_train_seconds"] = run.stages[0].seconds
-        record(variant, run.student, info)
-    return rows
-
-
-def slug(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
 
 
 # ----------------------------------------------------------------------------- dry run
@@ -266,24 +139,18 @@ def dry_run(scale: Scale, extra: tuple[int, ...], device: torch.device, steps: i
     data = load_rgb(DATASET, "train", scale.size, steps * scale.batch, device)
     per_sample: dict[str, float] = {}
 
-    def timed(label: str, fn: Callable[[], object]) -> None:
+    def timed(label: str, fn) -> None:
         fn() if device.type == "cuda" else None  # warm-up: cuDNN picks its kernels on the first batches
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        per_sample[label] = (time.perf_counter() - start) / (steps * scale.batch)
+        per_sample[label] = wall_time(fn, device) / (steps * scale.batch)
         log(f"{label}: {1e3 * per_sample[label]:.2f} ms per training sample")
 
-    def one(m: Method | Variant) -> StageConfig:  # one epoch of the row's (last) stage
-        if isinstance(m, Method):
-            return stage_config(m, 1, scale.batch)
-        return bottlefit_config(m, 12, 1, scale.batch).stages()[-1][1]
+    def one(m) -> StageConfig:  # one epoch of the row's (last) stage
+        return m.stage(1, scale.batch) if isinstance(m, Baseline) else m.config(12, 1, scale.batch).stages()[-1][1]
 
     timed("teacher", lambda: train_stage(copy.deepcopy(teacher), data, StageConfig(loss="ce", trainable="all",
                                          batch_size=scale.batch), progress=False))  # fmt: skip
-    for m in (*BASELINES, STAGE1, *STAGE2):
-        student = baseline_student(teacher, 12, m) if isinstance(m, Method) else build_student(teacher, BottleFitConfig(channels=12))
+    for m in (*TABLE1_BASELINES, STAGE1_ONLY, *TABLE2_VARIANTS):
+        student = m.student(teacher, 12) if isinstance(m, Baseline) else build_student(teacher, BottleFitConfig(channels=12))
         timed(m.name, lambda m=m, s=student: train_stage(s, data, one(m), teacher=teacher, progress=False))
     test = load_rgb(DATASET, "test", scale.size, 500)
     start = time.perf_counter()
@@ -291,73 +158,16 @@ def dry_run(scale: Scale, extra: tuple[int, ...], device: torch.device, steps: i
     eval_per_sample = (time.perf_counter() - start) / 500
     n, e = scale.train, scale.stage_epochs
     total = per_sample["teacher"] * n * scale.teacher_epochs
-    for m in BASELINES:
+    for m in TABLE1_BASELINES:
         total += len(CHANNELS) * per_sample[m.name] * n * 2 * e
-    for m in (STAGE1, *STAGE2):
+    for m in (STAGE1_ONLY, *TABLE2_VARIANTS):
         total += len(CHANNELS) * per_sample[m.name] * n * e
-    total += len(extra) * (per_sample[STAGE1.name] + per_sample[STAGE2[0].name]) * n * e
-    rows = len(CHANNELS) * (len(BASELINES) + 1 + len(STAGE2)) + 2 * len(extra)
+    total += len(extra) * (per_sample[STAGE1_ONLY.name] + per_sample[TABLE2_VARIANTS[0].name]) * n * e
+    rows = len(CHANNELS) * (len(TABLE1_BASELINES) + 1 + len(TABLE2_VARIANTS)) + 2 * len(extra)
     total += rows * eval_per_sample * scale.test
     total += (1 + len(JPEG_QUALITIES)) * scale.test * eval_per_sample * 0.8  # teacher on decoded files
     log(f"evaluation: {1e3 * eval_per_sample:.2f} ms per test sample (float + 8-bit)")
     log(f"extrapolated full run at {scale}: {total / 60:.1f} min (+ teacher test on 10,000 images)")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def plot(rows: list[dict], files: dict, teacher_png: float, path) -> None:
-    fig, ax = plt.subplots(figsize=(8, 5))
-    deployed = sorted((r for r in rows if r["method"] == DEPLOYED), key=lambda r: r["payload_bytes"])
-    ax.plot([r["float32_bytes"] for r in deployed], [100 * r["float_accuracy"] for r in deployed], "o--",
-            color="tab:blue", alpha=0.6, label=f"BottleFit {DEPLOYED}, float32 bottleneck")
-    ax.plot([r["payload_bytes"] for r in deployed], [100 * r["quantized_accuracy"] for r in deployed], "o-",
-            color="tab:blue", label=f"BottleFit {DEPLOYED}, 8-bit payload")
-    for r in deployed:
-        ax.annotate(f"C={r['channels']}", (r["payload_bytes"], 100 * r["quantized_accuracy"]),
-                    textcoords="offset points", xytext=(4, -12), fontsize=8)
-    for c in CHANNELS:
-        stage2 = [r for r in rows if r["channels"] == c and r["method"] in {m.name for m in STAGE2}]
-        top = max(stage2, key=lambda r: r["quantized_accuracy"])
-        ax.plot(top["payload_bytes"], 100 * top["quantized_accuracy"], "o", mfc="none", ms=10, color="tab:blue",
-                label="BottleFit, best of the four Table II rows, 8-bit" if c == CHANNELS[0] else None)
-        ax.annotate(top["method"], (top["payload_bytes"], 100 * top["quantized_accuracy"]),
-                    textcoords="offset points", xytext=(-30, 8), fontsize=7, color="tab:blue")
-        baselines = [r for r in rows if r["channels"] == c and r["family"] == "baseline"
-                     and r["method"] != "Autoencoder"]  # fmt: skip
-        best = max(baselines, key=lambda r: r["quantized_accuracy"])
-        ax.plot(best["payload_bytes"], 100 * best["quantized_accuracy"], "s", color="tab:red",
-                label="best SP2 baseline, 8-bit" if c == CHANNELS[0] else None)
-        ax.annotate(best["method"], (best["payload_bytes"], 100 * best["quantized_accuracy"]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=7, color="tab:red")
-        ae = next(r for r in rows if r["channels"] == c and r["method"] == "Autoencoder")
-        ax.plot(ae["payload_bytes"], 100 * ae["quantized_accuracy"], "^", color="tab:purple",
-                label="autoencoder baseline, 8-bit" if c == CHANNELS[0] else None)
-        ax.annotate(f"C={c}", (ae["payload_bytes"], 100 * ae["quantized_accuracy"]), textcoords="offset points",
-                    xytext=(4, 4), fontsize=7, color="tab:purple")
-    jpeg = sorted((v.mean_bytes, 100 * v.accuracy, k) for k, v in files.items() if k.startswith("jpeg"))
-    ax.plot([j[0] for j in jpeg], [j[1] for j in jpeg], "D-", color="tab:orange", label="offload JPEG (teacher)")
-    for b, a, k in jpeg:
-        ax.annotate(f"q{k[4:]}", (b, a), textcoords="offset points", xytext=(4, -10), fontsize=7, color="tab:orange")
-    ax.plot(files["png"].mean_bytes, 100 * files["png"].accuracy, "*", ms=12, color="tab:green",
-            label="offload PNG (teacher, lossless)")
-    ax.axhline(100 * teacher_png, color="gray", lw=0.8, ls=":")
-    ax.set_xscale("log")
-    ax.set_xticks([t for t in (25, 50, 100, 200, 400, 800, 1600) if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]])
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("bytes transferred per image (log)")
-    ax.set_ylabel("test accuracy, %")
-    ax.set_title(f"Fashion-MNIST {rows[0]['size']} px, {ARCH} SP2: accuracy vs transferred data (cf. Fig. 5)")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -401,14 +211,13 @@ def main() -> None:
 
     # The stem names the teacher's cache entry: another teacher never resumes these checkpoints.
     root = cache_dir() / "split" / f"bench-split_training-{scale.key()}-{teacher_paths(tconfig)[0].stem}"
-    rows: list[dict] = []
+    trained = []
     only = set(args.train_only) if args.train_only is not None else None
-    for c in CHANNELS:
+    plan = [(c, (*TABLE1_BASELINES, *TABLE2_VARIANTS)) for c in CHANNELS] + [(c, TABLE2_VARIANTS[:1]) for c in extra]
+    for c, methods in plan:
         if only is None or c in only:
-            rows += run_channels(teacher, train, test, scale, c, (*BASELINES, *STAGE2), root)
-    for c in extra:
-        if only is None or c in only:
-            rows += run_channels(teacher, train, test, scale, c, (STAGE2[0],), root)
+            trained += train_rows(teacher, train, test, c, methods, scale.stage_epochs, scale.batch, root,
+                                  SPLIT_POINT, log)
     if only is not None:
         log(f"trained C in {sorted(only)} into {root}; rerun without --train-only to write the results")
         return
@@ -416,8 +225,7 @@ def main() -> None:
     files = file_offload(teacher, test, "gray", jpeg_qualities=JPEG_QUALITIES, batch_size=EVAL_BATCH)
     for name, result in files.items():
         log(f"offload {name}: {result.mean_bytes:,.0f} B mean, teacher accuracy {100 * result.accuracy:.2f}%")
-    for r in rows:
-        r["size"] = scale.size
+    rows = [{**r.to_json(), "size": scale.size} for r in trained]
 
     png, jpeg = files["png"], files[f"jpeg{PLANNER_JPEG_QUALITY}"]
     teacher_png = png.accuracy
@@ -442,7 +250,8 @@ def main() -> None:
     target["met"] = target["accuracy_met"] and target["size_met"]
 
     plot_path = RESULTS_DIR / "split_training.png"
-    plot(rows, files, teacher_png, plot_path)
+    plot_accuracy_vs_bytes(trained, files, teacher_png, plot_path, DEPLOYED, CHANNELS,
+                           f"Fashion-MNIST {scale.size} px, {ARCH} SP2: accuracy vs transferred data (cf. Fig. 5)")
 
     def pct(a: float) -> str:
         return f"{100 * a:.2f}"
@@ -456,26 +265,14 @@ def main() -> None:
     # The paper's claims, checked per C: BottleFit (Table II) against the best baseline (Table I).
     claim_rows, claims = [], {}
     for c in CHANNELS:
-        at_c = {r["method"]: r for r in rows if r["channels"] == c}
-        base = max((at_c[m.name] for m in BASELINES if not m.autoencoder), key=lambda r: r["quantized_accuracy"])
-        bf = [at_c[m.name]["quantized_accuracy"] for m in STAGE2]
-        claims[str(c)] = {"best_baseline": base["method"], "best_baseline_accuracy": base["quantized_accuracy"],
-                          "bottlefit_min": min(bf), "bottlefit_max": max(bf),
-                          "deployed_gain_points": 100 * (at_c[DEPLOYED]["quantized_accuracy"] - base["quantized_accuracy"]),
-                          "kd_minus_ce_points": 100 * (at_c["KD"]["quantized_accuracy"]
-                                                       - at_c["Conventional (CE)"]["quantized_accuracy"]),
-                          "hnd_minus_kd_points": 100 * (at_c["HND"]["quantized_accuracy"] - at_c["KD"]["quantized_accuracy"]),
-                          "autoencoder_minus_best_baseline_points":
-                              100 * (at_c["Autoencoder"]["quantized_accuracy"] - base["quantized_accuracy"]),
-                          "max_quantization_change_points": max(abs(100 * (r["quantized_accuracy"] - r["float_accuracy"]))
-                                                                for r in at_c.values())}  # fmt: skip
-        k = claims[str(c)]
-        claim_rows.append([c, f"{base['method']} {pct(base['quantized_accuracy'])}",
-                           f"{pct(min(bf))} - {pct(max(bf))}",
-                           f"{100 * (max(bf) - base['quantized_accuracy']):+.2f}", f"{k['deployed_gain_points']:+.2f}",
-                           f"{k['kd_minus_ce_points']:+.2f}", f"{k['hnd_minus_kd_points']:+.2f}",
-                           f"{k['autoencoder_minus_best_baseline_points']:+.2f}",
-                           f"{k['max_quantization_change_points']:.2f}"])
+        k = paper_claims(trained, c, DEPLOYED)
+        claims[str(c)] = dataclasses.asdict(k)
+        claim_rows.append([c, f"{k.best_baseline} {pct(k.best_baseline_accuracy)}",
+                           f"{pct(k.bottlefit_min)} - {pct(k.bottlefit_max)}",
+                           f"{100 * (k.bottlefit_max - k.best_baseline_accuracy):+.2f}", f"{k.deployed_gain_points:+.2f}",
+                           f"{k.kd_minus_ce_points:+.2f}", f"{k.hnd_minus_kd_points:+.2f}",
+                           f"{k.autoencoder_minus_best_baseline_points:+.2f}",
+                           f"{k.max_quantization_change_points:.2f}"])
     claim_table = table(["C", "best baseline, 8-bit %", "BottleFit 4 rows, 8-bit %", "best BottleFit - best baseline",
                          f"{DEPLOYED} - best baseline", "KD - CE", "HND - KD", "AE - best baseline",
                          "max |8-bit - float| (pts)"], claim_rows)

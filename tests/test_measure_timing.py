@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from edgetorch.measure.counters import (allocator_peak, count_calls, count_host_syncs, kernel_profile)
+from edgetorch.measure.counters import allocator_peak, count_calls, count_host_syncs, host_profile, kernel_profile
 from edgetorch.measure.timing import (event_time, interleave, interleave_rounds, per_call, ratios, rotation,
                                       wall_time, within)
 
@@ -165,3 +165,19 @@ def test_cuda_counts_syncs_kernels_launches_and_peak():
     assert profile.kernels == 5 and profile.launch_calls == 5 and profile.copies == 0
     peak = allocator_peak(lambda: torch.empty(2**20, device="cuda"), "cuda")
     assert peak.increase >= 2**22
+
+
+def test_host_profile_lists_the_calls_functions_by_self_time():
+    def leaf():
+        return sum(range(50))
+
+    def outer():
+        return [leaf() for _ in range(7)]
+
+    profile = host_profile(outer)
+    by_name = {f.name: f for f in profile.functions}
+    assert by_name["leaf"].calls == 7 and by_name["outer"].calls == 1
+    assert by_name["outer"].cumulative_s >= by_name["leaf"].cumulative_s
+    selfs = [f.self_s for f in profile.functions]
+    assert selfs == sorted(selfs, reverse=True)
+    assert profile.total_s == pytest.approx(sum(selfs))

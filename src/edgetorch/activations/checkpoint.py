@@ -12,6 +12,9 @@ saved_tensors_hooks and would hide the segment's tensors from ours.
 ``nn.Sequential`` of blocks (ResNet's ``layer1..4``, MobileNet's ``features``, ViT's encoder
 layers) is swapped for a :class:`CheckpointEvery` and swapped back on exit, so parameter names,
 ``state_dict`` keys and the saved weights stay the model's own.
+
+:func:`checkpoint_blocks` is the peer these are measured against: plain PyTorch's non-reentrant
+checkpoint around every block, with no policy (what a GPU user picks without edgetorch).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from torch.utils.checkpoint import checkpoint
 from ..measure.ledger import SavedTensorLedger
 from .engine import compress_activations
 from .policies import Bitmap, Policy
+
+# Activations whose ``inplace=True`` would modify a tensor a checkpointed block saved as its input.
+INPLACE_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.SiLU, nn.Hardswish, nn.LeakyReLU)
 
 
 class CheckpointEvery(nn.Module):
@@ -160,6 +166,66 @@ def checkpoint_stages(model: nn.Module, policy: Policy | None = None,
     finally:
         for parent, attr, stage in stages:
             setattr(parent, attr, stage)
+
+
+class CheckpointedBlock(nn.Module):
+    """One block run under non-reentrant ``torch.utils.checkpoint`` (plainly where no gradient is
+    needed), storing nothing edgetorch decides: the peer :func:`checkpoint_blocks` builds."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False) if torch.is_grad_enabled() else self.block(x)
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """``model`` (edited in place) with every block checkpointed and no in-place activation.
+
+    Blocks: ResNet stages' blocks (``layer1..4``); the children of ``features`` that are blocks
+    themselves (MobileNet's inverted residuals); where ``features`` is a flat run of layers (VGG),
+    a convolution with the batch norm, activation and pooling after it (checkpointing a lone
+    activation or batch norm stores its input, which it saves anyway). In-place activations are
+    turned off (``inplace=False``) because torchvision's ``ReLU(inplace=True)`` modifies a tensor a
+    checkpointed block saved as its input ("one of the variables needed for gradient computation
+    has been modified by an inplace operation" on vgg11_bn with one checkpoint per layer).
+
+    Args:
+        model: a torchvision ResNet, VGG or MobileNet-like model (other parts are left as they are).
+
+    Returns:
+        ``model`` itself, its blocks wrapped in :class:`CheckpointedBlock`.
+
+    Example:
+        >>> peer = checkpoint_blocks(copy.deepcopy(model))  # doctest: +SKIP
+        >>> peer(x).sum().backward()  # doctest: +SKIP
+    """
+    for m in model.modules():
+        if isinstance(m, INPLACE_ACTIVATIONS) and getattr(m, "inplace", False):
+            m.inplace = False
+    for i in range(1, 5):
+        stage = getattr(model, f"layer{i}", None)
+        if stage is not None:
+            for j, block in enumerate(stage):
+                stage[j] = CheckpointedBlock(block)
+    features = getattr(model, "features", None)
+    if isinstance(features, nn.Sequential):
+        blocks: list[nn.Module] = []
+        run: list[nn.Module] = []
+        for child in features:
+            if any(True for _ in child.children()):  # a block of its own
+                blocks += [nn.Sequential(*run)] if run else []
+                blocks.append(child)
+                run = []
+            else:
+                if isinstance(child, nn.Conv2d) and run:
+                    blocks.append(nn.Sequential(*run))
+                    run = []
+                run.append(child)
+        blocks += [nn.Sequential(*run)] if run else []
+        model.features = nn.Sequential(*(CheckpointedBlock(b) for b in blocks))
+    return model
 
 
 @contextlib.contextmanager

@@ -211,3 +211,55 @@ def allocator_peak(fn: Callable[[], object], device: torch.device | str) -> Allo
     fn()
     torch.cuda.synchronize(device)
     return AllocatorPeak(before, torch.cuda.max_memory_allocated(device))
+
+
+@dataclass(frozen=True)
+class FunctionTime:
+    """One Python function's share of a :func:`host_profile`d call (``cProfile``'s row for it)."""
+
+    file: str
+    line: int
+    name: str
+    calls: int  # all its calls, recursive ones included
+    self_s: float  # seconds in the function itself
+    cumulative_s: float  # seconds in it and what it called
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """One call under ``cProfile``: where the calling thread's Python time went."""
+
+    total_s: float  # the sum of every function's self time (profiler overhead included)
+    functions: list[FunctionTime]  # most self time first
+
+
+def host_profile(fn: Callable[[], object], device: torch.device | str | None = None) -> HostProfile:
+    """Run ``fn`` once under ``cProfile`` and list its Python functions by self time.
+
+    cProfile slows every Python call, so read shares, not absolute times; it sees the calling
+    thread only (on CUDA, backward's hooks run on autograd's device thread and are not in it).
+    The device is synchronized before the call and, while profiling, after it.
+
+    Args:
+        fn: the call to profile.
+        device: where its work runs; ``None`` or a CPU: no synchronization.
+
+    Returns:
+        The call's :class:`HostProfile`.
+
+    Example:
+        >>> host_profile(lambda: sorted(range(100))).total_s >= 0.0
+        True
+    """
+    import cProfile
+    import pstats
+
+    synchronize(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    synchronize(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, self, cumulative, callers)
+    functions = [FunctionTime(f, line, name, v[0], v[2], v[3]) for (f, line, name), v in stats.items()]
+    return HostProfile(sum(v[2] for v in stats.values()), sorted(functions, key=lambda t: -t.self_s))
