@@ -33,7 +33,7 @@ from _common import RESULTS_DIR, log, table, write_results  # noqa: E402
 from torch import nn  # noqa: E402
 
 from edgetorch.data import load_dataset  # noqa: E402
-from edgetorch.reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, reduce_model  # noqa: E402
+from edgetorch.reduce import ALLOCATIONS, METHODS, ChainReducer, compare_latency, count_macs  # noqa: E402
 from edgetorch.zoo import default_config, evaluate_accuracy, load_pretrained, pretrain  # noqa: E402
 
 NAME = "reduce_conv"
@@ -52,11 +52,12 @@ def main() -> None:
     full_macs = count_macs(model, example[:1])
     full_accuracy = evaluate_accuracy(model, test)
     log(f"CNN: {100 * full_accuracy:.2f}% test accuracy, {full_macs:,} MACs")
+    reducer = ChainReducer(model, calibration)  # reduce_model's reductions, the statistics and SVDs measured once
     rows = []
     for alpha in ALPHAS:
         for method in METHODS:
             for allocation in ALLOCATIONS:
-                result = reduce_model(model, alpha, method, allocation, calibration=calibration)
+                result = reducer.reduce(alpha, method, allocation)
                 macs = count_macs(result.model, example[:1])
                 assert macs == result.allocation.cost, (macs, result.allocation.cost)
                 row = {"alpha": alpha, "method": method, "allocation": allocation, "macs": macs,
