@@ -51,9 +51,14 @@ class ChainReducer:
     Args:
         model: an ``nn.Sequential`` chain (:mod:`.sequential`: MLPs and plain CNNs), or nested
             ``nn.Sequential`` containers that compute one (:mod:`.nested`: the reduced network keeps
-            them). It is read, never modified.
+            them). It is read, never modified; what is measured on it is kept, so a model changed
+            afterwards needs a new reducer.
         calibration: unlabeled input samples ``[N, ...]``: needed for pruning; low-rank of a
             convolutional chain reads only their shape (its output positions).
+
+    Attributes:
+        layers: the chain's weight layers (:func:`~edgetorch.reduce.sequential.weight_layers`).
+        calibration: the calibration samples given.
 
     Raises:
         TypeError: ``model`` is no such chain (the message names the module and the reason).
@@ -104,8 +109,14 @@ class ChainReducer:
         return self._orders[method]
 
     def curves(self, method: str) -> list[np.ndarray]:
-        """``J_l`` per weight layer under ``method`` (one of :data:`METHODS`): eq. 14 over kept
-        inputs (pruning) or eq. 13 over ranks (low-rank).
+        """The error curves the allocation of ``method`` is solved on.
+
+        Args:
+            method: one of :data:`METHODS`.
+
+        Returns:
+            Per weight layer, ``J_l`` over kept inputs (pruning, eq. 14 or its correlation-aware
+            form) or over ranks (low-rank, eq. 13).
 
         Raises:
             ValueError: an unknown method, or pruning without calibration samples.
@@ -140,7 +151,14 @@ class ChainReducer:
                                  allocation, seed, time_limit, prune_input)
 
     def build(self, chosen: Allocation) -> nn.Module:
-        """The reduced network of an allocation of this chain (from :meth:`allocate`), in eval mode."""
+        """The reduced network of an allocation.
+
+        Args:
+            chosen: an allocation of this chain, from :meth:`allocate`.
+
+        Returns:
+            A new module in eval mode (the input model's nested containers kept).
+        """
         if chosen.method == "lowrank":
             reduced = factorised(self._flat, chosen.theta, self.svds)
         else:
@@ -149,7 +167,14 @@ class ChainReducer:
         return (self._nesting.nest(reduced) if self._nesting is not None else reduced).eval()
 
     def factors(self, chosen: Allocation) -> list[LayerFactor]:
-        """Each weight layer's kept inputs or rank, MACs, ``alpha_l`` and ``J_l`` under ``chosen``."""
+        """Each weight layer's kept inputs or rank, MACs, ``alpha_l`` and ``J_l`` under an allocation.
+
+        Args:
+            chosen: an allocation of this chain, from :meth:`allocate`.
+
+        Returns:
+            One :class:`~edgetorch.reduce.LayerFactor` per weight layer, named as in the input model.
+        """
         theta, curves, rows = chosen.theta, self.curves(chosen.method), []
         kept = theta + [self.layers[-1].units_out]
         lowrank = chosen.method == "lowrank"  # "prune" and "prune-ls" share the pruning layout
