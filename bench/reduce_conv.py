@@ -101,15 +101,11 @@ def report(model, record, full_accuracy, full_macs, rows, exact_beats_pso) -> No
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / f"{NAME}.png", dpi=120)
 
-    def cell(alpha, method, allocation, key="accuracy"):
-        r = next(r for r in rows if (r["alpha"], r["method"], r["allocation"]) == (alpha, method, allocation))
-        return f"{100 * r[key]:.2f}" if key == "accuracy" else f"{r[key]:.3f}"
-
-    accuracy_rows = [[a] + [cell(a, m, al) for m in METHODS for al in ("uniform", "optimal")] for a in ALPHAS]
-    j_rows = [[a, m, f"{next(r for r in rows if (r['alpha'], r['method'], r['allocation']) == (a, m, 'pso'))['objective_J']:.4g}",
-               f"{next(r for r in rows if (r['alpha'], r['method'], r['allocation']) == (a, m, 'optimal'))['objective_J']:.4g}",
-               f"{next(r for r in rows if (r['alpha'], r['method'], r['allocation']) == (a, m, 'pso'))['solver_seconds']:.2f}",
-               f"{next(r for r in rows if (r['alpha'], r['method'], r['allocation']) == (a, m, 'optimal'))['solver_seconds']:.3f}"]
+    by = {(r["alpha"], r["method"], r["allocation"]): r for r in rows}
+    accuracy_rows = [[a] + [f"{100 * by[a, m, al]['accuracy']:.2f}" for m in METHODS for al in ("uniform", "optimal")]
+                     for a in ALPHAS]
+    j_rows = [[a, m, f"{by[a, m, 'pso']['objective_J']:.4g}", f"{by[a, m, 'optimal']['objective_J']:.4g}",
+               f"{by[a, m, 'pso']['solver_seconds']:.2f}", f"{by[a, m, 'optimal']['solver_seconds']:.3f}"]
               for a in ALPHAS for m in METHODS]
     optimal = [r for r in rows if r["allocation"] == "optimal"]
     latency_rows = [[r["alpha"], r["method"], f"{r['macs'] / full_macs:.3f}", f"{r['latency_ratio']:.3f}",
