@@ -33,7 +33,7 @@ from _common import RESULTS_DIR, log, table, write_results  # noqa: E402
 from torch import nn  # noqa: E402
 
 from edgetorch.data import load_dataset  # noqa: E402
-from edgetorch.reduce import ALLOCATIONS, METHODS, compare_latency, count_macs, reduce_model  # noqa: E402
+from edgetorch.reduce import ALLOCATIONS, METHODS, ChainReducer, compare_latency, count_macs  # noqa: E402
 from edgetorch.zoo import default_config, evaluate_accuracy, load_pretrained, pretrain  # noqa: E402
 
 NAME = "reduce_conv"
@@ -52,11 +52,12 @@ def main() -> None:
     full_macs = count_macs(model, example[:1])
     full_accuracy = evaluate_accuracy(model, test)
     log(f"CNN: {100 * full_accuracy:.2f}% test accuracy, {full_macs:,} MACs")
+    reducer = ChainReducer(model, calibration)  # reduce_model's reductions, the statistics and SVDs measured once
     rows = []
     for alpha in ALPHAS:
         for method in METHODS:
             for allocation in ALLOCATIONS:
-                result = reduce_model(model, alpha, method, allocation, calibration=calibration)
+                result = reducer.reduce(alpha, method, allocation)
                 macs = count_macs(result.model, example[:1])
                 assert macs == result.allocation.cost, (macs, result.allocation.cost)
                 row = {"alpha": alpha, "method": method, "allocation": allocation, "macs": macs,
@@ -100,15 +101,11 @@ def report(model, record, full_accuracy, full_macs, rows, exact_beats_pso) -> No
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / f"{NAME}.png", dpi=120)
 
-    def cell(alpha, method, allocation, key="accuracy"):
-        r = next(r for r in rows if (r["alpha"], r["method"], r["allocation"]) == (alpha, method, allocation))
-        return f"{100 * r[key]:.2f}" if key == "accuracy" else f"{r[key]:.3f}"
-
-    accuracy_rows = [[a] + [cell(a, m, al) for m in METHODS for al in ("uniform", "optimal")] for a in ALPHAS]
-    j_rows = [[a, m, f"{next(r for r in rows if (r['alpha'], r['method'], r['allocation']) == (a, m, 'pso'))['objective_J']:.4g}",
-               f"{next(r for r in rows if (r['alpha'], r['method'], r['allocation']) == (a, m, 'optimal'))['objective_J']:.4g}",
-               f"{next(r for r in rows if (r['alpha'], r['method'], r['allocation']) == (a, m, 'pso'))['solver_seconds']:.2f}",
-               f"{next(r for r in rows if (r['alpha'], r['method'], r['allocation']) == (a, m, 'optimal'))['solver_seconds']:.3f}"]
+    by = {(r["alpha"], r["method"], r["allocation"]): r for r in rows}
+    accuracy_rows = [[a] + [f"{100 * by[a, m, al]['accuracy']:.2f}" for m in METHODS for al in ("uniform", "optimal")]
+                     for a in ALPHAS]
+    j_rows = [[a, m, f"{by[a, m, 'pso']['objective_J']:.4g}", f"{by[a, m, 'optimal']['objective_J']:.4g}",
+               f"{by[a, m, 'pso']['solver_seconds']:.2f}", f"{by[a, m, 'optimal']['solver_seconds']:.3f}"]
               for a in ALPHAS for m in METHODS]
     optimal = [r for r in rows if r["allocation"] == "optimal"]
     latency_rows = [[r["alpha"], r["method"], f"{r['macs'] / full_macs:.3f}", f"{r['latency_ratio']:.3f}",

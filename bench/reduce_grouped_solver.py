@@ -42,14 +42,11 @@ NAME = "reduce_grouped_solver"
 _TERM_FIELDS = ("scale", "fixed_in", "output", "fixed_out", "depthwise", "units_in", "taps")
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
 def _build_curves(name: str, path: Path) -> None:
     # Imported here: the baseline subprocess reads cached curves only.
     import torch
     import torchvision
+    from _common import log
 
     from edgetorch.data import load_dataset
     from edgetorch.reduce.graph import channel_graph
@@ -149,7 +146,7 @@ def main() -> None:
 
 def run(models, alphas, revision: str | None) -> None:
     import torch
-    from _common import table, write_results
+    from _common import log, table, write_results
 
     from edgetorch.reduce.allocation import solve_graph_allocation
     from edgetorch.reduce.graph_problem import make_graph_problem

@@ -34,8 +34,7 @@ from _common import table, write_results
 from torch import nn
 
 from edgetorch.data import load_dataset
-from edgetorch.reduce import KeepFeatures, compare_latency, count_macs, reduce_model
-from edgetorch.reduce.sequential import weight_layers, widths_of
+from edgetorch.reduce import ChainReducer, KeepFeatures, compare_latency, count_macs
 from edgetorch.zoo import evaluate_accuracy
 from edgetorch.zoo.pretrain import pretrained
 
@@ -76,13 +75,14 @@ def main() -> None:
     full = pretrained("mlp", "fashion-mnist").eval()
     train, test = load_dataset("fashion-mnist", "train"), load_dataset("fashion-mnist", "test")
     calibration = train.tensors[0][:CALIBRATION]
-    widths = widths_of(weight_layers(full))
+    reducer = ChainReducer(full, calibration)  # the statistics and prune orders once, for every network below
+    widths = reducer.widths
     full_macs = count_macs(full, test.tensors[0][:1])
     rows, points = [], []
     for method in METHODS:
-        for alpha in ALPHAS:  # the library's own path: reduce_model, with and without prune_input
-            free = reduce_model(full, alpha, method, "optimal", calibration, prune_input=True)
-            kept_in = reduce_model(full, alpha, method, "optimal", calibration)
+        for alpha in ALPHAS:  # the library's own path (reduce_model's reductions), with and without prune_input
+            free = reducer.reduce(alpha, method, "optimal", prune_input=True)
+            kept_in = reducer.reduce(alpha, method, "optimal")
             assert kept_in.allocation.theta[0] == widths[0]
             models = {"select": free.model, "fold-zero": fold_zero(free.model, widths[0]), "keep-input": kept_in.model}
             thetas = {"select": free.allocation.theta, "fold-zero": free.allocation.theta,

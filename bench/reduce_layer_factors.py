@@ -31,7 +31,6 @@ calibration statistics, the SVDs and the prune-ls refits take most of it).
 
 from __future__ import annotations
 
-import datetime as _dt
 import time
 from dataclasses import asdict
 
@@ -40,30 +39,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from _common import RESULTS_DIR, table, write_results  # noqa: E402
+from _common import RESULTS_DIR, log, table, write_results  # noqa: E402
 from torch import nn  # noqa: E402
 
 from edgetorch.data import load_dataset  # noqa: E402
 from edgetorch.zoo.paper import PAPER_HIDDEN, paper_mlp  # noqa: E402
-from edgetorch.reduce import (  # noqa: E402
-    Allocation,
-    compare_latency,
-    count_macs,
-    reduce_model,
-    solve_allocation,
-)
-from edgetorch.reduce.api import layer_factors  # noqa: E402
-from edgetorch.reduce.factored import lowrank_curves  # noqa: E402
-from edgetorch.reduce.sequential import (  # noqa: E402
-    factorised,
-    input_statistics,
-    layer_svds,
-    prune_orders,
-    pruned,
-    weight_layers,
-    widths_of,
-)
-from edgetorch.reduce.problem import make_problem  # noqa: E402
+from edgetorch.reduce import ChainReducer, compare_latency, count_macs, reduce_model  # noqa: E402
 from edgetorch.reduce.pso import PSOConfig  # noqa: E402
 from edgetorch.zoo import evaluate_accuracy  # noqa: E402
 
@@ -93,83 +74,26 @@ CROSS_CHECK_ALPHA, CROSS_CHECK_DATASET = 0.8, "digits"
 _START = time.perf_counter()
 
 
-def log(message: str) -> None:
-    """Progress line with wall-clock time and elapsed seconds."""
-    now = _dt.datetime.now().strftime("%H:%M:%S")
-    print(f"[{now} +{time.perf_counter() - _START:6.1f} s] {message}", flush=True)
-
-
-# --- building reduced networks --------------------------------------------------------------
-
-class Reducer:
-    """One trained network's error curves and SVDs, computed once, and the networks built from them.
-
-    ``reduce_model`` recomputes the calibration statistics on every call (a forward pass of
-    5,000 images plus float64 covariances up to 2,500 x 2,500, and a pivoted Cholesky per layer
-    for prune-ls: about a minute here) and the SVD of every layer (most of a minute here). This
-    bench builds 28 pruned and 21 low-rank networks per dataset, so it computes both once and
-    builds every network with the library's own ``pruned`` and ``factorised``.
-    :func:`cross_check` shows that the public ``reduce_model`` gives the same allocation and the same accuracy.
-    """
-
-    def __init__(self, model: nn.Module, calibration: torch.Tensor) -> None:
-        self.model, self.layers = model, weight_layers(model)
-        self.widths = widths_of(self.layers)
-        start = time.perf_counter()
-        self.stats = input_statistics(model, calibration)
-        self.orders = {"prune": prune_orders(self.stats, correlated=False),
-                       "prune-ls": prune_orders(self.stats, correlated=True)}
-        self.curves = {m: [c for _, c in o] for m, o in self.orders.items()}
-        self.svds = layer_svds(model)
-        self.curves["lowrank"] = lowrank_curves(self.svds)
-        self.seconds = time.perf_counter() - start
-
-    def allocate(self, method: str, alpha: float, allocation: str):
-        return solve_allocation(self.curves[method], self.widths, alpha, method, allocation,
-                                seed=PSO_SEED, time_limit=EXACT_TIME_LIMIT_S)
-
-    def build(self, method: str, theta: list[int]) -> nn.Module:
-        if method == "lowrank":
-            return factorised(self.model, theta, self.svds).eval()
-        return pruned(self.model, theta, self.orders[method], self.stats, refit=method == "prune-ls").eval()
-
-
 # --- measuring --------------------------------------------------------------------------------
 
-def paper_uniform_lowrank(reducer: Reducer, alpha: float) -> Allocation:
-    """The paper's Fig. 3 low-rank baseline: alpha_L = 0 (output layer dense), one alpha' elsewhere.
+def run_point(reducer: ChainReducer, test, method: str, alpha: float, allocation: str) -> tuple[dict, nn.Module]:
+    """Allocate, build, check the MAC count, evaluate: one (method, alpha, allocation) record.
 
-    The paper writes alpha' = (alpha sum_l M_{l-1} M_l - M_{L-1} M_L) / sum_{l<L} M_{l-1} M_l, which
-    overshoots the budget by exactly the output layer's M_{L-1} M_L multiplications; the share that
-    meets it is alpha' = alpha sum_l M_{l-1} M_l / sum_{l<L} M_{l-1} M_l, used here. Ranks are
-    rounded down, so the budget holds.
+    Every network is built by one :class:`ChainReducer`: ``reduce_model`` would recompute the
+    calibration statistics (about a minute here) and the SVDs (most of a minute) for each of the 28
+    pruned and 21 low-rank networks per dataset. :func:`cross_check` shows that ``reduce_model``
+    gives the same allocation and accuracy. The paper's problem prunes the input pixels too (M~_0,
+    eq. 5-7), so ``prune_input=True``. The library's uniform low-rank allocation is the paper's
+    Fig. 3 baseline (output layer dense, one alpha' elsewhere, the alpha' that meets the budget).
     """
-    problem = make_problem(reducer.curves["lowrank"], reducer.widths, alpha, "lowrank")
-    pairs = list(zip(reducer.widths[:-1], reducer.widths[1:]))
-    share = 1 - alpha * problem.total / sum(a * b for a, b in pairs[:-1])  # 1 - alpha'
-    ranks = []
-    for a, b in pairs[:-1]:
-        top = min(a, b)
-        ranks.append(top if share >= 1 else max(1, min(top - 1, int(share * a * b // (a + b)))))
-    ranks.append(min(pairs[-1]))
-    if not problem.feasible(ranks):
-        raise AssertionError(f"paper-uniform low-rank at alpha={alpha} misses the budget: {ranks}")
-    return Allocation(ranks, "lowrank", "uniform-output-dense", problem.objective(ranks), problem.cost(ranks),
-                      problem.total, 0.0, None)
-
-
-def run_point(reducer: Reducer, test, method: str, alpha: float, allocation: str) -> tuple[dict, nn.Module]:
-    """Allocate, build, check the MAC count, evaluate: one (method, alpha, allocation) record."""
-    if allocation == PAPER_UNIFORM:
-        chosen = paper_uniform_lowrank(reducer, alpha)
-    else:
-        chosen = reducer.allocate(method, alpha, allocation)
-    model = reducer.build(method, chosen.theta)
+    result = reducer.reduce(alpha, method, "uniform" if allocation == PAPER_UNIFORM else allocation, seed=PSO_SEED,
+                            time_limit=EXACT_TIME_LIMIT_S, prune_input=True)
+    chosen, model = result.allocation, result.model
     macs = count_macs(model, test.tensors[0][:1])
     if macs != chosen.cost:  # the built network must cost what the allocator budgeted
         raise AssertionError(f"{method}/{allocation} at {alpha}: network has {macs} MACs, allocation {chosen.cost}")
     record = {"method": method, "allocation": allocation, "alpha": alpha, "alpha_achieved": chosen.alpha,
-              "theta": chosen.theta, "layer_alphas": [f.alpha for f in layer_factors(reducer.layers, chosen, reducer.curves[method])],
+              "theta": chosen.theta, "layer_alphas": [f.alpha for f in result.layers],
               "objective": chosen.objective, "solver_seconds": chosen.seconds, "proven_gap": chosen.proven_gap,
               "macs": macs, "accuracy": evaluate_accuracy(model, test)}
     return record, model
@@ -253,8 +177,12 @@ def run_dataset(dataset: str) -> dict:
     full_accuracy = evaluate_accuracy(model, test)
     full_macs = count_macs(model, test.tensors[0][:1])
     log(f"{dataset}: full accuracy {full_accuracy:.4f} on {len(test)} test images, {full_macs:,} MACs")
-    reducer = Reducer(model, calibration)
-    log(f"{dataset}: calibration statistics and curves from {len(calibration)} images in {reducer.seconds:.1f} s")
+    start = time.perf_counter()
+    reducer = ChainReducer(model, calibration)
+    for method in (*PAPER_METHODS, "prune-ls"):
+        reducer.curves(method)  # the statistics, prune orders and SVDs, once for every network below
+    statistics_seconds = time.perf_counter() - start
+    log(f"{dataset}: calibration statistics and curves from {len(calibration)} images in {statistics_seconds:.1f} s")
 
     points, latency_models = [], {}
     for method in (*PAPER_METHODS, "prune-ls"):
@@ -280,7 +208,7 @@ def run_dataset(dataset: str) -> dict:
     latency = latency_rows(model, latency_models, example, full_macs)
     return {"model": record, "widths": reducer.widths, "full_accuracy": full_accuracy, "full_macs": full_macs,
             "test_samples": len(test), "calibration_samples": len(calibration),
-            "statistics_seconds": reducer.seconds, "points": points, "solver": solver_rows,
+            "statistics_seconds": statistics_seconds, "points": points, "solver": solver_rows,
             "violations": violations, "cross_check": checks, "latency": latency}
 
 

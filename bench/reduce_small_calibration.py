@@ -34,9 +34,8 @@ import torch
 from _common import table, write_results
 
 from edgetorch.data import load_dataset
-from edgetorch.reduce import count_macs, reduce_model
-from edgetorch.reduce import sequential
-from edgetorch.reduce.sequential import input_statistics, prune_orders
+from edgetorch.reduce import ChainReducer, count_macs, statistics
+from edgetorch.reduce.sequential import InputStatistics, prune_orders
 from edgetorch.reduce.statistics import accumulate_inputs, kept_inputs
 from edgetorch.zoo import default_config, evaluate_accuracy, load_pretrained, pretrain
 
@@ -45,11 +44,11 @@ SAMPLES = (50, 100, 200, 2000)
 ALPHA = 0.5
 
 
-def held_out_errors(model: torch.nn.Module, calibration: torch.Tensor, test: torch.Tensor,
+def held_out_errors(model: torch.nn.Module, stats: InputStatistics, test: torch.Tensor,
                     kept: list[int]) -> list[float]:
-    """Per layer, J_l of the kept inputs measured on ``test``, with the refit estimated on ``calibration``
-    (``inf`` where the estimate loses more than the inputs' whole variance: worse than their means)."""
-    stats = input_statistics(model, calibration)
+    """Per layer, J_l of the kept inputs measured on ``test``, with the refit estimated from the calibration
+    statistics ``stats`` (``inf`` where the estimate loses more than the inputs' whole variance: worse than
+    their means)."""
     orders = prune_orders(stats, correlated=True)
     inputs: dict[int, list[torch.Tensor]] = {p: [] for p in range(len(stats.layers))}
     accumulate_inputs(model, test, 1000, {model[layer.index]: (lambda x, p=p: inputs[p].append(x.flatten(1)))
@@ -83,17 +82,18 @@ def main() -> None:
     full_accuracy = evaluate_accuracy(model, test)
     rows, records = [], []
     for variant in ("lambda = 0", "shrunk"):
-        patch = (mock.patch.object(sequential, "diagonal_shrinkage", lambda *a: 0.0) if variant == "lambda = 0"
+        patch = (mock.patch.object(statistics, "diagonal_shrinkage", lambda *a: 0.0) if variant == "lambda = 0"
                  else contextlib.nullcontext())
         with patch:
             for n in SAMPLES:
                 calibration = train[:n]
-                start = time.perf_counter()
-                result = reduce_model(model, ALPHA, "prune-ls", "optimal", calibration=calibration)
+                start = time.perf_counter()  # reduce_model's work: statistics, curves, solver, network
+                reducer = ChainReducer(model, calibration)
+                result = reducer.reduce(ALPHA, "prune-ls", "optimal")
                 seconds = time.perf_counter() - start
                 kept = result.allocation.theta
-                lambdas = input_statistics(model, calibration).shrinkage
-                held = held_out_errors(model, calibration, test.tensors[0], kept)
+                lambdas = reducer.statistics.shrinkage
+                held = held_out_errors(model, reducer.statistics, test.tensors[0], kept)
                 ratio = count_macs(result.model, test.tensors[0][:1]) / full_macs
                 accuracy = evaluate_accuracy(result.model, test)
                 record = {"variant": variant, "samples": n, "mac_ratio": ratio, "accuracy": accuracy,

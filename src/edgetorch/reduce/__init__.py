@@ -4,8 +4,9 @@
 trained MLP or plain CNN (an ``nn.Sequential`` chain, see ``edgetorch.reduce.sequential``), or to
 any other CNN by its coupled channel groups (``edgetorch.reduce.grouped``), or to a BERT/ViT
 transformer by its attention heads and MLP units (``edgetorch.reduce.transformer``), and returns a
-physically smaller network; ``recover`` fine-tunes it afterwards (optionally distilling from the
-full model); ``count_macs`` counts multiplications the paper's way; ``save`` / ``load`` store a
+physically smaller network; ``ChainReducer`` reduces one chain at many budgets from statistics
+measured once; ``recover`` fine-tunes a reduced network (optionally distilling from the full model);
+``count_macs`` counts multiplications the paper's way; ``save`` / ``load`` store a
 reduced network without pickle; ``run_reduction`` is the whole ``edgetorch reduce`` job (load,
 reduce, count, evaluate, fine-tune, time) as a call that returns its numbers.
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from .allocation import ALLOCATIONS, Allocation, solve_allocation
 from .api import LayerFactor, Reduction, reduce_model
+from .chain import ChainReducer
 from .grouped import GroupFactor
 from .checkpoint import architecture, load, save
 from .latency import LatencyComparison, compare_latency
@@ -31,6 +33,7 @@ __all__ = [
     "ALLOCATIONS",
     "METHODS",
     "Allocation",
+    "ChainReducer",
     "GroupFactor",
     "KeepFeatures",
     "LatencyComparison",

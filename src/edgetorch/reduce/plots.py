@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..measure.plots import new_figure, save_figure
-from .api import LayerFactor
+from .reduction import LayerFactor
 
 
 def plot_layer_factors(layers: Sequence[LayerFactor], alpha: float, path: str | Path, title: str = "") -> Path:

@@ -217,7 +217,7 @@ class InputStatistics:
 @torch.no_grad()
 def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: int = 256,
                      vectors_per_unit: int | None = VECTORS_PER_UNIT, seed: int = 0,
-                     shrink: bool = True) -> InputStatistics:
+                     shrink: bool = True, layers: list[WeightLayer] | None = None) -> InputStatistics:
     """Run the calibration samples through ``model`` and accumulate eq. 8-9 per layer input.
 
     Args:
@@ -228,6 +228,8 @@ def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: in
             subsampled at random); ``None`` keeps every position (:class:`Moments`).
         seed: seeds the subsampling.
         shrink: shrink each covariance towards its diagonal (``False``: the sample covariance).
+        layers: ``model``'s :func:`weight_layers` where the caller has them (sizing a convolutional
+            network runs it once more).
 
     Returns:
         Per layer l = 1..L, the means and ``C_{l-1}`` (float64, 1/N normalisation as eq. 8, shrunk
@@ -239,7 +241,7 @@ def input_statistics(model: nn.Module, calibration: torch.Tensor, batch_size: in
     """
     if not isinstance(calibration, torch.Tensor) or calibration.ndim < 2 or len(calibration) < 2:
         raise ValueError("calibration must be a tensor of at least 2 samples [N, ...]")
-    layers = weight_layers(model, calibration)
+    layers = layers if layers is not None else weight_layers(model, calibration)
     moments = [Moments(isinstance(model[layer.index], nn.Conv2d), len(calibration), vectors_per_unit, seed + p, shrink)
                for p, layer in enumerate(layers)]
 
