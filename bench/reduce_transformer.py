@@ -37,12 +37,11 @@ import torch.nn.functional as F
 from _common import table, write_results
 from torch.utils.data import TensorDataset
 
-from edgetorch.activations.step import forward_backward, parse_training_policy
 from edgetorch.data.rotten_tomatoes import encode, load_snippets, pad_ids, split_by_film, trim_padding
 from edgetorch.reduce.transformer import block_statistics, count_transformer_macs, reduce_transformer
 from edgetorch.reduce.transformer_blocks import find_blocks, split_attention
-from edgetorch.training import LastBatch, Loop, train_epochs
-from edgetorch.zoo.minilm import MiniLMClassifier, minilm_optimizer, minilm_path, text_accuracy
+from edgetorch.finetune.text import finetune_minilm, minilm_classifier
+from edgetorch.zoo.minilm import minilm_path, text_accuracy
 
 ALPHAS = (0.3, 0.5, 0.7)
 METHODS = ("prune", "prune-ls")
@@ -100,19 +99,9 @@ def reduce_all(model, calibration, log, what: str, score, rows: list, flush, tim
 
 
 def finetuned_classifier(pad_id: int, train: TensorDataset, epochs: int) -> torch.nn.Module:
-    """minilm_finetune.py's classifier, fine-tuned dense as that bench does (seed 0: head, batch order;
-    dropout masks from 1000)."""
-    torch.manual_seed(0)
-    model = MiniLMClassifier(pad_id).train()
-    loop = Loop(epochs, 16, 0, LastBatch.KEEP)  # minilm_finetune.py's BATCH
-    optimizer, schedule = minilm_optimizer(model, epochs * loop.steps_per_epoch(len(train)))
-    dense = parse_training_policy("dense")
-
-    def step(ids: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return forward_backward(model, trim_padding(ids, pad_id), labels, dense, F.cross_entropy)
-
-    torch.manual_seed(1000)
-    train_epochs(model, train, loop, step, optimizer, schedule)
+    """minilm_finetune.py's classifier, fine-tuned dense as that bench does (seed 0)."""
+    model = minilm_classifier(pad_id, 0)
+    finetune_minilm(model, train, "dense", epochs, 0, batch_size=16)  # minilm_finetune.py's BATCH
     return model.eval()
 
 

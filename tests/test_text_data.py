@@ -103,3 +103,50 @@ def test_the_classifier_masks_padding_itself():
         short, padded = model(ids), model(torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], 1))
     assert short.shape == (1, 2)
     torch.testing.assert_close(short, padded, atol=1e-5, rtol=1e-5)
+
+
+class _Bag(nn.Module):
+    """A small text classifier shaped like MiniLMClassifier (``pad_id``, ``head``), with dropout."""
+
+    def __init__(self, pad_id: int = 0):
+        super().__init__()
+        self.pad_id = pad_id
+        self.embed = nn.EmbeddingBag(50, 8, padding_idx=pad_id)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(8, 2)
+        self.widths: list[int] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.widths.append(ids.shape[1])
+        return self.head(self.drop(self.embed(ids)))
+
+
+def _texts() -> TensorDataset:
+    ids = rt.pad_ids([[1 + i % 40, 2 + i % 7, 3][: 1 + i % 3] for i in range(10)], pad_id=0, length=8)
+    return TensorDataset(ids, torch.arange(10) % 2)
+
+
+def test_finetune_minilm_trims_every_batch_and_returns_every_steps_loss():
+    from edgetorch.finetune.text import finetune_minilm
+
+    torch.manual_seed(0)
+    model = _Bag()
+    losses = finetune_minilm(model, _texts(), "dense", epochs=2, batch_size=4)
+    assert len(losses) == 6  # 3 batches an epoch, the last partial one kept
+    assert len(model.widths) == 6 and max(model.widths) <= 3  # cut back from the padded 8
+
+
+def test_finetune_minilm_pairs_policies_of_one_seed():
+    from edgetorch.finetune.text import finetune_minilm
+
+    def run(policy: str, seed: int) -> tuple[list[float], _Bag]:
+        torch.manual_seed(seed)
+        model = _Bag()
+        return finetune_minilm(model, _texts(), policy, seed=seed, batch_size=4), model
+
+    dense, model = run("dense", 1)
+    again, same = run("dense", 1)
+    assert again == dense and all(torch.equal(a, b) for a, b in zip(model.parameters(), same.parameters()))
+    razor, _ = run("backrazor:sparsity=0.9", 1)
+    assert razor[0] == dense[0]  # same head, first batch and dropout mask: only the backward differs
+    assert run("dense", 2)[0][0] != dense[0]
