@@ -35,9 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict
@@ -49,7 +46,8 @@ from _common import table, write_results
 from edgetorch.split.bottleneck import inject_bottleneck
 from edgetorch.split.export import save
 from edgetorch.split.fuzz import FuzzConfig, run_fuzz
-from edgetorch.split.loadgen import LoadConfig, Target, metrics_totals, run_load
+from edgetorch.split.loadgen import LoadConfig, metrics_totals, run_load
+from edgetorch.split.local_server import serve_in_process
 from edgetorch.split.payload import encode, payload_size
 from edgetorch.split.probe import (CapConfig, PipeliningConfig, RssSampler, StallConfig, run_connection_cap,
                                    run_pipelining, run_slow_readers, run_stall)
@@ -69,36 +67,6 @@ FUZZ_CONCURRENCY = 32
 TOKEN = "loadtest-token"
 AUTH = f"Bearer {TOKEN}"
 
-SERVER = """
-import sys, uvicorn
-from edgetorch.split.protocol import uvicorn_config
-from edgetorch.split.server import ServerConfig, app_from_dir
-timeout = float(sys.argv[3])
-config = ServerConfig(token=sys.argv[4], header_timeout_s=timeout, read_timeout_s=timeout, write_timeout_s=timeout)
-app = app_from_dir(sys.argv[1], config)
-uvicorn.Server(uvicorn_config(app, "127.0.0.1", int(sys.argv[2]), log_level="warning", access_log=False)).run()
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until_up(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("the server process exited")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError("the server did not come up")
-
-
 def raise_fd_limit(needed: int) -> None:
     """Raise this process's soft open-file limit to ``needed`` (the server process inherits it)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -109,21 +77,6 @@ def raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
-def start_server(artifacts: str, port: int) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-c", SERVER, artifacts, str(port), str(TIMEOUT_S), TOKEN])
-    try:
-        wait_until_up(f"http://127.0.0.1:{port}", server)
-    except RuntimeError:
-        server.terminate()
-        raise
-    return server
-
-
-def stop(server: subprocess.Popen) -> None:
-    server.terminate()
-    server.wait(timeout=30)
-
-
 def slow_reader_phase(artifacts: str, count: int) -> tuple[dict, dict]:
     """Phase 6, on its own server: a tail with WIDE_CLASSES logits, so one answer outgrows the
     socket buffers (the main model's largest answer does not)."""
@@ -131,19 +84,13 @@ def slow_reader_phase(artifacts: str, count: int) -> tuple[dict, dict]:
     wide = inject_bottleneck(build_model(ARCH, num_classes=WIDE_CLASSES), CHANNELS, "sp2").eval()
     manifest = save(wide, artifacts, RESOLUTION)
     body = encode(torch.randn(WIDE_BATCH, *manifest.bottleneck_shape))
-    port = free_port()
-    server = start_server(artifacts, port)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        answer = httpx.post(url + "/infer", content=body, timeout=120,
+    with serve_in_process(artifacts, TOKEN, TIMEOUT_S) as target:
+        answer = httpx.post(target.url + "/infer", content=body, timeout=120,
                             headers={"content-type": "application/octet-stream", "authorization": AUTH})
         answer.raise_for_status()
-        target = Target("127.0.0.1", port, TOKEN, server.pid)
         slow = asdict(run_slow_readers(target, body, len(answer.content), count, 4 * TIMEOUT_S))
-        slow["health_after"] = httpx.get(url + "/health", timeout=10).status_code
+        slow["health_after"] = httpx.get(target.url + "/health", timeout=10).status_code
         return slow, metrics_totals(target)
-    finally:
-        stop(server)
 
 
 def main() -> None:
@@ -160,12 +107,8 @@ def main() -> None:
         manifest = save(student, artifacts, RESOLUTION)
         shape = tuple(manifest.bottleneck_shape)
         body = encode(torch.randn(1, *shape))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(artifacts, port)
-        try:
-            target = Target("127.0.0.1", port, TOKEN, server.pid)
-            rss = RssSampler(server.pid)
+        with serve_in_process(artifacts, TOKEN, TIMEOUT_S) as target:
+            rss = RssSampler(target.server_pid)
             run_load(target, body, LoadConfig(1, 3))  # warm-up, not recorded
             memory = {"start": rss.now()}
             runs = [asdict(run_load(target, body, LoadConfig(c, m))) for c, m in LOADS]
@@ -177,15 +120,13 @@ def main() -> None:
             limit = payload_size((64, *shape))
             fuzz = asdict(run_fuzz(target, shape, limit, FuzzConfig(args.fuzz_requests, 0, FUZZ_CONCURRENCY, TIMEOUT_S)))
             memory["after_fuzz"] = rss.now()
-            health_after = httpx.get(url + "/health", timeout=10).status_code
+            health_after = httpx.get(target.url + "/health", timeout=10).status_code
             cap = asdict(run_connection_cap(target, CapConfig(args.idle, 20, TIMEOUT_S)))
             memory["peak_with_idle_connections"] = cap["peak_rss_bytes"]
             pipelining = asdict(run_pipelining(target, PipeliningConfig(args.pipeliners, PIPELINED, PIPELINING_WINDOW_S)))
             time.sleep(1.0)
             memory["after_pipelining"] = rss.now()
             server_counts = metrics_totals(target)
-        finally:
-            stop(server)
         slow, slow_counts = slow_reader_phase(wide_artifacts, SLOW_READERS)
     write_report(manifest, body, runs, stall, fuzz, memory, health_after, server_counts, slow, slow_counts, cap,
                  pipelining)

@@ -490,3 +490,22 @@ def test_a_server_limit_above_1024_serves_such_batches_instead_of_a_500(artifact
                                   headers={"content-type": "application/octet-stream"})
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["logits"]) == 1100
+
+
+def test_serve_in_process_serves_the_tail_in_its_own_process_until_the_block_ends(artifact, tmp_path):
+    import psutil
+
+    from edgetorch.split.local_server import ServerStartError, serve_in_process
+
+    body = encode(torch.randn(1, 2, 4, 4))
+    headers = {"content-type": "application/octet-stream"}
+    with serve_in_process(artifact, "abc", 5.0) as target:
+        assert target.server_pid != os.getpid() and target.host == "127.0.0.1"
+        with httpx.Client(base_url=target.url, timeout=60) as http:
+            assert http.post("/infer", content=body, headers=headers).status_code == 401
+            ok = http.post("/infer", content=body, headers={**headers, "authorization": target.auth})
+            assert ok.status_code == 200 and len(ok.json()["logits"][0]) == 5
+    assert not psutil.pid_exists(target.server_pid) or psutil.Process(target.server_pid).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(ServerStartError, match="exited with code"):
+        with serve_in_process(tmp_path / "missing", "abc", 5.0):
+            pass

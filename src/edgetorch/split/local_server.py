@@ -1,0 +1,90 @@
+"""A tail server in its own process on this machine, as it would be deployed, for the clients of
+:mod:`edgetorch.split.loadgen`, :mod:`~edgetorch.split.probe` and :mod:`~edgetorch.split.fuzz`.
+
+A server in a thread of the measuring process (:func:`edgetorch.split.protocol.serve_in_background`)
+shares its interpreter, its memory and its open-file limit with the clients; one in its own process
+has its own RSS to sample (:class:`edgetorch.split.probe.RssSampler`) and its own sockets to watch
+(:func:`edgetorch.split.probe.run_slow_readers`). The child inherits this process's environment and
+resource limits: raise the open-file limit before starting it if the clients will hold many connections.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from ..errors import EdgetorchError
+from .loadgen import Target
+
+_SERVER = """
+import sys, uvicorn
+from edgetorch.split.protocol import uvicorn_config
+from edgetorch.split.server import ServerConfig, app_from_dir
+timeout = float(sys.argv[3])
+config = ServerConfig(token=sys.argv[4], header_timeout_s=timeout, read_timeout_s=timeout, write_timeout_s=timeout)
+app = app_from_dir(sys.argv[1], config)
+uvicorn.Server(uvicorn_config(app, "127.0.0.1", int(sys.argv[2]), log_level="warning", access_log=False)).run()
+"""
+
+
+class ServerStartError(EdgetorchError, RuntimeError):
+    """The server process exited, or did not answer ``/health``, before it was up."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until_up(url: str, process: subprocess.Popen, startup_s: float) -> None:
+    deadline = time.monotonic() + startup_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerStartError(f"the server process exited with code {process.returncode} before it was up")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise ServerStartError(f"the server did not answer {url}/health within {startup_s:g} s")
+
+
+@contextmanager
+def serve_in_process(artifacts: str | Path, token: str, timeout_s: float, startup_s: float = 120.0) -> Iterator[Target]:
+    """Serve the exported tail in ``artifacts`` (uvicorn, one worker) in a new process on a free
+    loopback port for the ``with`` block; the process is terminated at its end.
+
+    Args:
+        artifacts: a directory written by :func:`edgetorch.split.export.save`.
+        token: the bearer token the server requires.
+        timeout_s: the server's header, body and write deadlines (``ServerConfig``'s
+            ``header_timeout_s``, ``read_timeout_s`` and ``write_timeout_s``); every other setting
+            is ``ServerConfig``'s default.
+        startup_s: how long to wait for ``/health`` to answer 200.
+
+    Yields:
+        The server as a :class:`~edgetorch.split.loadgen.Target`, with its process id.
+
+    Raises:
+        ServerStartError: the process exited or did not answer within ``startup_s``.
+
+    Example:
+        >>> with serve_in_process("artifacts", "s3cret", 5.0) as target:  # doctest: +SKIP
+        ...     run_load(target, body, LoadConfig(32, 100))
+    """
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-c", _SERVER, str(artifacts), str(port), str(timeout_s), token])
+    try:
+        _wait_until_up(f"http://127.0.0.1:{port}", process, startup_s)
+        yield Target("127.0.0.1", port, token, process.pid)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
