@@ -100,3 +100,26 @@ def bomb_png() -> Callable[[Path], Path]:
         return path
 
     return write
+
+
+@pytest.fixture()
+def interrupted_after_a_checkpoint(monkeypatch) -> Callable[[Callable[[], object]], None]:
+    """``interrupted_after_a_checkpoint(train)`` runs ``train()`` until the training loop has written
+    its first checkpoint, then stops it as Ctrl-C would; later calls train normally."""
+    import edgetorch.training.checkpoint as checkpoints
+
+    real_save = checkpoints.save
+
+    def save_then_interrupt(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    def run(train: Callable[[], object]) -> None:
+        monkeypatch.setattr(checkpoints, "save", save_then_interrupt)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                train()
+        finally:
+            monkeypatch.setattr(checkpoints, "save", real_save)
+
+    return run

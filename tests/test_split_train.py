@@ -166,7 +166,8 @@ def test_requirements_are_checked(teacher: nn.Module, data: TensorDataset) -> No
         train_stage(teacher, data, StageConfig(loss="ce", trainable="all", batch_size=64), progress=False)
 
 
-def test_resume_continues_exactly(teacher: nn.Module, data: TensorDataset, tmp_path, monkeypatch) -> None:
+def test_resume_continues_exactly(teacher: nn.Module, data: TensorDataset, tmp_path,
+                                   interrupted_after_a_checkpoint) -> None:
     def fresh() -> nn.Module:
         torch.manual_seed(1)
         return inject_bottleneck(teacher, 2, "sp1")
@@ -176,16 +177,7 @@ def test_resume_continues_exactly(teacher: nn.Module, data: TensorDataset, tmp_p
     history = train_stage(straight, data, config, progress=False)
 
     # Crash right after the first epoch's checkpoint, then resume with a freshly built model.
-    real_save = checkpoint_module.save
-
-    def save_then_crash(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(checkpoint_module, "save", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        train_stage(fresh(), data, config, checkpoint_dir=tmp_path, progress=False)
-    monkeypatch.setattr(checkpoint_module, "save", real_save)
+    interrupted_after_a_checkpoint(lambda: train_stage(fresh(), data, config, checkpoint_dir=tmp_path, progress=False))
     resumed = fresh()
     assert train_stage(resumed, data, config, checkpoint_dir=tmp_path, progress=False) == history
     assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), straight.state_dict().values()))

@@ -88,20 +88,11 @@ def test_a_tensor_dataset_and_any_dataset_give_the_same_run() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def test_an_interrupted_run_resumes_to_the_same_weights_dropout_included(tmp_path, monkeypatch) -> None:
+def test_an_interrupted_run_resumes_to_the_same_weights_dropout_included(tmp_path, interrupted_after_a_checkpoint):
     data, loop = _data(), Loop(epochs=3, batch_size=8, seed=2)
     straight = _model()
     expected = _train(straight, data, loop)
-    real_save = checkpoint_module.save
-
-    def save_then_crash(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(checkpoint_module, "save", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        _train(_model(), data, loop, tmp_path)
-    monkeypatch.setattr(checkpoint_module, "save", real_save)
+    interrupted_after_a_checkpoint(lambda: _train(_model(), data, loop, tmp_path))
     torch.manual_seed(99)  # whatever the caller's RNG holds now, the checkpoint's is restored
     resumed = _model()
     torch.manual_seed(99)
