@@ -50,7 +50,7 @@ from torchvision.models import VisionTransformer
 import edgetorch as et
 from edgetorch.codecs.topk import pack_topk
 from edgetorch.data import cache_dir, load_dataset
-from edgetorch.finetune import replace_classifier, set_scope
+from edgetorch.finetune import FinetuneConfig, replace_classifier, prepare as finetune_prepare
 from edgetorch.activations.step import TrainingPolicy, storing
 from edgetorch.measure import run_fresh
 from edgetorch.measure.plots import new_figure, save_figure
@@ -168,10 +168,7 @@ def build(arch: str) -> nn.Module:
 
 def class_subset(split: str, classes: tuple[int, ...], limit: int | None = None) -> TensorDataset:
     """Images of ``classes`` (first ``limit`` in file order), labels remapped to 0..len-1."""
-    images, labels = load_dataset("fashion-mnist", split, size=28).tensors
-    keep = torch.isin(labels, torch.tensor(classes))
-    images, labels = images[keep][:limit], labels[keep][:limit] - min(classes)
-    return TensorDataset(images, labels)
+    return load_dataset("fashion-mnist", split, size=28, limit=limit, classes=classes)
 
 
 def train_loop(model, params, data: TensorDataset, epochs: int, batch: int, lr: float, seed: int,
@@ -230,14 +227,12 @@ def prepare(arch: str, method: Method, seed: int, scale: Scale) -> tuple[nn.Modu
     model, _ = source_model(arch, scale)
     torch.manual_seed(seed)
     replace_classifier(model, len(TARGET_CLASSES), new_task=True)
-    set_scope(model, SCOPES[method.trains])
-    if method.freeze_bn:  # after set_scope: freezing also turns requires_grad off
-        et.freeze_batchnorm(model)
+    params = finetune_prepare(model, FinetuneConfig(scope=SCOPES[method.trains], freeze_batchnorm=method.freeze_bn))
     if method.forward_prune:  # an experiment of Fig. 3, not a way to train: kept here
         layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))][1:]  # not the stem
         for layer in layers:
             layer.register_forward_pre_hook(lambda m, a, s=method.storage().sparsity: prune_forward_input(m, a, s))
-    return model, [p for p in model.parameters() if p.requires_grad]
+    return model, params
 
 
 def fine_tune(arch: str, method: Method, seed: int, scale: Scale, train: TensorDataset,
