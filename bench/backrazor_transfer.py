@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import RESULTS_DIR, machine, mib, source_state, table, write_results
+from _common import RESULTS_DIR, commit_text, machine, mib, source_state, table, write_results
 from torch import nn
 from torch.utils.data import TensorDataset
 from torchvision.models import VisionTransformer
@@ -486,13 +486,10 @@ def fig3_points(runs: list[dict], seed: int) -> list[dict]:
 def measured_at(provenance: dict) -> str:
     """Where and when a section was measured, as one sentence for the page."""
     source, info = provenance["source"], provenance["machine"]
-    changes = source.get("uncommitted_library_files")
-    state = (" (commit named by BENCH_COMMIT; uncommitted changes not checked)" if changes is None
-             else " (with uncommitted library changes, listed in the JSON)" if changes else "")
     where = f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
     how = ("carried over unchanged from the previous results file" if provenance.get("carried_over")
            else "measured by this run")
-    return (f"Measured {provenance['date']} at commit {str(source['commit'])[:10]}{state} on {where}, "
+    return (f"Measured {provenance['date']} at commit {commit_text(source)} on {where}, "
             f"seeds {provenance['seeds']}: {how}.")
 
 
