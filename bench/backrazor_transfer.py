@@ -56,6 +56,7 @@ from edgetorch.measure import run_fresh
 from edgetorch.measure.plots import new_figure, save_figure
 from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
 from edgetorch.training.cache import cached_model
+from edgetorch.training.runs import RunLog
 from edgetorch.zoo import SmallResNet, evaluate_accuracy
 
 SOURCE_CLASSES = (0, 1, 2, 3, 4)
@@ -312,17 +313,9 @@ def gradient_fidelity(arch: str, method: Method, scale: Scale) -> dict:
 # --- runs, resumable --------------------------------------------------------------------------
 
 def run_all(plan: list[tuple[str, Method, int]], scale: Scale, runs_files: dict[str, Path]) -> list[dict]:
-    """Every (arch, method, seed) of ``plan``; finished runs are read back from ``runs_files[arch]``.
-
-    A line written with another ``Method`` layout (an older version of this script) matches no
-    planned key, so that run is done again rather than misread.
-    """
-    done = {}
-    for runs_file in runs_files.values():
-        if runs_file.exists():
-            for line in runs_file.read_text().splitlines():
-                run = json.loads(line)
-                done[run_key(run["arch"], run["method"], run["seed"])] = run
+    """Every (arch, method, seed) of ``plan``; finished runs are read back from ``runs_files[arch]``
+    (a line of another ``Method`` layout, from an older version of this script, is redone)."""
+    done = RunLog(runs_files.values(), lambda run: run_key(run["arch"], run["method"], run["seed"]))
     train = class_subset("train", TARGET_CLASSES, scale.train_limit)
     test = class_subset("test", TARGET_CLASSES)
     runs, planned = [], set()
@@ -331,13 +324,12 @@ def run_all(plan: list[tuple[str, Method, int]], scale: Scale, runs_files: dict[
         if key in planned:  # Fig. 3 repeats some Table 1 rows: run and count each once
             continue
         planned.add(key)
-        if key not in done:
-            done[key] = fine_tune(arch, method, seed, scale, train, test)
-            with runs_files[arch].open("a") as f:
-                f.write(json.dumps(done[key]) + "\n")
-            print(f"{arch} {method.name} seed {seed}: {100 * done[key]['accuracy']:.2f}% "
-                  f"in {done[key]['train_seconds']:.0f} s", flush=True)
-        runs.append(done[key])
+        run = done.get(key)
+        if run is None:
+            run = done.add(runs_files[arch], fine_tune(arch, method, seed, scale, train, test))
+            print(f"{arch} {method.name} seed {seed}: {100 * run['accuracy']:.2f}% in {run['train_seconds']:.0f} s",
+                  flush=True)
+        runs.append(run)
     return runs
 
 
