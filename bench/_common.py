@@ -52,6 +52,14 @@ def source_state() -> dict:
     }
 
 
+def commit_text(source: dict) -> str:
+    """A :func:`source_state` record for a results page: the short commit and whether the tree differed."""
+    changes = source.get("uncommitted_library_files")
+    state = (" (commit named by BENCH_COMMIT; uncommitted changes not checked)" if changes is None
+             else " (with uncommitted library changes, listed in the JSON)" if changes else "")
+    return f"{str(source['commit'])[:10]}{state}"
+
+
 def machine_line(info: dict) -> str:
     """One human-readable line describing ``info`` (a :func:`machine` record)."""
     gib = info["memory_bytes"] / 2**30
@@ -117,13 +125,10 @@ def write_results(name: str, title: str, body: str, data: dict, script: str | No
     source = source_state()
     record = {"benchmark": name, "date": date, "machine": info, "source": source, **data}
     json_path.write_text(json.dumps(record, indent=2) + "\n")
-    changes = source["uncommitted_library_files"]
-    state = (" (commit named by BENCH_COMMIT; uncommitted changes not checked)" if changes is None
-             else " (with uncommitted library changes, listed in the JSON)" if changes else "")
     markdown = (
         f"# {title}\n\n"
         f"Machine: {machine_line(info)}. Date: {date}. "
-        f"Produced by `{script or f'bench/{name}.py'}` at commit {str(source['commit'])[:10]}{state}"
+        f"Produced by `{script or f'bench/{name}.py'}` at commit {commit_text(source)}"
         f"; raw numbers in `{name}.json`.\n\n{body.strip()}\n"
     )
     md_path.write_text(markdown)

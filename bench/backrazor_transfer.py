@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import RESULTS_DIR, machine, mib, source_state, table, write_results
+from _common import RESULTS_DIR, commit_text, machine, mib, source_state, table, write_results
 from torch import nn
 from torch.utils.data import TensorDataset
 from torchvision.models import VisionTransformer
@@ -50,12 +50,13 @@ from torchvision.models import VisionTransformer
 import edgetorch as et
 from edgetorch.codecs.topk import pack_topk
 from edgetorch.data import cache_dir, load_dataset
-from edgetorch.finetune import replace_classifier, set_scope
+from edgetorch.finetune import FinetuneConfig, replace_classifier, prepare as finetune_prepare
 from edgetorch.activations.step import TrainingPolicy, storing
 from edgetorch.measure import run_fresh
 from edgetorch.measure.plots import new_figure, save_figure
 from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
 from edgetorch.training.cache import cached_model
+from edgetorch.training.runs import RunLog
 from edgetorch.zoo import SmallResNet, evaluate_accuracy
 
 SOURCE_CLASSES = (0, 1, 2, 3, 4)
@@ -168,10 +169,7 @@ def build(arch: str) -> nn.Module:
 
 def class_subset(split: str, classes: tuple[int, ...], limit: int | None = None) -> TensorDataset:
     """Images of ``classes`` (first ``limit`` in file order), labels remapped to 0..len-1."""
-    images, labels = load_dataset("fashion-mnist", split, size=28).tensors
-    keep = torch.isin(labels, torch.tensor(classes))
-    images, labels = images[keep][:limit], labels[keep][:limit] - min(classes)
-    return TensorDataset(images, labels)
+    return load_dataset("fashion-mnist", split, size=28, limit=limit, classes=classes)
 
 
 def train_loop(model, params, data: TensorDataset, epochs: int, batch: int, lr: float, seed: int,
@@ -230,14 +228,12 @@ def prepare(arch: str, method: Method, seed: int, scale: Scale) -> tuple[nn.Modu
     model, _ = source_model(arch, scale)
     torch.manual_seed(seed)
     replace_classifier(model, len(TARGET_CLASSES), new_task=True)
-    set_scope(model, SCOPES[method.trains])
-    if method.freeze_bn:  # after set_scope: freezing also turns requires_grad off
-        et.freeze_batchnorm(model)
+    params = finetune_prepare(model, FinetuneConfig(scope=SCOPES[method.trains], freeze_batchnorm=method.freeze_bn))
     if method.forward_prune:  # an experiment of Fig. 3, not a way to train: kept here
         layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))][1:]  # not the stem
         for layer in layers:
             layer.register_forward_pre_hook(lambda m, a, s=method.storage().sparsity: prune_forward_input(m, a, s))
-    return model, [p for p in model.parameters() if p.requires_grad]
+    return model, params
 
 
 def fine_tune(arch: str, method: Method, seed: int, scale: Scale, train: TensorDataset,
@@ -317,17 +313,9 @@ def gradient_fidelity(arch: str, method: Method, scale: Scale) -> dict:
 # --- runs, resumable --------------------------------------------------------------------------
 
 def run_all(plan: list[tuple[str, Method, int]], scale: Scale, runs_files: dict[str, Path]) -> list[dict]:
-    """Every (arch, method, seed) of ``plan``; finished runs are read back from ``runs_files[arch]``.
-
-    A line written with another ``Method`` layout (an older version of this script) matches no
-    planned key, so that run is done again rather than misread.
-    """
-    done = {}
-    for runs_file in runs_files.values():
-        if runs_file.exists():
-            for line in runs_file.read_text().splitlines():
-                run = json.loads(line)
-                done[run_key(run["arch"], run["method"], run["seed"])] = run
+    """Every (arch, method, seed) of ``plan``; finished runs are read back from ``runs_files[arch]``
+    (a line of another ``Method`` layout, from an older version of this script, is redone)."""
+    done = RunLog(runs_files.values(), lambda run: run_key(run["arch"], run["method"], run["seed"]))
     train = class_subset("train", TARGET_CLASSES, scale.train_limit)
     test = class_subset("test", TARGET_CLASSES)
     runs, planned = [], set()
@@ -336,13 +324,12 @@ def run_all(plan: list[tuple[str, Method, int]], scale: Scale, runs_files: dict[
         if key in planned:  # Fig. 3 repeats some Table 1 rows: run and count each once
             continue
         planned.add(key)
-        if key not in done:
-            done[key] = fine_tune(arch, method, seed, scale, train, test)
-            with runs_files[arch].open("a") as f:
-                f.write(json.dumps(done[key]) + "\n")
-            print(f"{arch} {method.name} seed {seed}: {100 * done[key]['accuracy']:.2f}% "
-                  f"in {done[key]['train_seconds']:.0f} s", flush=True)
-        runs.append(done[key])
+        run = done.get(key)
+        if run is None:
+            run = done.add(runs_files[arch], fine_tune(arch, method, seed, scale, train, test))
+            print(f"{arch} {method.name} seed {seed}: {100 * run['accuracy']:.2f}% in {run['train_seconds']:.0f} s",
+                  flush=True)
+        runs.append(run)
     return runs
 
 
@@ -491,13 +478,10 @@ def fig3_points(runs: list[dict], seed: int) -> list[dict]:
 def measured_at(provenance: dict) -> str:
     """Where and when a section was measured, as one sentence for the page."""
     source, info = provenance["source"], provenance["machine"]
-    changes = source.get("uncommitted_library_files")
-    state = (" (commit named by BENCH_COMMIT; uncommitted changes not checked)" if changes is None
-             else " (with uncommitted library changes, listed in the JSON)" if changes else "")
     where = f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
     how = ("carried over unchanged from the previous results file" if provenance.get("carried_over")
            else "measured by this run")
-    return (f"Measured {provenance['date']} at commit {str(source['commit'])[:10]}{state} on {where}, "
+    return (f"Measured {provenance['date']} at commit {commit_text(source)} on {where}, "
             f"seeds {provenance['seeds']}: {how}.")
 
 

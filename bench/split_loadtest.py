@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import tempfile
 import time
 from dataclasses import asdict
@@ -47,7 +46,7 @@ from edgetorch.split.bottleneck import inject_bottleneck
 from edgetorch.split.export import save
 from edgetorch.split.fuzz import FuzzConfig, run_fuzz
 from edgetorch.split.loadgen import LoadConfig, metrics_totals, run_load
-from edgetorch.split.local_server import serve_in_process
+from edgetorch.split.local_server import OpenFileLimitError, raise_open_file_limit, serve_in_process
 from edgetorch.split.payload import encode, payload_size
 from edgetorch.split.probe import (CapConfig, PipeliningConfig, RssSampler, StallConfig, run_connection_cap,
                                    run_pipelining, run_slow_readers, run_stall)
@@ -66,16 +65,6 @@ PIPELINING_WINDOW_S = 60.0
 FUZZ_CONCURRENCY = 32
 TOKEN = "loadtest-token"
 AUTH = f"Bearer {TOKEN}"
-
-def raise_fd_limit(needed: int) -> None:
-    """Raise this process's soft open-file limit to ``needed`` (the server process inherits it)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        if hard != resource.RLIM_INFINITY and hard < needed:
-            raise SystemExit(f"this benchmark holds {needed} sockets per process and the hard open-file limit is "
-                             f"{hard}: raise it (ulimit -Hn) or pass smaller --idle / --pipeliners")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-
 
 def slow_reader_phase(artifacts: str, count: int) -> tuple[dict, dict]:
     """Phase 6, on its own server: a tail with WIDE_CLASSES logits, so one answer outgrows the
@@ -100,7 +89,10 @@ def main() -> None:
     parser.add_argument("--idle", type=int, default=IDLE)
     parser.add_argument("--pipeliners", type=int, default=PIPELINERS)
     args = parser.parse_args()
-    raise_fd_limit(max(args.stalled, args.idle, args.pipeliners) + 1024)
+    try:
+        raise_open_file_limit(max(args.stalled, args.idle, args.pipeliners) + 1024)
+    except OpenFileLimitError as e:
+        raise SystemExit(f"{e} or pass smaller --idle / --pipeliners") from None
     torch.manual_seed(0)
     student = inject_bottleneck(build_model(ARCH, num_classes=10), CHANNELS, "sp2").eval()
     with tempfile.TemporaryDirectory() as artifacts, tempfile.TemporaryDirectory() as wide_artifacts:

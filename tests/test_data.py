@@ -257,6 +257,21 @@ def test_digits_splits_partition_the_dataset():
     assert split_rows == all_rows
 
 
+def test_classes_keep_those_labels_relabelled_in_the_order_given_and_limit_counts_within_them():
+    x, y = load_dataset("digits", "test").tensors
+    keep = (y == 7) | (y == 2)
+    sub_x, sub_y = load_dataset("digits", "test", classes=(7, 2)).tensors
+    assert torch.equal(sub_x, x[keep]) and sub_y.dtype == torch.int64
+    assert sub_y.tolist() == [0 if label == 7 else 1 for label in y[keep].tolist()]
+    first = load_dataset("digits", "test", classes=(7, 2), limit=5).tensors
+    assert torch.equal(first[0], sub_x[:5]) and torch.equal(first[1], sub_y[:5])
+    for bad in ((), (1, 1), (10,), (-1,)):
+        with pytest.raises(ValueError, match="classes must be distinct labels of digits"):
+            load_dataset("digits", "test", classes=bad)
+    with pytest.raises(ValueError, match="in classes"):
+        load_dataset("digits", "test", classes=(7,), limit=1000)
+
+
 def test_digits_resized_for_28x28_models_and_limit():
     x, y = load_dataset("digits", "train", size=28, limit=50).tensors
     assert x.shape == (50, 1, 28, 28) and y.shape == (50,)

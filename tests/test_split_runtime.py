@@ -492,6 +492,26 @@ def test_a_server_limit_above_1024_serves_such_batches_instead_of_a_500(artifact
     assert len(answer.json()["logits"]) == 1100
 
 
+def test_raise_open_file_limit_raises_only_a_lower_soft_limit_and_names_a_hard_limit_too_low(monkeypatch):
+    import resource
+
+    from edgetorch.split import local_server
+
+    limits, calls = {"now": (1024, 4096)}, []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: calls.append((which, value)))
+    local_server.raise_open_file_limit(3000)
+    local_server.raise_open_file_limit(1000)  # already enough: left alone
+    assert calls == [(resource.RLIMIT_NOFILE, (3000, 4096))]
+    limits["now"] = (1024, resource.RLIM_INFINITY)
+    local_server.raise_open_file_limit(100_000)
+    assert calls[-1] == (resource.RLIMIT_NOFILE, (100_000, resource.RLIM_INFINITY))
+    limits["now"] = (1024, 2048)
+    with pytest.raises(local_server.OpenFileLimitError, match="3000 open files are needed .* hard open-file limit is 2048"):
+        local_server.raise_open_file_limit(3000)
+    assert len(calls) == 2
+
+
 def test_serve_in_process_serves_the_tail_in_its_own_process_until_the_block_ends(artifact, tmp_path):
     import psutil
 

@@ -191,3 +191,21 @@ def test_the_paper_network_trains_as_a_plain_rmsprop_loop_and_is_cached(tmp_path
     again, cached = paper.paper_mlp("digits", cache=tmp_path)
     assert cached == record and record["hidden"] == list(paper.PAPER_HIDDEN)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_run_log_reads_back_finished_runs_appends_new_ones_and_skips_missing_files(tmp_path):
+    from edgetorch.training.runs import RunLog
+
+    def key(run: dict) -> str:
+        return json.dumps([run["model"], run["seed"]])
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    log = RunLog([first, second], key)
+    assert log.get(key({"model": "m", "seed": 0})) is None
+    run = {"model": "m", "seed": 0, "accuracy": 0.5}
+    assert log.add(first, run) is run and log.get(key(run)) is run
+    log.add(second, {"model": "n", "seed": 1, "accuracy": 0.25})
+    again = RunLog([first, second, tmp_path / "missing.jsonl"], key)
+    assert again.get(key(run)) == run
+    assert again.get(json.dumps(["n", 1])) == {"model": "n", "seed": 1, "accuracy": 0.25}
+    assert first.read_text() == json.dumps(run) + "\n"

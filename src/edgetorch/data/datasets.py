@@ -63,6 +63,7 @@ def load_dataset(
     download: bool = False,
     size: int | None = None,
     limit: int | None = None,
+    classes: tuple[int, ...] | None = None,
 ) -> TensorDataset:
     """Load a dataset split as tensors.
 
@@ -75,7 +76,10 @@ def load_dataset(
         download: Fashion-MNIST only: fetch with torchvision when no local copy is found.
         size: resize images to ``size x size`` (bilinear; antialiased when shrinking), e.g.
             ``28`` so models built for Fashion-MNIST accept digits. ``None`` keeps the native size.
-        limit: keep only the first ``limit`` samples of the split (in file order).
+        limit: keep only the first ``limit`` samples of the split (in file order; of ``classes``,
+            where given).
+        classes: keep only these labels, relabelled ``0..len(classes)-1`` in the order given: a
+            task made of some of the dataset's classes (e.g. transfer from classes 0-4 to 5-9).
 
     Returns:
         A ``TensorDataset`` of ``float32`` images ``[N, 1, H, W]`` in [0, 1] and ``int64``
@@ -83,7 +87,8 @@ def load_dataset(
 
     Raises:
         ValueError: unknown name or split, a non-positive ``size`` or ``limit``, a ``limit``
-            larger than the split, or ``root``/``download`` given for digits.
+            larger than the split, ``classes`` empty, repeated or outside the dataset's labels, or
+            ``root``/``download`` given for digits.
         DatasetNotFoundError: Fashion-MNIST files not found.
     """
     info = dataset_info(name)
@@ -91,6 +96,9 @@ def load_dataset(
         bad_type = isinstance(value, bool) or not isinstance(value, int)
         if value is not None and (bad_type or value < 1):
             raise ValueError(f"{arg} must be a positive int or None, got {value!r}")
+    if classes is not None and (not classes or len(set(classes)) != len(classes)
+                                or not set(classes) <= set(range(info.num_classes))):
+        raise ValueError(f"classes must be distinct labels of {info.name} (0..{info.num_classes - 1}), got {classes!r}")
 
     if info.name == "digits":
         if root is not None or download:
@@ -102,10 +110,16 @@ def load_dataset(
         images, labels = fashion_mnist.load_fashion_mnist(split, root, download)
         images = images.astype(np.float32) / 255.0
 
+    if classes is not None:
+        keep = np.isin(labels, classes)
+        relabel = np.zeros(info.num_classes, dtype=labels.dtype)
+        relabel[list(classes)] = np.arange(len(classes))
+        images, labels = images[keep], relabel[labels[keep]]
     if limit is not None:
         if limit > len(labels):
             raise ValueError(
                 f"limit={limit} exceeds the {len(labels)} samples of {info.name}/{split}"
+                + (f" in classes {classes}" if classes is not None else "")
             )
         images, labels = images[:limit], labels[:limit]
 

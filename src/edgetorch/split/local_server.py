@@ -5,11 +5,13 @@ A server in a thread of the measuring process (:func:`edgetorch.split.protocol.s
 shares its interpreter, its memory and its open-file limit with the clients; one in its own process
 has its own RSS to sample (:class:`edgetorch.split.probe.RssSampler`) and its own sockets to watch
 (:func:`edgetorch.split.probe.run_slow_readers`). The child inherits this process's environment and
-resource limits: raise the open-file limit before starting it if the clients will hold many connections.
+resource limits: raise the open-file limit (:func:`raise_open_file_limit`) before starting it if the
+clients will hold many connections.
 """
 
 from __future__ import annotations
 
+import resource
 import socket
 import subprocess
 import sys
@@ -36,6 +38,31 @@ uvicorn.Server(uvicorn_config(app, "127.0.0.1", int(sys.argv[2]), log_level="war
 
 class ServerStartError(EdgetorchError, RuntimeError):
     """The server process exited, or did not answer ``/health``, before it was up."""
+
+
+class OpenFileLimitError(EdgetorchError, OSError):
+    """The hard open-file limit is below the file descriptors one process needs."""
+
+
+def raise_open_file_limit(needed: int) -> None:
+    """Raise this process's soft open-file limit to ``needed`` where it is lower (a server started
+    afterwards inherits it).
+
+    Args:
+        needed: the file descriptors one process will hold, sockets included.
+
+    Raises:
+        OpenFileLimitError: the hard limit is lower than ``needed``; only an administrator can raise it.
+
+    Example:
+        >>> raise_open_file_limit(4096)  # before serve_in_process, for 3,000 held connections  # doctest: +SKIP
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            raise OpenFileLimitError(f"{needed} open files are needed per process and the hard open-file limit is "
+                                     f"{hard}: raise it (ulimit -Hn)")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
 def _free_port() -> int:
