@@ -88,9 +88,11 @@ def test_fuzzed_requests_over_the_wire_never_get_a_5xx():
 
 
 def test_idle_connections_over_the_cap_leave_health_answering():
-    app, server = _serve(max_connections=8, **FAST)
+    # A deadline of seconds, not DEADLINE: on a busy machine opening the 11 must not outlast it, or
+    # the first ones end with a 408 before the cap evicts them.
+    app, server = _serve(max_connections=8, **{**FAST, "header_timeout_s": 3.0})
     with server as url:
-        cap = run_connection_cap(Target.from_url(url), CapConfig(connections=11, polls=2, timeout_s=DEADLINE))
+        cap = run_connection_cap(Target.from_url(url), CapConfig(connections=11, polls=2, timeout_s=3.0))
     assert cap.health.ok == cap.health.polls == 2
     assert sum(cap.idle_connections_ended.values()) == 11 and "still open" not in cap.idle_connections_ended
     assert app.state.metrics.dropped["evicted"] >= 3  # 11 (and the polls) over a cap of 8
@@ -124,7 +126,9 @@ def _probe(*args: str, env: dict | None = None):
 
 
 def test_the_probe_command_prints_each_phase_and_fails_on_errors(tmp_path):
-    app, server = _serve(token="s3cret", **FAST)
+    # Keep-alive well past any pause a busy machine makes between a client's requests (a connection
+    # closed under the load phase counts as an error); the stall phase still meets the 0.5 s deadline.
+    app, server = _serve(token="s3cret", **{**FAST, "keep_alive_s": HANG_GUARD_S})
     with server as url:
         # --deadline well past the server's: the check passes however late a busy machine closes them.
         done = _probe(url, "--token-env", "PROBE_TOKEN", "--clients", "2", "--requests", "3", "--hostile",
@@ -139,3 +143,14 @@ def test_the_probe_command_prints_each_phase_and_fails_on_errors(tmp_path):
     assert unauthorised.exit_code == 1 and "2 errors of 2" in unauthorised.output and "FAILED" in unauthorised.output
     refused = _probe("https://127.0.0.1:1")
     assert refused.exit_code == 2 and "http://host" in refused.output
+
+
+def test_the_probe_command_checks_the_shape_a_server_claims_before_making_a_tensor(monkeypatch):
+    import httpx
+
+    claim = {"bottleneck_shape": [100_000, 100_000, 100_000], "max_payload_bytes": 1 << 20}
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: httpx.Response(200, json=claim))
+    done = _probe("http://127.0.0.1:9")
+    assert done.exit_code == 1 and "not 3 positive ints within the payload limit" in " ".join(done.output.split())
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: httpx.Response(200, text="<html>"))
+    assert _probe("http://127.0.0.1:9").exit_code == 1  # not JSON: not a tail server, not a bad URL

@@ -623,7 +623,7 @@ class BlockingTail(Tail):
         return super().forward(x)
 
 
-def test_requests_beyond_the_running_cap_get_a_json_503_and_health_stillparse_answers():
+def test_requests_beyond_the_running_cap_get_a_json_503_and_health_still_answers():
     tail = BlockingTail()
     with serve_in_background(create_app(tail, MANIFEST, ServerConfig(max_connections=2))) as url:
         port = int(url.rsplit(":", 1)[1])
@@ -646,7 +646,7 @@ def test_requests_beyond_the_running_cap_get_a_json_503_and_health_stillparse_an
             sock.close()
 
 
-def test_a_pipelining_flood_is_cut_at_the_cap_and_health_stillparse_answers():
+def test_a_pipelining_flood_is_cut_at_the_cap_and_health_still_answers():
     app = create_app(Tail(), MANIFEST, ServerConfig(max_pipelined=4, keep_alive_s=HANG_GUARD_S))
     with serve_in_background(app) as url:
         port = int(url.rsplit(":", 1)[1])

@@ -292,16 +292,23 @@ def probe(
 
     from ..split.fuzz import FuzzConfig, run_fuzz
     from ..split.loadgen import LoadConfig, Target, run_load
-    from ..split.payload import encode
+    from ..split.payload import encode, payload_size
     from ..split.probe import StallConfig, run_stall
 
     try:
         target = Target.from_url(url, _secret(token_env, "bearer token"))
-        info = httpx.get(target.url + "/", timeout=30).json()
-        shape, limit = tuple(info["bottleneck_shape"]), int(info["max_payload_bytes"])
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
-    except (httpx.HTTPError, KeyError, TypeError) as err:
+    try:
+        info = httpx.get(target.url + "/", timeout=30).json()
+        shape, limit = tuple(info["bottleneck_shape"]), int(info["max_payload_bytes"])
+        # The server's answer is outside data: check the shape it claims against the payload limit
+        # it states before a tensor of that shape is made (a claim of 10^15 elements is refused here).
+        if len(shape) != 3 or not all(type(d) is int and d > 0 for d in shape) \
+                or payload_size((1, *shape)) > limit:
+            raise ValueError(f"bottleneck_shape {list(shape)[:4]} is not 3 positive ints within the payload "
+                             f"limit of {limit} bytes")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
         console.print(f"{url} did not answer GET / as a split tail server does: {err!r}", style="red")
         raise typer.Exit(1) from None
     import torch

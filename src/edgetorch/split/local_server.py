@@ -11,6 +11,7 @@ clients will hold many connections.
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import subprocess
@@ -26,11 +27,11 @@ from ..errors import EdgetorchError
 from .loadgen import Target
 
 _SERVER = """
-import sys, uvicorn
+import os, sys, uvicorn
 from edgetorch.split.protocol import uvicorn_config
 from edgetorch.split.server import ServerConfig, app_from_dir
 timeout = float(sys.argv[3])
-config = ServerConfig(token=sys.argv[4], header_timeout_s=timeout, read_timeout_s=timeout, write_timeout_s=timeout)
+config = ServerConfig(token=os.environ.pop("EDGETORCH_SPLIT_TOKEN"), header_timeout_s=timeout, read_timeout_s=timeout, write_timeout_s=timeout)
 app = app_from_dir(sys.argv[1], config)
 uvicorn.Server(uvicorn_config(app, "127.0.0.1", int(sys.argv[2]), log_level="warning", access_log=False)).run()
 """
@@ -108,7 +109,9 @@ def serve_in_process(artifacts: str | Path, token: str, timeout_s: float, startu
         ...     run_load(target, body, LoadConfig(32, 100))
     """
     port = _free_port()
-    process = subprocess.Popen([sys.executable, "-c", _SERVER, str(artifacts), str(port), str(timeout_s), token])
+    # The token goes by environment: a command line is readable by every user in the process list.
+    process = subprocess.Popen([sys.executable, "-c", _SERVER, str(artifacts), str(port), str(timeout_s)],
+                               env={**os.environ, "EDGETORCH_SPLIT_TOKEN": token})
     try:
         _wait_until_up(f"http://127.0.0.1:{port}", process, startup_s)
         yield Target("127.0.0.1", port, token, process.pid)
