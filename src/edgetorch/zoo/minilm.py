@@ -95,7 +95,10 @@ def minilm_optimizer(model: MiniLMClassifier, steps: int, *, encoder_lr: float =
     rise = max(1, round(warmup * steps))
 
     def factor(step: int) -> float:
-        return (step + 1) / rise if step < rise else max(0.0, (steps - step) / (steps - rise))
+        if step < rise:
+            return (step + 1) / rise
+        # After the last step (the loop steps the schedule once more) or with warm-up over the whole run.
+        return max(0.0, (steps - step) / (steps - rise)) if steps > rise else 0.0
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -121,4 +124,5 @@ def text_accuracy(model: nn.Module, data: TensorDataset, pad_id: int, batch_size
     Returns:
         Fraction of correct predictions (the model's mode is restored afterwards).
     """
-    return evaluate_accuracy(nn.Sequential(_TrimPadding(pad_id), model), data, batch_size)
+    # The wrapper carries the model's mode: evaluate_accuracy restores the mode of what it is given.
+    return evaluate_accuracy(nn.Sequential(_TrimPadding(pad_id), model).train(model.training), data, batch_size)
