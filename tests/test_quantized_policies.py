@@ -311,3 +311,19 @@ def test_forms_are_interned_and_named_as_the_ledger_shows_them():
     # a plain quantized copy serves a top-k need; a sided one (only the pieces outside the kinks) does not
     assert razor.covers(quantized_form(8), et.activations.forms.PRUNE_FORM)
     assert not razor.covers(sided, et.activations.forms.PRUNE_FORM) and razor.covers(EXACT_FORM, sided)
+
+
+def test_a_policy_name_already_taken_is_refused_and_names_are_looked_up_in_lower_case():
+    with pytest.raises(ValueError, match="policy name 'bitmap' is taken by Bitmap"):
+        @dataclass(frozen=True)
+        class Shadow(et.Bitmap):
+            name = "Bitmap"
+
+    @dataclass(frozen=True)
+    class Mixed(et.Dense):
+        name = "Mixed-Case-Test"
+
+    try:
+        assert type(et.parse_policy("Mixed-Case-Test")) is Mixed
+    finally:
+        del et.activations.policies.POLICIES["mixed-case-test"]

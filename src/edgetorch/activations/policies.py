@@ -56,7 +56,11 @@ class Policy:
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:  # a policy of its own, not a variant that inherits a name
-            POLICIES[cls.name] = cls
+            key = cls.name.strip().lower()  # as parse_policy looks it up
+            if POLICIES.get(key, cls) is not cls:
+                raise ValueError(f"policy name {key!r} is taken by {POLICIES[key].__qualname__}; give "
+                                 f"{cls.__qualname__} a name of its own")
+            POLICIES[key] = cls
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
