@@ -288,3 +288,27 @@ def test_the_probe_command_fails_on_an_overlong_or_error_answer_to_get_root():
             done = _probe(target.url)
         assert done.exit_code == 1 and said in " ".join(done.output.split())
 
+
+def test_waiting_for_a_local_server_backs_off_and_gives_up_at_its_deadline(monkeypatch):
+    from edgetorch.split import local_server
+
+    clock = {"now": 0.0, "reads": 0}
+
+    def monotonic() -> float:
+        clock["reads"] += 1
+        assert clock["reads"] < 1000, "polled /health without sleeping"
+        return clock["now"]
+
+    sleeps = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock["now"] += seconds
+
+    monkeypatch.setattr(local_server, "time", types.SimpleNamespace(monotonic=monotonic, sleep=sleep))
+    alive = types.SimpleNamespace(poll=lambda: None, returncode=None)
+    with _fake_server(_answer(503, b'{"status": "loading"}')) as (target, accepted):
+        with pytest.raises(local_server.ServerStartError, match=r"within 5 s \(last try: it answered 503\)"):
+            local_server._wait_until_up(target, alive, 5.0)
+    assert sleeps[:5] == [0.05, 0.1, 0.2, 0.4, 0.8] and max(sleeps) == 1.0
+    assert sum(sleeps) == pytest.approx(5.0) and len(accepted) == len(sleeps) + 1
