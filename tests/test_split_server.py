@@ -382,7 +382,7 @@ def test_health_answers_while_stalled_connections_are_held():
 
 def test_many_stalled_connections_are_all_answered_408_and_closed(server):
     opened = time.monotonic()
-    stalled = run_stall(Target("127.0.0.1", server[1]), body(), StallConfig(connections=60, timeout_s=TIMEOUT))
+    stalled = run_stall(Target("127.0.0.1", server[1]), body(), StallConfig(60, header_timeout_s=TIMEOUT, read_timeout_s=TIMEOUT))
     assert stalled.closed == stalled.answered_408 == 60 and stalled.connect_errors == 0
     assert {kind: (k["connections"], k["answered_408"]) for kind, k in stalled.by_kind.items()} == {
         "partial headers": (30, 30), "partial body": (30, 30)}

@@ -279,28 +279,39 @@ def probe(
     hostile: bool = typer.Option(False, "--hostile", help="also open stalled connections and send fuzzed requests"),
     stalled: int = typer.Option(100, min=1, help="with --hostile: connections that stop halfway through a request"),
     fuzz: int = typer.Option(500, min=1, help="with --hostile: seeded malformed requests, 32 at a time"),
-    deadline: float = typer.Option(10.0, min=0.1, help="with --hostile: the header and body deadline the server should keep (its --header-timeout/--read-timeout), in seconds"),
+    header_deadline: float = typer.Option(10.0, min=0.1, help="with --hostile: the seconds the server gives a request line and headers (its --header-timeout); a connection stalled in its headers must be closed within this + 1 s"),
+    read_deadline: float = typer.Option(30.0, min=0.1, help="with --hostile: the seconds the server gives a request body (its --read-timeout); a connection stalled in its body must be closed within this + 1 s, and fuzzed requests that send less body than they declare are waited for this + 10 s"),
+    deadline: float = typer.Option(None, hidden=True),  # replaced: an error names the two options above
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write every phase's full result here"),
 ) -> None:
     """Check a running tail server end to end: load latency, and with --hostile stalled connections and fuzzing.
 
-    Exits 1 when a check fails: a load error, a stalled connection held past the deadline + 1 s, or an answer of 500 or more.
+    Exits 1 when a check fails: a load error (an error status, a transport failure, an answer that is not the
+    expected JSON or is longer than the probe reads), a stalled connection held past its deadline (--header-deadline or
+    --read-deadline) + 1 s, or an answer of 500 or more.
     """
     from dataclasses import asdict
 
     import httpx
 
     from ..split.fuzz import FuzzConfig, run_fuzz
-    from ..split.loadgen import LoadConfig, Target, run_load
+    from ..split.loadgen import LoadConfig, Target, get, run_load
     from ..split.payload import encode, payload_size
     from ..split.probe import StallConfig, run_stall
 
+    if deadline is not None:  # one deadline for both was checked against the header timeout alone
+        raise typer.BadParameter("--deadline is replaced by --header-deadline (the server's --header-timeout, "
+                                 "default 10 s) and --read-deadline (its --read-timeout, default 30 s): a server's "
+                                 "body deadline is not its header deadline", param_hint="--deadline")
     try:
         target = Target.from_url(url, _secret(token_env, "bearer token"))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     try:
-        info = httpx.get(target.url + "/", timeout=30).json()
+        status, body = get(target, "/")
+        if status != 200:
+            raise ValueError(f"it answered {status}: {body[:200]!r}")
+        info = json.loads(body)
         shape, limit = tuple(info["bottleneck_shape"]), int(info["max_payload_bytes"])
         # The server's answer is outside data: check the shape it claims against the payload limit
         # it states before a tensor of that shape is made (a claim of 10^15 elements is refused here).
@@ -308,7 +319,7 @@ def probe(
                 or payload_size((1, *shape)) > limit:
             raise ValueError(f"bottleneck_shape {list(shape)[:4]} is not 3 positive ints within the payload "
                              f"limit of {limit} bytes")
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:  # an AnswerError (too long) is a ValueError
         console.print(f"{url} did not answer GET / as a split tail server does: {err!r}", style="red")
         raise typer.Exit(1) from None
     import torch
@@ -319,18 +330,21 @@ def probe(
     for col in ("phase", "result", "check"):
         table.add_column(col)
     checks = [load.errors == 0]
-    table.add_row(f"load: {clients} x {requests}", f"{load.errors} errors of {load.requests}; p50 {load.p50_ms:.1f} ms, "
+    kinds = f" ({json.dumps(load.errors_by_kind)})" if load.errors else ""
+    table.add_row(f"load: {clients} x {requests}", f"{load.errors} errors of {load.requests}{kinds}; p50 {load.p50_ms:.1f} ms, "
                   f"p90 {load.p90_ms:.1f}, p99 {load.p99_ms:.1f}, max {load.max_ms:.1f}; {load.throughput_rps:.1f} req/s",
                   "ok" if checks[-1] else "FAILED")
     record = {"load": asdict(load)}
     if hostile:
-        stall = run_stall(target, payload, StallConfig(stalled, deadline))
-        held = "-" if stall.closed_after_s_max is None else f"median {stall.closed_after_s_median:.2f} s, max {stall.closed_after_s_max:.2f} s"
-        checks.append(stall.closed_within_timeout_plus_1s == stall.connections)
-        table.add_row(f"stalled: {stalled}", f"{stall.closed} closed by the server ({stall.answered_408} with 408), "
-                      f"held {held}; /health {stall.health_ok_while_held}/{stall.health_polls_while_held} while held",
+        stall = run_stall(target, payload, StallConfig(stalled, header_deadline, read_deadline))
+        held = "; ".join(f"{kind} max {k['closed_after_s_max']:.2f} s (deadline {k['deadline_s']:g} s)"
+                         for kind, k in stall.by_kind.items() if k["closed_after_s_max"] is not None) or "-"
+        over = f", {stall.answers_over_cap} answers over the probe's cap" if stall.answers_over_cap else ""
+        checks.append(stall.closed_within_deadline_plus_1s == stall.connections)
+        table.add_row(f"stalled: {stalled}", f"{stall.closed} closed by the server ({stall.answered_408} with 408{over}), "
+                      f"{held}; /health {stall.health_ok_while_held}/{stall.health_polls_while_held} while held",
                       "ok" if checks[-1] else "FAILED")
-        fuzzed = run_fuzz(target, shape, limit, FuzzConfig(fuzz, timeout_s=deadline))
+        fuzzed = run_fuzz(target, shape, limit, FuzzConfig(fuzz, read_timeout_s=read_deadline))
         answered = {s: n for s, n in fuzzed.statuses.items() if s.isdigit()}  # the rest: why there was no answer
         fours = sum(n for s, n in answered.items() if s.startswith("4"))
         checks.append(fuzzed.answers_5xx == 0)

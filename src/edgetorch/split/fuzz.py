@@ -21,7 +21,7 @@ import torch
 
 from .loadgen import Target
 from .payload import encode
-from .wire import status_of
+from .wire import MAX_RAW_ANSWER_BYTES, connect, status_of
 
 
 def reseal(blob: bytes) -> bytes:
@@ -148,9 +148,10 @@ class Fuzzer:
 
 
 async def fuzz_one(target: Target, raw: bytes, wait_s: float) -> str:
-    """Send one raw request on a new connection; the answer's status code (or why there is none)."""
+    """Send one raw request on a new connection; the answer's status code (or why there is none).
+    Only the answer's head is read, at most :data:`~edgetorch.split.wire.MAX_RAW_ANSWER_BYTES` of it."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(target.host, target.port), 10)
+        reader, writer = await connect(target)
     except (OSError, asyncio.TimeoutError) as err:
         return f"connect failed ({type(err).__name__})"
     try:
@@ -163,7 +164,9 @@ async def fuzz_one(target: Target, raw: bytes, wait_s: float) -> str:
         return "closed without an answer" if not err.partial else "unparseable answer"
     except asyncio.TimeoutError:
         return "no answer in time"
-    except (OSError, asyncio.LimitOverrunError) as err:
+    except asyncio.LimitOverrunError:  # the reader's buffer limit, which is the cap
+        return f"answer head over {MAX_RAW_ANSWER_BYTES:,} bytes"
+    except OSError as err:
         return f"transport error ({type(err).__name__})"
     finally:
         writer.close()
@@ -172,12 +175,14 @@ async def fuzz_one(target: Target, raw: bytes, wait_s: float) -> str:
 @dataclass(frozen=True)
 class FuzzConfig:
     """``requests`` fuzzed requests from seed ``seed``, ``concurrency`` at a time, one connection
-    each; ``timeout_s`` is the server's body deadline (each answer is waited for 10 s beyond it)."""
+    each; ``read_timeout_s`` is the server's body deadline (``ServerConfig.read_timeout_s``, whose
+    default it is): each answer is waited for 10 s beyond it, as a request that declares more body
+    than it sends is answered only then."""
 
     requests: int = 10_000
     seed: int = 0
     concurrency: int = 32
-    timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
 
 
 @dataclass
@@ -208,7 +213,7 @@ async def _fuzz(target: Target, fuzzer: Fuzzer, config: FuzzConfig) -> FuzzResul
         while position < len(queue):
             kind, raw, _ = queue[position]
             position += 1
-            status = await fuzz_one(target, raw, config.timeout_s + 10)
+            status = await fuzz_one(target, raw, config.read_timeout_s + 10)
             statuses[status] += 1
             by_kind[kind][status] += 1
             if status.isdigit() and int(status) >= 500:

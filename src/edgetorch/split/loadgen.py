@@ -4,16 +4,45 @@ and the server's own counters read from ``/metrics``.
 Point them at your own deployment to see what it sustains end to end (a reverse proxy in front
 changes both); :mod:`edgetorch.split.probe` has the hostile clients. Every client here speaks
 through httpx; the address and token come in a :class:`Target`.
+
+Every answer is read raw and at most :data:`MAX_ANSWER_BYTES` of it: a probe is pointed at servers
+that may be broken or hostile, and one that answers without end must not make it allocate without
+end. A longer answer is an :class:`AnswerError` (a counted error under load).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
 import time
 from dataclasses import dataclass
 
 import httpx
 import numpy as np
+
+from ..errors import EdgetorchError
+
+# The longest answer a client here reads. A batch-1 /infer answer is about 22 bytes a class (a
+# 21,841-class ImageNet-21k tail: ~0.5 MB), /metrics and GET / a few KB.
+MAX_ANSWER_BYTES = 4 << 20
+# Asked of every server: the cap is on the bytes that arrive, so a compressed answer could not be
+# checked against it until inflated. A body that comes compressed anyway is not JSON: an error.
+_IDENTITY = {"accept-encoding": "identity"}
+
+
+class AnswerError(EdgetorchError, ValueError):
+    """A server's answer that the probe clients cannot use: longer than :data:`MAX_ANSWER_BYTES`,
+    an error status where a 200 was needed, or not the body a tail server sends.
+
+    Args:
+        message: what was wrong, and what is accepted.
+        kind: the short name reports count it under (a status code, ``"answer over N bytes"``, ...).
+    """
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,67 @@ class Target:
         """The ``Authorization`` header value, or ``None`` without a token."""
         return None if self.token is None else f"Bearer {self.token}"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers every polite client here sends: no compression, and the token if there is one."""
+        return {**_IDENTITY, **({"authorization": self.auth} if self.token else {})}
+
+
+async def read_answer(answer: httpx.Response, limit: int = MAX_ANSWER_BYTES) -> bytes:
+    """The body of a streamed answer (``client.stream(...)``), as it arrived, at most ``limit`` bytes.
+
+    Args:
+        answer: an answer whose body has not been read yet.
+        limit: the most bytes to read; reading stops at the chunk that passes it.
+
+    Returns:
+        The body.
+
+    Raises:
+        AnswerError: the body is longer than ``limit``.
+
+    Example:
+        >>> async with client.stream("GET", "/health") as answer:  # doctest: +SKIP
+        ...     body = await read_answer(answer)
+    """
+    body = bytearray()
+    async for chunk in answer.aiter_raw():
+        body += chunk
+        if len(body) > limit:
+            raise AnswerError(f"{answer.request.method} {answer.request.url.path} answered more than {limit:,} bytes "
+                              f"(status {answer.status_code}); the probe reads at most that", f"answer over {limit:,} bytes")
+    return bytes(body)
+
+
+async def _get(target: Target, path: str, timeout_s: float) -> tuple[int, bytes]:
+    async with httpx.AsyncClient(base_url=target.url, timeout=timeout_s, headers=target.headers) as client:
+        async with client.stream("GET", path) as answer:
+            return answer.status_code, await read_answer(answer)
+
+
+def get(target: Target, path: str, timeout_s: float = 30.0) -> tuple[int, bytes]:
+    """``GET path`` (with the target's token): the status and the body, at most
+    :data:`MAX_ANSWER_BYTES` of it.
+
+    Args:
+        target: the server.
+        path: e.g. ``"/"`` or ``"/health"``.
+        timeout_s: hang guard of the request (connect, and each read).
+
+    Returns:
+        (status code, body).
+
+    Raises:
+        httpx.HTTPError: the server could not be reached or broke the connection.
+        AnswerError: the body is longer than :data:`MAX_ANSWER_BYTES`.
+
+    Example:
+        >>> status, body = get(Target.from_url(url), "/")  # doctest: +SKIP
+        >>> json.loads(body)["bottleneck_shape"]  # doctest: +SKIP
+        [12, 12, 12]
+    """
+    return asyncio.run(_get(target, path, timeout_s))
+
 
 @dataclass(frozen=True)
 class LoadConfig:
@@ -79,9 +169,10 @@ class LoadConfig:
 
 @dataclass
 class LoadResult:
-    """What :func:`run_load` measured. Errors: any answer but a 200 with one row of logits per
-    sample, or a transport failure. Latencies are client-side round trips, in milliseconds;
-    ``server_p50_ms`` is the median of the server's own decode + tail time."""
+    """What :func:`run_load` measured. Errors: any answer but a 200 with one row of logits and
+    the server's timing, or a transport failure; ``errors_by_kind`` counts them by status code,
+    transport error or what was wrong with the answer. Latencies are client-side round trips, in
+    milliseconds; ``server_p50_ms`` is the median of the server's own decode + tail time."""
 
     clients: int
     requests_per_client: int
@@ -94,23 +185,42 @@ class LoadResult:
     p90_ms: float
     p99_ms: float
     max_ms: float
+    errors_by_kind: dict[str, int]
 
 
-async def _one_client(target: Target, payload: bytes, config: LoadConfig) -> tuple[list[float], list[float], int]:
-    latencies, server_times, errors = [], [], 0
-    headers = {"content-type": "application/octet-stream", **({"authorization": target.auth} if target.token else {})}
+def _server_seconds(status: int, body: bytes) -> float:
+    """The server's decode + tail seconds from a batch-1 ``/infer`` answer.
+
+    Raises:
+        AnswerError: not a 200, or not ``{"logits": [one row], "timing": {stage: seconds}}``.
+    """
+    if status != 200:
+        raise AnswerError(f"POST /infer answered {status}: {body[:200]!r}", str(status))
+    try:
+        answer = json.loads(body)
+        if len(answer["logits"]) != 1:
+            raise ValueError(f"{len(answer['logits'])} rows of logits")
+        return sum(float(seconds) for seconds in answer["timing"].values())
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:  # UnicodeDecodeError: a ValueError
+        raise AnswerError(f"POST /infer answered 200 but not with one row of logits and the timing "
+                          f"({type(err).__name__}: {err}): {body[:200]!r}", "200 not the expected JSON") from None
+
+
+async def _one_client(target: Target, payload: bytes, config: LoadConfig) -> tuple[list[float], list[float], list[str]]:
+    latencies, server_times, errors = [], [], []
+    headers = {"content-type": "application/octet-stream", **target.headers}
     async with httpx.AsyncClient(base_url=target.url, timeout=config.timeout_s, headers=headers) as client:
         for _ in range(config.requests):
             start = time.perf_counter()
             try:
-                answer = await client.post("/infer", content=payload)
-                ok = answer.status_code == 200 and len(answer.json()["logits"]) == 1
-            except httpx.HTTPError:
-                ok = False
+                async with client.stream("POST", "/infer", content=payload) as answer:
+                    body = await read_answer(answer)
+                server_times.append(_server_seconds(answer.status_code, body))
+            except httpx.HTTPError as err:
+                errors.append(type(err).__name__)
+            except AnswerError as err:
+                errors.append(err.kind)
             latencies.append(time.perf_counter() - start)
-            errors += not ok
-            if ok:
-                server_times.append(sum(answer.json()["timing"].values()))
     return latencies, server_times, errors
 
 
@@ -120,9 +230,11 @@ async def _load(target: Target, payload: bytes, config: LoadConfig) -> LoadResul
     wall = time.perf_counter() - start
     latencies = np.array([t for lat, _, _ in results for t in lat])
     server = np.array([t for _, times, _ in results for t in times])
-    return LoadResult(config.clients, config.requests, int(latencies.size), int(sum(e for _, _, e in results)), wall,
+    errors = collections.Counter(kind for _, _, kinds in results for kind in kinds)
+    return LoadResult(config.clients, config.requests, int(latencies.size), sum(errors.values()), wall,
                       float(np.median(server) * 1e3) if server.size else None, latencies.size / wall,
-                      *(float(np.percentile(latencies, q) * 1e3) for q in (50, 90, 99)), float(latencies.max() * 1e3))
+                      *(float(np.percentile(latencies, q) * 1e3) for q in (50, 90, 99)), float(latencies.max() * 1e3),
+                      dict(sorted(errors.items())))
 
 
 def run_load(target: Target, payload: bytes, config: LoadConfig = LoadConfig()) -> LoadResult:
@@ -179,17 +291,25 @@ def metrics_totals(target: Target, timeout_s: float = 30.0) -> dict:
 
     Raises:
         httpx.HTTPError: the server could not be reached.
+        AnswerError: it answered other than 200 (a wrong or missing token: 401), more than
+            :data:`MAX_ANSWER_BYTES`, or not with the counters of an edgetorch split server.
     """
-    headers = {"authorization": target.auth} if target.token else {}
-    samples = read_metrics(httpx.get(target.url + "/metrics", headers=headers, timeout=timeout_s).text)
+    status, body = get(target, "/metrics", timeout_s)
+    if status != 200:
+        raise AnswerError(f"GET /metrics answered {status}, not 200: {body[:200]!r} (a server with a token "
+                          "needs it for /metrics: Target(token=...))", str(status))
     totals: dict = {"requests": 0, "errors_by_code": {}}
-    for sample, value in samples.items():
-        if sample.startswith("edgetorch_split_requests_total"):
-            totals["requests"] += int(value)
-        elif sample.startswith("edgetorch_split_errors_total"):
-            totals["errors_by_code"][_label(sample, "code")] = int(value)
-        elif sample.startswith("edgetorch_split_connections_dropped_total"):
-            totals.setdefault("connections_dropped", {})[_label(sample, "reason")] = int(value)
-        elif sample.startswith("edgetorch_split_inference_seconds_count"):
-            totals["inferences"] = int(value)
+    try:
+        for sample, value in read_metrics(body.decode()).items():
+            if sample.startswith("edgetorch_split_requests_total"):
+                totals["requests"] += int(value)
+            elif sample.startswith("edgetorch_split_errors_total"):
+                totals["errors_by_code"][_label(sample, "code")] = int(value)
+            elif sample.startswith("edgetorch_split_connections_dropped_total"):
+                totals.setdefault("connections_dropped", {})[_label(sample, "reason")] = int(value)
+            elif sample.startswith("edgetorch_split_inference_seconds_count"):
+                totals["inferences"] = int(value)
+    except (ValueError, IndexError, OverflowError) as err:  # UnicodeDecodeError is a ValueError
+        raise AnswerError(f"GET /metrics answered 200 but not with a Prometheus text exposition of an edgetorch "
+                          f"split server ({type(err).__name__}: {err}): {body[:200]!r}", "200 not the metrics") from None
     return totals

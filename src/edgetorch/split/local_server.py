@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from ..errors import EdgetorchError
-from .loadgen import Target
+from .loadgen import AnswerError, Target, get
 
 _SERVER = """
 import os, sys, uvicorn
@@ -72,17 +72,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_until_up(url: str, process: subprocess.Popen, startup_s: float) -> None:
+def _wait_until_up(target: Target, process: subprocess.Popen, startup_s: float) -> None:
+    """Poll ``/health`` until it answers 200, sleeping 0.05 s, then twice as long each time (up to
+    1 s): a server that answers 503 while it loads is not asked hundreds of times a second.
+
+    Raises:
+        ServerStartError: the process exited, or no 200 came within ``startup_s`` (the last
+            answer or error is named).
+    """
     deadline = time.monotonic() + startup_s
-    while time.monotonic() < deadline:
+    pause = 0.05
+    while True:
         if process.poll() is not None:
             raise ServerStartError(f"the server process exited with code {process.returncode} before it was up")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            status, _ = get(target, "/health", timeout_s=1.0)
+            if status == 200:
                 return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise ServerStartError(f"the server did not answer {url}/health within {startup_s:g} s")
+            last = f"it answered {status}"
+        except (httpx.HTTPError, AnswerError) as err:
+            last = f"{type(err).__name__}: {err}"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ServerStartError(f"the server did not answer {target.url}/health with 200 within {startup_s:g} s "
+                                   f"(last try: {last})")
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 1.0)
 
 
 @contextmanager
@@ -112,9 +127,10 @@ def serve_in_process(artifacts: str | Path, token: str, timeout_s: float, startu
     # The token goes by environment: a command line is readable by every user in the process list.
     process = subprocess.Popen([sys.executable, "-c", _SERVER, str(artifacts), str(port), str(timeout_s)],
                                env={**os.environ, "EDGETORCH_SPLIT_TOKEN": token})
+    target = Target("127.0.0.1", port, token, process.pid)
     try:
-        _wait_until_up(f"http://127.0.0.1:{port}", process, startup_s)
-        yield Target("127.0.0.1", port, token, process.pid)
+        _wait_until_up(target, process, startup_s)
+        yield target
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -26,8 +26,9 @@ import httpx
 import numpy as np
 import psutil
 
-from .loadgen import Target
-from .wire import PollSummary, Reply, get_once, half_request_line, infer_head, small_window_socket, stalled_requests, status_of
+from .loadgen import AnswerError, Target, read_answer
+from .wire import (CONNECT_TIMEOUT_S, PollSummary, Reply, connect, get_once, half_request_line, infer_head,
+                   read_until_closed, small_window_socket, stalled_requests, status_of)
 
 
 class RssSampler:
@@ -69,30 +70,44 @@ def _peak_sampler(target: Target) -> RssSampler | None:
 
 @dataclass(frozen=True)
 class StallConfig:
-    """``connections`` opened at once, alternately stalled in the headers and in the body;
-    ``timeout_s`` is the server's header and body deadline (each connection is waited for up to
-    60 s beyond it)."""
+    """``connections`` opened at once, alternately stalled in the headers and in the body, and the
+    server's deadlines for each (``ServerConfig``'s, whose defaults these are):
+    ``header_timeout_s`` for the request line and headers, ``read_timeout_s`` for the body. Each
+    connection is waited for up to 60 s beyond its own deadline."""
 
     connections: int = 1000
-    timeout_s: float = 5.0
+    header_timeout_s: float = 10.0
+    read_timeout_s: float = 30.0
+
+    def deadline_s(self, kind: str) -> float:
+        """The deadline of one way of stalling, ``"partial headers"`` or ``"partial body"``."""
+        return self.header_timeout_s if kind == "partial headers" else self.read_timeout_s
+
+
+# The two ways a connection stalls, alternately: in the request line and headers, in the body.
+_STALLS = ("partial headers", "partial body")
 
 
 @dataclass
 class StallResult:
-    """When the server closed each stalled connection, from its last byte, and whether it
-    answered 408 (``by_kind``: the same per way of stalling); ``/health`` polled every 0.1 s
-    meanwhile; ``peak_rss_bytes`` with a ``server_pid``."""
+    """When the server closed each stalled connection, from its last byte, whether it answered
+    408, and how many it closed within their own deadline + 1 s (``by_kind``: the same per way of
+    stalling, with that deadline); ``answers_over_cap``: connections that sent more than a probe
+    reads (:data:`~edgetorch.split.wire.MAX_RAW_ANSWER_BYTES`), not counted as closed;
+    ``/health`` polled every 0.1 s meanwhile; ``peak_rss_bytes`` with a ``server_pid``."""
 
     connections: int
-    timeout_s: float
+    header_timeout_s: float
+    read_timeout_s: float
     wall_s: float
     connect_errors: int
     closed: int
     answered_408: int
+    answers_over_cap: int
     closed_after_s_min: float | None
     closed_after_s_median: float | None
     closed_after_s_max: float | None
-    closed_within_timeout_plus_1s: int
+    closed_within_deadline_plus_1s: int
     max_held_at_once: int
     by_kind: dict[str, dict]
     health_polls_while_held: int
@@ -103,47 +118,56 @@ class StallResult:
     peak_rss_bytes: int | None = None
 
 
-def _closing_times(results: list[dict]) -> dict:
+def _closing_times(results: list[dict], deadline_s: float) -> dict:
     times = [r["closed_after_s"] for r in results if r.get("closed_after_s") is not None]
-    return {"connections": len(results), "closed": len(times), "answered_408": sum(r.get("status") == 408 for r in results),
+    return {"connections": len(results), "deadline_s": deadline_s, "closed": len(times),
+            "closed_within_deadline_plus_1s": sum(t <= deadline_s + 1.0 for t in times),
+            "answered_408": sum(r.get("status") == 408 for r in results),
             "closed_after_s_median": float(np.median(times)) if times else None,
             "closed_after_s_max": float(max(times)) if times else None}
 
 
 async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSampler | None) -> StallResult:
-    partial_headers, partial_body = stalled_requests(target, payload)
+    sent_bytes = dict(zip(_STALLS, stalled_requests(target, payload)))
     held = {"now": 0, "max": 0}
     done = asyncio.Event()
 
     async def stalled(i: int) -> dict:
-        kind = "partial body" if i % 2 else "partial headers"
+        kind = _STALLS[i % 2]
         try:
-            reader, writer = await asyncio.open_connection(target.host, target.port)
-        except OSError as err:
-            return {"kind": kind, "error": f"connect: {err}"}
-        writer.write(partial_body if i % 2 else partial_headers)
+            reader, writer = await connect(target)
+        except (OSError, asyncio.TimeoutError) as err:
+            return {"kind": kind, "error": f"connect: {type(err).__name__} {err}"}
+        writer.write(sent_bytes[kind])
         await writer.drain()
         sent = time.perf_counter()
         held["now"] += 1
         held["max"] = max(held["max"], held["now"])
+        result = {"kind": kind, "closed_after_s": None, "status": None}
         try:
-            raw = await asyncio.wait_for(reader.read(), config.timeout_s + 60)  # until the server closes
-            closed_after = time.perf_counter() - sent
+            raw = await asyncio.wait_for(read_until_closed(reader), config.deadline_s(kind) + 60)
+            result.update(closed_after_s=time.perf_counter() - sent, status=status_of(raw))
+        except AnswerError:
+            result["over_cap"] = True
         except (asyncio.TimeoutError, OSError):
-            raw, closed_after = b"", None
+            pass
         held["now"] -= 1
         writer.close()
-        return {"kind": kind, "closed_after_s": closed_after, "status": status_of(raw)}
+        return result
 
     async def poll_health() -> list[dict]:
         polls = []
-        async with httpx.AsyncClient(base_url=target.url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=target.url, timeout=30, headers=target.headers) as client:
             while not done.is_set():
                 start = time.perf_counter()
                 try:
-                    status = (await client.get("/health")).status_code
+                    async with client.stream("GET", "/health") as answer:
+                        await read_answer(answer)
+                    status = answer.status_code
                 except httpx.HTTPError as err:
                     status = type(err).__name__
+                except AnswerError as err:
+                    status = err.kind
                 polls.append({"status": status, "latency_s": time.perf_counter() - start, "held": held["now"]})
                 await asyncio.sleep(0.1)
         return polls
@@ -159,15 +183,16 @@ async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSa
     peak_rss = rss.stop_peak() if rss else None
     closed = np.array([r["closed_after_s"] for r in results if r.get("closed_after_s") is not None])
     while_held = [p for p in polls if p["held"] > 0]
-    by_kind = {kind: _closing_times([r for r in results if r["kind"] == kind])
-               for kind in ("partial headers", "partial body")}
+    by_kind = {kind: _closing_times([r for r in results if r["kind"] == kind], config.deadline_s(kind))
+               for kind in _STALLS}
     ok_polls = [p for p in while_held if p["status"] == 200]
     return StallResult(
-        config.connections, config.timeout_s, wall, sum("error" in r for r in results), int(closed.size),
-        sum(r.get("status") == 408 for r in results), float(closed.min()) if closed.size else None,
-        float(np.median(closed)) if closed.size else None, float(closed.max()) if closed.size else None,
-        int((closed <= config.timeout_s + 1.0).sum()), held["max"], by_kind, len(while_held), len(ok_polls),
-        max((p["held"] for p in ok_polls), default=0),
+        config.connections, config.header_timeout_s, config.read_timeout_s, wall, sum("error" in r for r in results),
+        int(closed.size), sum(r.get("status") == 408 for r in results), sum("over_cap" in r for r in results),
+        float(closed.min()) if closed.size else None, float(np.median(closed)) if closed.size else None,
+        float(closed.max()) if closed.size else None,
+        sum(k["closed_within_deadline_plus_1s"] for k in by_kind.values()), held["max"], by_kind, len(while_held),
+        len(ok_polls), max((p["held"] for p in ok_polls), default=0),
         float(np.median([p["latency_s"] for p in ok_polls]) * 1e3) if ok_polls else None,
         float(max(p["latency_s"] for p in ok_polls) * 1e3) if ok_polls else None, peak_rss)
 
@@ -180,13 +205,13 @@ def run_stall(target: Target, payload: bytes, config: StallConfig = StallConfig(
     Args:
         target: the server.
         payload: a valid request body, half of which the body-stalled connections send.
-        config: how many connections, and the deadline the server is expected to keep.
+        config: how many connections, and the deadlines the server is expected to keep.
 
     Returns:
         A :class:`StallResult`.
 
     Example:
-        >>> run_stall(Target.from_url(url), body, StallConfig(connections=20, timeout_s=5)).answered_408  # doctest: +SKIP
+        >>> run_stall(Target.from_url(url), body, StallConfig(20, header_timeout_s=5, read_timeout_s=5)).answered_408  # doctest: +SKIP
         20
     """
     return asyncio.run(_stall(target, payload, config, _peak_sampler(target)))
@@ -197,12 +222,13 @@ def run_stall(target: Target, payload: bytes, config: StallConfig = StallConfig(
 @dataclass(frozen=True)
 class CapConfig:
     """``connections`` idle connections (half silent, half half a request line), then ``polls``
-    ``/health`` polls 0.1 s apart on new connections; ``timeout_s`` is the server's header
-    deadline (each idle one is waited for up to 30 s beyond it)."""
+    ``/health`` polls 0.1 s apart on new connections; ``header_timeout_s`` is the server's header
+    deadline (``ServerConfig.header_timeout_s``, whose default it is): each idle one is waited for
+    up to 30 s beyond it."""
 
     connections: int = 2100
     polls: int = 20
-    timeout_s: float = 5.0
+    header_timeout_s: float = 10.0
 
 
 @dataclass
@@ -222,18 +248,20 @@ async def _connection_cap(target: Target, config: CapConfig, rss: RssSampler | N
 
     async def idle(i: int) -> dict:
         try:
-            reader, writer = await asyncio.open_connection(target.host, target.port)
-        except OSError as err:
+            reader, writer = await connect(target)
+        except (OSError, asyncio.TimeoutError) as err:
             return {"status": f"connect failed ({type(err).__name__})"}
         if i % 2:
             writer.write(half_request_line(target))
         held["now"] += 1
         try:
-            raw = await asyncio.wait_for(reader.read(), config.timeout_s + 30)
+            raw = await asyncio.wait_for(read_until_closed(reader), config.header_timeout_s + 30)
             status, is_json = status_of(raw), raw.partition(b"\r\n\r\n")[2][:1] == b"{"
             outcome = f"{status} {'JSON' if is_json else 'not JSON'}" if status else "closed without an answer"
         except asyncio.TimeoutError:
             outcome = "still open"
+        except AnswerError as err:
+            outcome = err.kind
         except OSError as err:
             outcome = f"transport error ({type(err).__name__})"
         held["now"] -= 1
@@ -262,7 +290,7 @@ def run_connection_cap(target: Target, config: CapConfig = CapConfig()) -> CapRe
 
     Returns:
         A :class:`CapResult`: the polls, and how each idle connection ended (e.g. ``"408 JSON"``,
-        ``"503 JSON"``, ``"closed without an answer"``).
+        ``"503 JSON"``, ``"closed without an answer"``, ``"answer over 65,536 bytes"``).
 
     Example:
         >>> run_connection_cap(Target.from_url(url), CapConfig(connections=50, polls=3)).health.ok  # doctest: +SKIP
@@ -307,8 +335,8 @@ async def _pipelining(target: Target, config: PipeliningConfig) -> PipeliningRes
 
     async def flood() -> dict:
         try:
-            reader, writer = await asyncio.open_connection(target.host, target.port)
-        except OSError as err:
+            reader, writer = await connect(target)
+        except (OSError, asyncio.TimeoutError) as err:
             return {"answers": 0, "end": f"connect failed ({type(err).__name__})"}
         live["now"] += 1
         answers, tail, end = 0, b"", "window over"
@@ -400,27 +428,29 @@ async def _slow_readers(target: Target, payload: bytes, answer_bytes: int, count
     sockets: list[socket.socket] = []
     answering, seen, closed = {}, set(), {}
     guard = time.perf_counter() + count * 30 + window_s  # a hang guard for a server that never answers
-    while len(closed) < count and time.perf_counter() < guard:
-        while len(sockets) < count:
-            sock = small_window_socket()
-            sock.setblocking(False)
-            await loop.sock_connect(sock, (target.host, target.port))
-            await loop.sock_sendall(sock, request)
-            sockets.append(sock)
-        readable = select.select(sockets, [], [], 0)[0]  # the answer began to arrive (nothing is read)
-        held = _held_by_server(target.server_pid, target.port, {sock.getsockname()[1] for sock in sockets})
-        now = time.perf_counter()
-        for sock in readable:
-            answering.setdefault(sock.getsockname()[1], now)
-        seen |= held
-        for client_port in (seen - held) & set(answering) - set(closed):  # seen held first: not yet accepted is not gone
-            closed[client_port] = now - answering[client_port]
-        if len(answering) == count and now - max(answering.values()) > window_s:
-            break
-        await asyncio.sleep(0.1)
-    peak = rss.stop_peak()
-    for sock in sockets:
-        sock.close()
+    try:
+        while len(closed) < count and time.perf_counter() < guard:
+            while len(sockets) < count:
+                sock = small_window_socket()
+                sock.setblocking(False)
+                sockets.append(sock)  # closed below, connected or not
+                await asyncio.wait_for(loop.sock_connect(sock, (target.host, target.port)), CONNECT_TIMEOUT_S)
+                await loop.sock_sendall(sock, request)
+            readable = select.select(sockets, [], [], 0)[0]  # the answer began to arrive (nothing is read)
+            held = _held_by_server(target.server_pid, target.port, {sock.getsockname()[1] for sock in sockets})
+            now = time.perf_counter()
+            for sock in readable:
+                answering.setdefault(sock.getsockname()[1], now)
+            seen |= held
+            for client_port in (seen - held) & set(answering) - set(closed):  # seen held first: not yet accepted is not gone
+                closed[client_port] = now - answering[client_port]
+            if len(answering) == count and now - max(answering.values()) > window_s:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        peak = rss.stop_peak()
+        for sock in sockets:
+            sock.close()
     times = sorted(closed.values())
     return SlowReaderResult(count, window_s, answer_bytes, len(answering), len(times), count - len(times),
                             float(np.median(times)) if times else None, times[-1] if times else None, peak)
@@ -444,6 +474,8 @@ def run_slow_readers(target: Target, payload: bytes, answer_bytes: int, count: i
 
     Raises:
         ValueError: ``target.server_pid`` is not set.
+        OSError: a client could not connect (``asyncio.TimeoutError``: not within
+            :data:`~edgetorch.split.wire.CONNECT_TIMEOUT_S`).
 
     Example:
         >>> run_slow_readers(Target("127.0.0.1", port, server_pid=pid), body, size, 3, 20).closed  # doctest: +SKIP

@@ -18,7 +18,45 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .loadgen import Target
+from .loadgen import AnswerError, Target
+
+# The most a raw-socket client here reads from one connection. They expect /health or a short JSON
+# refusal (408, 503), a few hundred bytes, and the hostile phases hold thousands of connections at
+# once: a server that answers without end may cost each of them this much, no more.
+MAX_RAW_ANSWER_BYTES = 64 << 10
+# How long a raw-socket client waits to connect. Thousands opened at once queue for the server's
+# accept, and a SYN the kernel dropped is sent again only after 1, 3, then 7 s.
+CONNECT_TIMEOUT_S = 30.0
+
+
+async def connect(target: Target, timeout_s: float = CONNECT_TIMEOUT_S) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A new connection to ``target``; its reader's buffer holds at most :data:`MAX_RAW_ANSWER_BYTES`
+    (``readuntil`` raises ``asyncio.LimitOverrunError`` past it).
+
+    Raises:
+        OSError: it was refused or failed.
+        asyncio.TimeoutError: it was not accepted within ``timeout_s``.
+    """
+    opening = asyncio.open_connection(target.host, target.port, limit=MAX_RAW_ANSWER_BYTES)
+    return await asyncio.wait_for(opening, timeout_s)
+
+
+async def read_until_closed(reader: asyncio.StreamReader, limit: int = MAX_RAW_ANSWER_BYTES) -> bytes:
+    """Everything the server sends on a connection until it closes it, at most ``limit`` bytes.
+
+    Raises:
+        AnswerError: it sent more than ``limit`` bytes (reading stops there; ``kind`` says so).
+
+    Example:
+        >>> raw = await asyncio.wait_for(read_until_closed(reader), 30)  # doctest: +SKIP
+    """
+    raw = bytearray()
+    while chunk := await reader.read(limit + 1 - len(raw)):
+        raw += chunk
+        if len(raw) > limit:
+            raise AnswerError(f"the server sent more than {limit:,} bytes on one connection; a probe client reads "
+                              "at most that", f"answer over {limit:,} bytes")
+    return bytes(raw)
 
 
 def status_of(raw: bytes) -> int | None:
@@ -86,7 +124,8 @@ class Reply:
 
 
 async def get_once(target: Target, wait_s: float, path: str = "/health") -> Reply:
-    """``GET path`` on a new connection with ``Connection: close``; read until the server closes.
+    """``GET path`` on a new connection with ``Connection: close``; read until the server closes
+    (at most :data:`MAX_RAW_ANSWER_BYTES`: a longer answer's status is ``"answer over N bytes"``).
 
     Example:
         >>> asyncio.run(get_once(Target.from_url(url), 10)).status  # doctest: +SKIP
@@ -94,16 +133,18 @@ async def get_once(target: Target, wait_s: float, path: str = "/health") -> Repl
     """
     start = time.perf_counter()
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(target.host, target.port), wait_s)
+        reader, writer = await connect(target, wait_s)
     except (OSError, asyncio.TimeoutError) as err:
         return Reply(f"connect failed ({type(err).__name__})", b"", None)
     try:
         writer.write(b"GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (path.encode(), target.host.encode()))
-        raw = await asyncio.wait_for(reader.read(), wait_s)  # until the server closes
+        raw = await asyncio.wait_for(read_until_closed(reader), wait_s)
         status = status_of(raw)
         return Reply(str(status) if status is not None else "no answer", raw, time.perf_counter() - start)
     except asyncio.TimeoutError:
         return Reply("no answer in time", b"", None)
+    except AnswerError as err:
+        return Reply(err.kind, b"", None)
     except OSError as err:
         return Reply(f"transport error ({type(err).__name__})", b"", None)
     finally:
