@@ -209,3 +209,31 @@ def test_run_log_reads_back_finished_runs_appends_new_ones_and_skips_missing_fil
     assert again.get(key(run)) == run
     assert again.get(json.dumps(["n", 1])) == {"model": "n", "seed": 1, "accuracy": 0.25}
     assert first.read_text() == json.dumps(run) + "\n"
+
+
+def test_run_log_skips_a_cut_short_last_line_and_refuses_a_malformed_one_in_the_middle(tmp_path):
+    from edgetorch._files import InputFileError
+    from edgetorch.training.runs import RunLog
+
+    def key(run: dict) -> str:
+        return str(run["seed"])
+
+    path = tmp_path / "runs.jsonl"
+    done = json.dumps({"seed": 0}) + "\n"
+    path.write_text(done + json.dumps({"seed": 1})[:-3])  # killed while appending the second run
+    with pytest.warns(UserWarning, match="cut-short last line"):
+        log = RunLog([path], key)
+    assert log.get("0") == {"seed": 0} and log.get("1") is None
+    with pytest.warns(UserWarning, match="removed its cut-short last line"):
+        log.add(path, {"seed": 1})
+    assert path.read_text() == done + json.dumps({"seed": 1}) + "\n"
+    assert RunLog([path], key).get("1") == {"seed": 1}
+
+    path.write_text(done + json.dumps({"seed": 1}))  # only the newline was lost: the run is whole
+    assert RunLog([path], key).get("1") == {"seed": 1}
+    RunLog([path], key).add(path, {"seed": 2})
+    assert [json.loads(line)["seed"] for line in path.read_text().splitlines()] == [0, 1, 2]
+
+    path.write_text(done + '{"seed": 1\n' + done)
+    with pytest.raises(InputFileError, match="line 2 is not a JSON record"):
+        RunLog([path], key)
