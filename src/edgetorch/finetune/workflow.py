@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import check_positive_int
+from .._checks import check_device, check_positive_int
 from .._status import Status
 from ..activations import MemoryPlan, parse_bytes, parse_training_policy, plan_memory
 from ..activations.budget import DEFAULT_POLICIES
@@ -83,7 +82,7 @@ class FinetuneJob:
         val_fraction: a folder's share of each class held out for validation, in (0, 1).
         limit: built-in datasets: use the first N training (and test) images.
         skip_bad_images: a folder: leave out (and list) unreadable images instead of refusing.
-        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        device: ``cpu``, ``cuda`` or ``cuda:N``, one this machine has (checked when the job is made).
 
     Raises:
         ValueError: a field out of range or an unknown word (the message says what is accepted).
@@ -128,8 +127,7 @@ class FinetuneJob:
         for name in ("size", "limit"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
-        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):  # the devices the run seeds and measures
-            raise ValueError(f"{self.device!r} is not a device; accepted: cpu, cuda, cuda:N")
+        check_device(self.device)
 
     @property
     def config(self) -> FinetuneConfig:
