@@ -48,10 +48,11 @@ from torch.utils.data import TensorDataset
 
 import edgetorch
 from edgetorch.activations.step import step_ledger
-from edgetorch.data.rotten_tomatoes import WHEEL_REQUIREMENT, encode, load_snippets, pad_ids, split_by_film, trim_padding
+from edgetorch.data.rotten_tomatoes import WHEEL_REQUIREMENT, encode, load_snippets, split_by_film
+from edgetorch.data.token_ids import pad_ids, trim_padding
 from edgetorch.finetune.text import finetune_minilm, minilm_classifier
-from edgetorch.training import Watch
-from edgetorch.zoo.minilm import minilm_path, text_accuracy
+from edgetorch.training import Watch, seeded
+from edgetorch.zoo.minilm import MiniLMClassifier, minilm_path, text_accuracy
 
 POLICIES = [
     "dense",
@@ -116,10 +117,13 @@ def finetune(pad_id: int, spec: str, seed: int, train_data: TensorDataset, test:
 
 def measure_step(pad_id: int, spec: str, x: torch.Tensor, y: torch.Tensor) -> dict:
     """Saved-activation ledger of one step and gradient fidelity, on the pretrained model (seed-0 head)."""
-    model = minilm_classifier(pad_id, 0)
-    ledger = step_ledger(model, x, y, spec, F.cross_entropy)
+    # The step's dropout masks go on from the stream that drew the seed-0 head (minilm_classifier's
+    # recipe, built in the open because it leaves the caller's RNG alone), so every policy sees the same.
+    with seeded(0):
+        model = MiniLMClassifier(pad_id).train()
+        ledger = step_ledger(model, x, y, spec, F.cross_entropy)
+        fidelity = edgetorch.gradient_fidelity(model, (x, y), spec, loss_fn=F.cross_entropy)
     total = ledger.total()
-    fidelity = edgetorch.gradient_fidelity(model, (x, y), spec, loss_fn=F.cross_entropy)
     return {"dense_bytes": total.dense_bytes, "stored_bytes": total.stored_bytes, "sparsity": total.sparsity,
             "peak_live_bytes": ledger.peak_live_bytes,
             "by_form": {k: v.to_dict() for k, v in ledger.by_form().items()},

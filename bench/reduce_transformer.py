@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from _common import table, write_results
 from torch.utils.data import TensorDataset
 
-from edgetorch.data.rotten_tomatoes import encode, load_snippets, pad_ids, split_by_film, trim_padding
+from edgetorch.data.rotten_tomatoes import encode, load_snippets, split_by_film
+from edgetorch.data.token_ids import pad_ids, trim_padding
 from edgetorch.reduce.transformer import block_statistics, count_transformer_macs, reduce_transformer
 from edgetorch.reduce.transformer_blocks import find_blocks, split_attention
 from edgetorch.finetune.text import finetune_minilm, minilm_classifier

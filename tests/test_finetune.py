@@ -413,6 +413,24 @@ def test_a_job_refuses_a_bad_field_saying_what_is_accepted(fields, message):
         FinetuneJob(model="zoo:mlp", data="digits", **fields)
 
 
+def test_a_job_and_the_cli_refuse_a_cuda_device_this_machine_lacks(monkeypatch):
+    import typer
+
+    from edgetorch.cli._app import device_option
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for refuse in (lambda device: FinetuneJob(model="zoo:mlp", data="digits", device=device), device_option):
+        with pytest.raises((ValueError, typer.BadParameter), match="no CUDA device is available here"):
+            refuse("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert FinetuneJob(model="zoo:mlp", data="digits", device="cuda:1").device == device_option("cuda:1") == "cuda:1"
+    for refuse in (lambda device: FinetuneJob(model="zoo:mlp", data="digits", device=device), device_option):
+        with pytest.raises((ValueError, typer.BadParameter), match=re.escape("has 2 CUDA device(s); accepted: cuda, "
+                                                                              "cuda:0 to cuda:1")):
+            refuse("cuda:2")
+
+
 def test_a_job_takes_one_policy_given_as_a_string_as_one_spec():
     job = FinetuneJob(model="zoo:mlp", data="digits", policy="bitmap")
     assert job.policy == ("bitmap",) and job.config.policy == "bitmap"

@@ -155,11 +155,57 @@ def test_device_counts_are_none_off_cuda():
     assert log.calls == ["profile", "peak"]
 
 
+def test_kernel_profile_off_cuda_runs_no_profiler(monkeypatch):
+    import torch.profiler
+
+    def refused(*args, **kwargs):
+        raise AssertionError("profiled a call that has no device activity to report")
+
+    monkeypatch.setattr(torch.profiler, "profile", refused)
+    log = Log()
+    assert kernel_profile(log("profile"), "cpu").wall_s >= 0.0 and log.calls == ["profile"]
+
+
+def test_count_host_syncs_puts_back_the_callers_debug_mode(monkeypatch):
+    import edgetorch.measure.counters as counters
+
+    modes = ["error"]  # a caller's test that forbids syncs, around a count
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: {"warn": 1, "error": 2}[modes[-1]])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: modes.append(
+        {1: "warn", 2: "error"}.get(mode, mode)))
+    monkeypatch.setattr(counters, "synchronize", lambda device: None)  # no GPU needed to check the bookkeeping
+    assert count_host_syncs(lambda: None, "cuda") == 0
+    assert modes == ["error", "warn", "error"]
+
+
+def test_event_time_records_on_the_given_devices_stream(monkeypatch):
+    recorded = []
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            assert enable_timing
+
+        def record(self, stream=None):
+            recorded.append(stream)
+
+        def elapsed_time(self, end) -> float:
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert event_time(lambda: None, "cuda:1") == 2e-3
+    assert recorded == ["stream of cuda:1"] * 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_counts_syncs_kernels_launches_and_peak():
     x = torch.zeros(1024, device="cuda")
     x.add_(1)  # warm
+    torch.cuda.set_sync_debug_mode("warn")
     assert count_host_syncs(lambda: [x[0].item() for _ in range(3)], "cuda") == 3
+    assert torch.cuda.get_sync_debug_mode() == 1  # the mode it found, not the default
+    torch.cuda.set_sync_debug_mode("default")
     assert count_host_syncs(lambda: x.add_(1), "cuda") == 0
     profile = kernel_profile(lambda: [x.add_(1) for _ in range(5)], "cuda")
     assert profile.kernels == 5 and profile.launch_calls == 5 and profile.copies == 0

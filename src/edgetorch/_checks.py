@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -32,6 +33,44 @@ def check_positive_int(name: str, value: object) -> None:
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_device(device: str) -> str:
+    """Return ``device`` if it is ``cpu``, ``cuda`` or ``cuda:N`` and this machine has it, else raise ``ValueError``.
+
+    The words are the devices a run seeds and measures (a memory peak, the RNG of one GPU); other
+    torch devices are refused by name rather than failing later, inside a step. torch is imported
+    only when CUDA is asked for, so that the CLI's ``--device cpu`` starts without it.
+
+    Args:
+        device: the device string a caller gave.
+
+    Returns:
+        ``device`` unchanged.
+
+    Raises:
+        ValueError: not one of the accepted words, CUDA asked for where there is none, or a CUDA
+            index this machine does not have.
+
+    Example:
+        >>> check_device("tpu")
+        Traceback (most recent call last):
+        ValueError: 'tpu' is not a device; accepted: cpu, cuda, cuda:N
+    """
+    if not (isinstance(device, str) and re.fullmatch(r"cpu|cuda(:[0-9]+)?", device)):
+        raise ValueError(f"{device!r} is not a device; accepted: cpu, cuda, cuda:N")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            build = f"for CUDA {torch.version.cuda}" if torch.version.cuda else "without CUDA"
+            raise ValueError(f"{device} asked for, but no CUDA device is available here (torch {torch.__version__}, "
+                             f"built {build}); accepted: cpu")
+        count = torch.cuda.device_count()
+        if ":" in device and int(device.split(":")[1]) >= count:
+            raise ValueError(f"{device}: this machine has {count} CUDA device(s); accepted: cuda, "
+                             f"cuda:0 to cuda:{count - 1}")
+    return device
 
 
 def check_json_fields(cls: type, values: Mapping[str, object], what: str) -> None:

@@ -219,7 +219,11 @@ def check_version(t: torch.Tensor | None, version: int) -> None:
 
 def kept_count(rep) -> int | torch.Tensor:
     """The values ``rep`` kept, as a device tensor where counting them would sync with the host
-    (the ledger reads it after the step)."""
+    (the ledger reads it after the step).
+
+    ``lazy_nnz`` is the protocol's one optional member (:mod:`edgetorch.codecs.protocol`): it is
+    looked up on the class, so the property runs only where it exists.
+    """
     lazy = getattr(type(rep), "lazy_nnz", None)
     return rep.lazy_nnz if lazy is not None else rep.nnz
 

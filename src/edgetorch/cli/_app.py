@@ -10,6 +10,8 @@ import typer
 import typer.rich_utils
 from rich.console import Console
 
+from .._checks import check_device
+
 # Piped or captured help (a pager, a file, CI logs) would be laid out at rich's 80 columns, which
 # truncates long option help with an ellipsis; a terminal keeps its own width.
 if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty() and "COLUMNS" not in os.environ:
@@ -88,18 +90,10 @@ def output_dir(path: Path | None) -> Path | None:
 
 def device_option(device: str) -> str:
     """Typer callback for ``--device``: ``cpu``, ``cuda`` or ``cuda:N``, and CUDA only where present."""
-    import re
-
-    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
-        raise typer.BadParameter(f"{device!r} is not a device; accepted: cpu, cuda, cuda:N")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise typer.BadParameter(f"--device {device} given but no CUDA device is available")
-        if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
-            raise typer.BadParameter(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
+    try:
+        return check_device(device)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
 
 
 def write_json(path: Path | None, record: object) -> None:

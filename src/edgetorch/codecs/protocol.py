@@ -4,7 +4,9 @@ Each ``pack_*`` function returns a *held form* (:class:`~.bitmap.BitmapTensor`,
 :class:`~.quantized.QuantizedTensor`, :class:`~.mask.MaskTensor`, ...). The activations engine
 stores one per saved tensor and asks it only what :class:`HeldTensor` declares, so a new codec
 is one more class that answers the same. Forms are told apart by their class (``isinstance``),
-never by probing their attributes.
+never by probing their attributes; the one optional member, ``lazy_nnz`` (see
+:class:`HeldTensor`), is looked up on the form's class (no property runs where it is absent,
+and a new form that counts on the host has nothing to declare).
 
 The forms answer the protocol structurally and do not inherit from it: a subclass of a
 ``Protocol`` gets its metaclass, whose ``isinstance`` is Python code (2.5 us a check, against
@@ -27,8 +29,11 @@ class HeldTensor(Protocol):
         nbytes: exact bytes of tensor memory the form holds (what the ledger counts).
         nnz: values kept (every element for dense and quantized forms, none for a mask). Forms
             that count on the device (their values sit in fixed slots: ``CappedBitmapTensor``,
-            ``TopkRowsTensor``) read it back with a host sync, and also answer ``lazy_nnz``: the
-            count as the device tensor it is.
+            ``TopkRowsTensor``) read it back with a host sync.
+        lazy_nnz: optional, not declared here: the count as the device tensor it is, without the
+            sync. The slotted forms above answer it, and so do forms that carry one of them
+            (``QuantizedValues``, a caller's wrappers), passing on their inner form's. A caller
+            counts a form without it by ``nnz``, looking the member up on the form's class.
     """
 
     @property

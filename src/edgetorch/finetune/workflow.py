@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._checks import check_positive_int
+from .._checks import check_device, check_positive_int
 from .._status import Status
 from ..activations import MemoryPlan, parse_bytes, parse_training_policy, plan_memory
 from ..activations.budget import DEFAULT_POLICIES
 from ..data import ImageData, image_data
 from ..errors import EdgetorchError
+from ..training.rng import seeded
 from ..zoo import input_channels
 from .model import replace_classifier, start_model
 from .run import FinetuneConfig, FinetuneResult, ProgressFn, finetune, prepare
@@ -82,7 +82,7 @@ class FinetuneJob:
         val_fraction: a folder's share of each class held out for validation, in (0, 1).
         limit: built-in datasets: use the first N training (and test) images.
         skip_bad_images: a folder: leave out (and list) unreadable images instead of refusing.
-        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        device: ``cpu``, ``cuda`` or ``cuda:N``, one this machine has (checked when the job is made).
 
     Raises:
         ValueError: a field out of range or an unknown word (the message says what is accepted).
@@ -127,8 +127,7 @@ class FinetuneJob:
         for name in ("size", "limit"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
-        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):  # the devices the run seeds and measures
-            raise ValueError(f"{self.device!r} is not a device; accepted: cpu, cuda, cuda:N")
+        check_device(self.device)
 
     @property
     def config(self) -> FinetuneConfig:
@@ -253,7 +252,10 @@ def run_finetune(job: FinetuneJob, *, on_loaded: RunHook | None = None,
         >>> run.config.policy, run.within_budget  # doctest: +SKIP
         ('dense', True)
     """
-    with _seeded(job.seed, job.device):
+    # The run draws in the order the command always has (a random initialisation, the new
+    # classifier, the planner's first-batch loader, then dropout), so a job trains to the weights
+    # the command did when it seeded the process's RNG.
+    with seeded(job.seed, job.device):
         return _run(job, on_loaded, on_plan, on_training, on_progress, status)
 
 
@@ -297,21 +299,3 @@ def _plan(run: FinetuneRun, status: Status) -> MemoryPlan:
                            policies=policies, optimizer=config.planner_optimizer, weight_decay=job.weight_decay,
                            min_batch=job.min_batch)
 
-
-@contextlib.contextmanager
-def _seeded(seed: int, device: str) -> Iterator[None]:
-    """Inside: torch's CPU generator, and the job's CUDA device's, seeded with ``seed``; after: as before.
-
-    The run draws from them in the order ``edgetorch finetune`` always has (a random
-    initialisation, the new classifier, the first batch's loader when planning, then dropout
-    while training), so a job trains to the same weights as the command did when it seeded the
-    process's RNG. Only the job's device is seeded, so no other device's stream is reset.
-    """
-    where = torch.device(device)
-    devices = [where.index if where.index is not None else torch.cuda.current_device()] if where.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.default_generator.manual_seed(seed)
-        for index in devices:
-            with torch.cuda.device(index):
-                torch.cuda.manual_seed(seed)
-        yield

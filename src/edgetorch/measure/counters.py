@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .timing import synchronize
+from .timing import synchronize, wall_time
 
 # The host-side CUDA API calls that launch work (a CUDA graph replay is one launch).
 LAUNCH_CALLS = ("LaunchKernel", "GraphLaunch", "LaunchCooperativeKernel")
@@ -76,7 +76,8 @@ def count_host_syncs(fn: Callable[[], object], device: torch.device | str) -> in
     one per synchronizing call (a device value read on the host, ``nonzero``, a blocking copy).
 
     Waits the debug mode does not see (``Event.synchronize``, ``Stream.synchronize``) are not in it:
-    a caller that makes such waits counts them itself. The device is synchronized after the call.
+    a caller that makes such waits counts them itself. The device is synchronized after the call,
+    and the debug mode the caller had (``"error"`` in a test that forbids syncs) is put back.
 
     Args:
         fn: the call to watch.
@@ -91,13 +92,14 @@ def count_host_syncs(fn: Callable[[], object], device: torch.device | str) -> in
     """
     if not _cuda(device):
         return None
+    previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(previous)
     synchronize(device)
     return sum("synchroniz" in str(w.message) for w in caught)
 
@@ -106,7 +108,7 @@ def count_host_syncs(fn: Callable[[], object], device: torch.device | str) -> in
 class KernelProfile:
     """One call under ``torch.profiler``. Device counts are ``None`` off CUDA."""
 
-    wall_s: float  # wall time of the profiled call, profiler overhead included
+    wall_s: float  # wall time of the call, on CUDA the profiler's overhead included
     kernel_ns: float | None  # nanoseconds, the sum of its GPU kernels' durations (memcpy/memset not included)
     kernels: int | None  # GPU kernel events
     copies: int | None  # memcpy and memset events on the device
@@ -127,14 +129,15 @@ def _duration_ns(event) -> int:
 def kernel_profile(fn: Callable[[], object], device: torch.device | str) -> KernelProfile:
     """Run ``fn`` once under ``torch.profiler`` and count what it ran on the device.
 
-    On CUDA only CUDA activity is recorded: kernels, memcpy/memset and the runtime and driver API
-    calls (the launches), without an event per ATen op, which would slow the profiled call and the
-    counting. The device is synchronized before the call and, inside the timed span, after it.
+    Only CUDA activity is recorded: kernels, memcpy/memset and the runtime and driver API calls
+    (the launches, which CUPTI reports without the CPU activity), without an event per ATen op,
+    which would slow the profiled call and the counting. The device is synchronized before the
+    call and, inside the timed span, after it. Off CUDA there is nothing of the device to count,
+    so the call is not profiled at all: its wall time is :func:`~edgetorch.measure.timing.wall_time`'s.
 
     Args:
         fn: the call to profile.
-        device: where its work runs; off CUDA the call runs under CPU activity and only its wall
-            time is reported.
+        device: where its work runs.
 
     Returns:
         The call's :class:`KernelProfile`.
@@ -145,15 +148,15 @@ def kernel_profile(fn: Callable[[], object], device: torch.device | str) -> Kern
     """
     from torch.profiler import ProfilerActivity, profile
 
-    gpu = _cuda(device)
+    if not _cuda(device):
+        # The CPU activity would only add an event per op to the time; none of it would be reported.
+        return KernelProfile(wall_time(fn), None, None, None, None)
     synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         fn()
         synchronize(device)
         wall = time.perf_counter() - start
-    if not gpu:
-        return KernelProfile(wall, None, None, None, None)
     kernels = copies = launches = kernel_ns = 0
     results = getattr(prof.profiler, "kineto_results", None)
     if results is not None:  # the raw events: no FunctionEvent tree to build

@@ -69,8 +69,9 @@ def wall_time(fn: Callable[[], object], device: torch.device | str | None = None
 def event_time(fn: Callable[[], object], device: torch.device | str) -> float:
     """Seconds one call of ``fn`` keeps a CUDA device busy, from CUDA events around it.
 
-    The events time the device's stream from the call's first kernel to its last, not the host's
-    Python; off CUDA this is :func:`wall_time` without synchronization.
+    The events are recorded on ``device``'s current stream (not the current device's: a caller
+    timing work on ``cuda:1`` need not make it current) and time it from the call's first kernel to
+    its last, not the host's Python; off CUDA this is :func:`wall_time` without synchronization.
 
     Args:
         fn: the call to time.
@@ -86,10 +87,11 @@ def event_time(fn: Callable[[], object], device: torch.device | str) -> float:
     if not _cuda(device):
         return wall_time(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stream = torch.cuda.current_stream(device)
     torch.cuda.synchronize(device)
-    start.record()
+    start.record(stream)
     fn()
-    end.record()
+    end.record(stream)
     torch.cuda.synchronize(device)
     return start.elapsed_time(end) / 1e3
 

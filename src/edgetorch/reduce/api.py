@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -59,18 +58,6 @@ def reduction_path(model: nn.Module, method: str) -> ReductionPath:
     if method == "lowrank":  # factoring a layer needs no chain
         return ReductionPath.LOWRANK_LAYERS
     return ReductionPath.CHANNEL_GROUPS
-
-
-@dataclass(frozen=True)
-class _Request:
-    """:func:`reduce_model`'s arguments past the model, validated; each path reads what it needs."""
-
-    alpha: float
-    method: str
-    allocation: str
-    calibration: torch.Tensor | None
-    seed: int
-    prune_input: bool
 
 
 def reduce_model(
@@ -141,27 +128,23 @@ def reduce_model(
     check_choice("allocation", allocation, ALLOCATIONS)
     if method != "lowrank" and calibration is None:
         raise ValueError(f"method {method!r} needs calibration samples (unlabeled inputs)")
-    request = _Request(alpha, method, allocation, calibration, seed, prune_input)
-    return _PATHS[reduction_path(model, method)](model, request)
+    path = reduction_path(model, method)
+    if path in (ReductionPath.NESTED_CHAIN, ReductionPath.CHAIN):  # ChainReducer reads the nesting itself
+        return ChainReducer(model, calibration).reduce(alpha, method, allocation, seed=seed, prune_input=prune_input)
+    if path is ReductionPath.TRANSFORMER:
+        result = reduce_transformer(model, alpha, method, allocation, calibration, seed)
+        return Reduction(result.model, method, result.allocation, [], result.groups)
+    if path is ReductionPath.LOWRANK_LAYERS:
+        return _lowrank_layers(model, alpha, allocation, calibration, seed)
+    return _channel_groups(model, alpha, method, allocation, calibration, seed)  # ReductionPath.CHANNEL_GROUPS
 
 
-def _chain(model: nn.Module, request: _Request) -> Reduction:
-    return ChainReducer(model, request.calibration).reduce(request.alpha, request.method, request.allocation,
-                                                          seed=request.seed, prune_input=request.prune_input)
-
-
-def _transformer(model: nn.Module, request: _Request) -> Reduction:
-    result = reduce_transformer(model, request.alpha, request.method, request.allocation, request.calibration,
-                                request.seed)
-    return Reduction(result.model, request.method, result.allocation, [], result.groups)
-
-
-def _lowrank_layers(model: nn.Module, request: _Request) -> Reduction:
-    calibration = request.calibration
+def _lowrank_layers(model: nn.Module, alpha: float, allocation: str, calibration: torch.Tensor | None,
+                    seed: int) -> Reduction:
     if not isinstance(calibration, torch.Tensor) or calibration.ndim < 2 or len(calibration) == 0:
         raise ValueError(f"low-rank on a {type(model).__name__}, which is not an nn.Sequential chain, needs example "
                          "inputs to count each layer's output positions: pass calibration= (only its shape is used)")
-    result = reduce_lowrank(model, request.alpha, request.allocation, calibration, request.seed)
+    result = reduce_lowrank(model, alpha, allocation, calibration, seed)
     rows = []
     for l, (layer, k) in enumerate(zip(result.layers, result.allocation.theta)):
         macs = layer.positions * layer_lowrank_cost(*layer.matrix, k)
@@ -171,10 +154,10 @@ def _lowrank_layers(model: nn.Module, request: _Request) -> Reduction:
     return Reduction(result.model, "lowrank", result.allocation, rows)
 
 
-def _channel_groups(model: nn.Module, request: _Request) -> Reduction:
+def _channel_groups(model: nn.Module, alpha: float, method: str, allocation: str, calibration: torch.Tensor,
+                    seed: int) -> Reduction:
     try:
-        grouped = reduce_grouped(model, request.alpha, request.method, request.allocation, request.calibration,
-                                 request.seed)
+        grouped = reduce_grouped(model, alpha, method, allocation, calibration, seed)
     except (TypeError, RuntimeError) as exc:
         if isinstance(model, nn.Sequential):  # meant as a chain, perhaps: say why it is none as well
             nested = nesting(model)
@@ -183,14 +166,4 @@ def _channel_groups(model: nn.Module, request: _Request) -> Reduction:
             except TypeError as chain:  # both readings failed: give both reasons
                 raise TypeError(f"{chain}; nor can it be pruned by channel groups: {exc}") from exc
         raise
-    return Reduction(grouped.model, request.method, grouped.allocation, [], grouped.groups)
-
-
-# What each path runs (the rule that picks one is reduction_path's).
-_PATHS = {
-    ReductionPath.NESTED_CHAIN: _chain,  # ChainReducer reads the nesting
-    ReductionPath.CHAIN: _chain,
-    ReductionPath.TRANSFORMER: _transformer,
-    ReductionPath.LOWRANK_LAYERS: _lowrank_layers,
-    ReductionPath.CHANNEL_GROUPS: _channel_groups,
-}
+    return Reduction(grouped.model, method, grouped.allocation, [], grouped.groups)

@@ -2,18 +2,20 @@
 
 Fewer multiplications do not always mean less time (two thin layers launch two kernels, small
 matrices use the cores poorly), so the time is measured, never inferred from MACs. The two models
-run interleaved, round after round, so that load from other processes hits both alike; the
-ratio of medians is reported.
+run interleaved, round after round (:func:`edgetorch.measure.interleave`, the order rotated so
+that each goes first in every other round), so that load from other processes hits both alike;
+the ratio of medians is reported.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ..measure.timing import interleave
 
 
 @dataclass(frozen=True)
@@ -44,17 +46,14 @@ def compare_latency(full: nn.Module, reduced: nn.Module, example: torch.Tensor,
 
     Returns:
         The medians and their ratio.
+
+    Raises:
+        ValueError: ``rounds`` below 1 or ``warmup`` below 0.
     """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"need rounds >= 1 and warmup >= 0, got {rounds}, {warmup}")
     full.eval(), reduced.eval()
     for _ in range(warmup):
         full(example), reduced(example)
-    times: dict[int, list[float]] = {0: [], 1: []}
-    for r in range(rounds):
-        pair = (full, reduced) if r % 2 == 0 else (reduced, full)  # alternate who goes first
-        for model in pair:
-            start = time.perf_counter()
-            model(example)
-            times[0 if model is full else 1].append(time.perf_counter() - start)
-    return LatencyComparison(statistics.median(times[0]), statistics.median(times[1]), rounds)
+    times = interleave({"full": lambda: full(example), "reduced": lambda: reduced(example)}, rounds, rotate=True)
+    return LatencyComparison(statistics.median(times["full"]), statistics.median(times["reduced"]), rounds)

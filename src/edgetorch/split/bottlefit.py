@@ -108,15 +108,14 @@ class StageRun:
         name: the checkpoint directory's name.
         config: the stage.
         loss_history: mean training loss of every epoch.
-        seconds: wall-clock training time of all its epochs, over every run that trained some
-            (``None`` for a checkpoint older than that record).
+        seconds: wall-clock training time of all its epochs, over every run that trained some.
         seconds_this_run: time spent in this call (about 0 for a finished stage).
     """
 
     name: str
     config: StageConfig
     loss_history: list[float]
-    seconds: float | None
+    seconds: float
     seconds_this_run: float
 
     def to_json(self) -> dict[str, Any]:
@@ -148,8 +147,9 @@ def run_stage(model: nn.Module, train: TensorDataset, config: StageConfig, teach
     start = time.perf_counter()
     history = train_stage(model, train, config, teacher=teacher, checkpoint_dir=directory, progress=progress)
     elapsed = time.perf_counter() - start
-    epoch_seconds = (stage_progress(directory) or {}).get("epoch_seconds")
-    seconds = None if epoch_seconds is None else float(sum(epoch_seconds))
+    # Always there: train_stage checkpoints in ``directory`` after every epoch (a stage has at least
+    # one), each epoch's record holds its seconds, and a checkpoint without them is refused on resume.
+    seconds = float(sum(stage_progress(directory)["epoch_seconds"]))
     log(f"{directory.name}: done in {elapsed:.0f} s this run, loss per epoch {[round(h, 4) for h in history]}")
     return StageRun(directory.name, config, history, seconds, elapsed)
 

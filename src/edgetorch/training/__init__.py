@@ -15,6 +15,7 @@ from .loop import (
     train_epochs,
 )
 from .losses import Loss, cross_entropy, kd_loss
+from .rng import seeded
 
 __all__ = [
     "Checkpointing",
@@ -30,6 +31,7 @@ __all__ = [
     "evaluate_accuracy",
     "kd_loss",
     "one_cycle_adamw",
+    "seeded",
     "supervised",
     "train_epochs",
 ]

