@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .._checks import check_positive_int
-from ..training import Loop, Watch, cross_entropy, evaluate_accuracy, kd_loss, one_cycle_adamw, supervised, train_epochs
+from ..training import Loop, Watch, cross_entropy, evaluate_accuracy, kd_loss, one_cycle_adamw, seeded, supervised, train_epochs
 
 
 @dataclass(frozen=True)
@@ -144,8 +144,7 @@ def recover(model: nn.Module, train: TensorDataset, config: RecoverConfig = Reco
     loop = Loop(config.epochs, config.batch_size, config.seed)
     optimizer, schedule = one_cycle_adamw(model, loop, len(train), config.lr, config.weight_decay)
     model.train()
-    with torch.random.fork_rng(devices=[]):  # dropout draws from the seed, not the caller's RNG
-        torch.manual_seed(config.seed)
+    with seeded(config.seed, next(model.parameters()).device):  # dropout draws from the seed, not the caller's RNG
         train_epochs(model, train, loop, supervised(model, loss), optimizer, schedule, watch=evaluating,
                      label=f"fine-tune {type(model).__name__}")  # fmt: skip
     history.seconds = time.perf_counter() - start - evaluating.seconds

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from ..training import seeded
 from .bottleneck import ARCHITECTURES, SPLIT_POINTS, BottleneckModel, inject_bottleneck
 from .train import StageConfig, stage_progress, train_stage
 
@@ -178,8 +178,7 @@ def build_student(teacher: nn.Module, config: BottleFitConfig) -> BottleneckMode
         The student on the teacher's device (the caller's random state is left as it was).
     """
     device = next(teacher.parameters()).device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(config.seed)
+    with seeded(config.seed, device):
         return inject_bottleneck(teacher, config.channels, config.split_point, config.downsample, config.architecture)
 
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from ..measure.plots import new_figure, save_figure
+from ..training import seeded
 from .bottlefit import BottleFitConfig, Log, StageRun, build_student, lr_step, run_stage, train_bottlefit
 from .bottleneck import BottleneckModel, inject_autoencoder
 from .evaluate import EVAL_BATCH, OffloadScore, SplitAccuracy, evaluate_split
@@ -72,8 +72,7 @@ class Baseline:
         if not self.autoencoder:
             return build_student(teacher, BottleFitConfig(channels=channels, split_point=split_point))
         device = next(teacher.parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(0)
+        with seeded(0, device):
             return inject_autoencoder(teacher, channels)  # new layers are made on the teacher's device
 
 

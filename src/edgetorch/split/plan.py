@@ -36,6 +36,7 @@ from torch import nn
 from .._checks import check_json_fields
 from .._files import InputFileError, read_json
 from ..data.images import IMAGE_EXTENSIONS, list_images, read_image
+from ..training import seeded
 from .links import Link
 from .payload import encode, payload_size
 from .power import (
@@ -205,9 +206,7 @@ def _timing_calls(arch: str, channels: list[int], resolution: int, split_point: 
     from ..zoo import build_model
     from .bottleneck import inject_bottleneck
 
-    forked = [device] if torch.device(device).type == "cuda" else []
-    with torch.random.fork_rng(devices=forked):
-        torch.manual_seed(TIMING_SEED)
+    with seeded(TIMING_SEED, device):
         teacher = build_model(arch, num_classes=num_classes).to(device)
         x = torch.rand(1, 3, resolution, resolution, device=device)
         calls: dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]] = {"full": (teacher, x)}

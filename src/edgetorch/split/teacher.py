@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ..data import dataset_info, load_dataset
-from ..training import evaluate_accuracy
+from ..training import evaluate_accuracy, seeded
 from ..training.cache import CachedModel, cached_model
 from ..zoo import build_model
 from .bottleneck import ACCEPTED_ARCHS
@@ -101,8 +101,7 @@ def _cache_entry(config: TeacherConfig, cache: str | Path | None) -> CachedModel
 
 
 def _build(config: TeacherConfig) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):  # the seed fixes the init; the caller's RNG is untouched
-        torch.manual_seed(config.seed)
+    with seeded(config.seed):  # the seed fixes the init; the caller's RNG is untouched
         return build_model(f"torchvision:{config.arch}", num_classes=dataset_info(config.dataset).num_classes)
 
 

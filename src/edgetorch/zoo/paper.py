@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..data import dataset_info, load_dataset
-from ..training import LastBatch, Loop, evaluate_accuracy, supervised, train_epochs
+from ..training import LastBatch, Loop, evaluate_accuracy, supervised, train_epochs, seeded
 from ..training.cache import cached_model
 from .models import MLP
 
@@ -89,8 +89,7 @@ def paper_mlp(dataset: str, cache: str | Path | None = None) -> tuple[MLP, dict[
     """
     recipe = PAPER_RECIPES[dataset]
     entry = cached_model("reduce", f"paper-mlp-{dataset}", [dataclasses.asdict(recipe), PAPER_HIDDEN], cache)
-    with torch.random.fork_rng(devices=[]):  # the recipe's seed fixes the init; the caller's RNG stays
-        torch.manual_seed(recipe.seed)
+    with seeded(recipe.seed):  # the recipe's seed fixes the init; the caller's RNG stays
         model = build_paper_mlp(dataset)
         record = entry.read(model)
         if record is not None:

@@ -33,7 +33,7 @@ from torch.utils.data import TensorDataset
 
 from .._checks import check_choice, check_positive_int
 from ..data import dataset_info, load_dataset
-from ..training import Loop, evaluate_accuracy, one_cycle_adamw, supervised, train_epochs
+from ..training import Loop, evaluate_accuracy, one_cycle_adamw, supervised, train_epochs, seeded
 from ..training.cache import CachedModel, cached_model
 from ..weights import CheckpointError
 from .registry import ZOO_MODELS, build_model, input_channels, takes_image_size, with_channels
@@ -192,9 +192,8 @@ def pretrain(
         config.dataset, "train", root=data_root, size=config.image_size, limit=config.train_limit
     )
     test = load_dataset(config.dataset, "test", root=data_root, size=config.image_size)
-    # fork_rng restores the caller's global RNG afterwards; the seed fixes the model init.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
+    # The seed fixes the model init; the caller's RNG is left as it was.
+    with seeded(config.seed):
         model = build_zoo_model(config)
         # A grey dataset feeds an RGB model (torchvision) the same image in every channel.
         channels = input_channels(model)
