@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._cuda import untracked
 from .bitmap import _ABS_MASK
 from .bitmap import _INT_VIEW as _INT_OF
 from .quantized import _MASK32, _mix32_int, check_bits
@@ -1091,6 +1092,16 @@ def codec_unpack_bitmap_capped(bitmap: torch.Tensor, values: torch.Tensor, shape
     """:func:`unpack_bitmap` of a capped bitmap's ``[capacity]`` values (fewer than the set bits
     after an overflow: those read back as 0)."""
     return unpack_bitmap(bitmap, values, math.prod(shape), shape=shape)
+
+
+def codec_pack_mask(t: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """:func:`pack_mask` of a float tensor of any shape."""
+    return pack_mask(untracked(t).contiguous(), low, high)
+
+
+def codec_unpack_mask(bitmap: torch.Tensor, shape, dtype: torch.dtype, inside: float, outside: float) -> torch.Tensor:
+    """:func:`unpack_mask` into a tensor of ``shape``."""
+    return unpack_mask(bitmap, math.prod(shape), inside, outside, dtype, shape=shape)
 
 
 def codec_quantize(t: torch.Tensor, rows: int, n: int, bits: int, group: int, seed: int | None):
