@@ -1079,7 +1079,7 @@ def dequantize(
 
 def codec_pack_bitmap(t: torch.Tensor, limit: int, max_kept: int | None = None):
     """:func:`pack_bitmap` of a float tensor of any shape: values in ``t.dtype``, or None."""
-    packed = pack_bitmap(t.detach().reshape(-1).view(_INT_OF[t.dtype]), limit, max_kept=max_kept)
+    packed = pack_bitmap(untracked(t).reshape(-1).view(_INT_OF[t.dtype]), limit, max_kept=max_kept)
     return None if packed is None else (packed[0], packed[1].view(t.dtype))
 
 
@@ -1106,7 +1106,7 @@ def codec_unpack_mask(bitmap: torch.Tensor, shape, dtype: torch.dtype, inside: f
 
 def codec_quantize(t: torch.Tensor, rows: int, n: int, bits: int, group: int, seed: int | None):
     """:func:`quantize` of ``t`` read row-major as ``[rows, n]``."""
-    x = t.detach() if t.requires_grad else t
+    x = untracked(t)
     return quantize(x if x.dim() == 2 and x.shape[0] == rows else x.reshape(rows, -1), bits, group, seed)
 
 
