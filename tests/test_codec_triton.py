@@ -358,7 +358,6 @@ def test_look_backs_walk_many_windows(monkeypatch, dtype) -> None:
     seed=st.integers(0, 2**31),
 )
 def test_codec_capped_bitmap_on_both_paths(dtype, shape, threshold, cap_frac, kernels, seed) -> None:
-    from edgetorch.codecs import _cuda
     from edgetorch.codecs.bitmap import CappedBitmapTensor, pack_bitmap, pack_bitmap_capped
 
     x = sample(shape, dtype, seed, 0.5, tied=False)
@@ -366,7 +365,7 @@ def test_codec_capped_bitmap_on_both_paths(dtype, shape, threshold, cap_frac, ke
     capacity = int(cap_frac * ref.nnz)
     with pytest.MonkeyPatch.context() as mp:
         if kernels:
-            mp.setattr(_cuda, "kernels", lambda t: T)  # the GPU path, interpreted
+            mp.setattr(_backend, "CPU", _backend.triton())  # the GPU path, interpreted
         c = pack_bitmap_capped(x, capacity, threshold)
         out = c.unpack()
     assert isinstance(c, CappedBitmapTensor) and c.values.shape == (capacity,) and c.values.dtype == dtype
@@ -631,7 +630,6 @@ def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatc
     from torch import nn
 
     import edgetorch as et
-    from edgetorch.codecs import _backend
     from edgetorch.codecs.bitmap import pack_bitmap_if_smaller
     from edgetorch.codecs.topk import TopkRowsTensor
 
@@ -857,7 +855,6 @@ def test_dequantize_any_bytes_like_the_reference(dtype, rows, n, bits, group, bl
 @interpreted
 @quiet
 def test_quantized_codec_takes_the_kernel_path_with_the_same_results(monkeypatch) -> None:
-    from edgetorch.codecs import _backend
 
     g = torch.Generator().manual_seed(4)
     cases = [(torch.randn(4, 3, 10, generator=g), {}), (torch.randn(2, 50, generator=g).double(), {"bits": 4}),
@@ -928,7 +925,6 @@ def test_cuda_quantize_matches_the_reference_without_syncs(dtype) -> None:
     # Launched with enable_fp_fusion=False and div_rn, the compiled kernels round as the torch ops
     # on the CPU do, so the bytes match; "halves" rows put values exactly on half-steps, where a
     # fused multiply-add would round differently.
-    from edgetorch.codecs import _cuda
 
     x = torch.cat([quant_sample(3, 5001, dtype, 5, "spread", 4), quant_sample(2, 5001, dtype, 6, "halves", 0)])
     xc = x.cuda()
@@ -1049,7 +1045,6 @@ def test_launches_per_call(small_topk_tiles) -> None:
 @quiet
 def test_codec_launches_per_stored_tensor(monkeypatch, small_topk_tiles) -> None:
     # The same through the codecs' GPU path (what the engine calls per saved tensor).
-    from edgetorch.codecs import _backend
     from edgetorch.codecs.bitmap import pack_bitmap_capped
     from edgetorch.codecs.quantized import pack_quantized
 
@@ -1138,7 +1133,6 @@ def test_gpu_path_forward_reads_nothing_back(spec, small_topk_tiles) -> None:
 
     import edgetorch as et
     from edgetorch.activations import capacity, tape
-    from edgetorch.codecs import _cuda
 
     # 12 px: the top-k tensors (2 x 16 x 6 x 6, 4.5 KB) are just above the engine's min_bytes,
     # so they are pruned, in 5 tiles each (their interpreted scans cost per element).
@@ -1198,7 +1192,6 @@ def test_capped_bitmap_overflow_repacks_exactly(hold, monkeypatch) -> None:
     ``hold=0``: no source may be held past the next pack, so the host waits for each count
     during the forward instead of once in backward (the bound on held sources)."""
     from edgetorch.activations import capacity
-    from edgetorch.codecs import _cuda
 
     if hold is not None:
         monkeypatch.setattr(capacity, "HOLD_BYTES", hold)
@@ -1273,7 +1266,6 @@ def test_cuda_direct_launch_check_survives_a_sync_free_block(monkeypatch) -> Non
 def test_cuda_direct_launch_is_on_and_exact() -> None:
     """The codecs launch their compiled kernels directly on this GPU (Triton >= 3.3), and the direct
     launches write the same bytes as Triton's own, across alignments, sizes and repeated calls."""
-    from edgetorch.codecs import _cuda
 
     assert _cuda.kernels(torch.zeros(1, device="cuda")) is not None
     assert T._DIRECT == (tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3))

@@ -100,7 +100,7 @@ def triton() -> Kernels:
 
     return Kernels(
         "Triton", pack_bitmap=_triton.codec_pack_bitmap, unpack_bitmap=_triton.codec_unpack_bitmap,
-        unpack_bitmap_capped=_triton.codec_unpack_bitmap_capped, pack_bitmap_capped=_triton.pack_bitmap_capped,
+        unpack_bitmap_capped=_triton.codec_unpack_bitmap, pack_bitmap_capped=_triton.pack_bitmap_capped,
         pack_mask=_triton.codec_pack_mask, unpack_mask=_triton.codec_unpack_mask,
         topk_rows=_triton.pack_topk_rows, unpack_topk_rows=_triton.unpack_topk_rows,
         quantize=_triton.codec_quantize, dequantize=_triton.codec_dequantize,

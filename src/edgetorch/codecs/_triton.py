@@ -1084,14 +1084,11 @@ def codec_pack_bitmap(t: torch.Tensor, limit: int, max_kept: int | None = None):
 
 
 def codec_unpack_bitmap(bitmap: torch.Tensor, values: torch.Tensor, shape) -> torch.Tensor:
-    """:func:`unpack_bitmap` into a tensor of ``shape``."""
+    """:func:`unpack_bitmap` into a tensor of ``shape``: the table's ``unpack_bitmap`` and
+    ``unpack_bitmap_capped`` both, since the kernel reads the set bits past the last value as 0
+    (a capped bitmap's ``[capacity]`` values after an overflow). ``contiguous()`` returns a
+    contiguous tensor itself without a dispatch (~50 ns; the capped values always are)."""
     return unpack_bitmap(bitmap, values.contiguous(), math.prod(shape), shape=shape)
-
-
-def codec_unpack_bitmap_capped(bitmap: torch.Tensor, values: torch.Tensor, shape) -> torch.Tensor:
-    """:func:`unpack_bitmap` of a capped bitmap's ``[capacity]`` values (fewer than the set bits
-    after an overflow: those read back as 0)."""
-    return unpack_bitmap(bitmap, values, math.prod(shape), shape=shape)
 
 
 def codec_pack_mask(t: torch.Tensor, low: float, high: float) -> torch.Tensor:
