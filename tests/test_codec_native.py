@@ -313,14 +313,15 @@ def test_mask_across_chunks_and_threads(dtype) -> None:
 
 @needs_native
 def test_mask_reads_back_the_sign_of_zero_it_was_given() -> None:
-    # 0.0 == -0.0, so a cache of bit patterns keyed by value alone returns whichever came first
+    # 0.0 == -0.0, so a cache of bit patterns keyed by value alone returns whichever came first,
+    # and (1.0, -0.0) compares equal to the ReLU mask's (1.0, 0.0)
     for inside in (1.0, 2.0):
         for outside in (-0.0, 0.0, -0.0):
             m = pack_mask(torch.tensor([1.0, -1.0]), -0.0, inside=inside, outside=outside)
             with torch_ops():
                 ref = m.unpack()
             assert torch.equal(ints(m.unpack()), ints(ref))
-    assert math.copysign(1.0, m.unpack()[1].item()) == -1.0  # (2.0, -0.0): the sign is kept
+            assert math.copysign(1.0, m.unpack()[1].item()) == math.copysign(1.0, outside)  # the sign is kept
 
 
 @needs_native

@@ -12,6 +12,7 @@ set by hand runs the interpreter tests in-process (useful with ``-k``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -28,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA builds of torch)")
 
+from edgetorch.codecs import _backend, _cpu_kernels, _cuda  # noqa: E402
 from edgetorch.codecs import _triton as T  # noqa: E402
 from edgetorch.codecs.bitmap import pack_bits, pack_torch, unpack_torch, zero_limit_bits  # noqa: E402
 from edgetorch.codecs.mask import MaskTensor, pack_mask  # noqa: E402
@@ -356,7 +358,6 @@ def test_look_backs_walk_many_windows(monkeypatch, dtype) -> None:
     seed=st.integers(0, 2**31),
 )
 def test_codec_capped_bitmap_on_both_paths(dtype, shape, threshold, cap_frac, kernels, seed) -> None:
-    from edgetorch.codecs import _cuda
     from edgetorch.codecs.bitmap import CappedBitmapTensor, pack_bitmap, pack_bitmap_capped
 
     x = sample(shape, dtype, seed, 0.5, tied=False)
@@ -364,7 +365,7 @@ def test_codec_capped_bitmap_on_both_paths(dtype, shape, threshold, cap_frac, ke
     capacity = int(cap_frac * ref.nnz)
     with pytest.MonkeyPatch.context() as mp:
         if kernels:
-            mp.setattr(_cuda, "kernels", lambda t: T)  # the GPU path, interpreted
+            mp.setattr(_backend, "CPU", _backend.triton())  # the GPU path, interpreted
         c = pack_bitmap_capped(x, capacity, threshold)
         out = c.unpack()
     assert isinstance(c, CappedBitmapTensor) and c.values.shape == (capacity,) and c.values.dtype == dtype
@@ -412,6 +413,72 @@ def test_mask_matches_pack_mask(dtype, n, block, bounds, seed) -> None:
 @interpreted
 def test_mask_with_nan_bound_is_empty() -> None:
     assert T.pack_mask(torch.ones(10), NAN).tolist() == [0, 0]
+
+
+# Every backend that runs the mask codec on CPU tensors, by the name of the table entry it puts in
+# charge: torch ops, the C extension where it is built, and (in the interpreter process) Triton.
+MASK_BACKENDS = {"torch ops": _cpu_kernels.torch_ops}
+if _cpu_kernels.NATIVE:
+    MASK_BACKENDS["C extension"] = contextlib.nullcontext
+if INTERPRETED:
+    MASK_BACKENDS["Triton"] = _cuda.emulate_gpu_path
+
+
+def mask_on_each_backend(x: torch.Tensor, low: float, high: float, inside: float, outside: float) -> dict:
+    """``{backend: (bitmap, bits of the decoded tensor)}`` of ``pack_mask`` and ``MaskTensor.unpack``."""
+    out = {}
+    for name, backend in MASK_BACKENDS.items():
+        with backend():
+            assert _backend.CPU.name == name  # the premise: this backend runs it
+            m = pack_mask(x, low, high, inside=inside, outside=outside)
+            out[name] = m.bitmap, ints(m.unpack())
+    return out
+
+
+# x, then (low, high, inside, outside, bitmap, decoded) cases; -0.0 and the signs of NaN included.
+# (0, inf, 1, -0.0) is the case the backends once disagreed on: the C extension and the torch ops
+# wrote +0.0 for it (the ReLU mask's one-pass cast), Triton -0.0, as asked.
+GOLDEN_X = [1.0, -0.0, 0.0, -1.0, 7.0, 3.0, NAN, INF, -INF, 6.0, 5.5, -NAN]
+Z = -0.0
+GOLDEN_MASKS = [
+    (0.0, 6.0, 3.0, Z, [0b0010_0001, 0b0100], [3, Z, Z, Z, Z, 3, Z, Z, Z, Z, 3, Z]),
+    (0.0, INF, 1.0, Z, [0b1011_0001, 0b0110], [1, Z, Z, Z, 1, 1, Z, 1, Z, 1, 1, Z]),
+    (0.0, INF, 1.0, 0.0, [0b1011_0001, 0b0110], [1, 0, 0, 0, 1, 1, 0, 1, 0, 1, 1, 0]),
+    (-1.0, 1.0, Z, -1.0, [0b0000_0110, 0b0000], [-1, Z, Z, -1, -1, -1, -1, -1, -1, -1, -1, -1]),
+    (-INF, 0.0, -2.0, Z, [0b0000_1000, 0b0000], [Z, Z, Z, -2, Z, Z, Z, Z, Z, Z, Z, Z]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GOLDEN_MASKS, ids=lambda c: f"({c[0]},{c[1]})->{c[2]}|{c[3]}")
+def test_golden_mask_bytes_on_every_backend(case, dtype) -> None:
+    low, high, inside, outside, bitmap, decoded = case
+    x = torch.tensor(GOLDEN_X, dtype=dtype)
+    want = ints(torch.tensor(decoded, dtype=dtype))
+    for name, (got_bitmap, got) in mask_on_each_backend(x, low, high, inside, outside).items():
+        assert got_bitmap.tolist() == bitmap, name
+        assert torch.equal(got, want), f"{name}: {got.tolist()} != {want.tolist()}"
+
+
+@HYPO
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 300),
+    case=st.sampled_from([c[:4] for c in GOLDEN_MASKS] + [(-0.0, 0.9999, 0.5, Z), (0.1, 1 / 3, 0.2, -0.0),
+                                                         (5e-8, INF, 1.0, Z), (-1.0, 1.0, 0.0, 1.0)]),
+    seed=st.integers(0, 2**31),
+)
+def test_mask_backends_write_the_same_bytes(dtype, n, case, seed) -> None:
+    low, high, inside, outside = case
+    x = sample((n,), dtype, seed, 0.3, tied=False)  # random signs, zeros of both signs, NaN, Inf
+    results = mask_on_each_backend(x, low, high, inside, outside)
+    # The definition: the predicate compared in x.dtype (an infinite high is no bound: +Inf is
+    # inside), and each value rounded to it, sign and all.
+    pred = x > low if math.isinf(high) else (x > low) & (x < high)
+    values = torch.tensor([inside, outside], dtype=dtype)
+    want = pack_bits(pred), ints(torch.where(pred, values[0], values[1]))
+    for name, (bitmap, decoded) in results.items():
+        assert torch.equal(bitmap, want[0]) and torch.equal(decoded, want[1]), name
 
 
 # --- arguments (no kernel runs) -----------------------------------------------------------------
@@ -563,7 +630,6 @@ def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatc
     from torch import nn
 
     import edgetorch as et
-    from edgetorch.codecs import _backend, _cpu_kernels, _cuda
     from edgetorch.codecs.bitmap import pack_bitmap_if_smaller
     from edgetorch.codecs.topk import TopkRowsTensor
 
@@ -586,10 +652,8 @@ def test_codecs_and_engine_take_the_kernel_path_with_the_same_results(monkeypatc
     ref_top, ref_bits, ref_mask = pack_topk(x, 0.9), et.pack_bitmap(x), pack_mask(x, 0.0)
     ref_grads, ref_ledger = step()
 
-    # every tensor takes the GPU path: the table's Triton column (and the mask codec's own question)
+    # every codec takes the table's Triton column (the engine's own choices stay the CPU's)
     monkeypatch.setattr(_backend, "CPU", _backend.triton())
-    monkeypatch.setattr(_cuda, "kernels", lambda t: T)
-    monkeypatch.setattr(_cpu_kernels, "NATIVE", False)
     top = pack_topk(x, 0.9)
     assert isinstance(top, TopkRowsTensor)
     assert torch.equal(top.bitmap, ref_top.bitmap) and top.nnz == ref_top.nnz
@@ -791,7 +855,6 @@ def test_dequantize_any_bytes_like_the_reference(dtype, rows, n, bits, group, bl
 @interpreted
 @quiet
 def test_quantized_codec_takes_the_kernel_path_with_the_same_results(monkeypatch) -> None:
-    from edgetorch.codecs import _backend
 
     g = torch.Generator().manual_seed(4)
     cases = [(torch.randn(4, 3, 10, generator=g), {}), (torch.randn(2, 50, generator=g).double(), {"bits": 4}),
@@ -862,7 +925,6 @@ def test_cuda_quantize_matches_the_reference_without_syncs(dtype) -> None:
     # Launched with enable_fp_fusion=False and div_rn, the compiled kernels round as the torch ops
     # on the CPU do, so the bytes match; "halves" rows put values exactly on half-steps, where a
     # fused multiply-add would round differently.
-    from edgetorch.codecs import _cuda
 
     x = torch.cat([quant_sample(3, 5001, dtype, 5, "spread", 4), quant_sample(2, 5001, dtype, 6, "halves", 0)])
     xc = x.cuda()
@@ -983,13 +1045,10 @@ def test_launches_per_call(small_topk_tiles) -> None:
 @quiet
 def test_codec_launches_per_stored_tensor(monkeypatch, small_topk_tiles) -> None:
     # The same through the codecs' GPU path (what the engine calls per saved tensor).
-    from edgetorch.codecs import _backend, _cpu_kernels, _cuda
     from edgetorch.codecs.bitmap import pack_bitmap_capped
     from edgetorch.codecs.quantized import pack_quantized
 
     monkeypatch.setattr(_backend, "CPU", _backend.triton())
-    monkeypatch.setattr(_cuda, "kernels", lambda t: T)  # the mask codec asks it
-    monkeypatch.setattr(_cpu_kernels, "NATIVE", False)
     x = torch.relu(torch.randn(4, 3, 10, 10, generator=torch.Generator().manual_seed(1)))
     capped = pack_bitmap_capped(x, x.numel() // 2)
     top = pack_topk(x, 0.9)
@@ -1074,7 +1133,6 @@ def test_gpu_path_forward_reads_nothing_back(spec, small_topk_tiles) -> None:
 
     import edgetorch as et
     from edgetorch.activations import capacity, tape
-    from edgetorch.codecs import _cuda
 
     # 12 px: the top-k tensors (2 x 16 x 6 x 6, 4.5 KB) are just above the engine's min_bytes,
     # so they are pruned, in 5 tiles each (their interpreted scans cost per element).
@@ -1134,7 +1192,6 @@ def test_capped_bitmap_overflow_repacks_exactly(hold, monkeypatch) -> None:
     ``hold=0``: no source may be held past the next pack, so the host waits for each count
     during the forward instead of once in backward (the bound on held sources)."""
     from edgetorch.activations import capacity
-    from edgetorch.codecs import _cuda
 
     if hold is not None:
         monkeypatch.setattr(capacity, "HOLD_BYTES", hold)
@@ -1209,7 +1266,6 @@ def test_cuda_direct_launch_check_survives_a_sync_free_block(monkeypatch) -> Non
 def test_cuda_direct_launch_is_on_and_exact() -> None:
     """The codecs launch their compiled kernels directly on this GPU (Triton >= 3.3), and the direct
     launches write the same bytes as Triton's own, across alignments, sizes and repeated calls."""
-    from edgetorch.codecs import _cuda
 
     assert _cuda.kernels(torch.zeros(1, device="cuda")) is not None
     assert T._DIRECT == (tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 3))

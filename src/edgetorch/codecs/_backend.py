@@ -50,6 +50,10 @@ class Kernels:
     - ``pack_bitmap_capped(bits, limit, capacity)``: ``(bitmap, values, count)`` of a contiguous
       1-D integer view into ``capacity`` slots (``bitmap.pack_bitmap_capped``).
     - ``pack_bits(mask)``, ``unpack_bits(bitmap, numel)``: bool tensor <-> bitmap.
+    - ``pack_mask(t, low, high)``: the bitmap of ``low < t < high`` (``high = inf``: no upper
+      bound) of a float tensor of any shape, compared in ``t.dtype``;
+      ``unpack_mask(bitmap, shape, dtype, inside, outside)``: ``inside`` where a bit is set, else
+      ``outside``, rounded to the float ``dtype`` with their signs.
     - ``topk(x, rows, keep)``: ``(bitmap, values)`` at their exact size;
       ``topk_rows(x, keep)``: ``(bitmap, values, counts)`` of a 2-D tensor, ``keep`` slots a row,
       read back by ``unpack_topk_rows(bitmap, values, rows, n, shape=)``.
@@ -66,6 +70,8 @@ class Kernels:
     pack_bitmap_capped: _Op = None
     pack_bits: _Op = None
     unpack_bits: _Op = None
+    pack_mask: _Op = None
+    unpack_mask: _Op = None
     topk: _Op = None
     topk_rows: _Op = None
     unpack_topk_rows: _Op = None
@@ -79,7 +85,8 @@ class Kernels:
 TORCH = Kernels("torch ops")
 NATIVE = Kernels(
     "C extension", pack_bitmap=_cpu_kernels.pack, unpack_bitmap=_cpu_kernels.unpack,
-    pack_bits=_cpu_kernels.bits_pack, unpack_bits=_cpu_kernels.bits_unpack, topk=_cpu_kernels.topk,
+    pack_bits=_cpu_kernels.bits_pack, unpack_bits=_cpu_kernels.bits_unpack, pack_mask=_cpu_kernels.mask_pack,
+    unpack_mask=_cpu_kernels.mask_unpack, topk=_cpu_kernels.topk,
     quantize=_cpu_kernels.quantize, dequantize=_cpu_kernels.dequantize, sided_select=_cpu_kernels.sided_select,
     minmax=_cpu_kernels.minmax, convert=_cpu_kernels.convert,
 )
@@ -93,7 +100,8 @@ def triton() -> Kernels:
 
     return Kernels(
         "Triton", pack_bitmap=_triton.codec_pack_bitmap, unpack_bitmap=_triton.codec_unpack_bitmap,
-        unpack_bitmap_capped=_triton.codec_unpack_bitmap_capped, pack_bitmap_capped=_triton.pack_bitmap_capped,
+        unpack_bitmap_capped=_triton.codec_unpack_bitmap, pack_bitmap_capped=_triton.pack_bitmap_capped,
+        pack_mask=_triton.codec_pack_mask, unpack_mask=_triton.codec_unpack_mask,
         topk_rows=_triton.pack_topk_rows, unpack_topk_rows=_triton.unpack_topk_rows,
         quantize=_triton.codec_quantize, dequantize=_triton.codec_dequantize,
     )

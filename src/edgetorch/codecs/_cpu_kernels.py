@@ -106,23 +106,35 @@ def build_description() -> str:
     return f"C extension (abi {info['abi']}, {info['compiler'].strip()}, {info['isa']} kernels)"
 
 
-def pack(t: torch.Tensor, limit: int, max_kept: int | None = None,
-         rows: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+def pack(t: torch.Tensor, limit: int, max_kept: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Bitmap and kept elements of a float (or integer-view) CPU tensor, row-major.
 
     Args:
         t: CPU tensor of 2-, 4- or 8-byte elements, any shape and layout.
-        limit: keep element i iff ``bits(i) & absmask > limit`` (``bitmap.zero_limit_bits``);
-            with ``rows``, the values each row keeps (:func:`topk`).
+        limit: keep element i iff ``bits(i) & absmask > limit`` (``bitmap.zero_limit_bits``).
         max_kept: give up after the first pass (which counts) when more elements than this are
             kept: the values are then never gathered. None: no limit.
-        rows: 0, or split ``t`` row-major into this many equal rows and keep the ``limit``
-            largest magnitudes of each (:func:`topk`).
 
     Returns:
         ``(bitmap, values)``: ``uint8`` bitmap of ``ceil(n / 8)`` bytes and the kept elements in
         order, 1-D in ``t.dtype``; None when more than ``max_kept`` are kept.
     """
+    return _build(t, 0, limit, max_kept)
+
+
+def topk(x: torch.Tensor, rows: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row top-k of ``x`` split row-major into ``rows`` (>= 1) equal rows, as ``(bitmap, values)``.
+
+    Each row keeps its ``keep`` largest magnitudes (compared on the bits, NaN largest), ties
+    taken by position, zeros never: ``min(keep, non-zeros)`` values a row.
+    """
+    return _build(x, rows, keep, None)
+
+
+def _build(t: torch.Tensor, rows: int, limit: int, max_kept: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What :func:`pack` (``rows`` 0: ``limit`` is the magnitude bound) and :func:`topk` (``limit``
+    values in each of ``rows`` rows) share: a first pass that writes the bitmap and counts, then,
+    unless more than ``max_kept`` were kept, a second that gathers the kept values."""
     if not t.is_contiguous():
         t = t.detach().contiguous()
     n = t.numel()
@@ -158,15 +170,6 @@ def unpack(bitmap: torch.Tensor, values: torch.Tensor, shape) -> torch.Tensor:
     _native.unpack(bitmap.data_ptr(), bitmap.numel(), values.data_ptr(), values.numel(),
                    values.element_size(), out.data_ptr(), out.numel(), torch.get_num_threads())
     return out
-
-
-def topk(x: torch.Tensor, rows: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row top-k of ``x`` split row-major into ``rows`` (>= 1) equal rows, as ``(bitmap, values)``.
-
-    Each row keeps its ``keep`` largest magnitudes (compared on the bits, NaN largest), ties
-    taken by position, zeros never: ``min(keep, non-zeros)`` values a row.
-    """
-    return pack(x, keep, None, rows)
 
 
 @functools.lru_cache(maxsize=256)

@@ -45,11 +45,8 @@ def _load():
 
 
 def kernels(t: torch.Tensor):
-    """The Triton kernel module for a CUDA tensor ``t``, or None (CPU tensors, or no Triton)."""
-    if _emulated:
-        from . import _triton
-
-        return _triton
+    """The Triton kernel module for a CUDA tensor ``t``, or None (CPU tensors, or no Triton).
+    The codecs ask ``_backend``'s table instead; this loads and checks the kernels up front."""
     return _load() if t.is_cuda else None
 
 
@@ -76,12 +73,14 @@ def emulate_gpu_path() -> Iterator[None]:
     and the policies' GPU branches. For tests on machines without a GPU: what the GPU path reads
     back to the host, and how many kernels it launches, can be counted on the CPU.
     """
-    from . import _backend, _cpu_kernels
+    from . import _backend
 
+    # The table is the codecs' only question; ``_cpu_kernels.NATIVE`` stays as it is, since the
+    # policies ask it only off the GPU path (after ``gpu_path``).
     global _emulated
-    native, cpu, _emulated = _cpu_kernels.NATIVE, _backend.CPU, True
-    _cpu_kernels.NATIVE, _backend.CPU = False, _backend.triton()  # CPU tensors to the Triton column
+    cpu, _emulated = _backend.CPU, True
+    _backend.CPU = _backend.triton()  # CPU tensors to the Triton column
     try:
         yield
     finally:
-        _emulated, _cpu_kernels.NATIVE, _backend.CPU = False, native, cpu
+        _emulated, _backend.CPU = False, cpu

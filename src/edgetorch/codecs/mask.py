@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _cpu_kernels, _cuda
+from . import _backend, _cpu_kernels
 from .bitmap import FLOAT_DTYPES, pack_bits, unpack_bits
 
 
@@ -51,16 +51,16 @@ class MaskTensor:
         return self.bitmap.numel()
 
     def unpack(self) -> torch.Tensor:
-        """A new tensor of ``shape`` and ``dtype``: ``inside`` where the bit is set, else ``outside``."""
-        if self.bitmap.is_cpu and _cpu_kernels.NATIVE and self.dtype in FLOAT_DTYPES:
-            # like the torch path below, which takes (1.0, -0.0) for the ReLU mask and writes +0.0
-            outside = 0.0 if (self.inside, self.outside) == (1.0, 0.0) else self.outside
-            return _cpu_kernels.mask_unpack(self.bitmap, self.shape, self.dtype, self.inside, outside)
-        if (kernels := _cuda.kernels(self.bitmap)) is not None:
-            return kernels.unpack_mask(self.bitmap, self.numel, self.inside, self.outside, self.dtype, shape=self.shape)
+        """A new tensor of ``shape`` and ``dtype``: ``inside`` where the bit is set, else ``outside``,
+        each rounded to ``dtype`` with its sign (``outside=-0.0`` reads back as -0.0 on every backend)."""
+        kernels = _backend.CPU if self.bitmap.is_cpu else _backend.device(self.bitmap)
+        # The kernels write float bit patterns; a hand-built form of another dtype takes torch ops.
+        if (kernel := kernels.unpack_mask) is not None and self.dtype in FLOAT_DTYPES:
+            return kernel(self.bitmap, self.shape, self.dtype, self.inside, self.outside)
         inside = unpack_bits(self.bitmap, self.numel).view(self.shape)
-        if (self.inside, self.outside) == (1.0, 0.0):
-            return inside.to(self.dtype)  # the ReLU mask: one pass
+        # The ReLU mask in one pass; -0.0 == 0.0, so the sign is asked too (the cast writes +0.0).
+        if self.inside == 1.0 and self.outside == 0.0 and math.copysign(1.0, self.outside) > 0:
+            return inside.to(self.dtype)
         values = torch.tensor([self.inside, self.outside], dtype=self.dtype, device=self.bitmap.device)
         return torch.where(inside, values[0], values[1])
 
@@ -94,10 +94,8 @@ def pack_mask(
         raise ValueError(
             f"inside={inside} must lie in ({low}, {high}) and outside={outside} must not"
         )
-    if (kernels := _cuda.kernels(t)) is not None:  # the predicate straight into bits on a GPU
-        bitmap = kernels.pack_mask(_cuda.untracked(t).contiguous(), low, high)
-    elif t.is_cpu and _cpu_kernels.NATIVE:  # the same on CPU, in one pass
-        bitmap = _cpu_kernels.mask_pack(t, low, high)
+    if (kernel := (_backend.CPU if t.is_cpu else _backend.device(t)).pack_mask) is not None:
+        bitmap = kernel(t, low, high)  # the predicate straight into bits, in one pass
     else:
         if t.is_cpu:
             _cpu_kernels.warn_fallback()
