@@ -405,7 +405,7 @@ class compress_activations(contextlib.ContextDecorator):
             if not floating:
                 rep = pack_narrow(region, need.bound)
             elif split:
-                rep = encode_per_sample(self.policy, region, *split, need)
+                rep = encode_per_sample(self.policy, region, *split, need, form)
             elif self._sized and _cuda.gpu_path(region):
                 rep = self._encode_sized(region.view(rows, -1), need, entry, form)
             else:
@@ -434,7 +434,7 @@ class compress_activations(contextlib.ContextDecorator):
         as_is = self._held_as_is() if form is EXACT_FORM and dense_bytes else None
         if as_is is not None and as_is.get(self._index) == region.numel():
             return None
-        rep = self.policy.encode(region.view(rows, -1), need)
+        rep = self.policy.encode_as(region.view(rows, -1), need, form)
         if as_is is not None and (rep is None or rep.nbytes >= region.numel() * region.element_size()):
             as_is[self._index] = region.numel()
         return rep
