@@ -76,6 +76,13 @@ class Policy:
         """The stored form for ``need``; the default stores every tensor one (exact) way."""
         return EXACT_FORM
 
+    def by_module(self, model: torch.nn.Module) -> tuple[dict[str, Policy], Policy]:
+        """The policy of each tensor by the qualified name of the module that saved it, and the
+        policy of the tensors saved by modules not named there. Every tensor takes this policy; a
+        plan with a policy per block (:class:`edgetorch.activations.blocks.PerBlock`) names the
+        modules of each block."""
+        return {}, self
+
     def per_sample(self, form: Form) -> bool:
         """Whether ``encode`` should see form ``form`` of a tensor as one row per sample even
         where the saved tensor's rows are tokens (the engine then regroups them); by default
