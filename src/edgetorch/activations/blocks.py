@@ -9,6 +9,11 @@ blocks to policies; the engine asks it once per block (:meth:`PerBlock.by_module
 from every module name inside a block to that block's policy, and then looks each saved tensor's
 policy up in it (one dict lookup; tensors saved outside every block take ``default``).
 
+A block may also be recomputed (:class:`Recompute`): :func:`recomputing` swaps it for a
+:class:`~edgetorch.activations.checkpoint.CheckpointEvery` of that one block while the forward
+runs, so the forward keeps only its input, and backward runs it again, storing what the rerun
+saves under the policy the plan gives it.
+
 A tensor saved by two blocks (a block's output is the next block's input) is stored once per
 distinct form, as under one policy; each op's own block says which form it wants, and a held form
 serves another where that op's policy says it may (an exact copy serves every op). Two Back Razor
@@ -18,13 +23,17 @@ sparsity of the first that saved it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..measure.ledger import SavedTensorLedger
+from .checkpoint import CheckpointEvery
 from .forms import Form
-from .policies import Dense, Policy
+from .policies import Bitmap, Dense, Policy
 from .roles import EXACT, Need
 
 
@@ -66,6 +75,25 @@ def find_blocks(model: nn.Module) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """A block's form in a :class:`PerBlock` plan: recompute it in backward (checkpointing).
+
+    Args:
+        keep: how its input is stored in the forward, and what its rerun saves in backward
+            (default lossless :class:`~edgetorch.Bitmap`).
+    """
+
+    keep: Policy = Bitmap()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep, Policy) or isinstance(self.keep, PerBlock):
+            raise ValueError(f"Recompute keeps what it stores under a storage policy such as Bitmap(); got {self.keep!r}")
+
+    def spec(self) -> str:
+        return f"recompute({self.keep.spec()})"
+
+
+@dataclass(frozen=True)
 class PerBlock(Policy):
     """A storage policy per block, and one for every tensor saved outside the named blocks.
 
@@ -77,7 +105,9 @@ class PerBlock(Policy):
     Args:
         blocks: ``(block name, policy)`` pairs; names as :func:`find_blocks` gives them (any
             module's qualified name works); a block inside another named block takes its own
-            policy for its own modules.
+            policy for its own modules. A :class:`Recompute` instead of a policy recomputes the
+            block (run the forward inside :func:`recomputing`, as
+            :func:`~edgetorch.activations.step.storing` does).
         default: the policy of tensors saved outside every named block (default ``Dense()``).
 
     Raises:
@@ -99,9 +129,10 @@ class PerBlock(Policy):
             twice = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"each block takes one policy; named more than once: {', '.join(twice)}")
         for name, policy in (*self.blocks, ("default", self.default)):
-            if not isinstance(policy, Policy) or isinstance(policy, PerBlock):
-                raise ValueError(f"{name}: the policy must be a storage policy such as Bitmap() or Quantized(8) "
-                                 f"(not a PerBlock), got {policy!r}")
+            recompute = isinstance(policy, Recompute) and name != "default"
+            if not recompute and (not isinstance(policy, Policy) or isinstance(policy, PerBlock)):
+                raise ValueError(f"{name}: the policy must be a storage policy such as Bitmap() or Quantized(8), "
+                                 f"or Recompute(policy) for a block (not a PerBlock), got {policy!r}")
         policies = self.policies
         # The engine reads these once per block: a flag any block needs is on for the whole run.
         for flag in ("needs_roles", "narrows_integers", "encodes", "sized_by_count"):
@@ -110,7 +141,12 @@ class PerBlock(Policy):
     @property
     def policies(self) -> tuple[Policy, ...]:
         """Every policy the plan uses, the default first, each once."""
-        return tuple(dict.fromkeys((self.default, *(p for _, p in self.blocks))))
+        return tuple(dict.fromkeys((self.default, *(_stores(p) for _, p in self.blocks))))
+
+    @property
+    def recomputed(self) -> tuple[tuple[str, Policy], ...]:
+        """``(block, policy of what it keeps)`` for each block the plan recomputes."""
+        return tuple((name, p.keep) for name, p in self.blocks if isinstance(p, Recompute))
 
     def by_module(self, model: nn.Module) -> tuple[dict[str, Policy], Policy]:
         """Every module name inside a named block, mapped to that block's policy; and ``default``.
@@ -130,7 +166,7 @@ class PerBlock(Policy):
         for name in names:
             for block, policy in ordered:
                 if name == block or name.startswith(block + "."):
-                    table[name] = policy
+                    table[name] = _stores(policy)
                     break
         return table, self.default
 
@@ -147,3 +183,39 @@ class PerBlock(Policy):
         string :func:`~edgetorch.parse_policy` takes."""
         listed = ", ".join(f"{name}={policy.spec()}" for name, policy in self.blocks)
         return f"per-block({listed}; default={self.default.spec()})"
+
+
+def _stores(form: Policy | Recompute) -> Policy:
+    """The policy that stores a block's saved tensors (a recomputed block's: what it keeps)."""
+    return form.keep if isinstance(form, Recompute) else form
+
+
+@contextlib.contextmanager
+def recomputing(model: nn.Module, plan: PerBlock, ledger: SavedTensorLedger | None = None) -> Iterator[None]:
+    """Swap each block ``plan`` recomputes for a :class:`CheckpointEvery` of that block while the
+    block of code runs, and back on exit (parameter names and ``state_dict`` keys stay the model's).
+
+    Run the forward inside it under :func:`~edgetorch.compress_activations` with ``plan``, entered
+    after it, so the engine sees (and names) the wrappers; backward may run after the block.
+
+    Args:
+        model: the model; blocks are replaced and restored in place.
+        plan: the plan; blocks not recomputed are left alone.
+        ledger: optional ledger for what the reruns in backward save.
+
+    Example:
+        >>> with recomputing(model, plan), edgetorch.compress_activations(model, plan):  # doctest: +SKIP
+        ...     loss = criterion(model(x), y)
+    """
+    swapped = []
+    try:
+        for name, keep in plan.recomputed:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            block = getattr(parent, attr)
+            setattr(parent, attr, CheckpointEvery([block], 1, keep, ledger))
+            swapped.append((parent, attr, block))
+        yield
+    finally:
+        for parent, attr, block in reversed(swapped):
+            setattr(parent, attr, block)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..measure import SavedTensorLedger
+from .blocks import PerBlock, recomputing
 from .checkpoint import checkpoint_stages
 from .engine import compress_activations
 from .policies import Dense, Policy, parse_policy
@@ -85,13 +86,15 @@ def storing(model: nn.Module, how: TrainingPolicy, ledger: SavedTensorLedger | N
         ...     loss = F.cross_entropy(model(x), y)
         >>> loss.backward()  # doctest: +SKIP
     """
-    # Stages are swapped in before the engine starts, so it sees (and names) the wrappers.
+    # Stages and recomputed blocks are swapped in before the engine starts, so it sees (and names)
+    # the wrappers.
     stages = checkpoint_stages(model, how.policy, ledger) if how.checkpoint else contextlib.nullcontext()
+    blocks = recomputing(model, how.policy, ledger) if isinstance(how.policy, PerBlock) else contextlib.nullcontext()
     # Dense with nothing to record stores every tensor as PyTorch does: run plain PyTorch, not
     # the engine's hooks, on every step of a dense run.
     plain = isinstance(how.policy, Dense) and ledger is None
     engine = contextlib.nullcontext() if plain else compress_activations(model, how.policy, ledger=ledger)
-    with stages, engine:
+    with stages, blocks, engine:
         yield
 
 
