@@ -75,7 +75,9 @@ def test_checkpointed_candidates_are_measured_and_ranked_after_their_plain_polic
     plan = plan_memory(model, batch, "100GiB")  # the defaults include +checkpoint for a model with stages
     specs = [c.policy for c in plan.candidates if c.batch == 8]
     assert specs.index("dense") < specs.index("bitmap") < specs.index("dense+checkpoint") < specs.index(
-        "bitmap+checkpoint") < specs.index("backrazor:sparsity=0.8")
+        "bitmap+checkpoint") < specs.index("quantized") < specs.index("quantized:bits=4") < specs.index(
+        "backrazor:sparsity=0.8") < specs.index("backrazor:sparsity=0.9") < specs.index(
+        "backrazor:sparsity=0.9,exact=int8") < specs.index("backrazor:sparsity=0.95")
     by_spec = {c.policy: c for c in plan.candidates if c.batch == 8}
     assert by_spec["dense+checkpoint"].saved_bytes > 0
     mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
