@@ -59,7 +59,7 @@ from ..measure import SavedTensorLedger
 from ..measure.process import held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed, reset_peak
 from .checkpoint import find_stages
 from .policies import BackRazor, Bitmap, Dense, Quantized
-from .step import TrainingPolicy, forward_backward, parse_training_policy
+from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
 # Checkpointed candidates are dropped for a model with no stage to checkpoint.
 VERIFY_ATTEMPTS = 6  # candidates run at their own batch before giving up (each costs one step)
@@ -225,7 +225,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     # spec -> (slope, intercept, seconds per sample, saved bytes at c2, c1, c2)
     lines: dict[str, tuple[float, float, float, int, int, int]] = {}
     firsts: dict[str, tuple[int, int]] = {}  # spec -> (first calibration batch, its measured increase)
-    with _restored(model):
+    with restored(model):
         step = _zero_lr_optimizer(optimizer, trainable, weight_decay)
         _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, None)  # warm-up: pools, first calls
         release_freed()
@@ -393,27 +393,3 @@ def _measure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: TrainingPo
     for p in model.parameters():
         p.grad = None
     return peak - before, seconds
-
-
-class _restored:
-    """Leave the model as it was: buffers (batch-norm statistics), gradients, the RNG streams."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __enter__(self) -> None:
-        self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
-        self._grads = {p: p.grad for p in self.model.parameters()}
-        # The CUDA stream of the model's device too: dropout on a GPU draws from it.
-        devices = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
-        self._rng = torch.random.fork_rng(devices=sorted(devices, key=str))
-        self._rng.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._rng.__exit__(*exc)
-        with torch.no_grad():
-            for name, b in self.model.named_buffers():
-                b.copy_(self._buffers[name])
-        for p, grad in self._grads.items():
-            p.grad = grad
-

@@ -34,10 +34,9 @@ from torch import nn
 
 from ..measure import SavedTensorLedger
 from .blocks import PerBlock, Recompute, find_blocks
-from .budget import _restored
 from .fidelity import GradientFidelity, gradient_fidelities
 from .policies import BackRazor, Bitmap, Dense, Policy, Quantized
-from .step import TrainingPolicy, forward_backward
+from .step import TrainingPolicy, forward_backward, restored
 
 #: The forms a block is offered by default: exact, lossless, 8 and 4 bits, Back Razor with its
 #: exact forms exact or at 8 bits, and recomputation keeping a lossless bitmap.
@@ -153,7 +152,7 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     outside, peak, by_form = 0, 0, {}
     for form in (default, *forms, *kept):
         ledger = SavedTensorLedger()
-        with _restored(model):
+        with restored(model):
             forward_backward(model, x, y, TrainingPolicy(PerBlock(tuple((b, form) for b in blocks), default)),
                              loss_fn, ledger)
             for p in model.parameters():

@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .budget import _restored
 from .policies import Dense, Policy
-from .step import TrainingPolicy, forward_backward, parse_training_policy
+from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
 # A reference parameter gradient whose norm is at most this fraction of the largest one is
 # rounding noise around a gradient that is zero in exact arithmetic (a convolution's bias before
@@ -256,9 +255,9 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: TrainingPolic
           cuda: list[int]) -> tuple[float, dict[str, torch.Tensor], torch.Tensor | None]:
     """One forward and backward from the model's current state: (loss, parameter gradients by
     name, input gradient). Buffers, gradients and RNG streams are put back afterwards."""
-    with torch.random.fork_rng(devices=cuda), _restored(model):
+    with torch.random.fork_rng(devices=cuda), restored(model):
         for p in model.parameters():
-            p.grad = None  # the caller's gradients are put back by _restored, never added to
+            p.grad = None  # the caller's gradients are put back by restored, never added to
         x = x.detach().requires_grad_() if x.is_floating_point() else x
         loss = forward_backward(model, x, y, how, loss_fn)
         grads = {name: _dense_grad(p) for name, p in model.named_parameters() if p.requires_grad}

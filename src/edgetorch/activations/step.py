@@ -111,3 +111,33 @@ def step_ledger(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: Trainin
     ledger = SavedTensorLedger()
     forward_backward(copy.deepcopy(model), x, y, how, loss_fn, ledger)
     return ledger
+
+
+class restored:
+    """Leave the model as it was after the block: buffers (batch-norm statistics), gradients, the
+    RNG streams (what the planner and the fidelity and cost measurements run steps inside).
+
+    Example:
+        >>> with restored(model):  # doctest: +SKIP
+        ...     forward_backward(model, x, y, TrainingPolicy(Bitmap()), F.cross_entropy)
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self) -> None:
+        self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        self._grads = {p: p.grad for p in self.model.parameters()}
+        # The CUDA stream of the model's device too: dropout on a GPU draws from it.
+        devices = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
+        self._rng = torch.random.fork_rng(devices=sorted(devices, key=str))
+        self._rng.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._rng.__exit__(*exc)
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                b.copy_(self._buffers[name])
+        for p, grad in self._grads.items():
+            p.grad = grad
+
