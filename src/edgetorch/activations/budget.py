@@ -57,7 +57,10 @@ from torch.nn import functional as F
 from .._checks import check_positive_int
 from ..measure import SavedTensorLedger
 from ..measure.process import held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed, reset_peak
+from .blocks import find_blocks
+from .budget_blocks import BlockFit, fit_blocks
 from .checkpoint import find_stages
+from .costs import measure_block_costs
 from .policies import BackRazor, Bitmap, Dense, Quantized
 from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
@@ -138,6 +141,9 @@ class MemoryPlan:
         held_bytes: memory held before training (measured) plus the optimizer's state (computed).
         calibration_batches: the two batch sizes each policy was measured at, by policy spec.
         memory_kind: ``"peak_rss"`` or ``"cuda_max_allocated"``.
+        blocks: with ``per_block=True``, the per-block plan fitted to the budget
+            (:class:`~edgetorch.activations.budget_blocks.BlockFit`: its table, batch, predicted and
+            measured peak), or None where none is predicted to fit; None without ``per_block``.
     """
 
     budget_bytes: int
@@ -147,12 +153,13 @@ class MemoryPlan:
     held_bytes: int
     calibration_batches: dict[str, tuple[int, int]]
     memory_kind: str
+    blocks: BlockFit | None = None
 
 
 def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 budget: str | int, *, policies: Sequence[str] = DEFAULT_POLICIES, optimizer: str = "sgd",
                 weight_decay: float = 0.0, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                margin: float = 0.05, min_batch: int = 8) -> MemoryPlan:
+                margin: float = 0.05, min_batch: int = 8, per_block: bool = False) -> MemoryPlan:
     """Measure one step per policy, predict the peak at every batch size, and choose.
 
     ``model`` must be set up as it will train: trainable parameters marked, batch norm frozen or
@@ -177,6 +184,11 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         min_batch: the smallest batch considered (capped at the requested one). Below about 8,
             batch-norm statistics and gradient noise put accuracy at more risk than a sparser
             Back Razor does, and the exact-first order would otherwise pick dense at batch 1.
+        per_block: also fit a plan of one form per block (:mod:`.budget_blocks`; costs measured
+            with :func:`~edgetorch.activations.costs.measure_block_costs`, solved exactly by
+            :func:`~edgetorch.activations.blockplan.plan_blocks`, run once to check), returned as
+            :attr:`MemoryPlan.blocks`; ``chosen`` is still the whole-model choice. Needs the dense
+            line: ``dense`` is added to the candidates if missing.
 
     Returns:
         A :class:`MemoryPlan`.
@@ -196,6 +208,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         parsed = [p for p in parsed if not p.checkpoint]
     if not parsed:
         raise ValueError("give at least one policy")
+    if per_block and not any(p.spec() == "dense" for p in parsed):
+        parsed.append(TrainingPolicy(Dense()))  # the per-block prediction starts from the dense line
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     x, y = example_batch if isinstance(example_batch, (tuple, list)) else (example_batch, None)
@@ -300,9 +314,17 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                 candidates = [dataclasses.replace(o, **dict(zip(("predicted_peak_bytes", "fits"),
                                                                 predict(slope, intercept, o.batch))))
                               if o.policy == c.policy and o.measured_peak_bytes is None else o for o in candidates]
+        fit = None
+        if per_block and find_blocks(model):
+            slope, intercept, _, saved, _, dense_batch = lines["dense"]
+            costs = measure_block_costs(model, sample(small), loss_fn=loss_fn)
+            fit = fit_blocks(costs, small, batches, budget_bytes, margin,
+                             lambda b: predict(slope, intercept, b)[0] - int(saved * b / dense_batch),
+                             lambda b, how: held + state_bytes + _measure(model, *sample(b), how, loss_fn, None, step)[0]
+                             + b * sample_bytes, VERIFY_ATTEMPTS)
         del step  # its state goes with it
     return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested, margin),
-                      held + state_bytes, {spec: line[4:] for spec, line in lines.items()}, peak_kind(device))
+                      held + state_bytes, {spec: line[4:] for spec, line in lines.items()}, peak_kind(device), fit)
 
 
 def _second_batch(first_batch: int, first_increase: int, wanted: int, room: float) -> int:
