@@ -11,8 +11,10 @@ import pytest
 import torch
 import torchvision
 
-from edgetorch import plan_memory
+from edgetorch import Bitmap, Dense, Quantized, plan_memory
 from edgetorch.activations.budget import parse_bytes
+from edgetorch.activations.budget_blocks import fit_blocks
+from edgetorch.activations.costs import BlockCosts, FormCost
 
 
 @pytest.mark.parametrize("text, value", [("600MiB", 600 * 2**20), ("1.5GiB", int(1.5 * 2**30)), ("800 MB", 800 * 10**6),
@@ -75,7 +77,9 @@ def test_checkpointed_candidates_are_measured_and_ranked_after_their_plain_polic
     plan = plan_memory(model, batch, "100GiB")  # the defaults include +checkpoint for a model with stages
     specs = [c.policy for c in plan.candidates if c.batch == 8]
     assert specs.index("dense") < specs.index("bitmap") < specs.index("dense+checkpoint") < specs.index(
-        "bitmap+checkpoint") < specs.index("backrazor:sparsity=0.8")
+        "bitmap+checkpoint") < specs.index("quantized") < specs.index("quantized:bits=4") < specs.index(
+        "backrazor:sparsity=0.8") < specs.index("backrazor:sparsity=0.9") < specs.index(
+        "backrazor:sparsity=0.9,exact=int8") < specs.index("backrazor:sparsity=0.95")
     by_spec = {c.policy: c for c in plan.candidates if c.batch == 8}
     assert by_spec["dense+checkpoint"].saved_bytes > 0
     mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -182,3 +186,38 @@ def test_a_batch_the_model_cannot_train_at_is_ruled_out_not_raised(small, monkey
     one = next(c for c in plan.candidates if c.batch == 1)
     assert one.untrainable and not one.fits and one.measured_peak_bytes is None
     assert plan.chosen is None and "nothing fits" in plan.reason and "at batch 1," not in plan.reason
+
+
+def test_a_per_block_plan_is_fitted_and_run_once(small):
+    model, batch = small
+    roomy = plan_memory(model, batch, "100GiB", policies=["bitmap"], per_block=True)
+    assert "dense" in {c.policy for c in roomy.candidates}  # its line is the per-block prediction's start
+    fit = roomy.blocks
+    assert fit.fits and fit.batch == 8 and fit.measured_peak_bytes * 1.05 <= roomy.budget_bytes
+    assert [r.block for r in fit.plan.rows] == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    assert fit.plan.fidelity == 0.0 and {r.form for r in fit.plan.rows} == {"dense"}  # room: exact, least machinery
+    assert plan_memory(model, batch, "1MiB", policies=["dense"], per_block=True).blocks is None
+    assert plan_memory(model, batch, "100GiB", policies=["dense"]).blocks is None  # only when asked
+
+
+def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter():
+    forms = (Dense(), Quantized(8))
+    costs = BlockCosts(("a", "b"), forms, (FormCost("a", forms[0], 100, 0, 0.0), FormCost("a", forms[1], 30, 0, 1.0),
+                                           FormCost("b", forms[0], 100, 0, 0.0), FormCost("b", forms[1], 30, 0, 2.0)),
+                       Bitmap(), 0, 0)
+    runs = []
+
+    def run(batch, how):  # each plan measures 50 bytes above its saved bytes at batch 2
+        saved = sum(costs.cost(b, f).stored_bytes for b, f in how.policy.blocks) * batch // 2
+        runs.append(saved)
+        return saved + 50
+
+    fit = fit_blocks(costs, 2, [2], 200, 0.0, lambda b: 0, run, attempts=3)
+    assert runs == [200, 130]  # dense everywhere was predicted to fit (200); measured 250, the next plan 180
+    assert fit.fits and fit.measured_peak_bytes == 180 and fit.plan.fidelity == 1.0
+    runs.clear()
+    fit = fit_blocks(costs, 2, [4, 2], 150, 0.0, lambda b: 0, run, attempts=5)
+    # batch 4: the smallest plan (120) measures 170, and solving again gives it again; batch 2: a
+    # at 8 bits (130, 180 measured), then both (60, 110 measured)
+    assert runs == [120, 130, 60] and fit.batch == 2 and fit.fits and fit.measured_peak_bytes == 110
+    assert not fit_blocks(costs, 2, [4], 150, 0.0, lambda b: 0, run, attempts=5).fits  # measured, did not fit

@@ -13,13 +13,14 @@ from torch import nn
 from edgetorch.activations.checkpoint import CheckpointedBlock, checkpoint_blocks
 
 
-@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("vgg11_bn", 8), ("mobilenet_v2", 19)])
+# vgg11_bn: its 8 convolutions in features, and the 3 Linear layers of its classifier (a stage of its own).
+@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("vgg11_bn", 11), ("mobilenet_v2", 19)])
 def test_every_block_is_checkpointed_and_gradients_equal_plain(name, blocks):
     torch.manual_seed(0)
     model = torchvision.models.get_model(name, weights=None, num_classes=10).eval()
     peer = checkpoint_blocks(copy.deepcopy(model))
     assert sum(isinstance(m, CheckpointedBlock) for m in peer.modules()) == blocks
-    assert not any(getattr(m, "inplace", False) for m in peer.modules() if isinstance(m, nn.ReLU))
+    assert not any(getattr(m, "inplace", False) for m in peer.modules())
     x = torch.randn(2, 3, 32, 32, requires_grad=True)
     grads = []
     for net in (model, peer):  # eval-mode batch norm: the recomputed forward is the same

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 import edgetorch as et
 from edgetorch.activations import GradientComparison, GradientFidelity, TrainingPolicy
+from edgetorch.activations.fidelity import gradient_fidelities
 from edgetorch.cli import app
 
 from test_backrazor import CNN_INPUT, SmallCNN
@@ -46,6 +47,15 @@ def test_exact_policies_give_cosine_one_and_error_zero(policy):
     assert_exact(fid)  # the dropout masks are the same in both steps, or this would fail
     assert fid.loss == fid.reference_loss
     assert [r.name for r in fid.parameters] == [n for n, _ in bn_dropout_cnn().named_parameters()]
+
+
+def test_several_policies_against_one_reference_step_equal_one_at_a_time():
+    specs = ["quantized:bits=4", "bitmap", "backrazor:sparsity=0.9"]
+    together = gradient_fidelities(bn_dropout_cnn(), BN_BATCH, specs)
+    assert [f.policy for f in together] == specs
+    for fid, spec in zip(together, specs):
+        assert fid == et.gradient_fidelity(bn_dropout_cnn(), BN_BATCH, spec)
+    assert together[0].worst_cosine < 1.0
 
 
 def test_checkpointed_specs_compare_with_plain_pytorch():

@@ -28,8 +28,10 @@ activations are zero, so a prediction is checked before it is trusted: the first
 fits is run once at its own batch, and chosen only if that step's measured peak fits too;
 otherwise the next one is tried (up to ``VERIFY_ATTEMPTS``).
 
-The choice follows the least accuracy risk: exact policies (dense, lossless bitmap) first,
-then the lowest Back Razor sparsity, then the largest batch; among equals, the least machinery
+The choice follows the least accuracy risk: exact policies (dense, lossless bitmap) first, then
+8-bit and 4-bit quantized storage (every value kept, rounded; a 4-bit block's gradient error was
+measured 10x below Back Razor@0.9's on resnet18: :mod:`.costs`), then the lowest Back Razor
+sparsity (``exact="int8"`` after its lossless twin), then the largest batch; among equals, the least machinery
 (no checkpointing before checkpointing, dense before an encoding policy), then the faster step.
 The step times come from the small calibration batches, which are too noisy to rank dense
 against the lossless bitmap on their own.
@@ -55,14 +57,18 @@ from torch.nn import functional as F
 from .._checks import check_positive_int
 from ..measure import SavedTensorLedger
 from ..measure.process import held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed, reset_peak
+from .blocks import find_blocks
+from .budget_blocks import BlockFit, fit_blocks
 from .checkpoint import find_stages
-from .policies import BackRazor, Bitmap, Dense
-from .step import TrainingPolicy, forward_backward, parse_training_policy
+from .costs import measure_block_costs
+from .policies import BackRazor, Bitmap, Dense, Quantized
+from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
 # Checkpointed candidates are dropped for a model with no stage to checkpoint.
 VERIFY_ATTEMPTS = 6  # candidates run at their own batch before giving up (each costs one step)
-DEFAULT_POLICIES = ("dense", "bitmap", "dense+checkpoint", "bitmap+checkpoint", "backrazor:sparsity=0.8",
-                    "backrazor:sparsity=0.9", "backrazor:sparsity=0.95", "backrazor:sparsity=0.97",
+DEFAULT_POLICIES = ("dense", "bitmap", "dense+checkpoint", "bitmap+checkpoint", "quantized:bits=8",
+                    "quantized:bits=4", "backrazor:sparsity=0.8", "backrazor:sparsity=0.9",
+                    "backrazor:sparsity=0.9,exact=int8", "backrazor:sparsity=0.95", "backrazor:sparsity=0.97",
                     "backrazor:sparsity=0.9+checkpoint", "backrazor:sparsity=0.97+checkpoint")
 OPTIMIZER_STATES = {"sgd": 1, "sgd-no-momentum": 0, "adam": 2, "adamw": 2}  # state tensors per parameter
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -135,6 +141,9 @@ class MemoryPlan:
         held_bytes: memory held before training (measured) plus the optimizer's state (computed).
         calibration_batches: the two batch sizes each policy was measured at, by policy spec.
         memory_kind: ``"peak_rss"`` or ``"cuda_max_allocated"``.
+        blocks: with ``per_block=True``, the per-block plan fitted to the budget
+            (:class:`~edgetorch.activations.budget_blocks.BlockFit`: its table, batch, predicted and
+            measured peak), or None where none is predicted to fit; None without ``per_block``.
     """
 
     budget_bytes: int
@@ -144,12 +153,13 @@ class MemoryPlan:
     held_bytes: int
     calibration_batches: dict[str, tuple[int, int]]
     memory_kind: str
+    blocks: BlockFit | None = None
 
 
 def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 budget: str | int, *, policies: Sequence[str] = DEFAULT_POLICIES, optimizer: str = "sgd",
                 weight_decay: float = 0.0, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                margin: float = 0.05, min_batch: int = 8) -> MemoryPlan:
+                margin: float = 0.05, min_batch: int = 8, per_block: bool = False) -> MemoryPlan:
     """Measure one step per policy, predict the peak at every batch size, and choose.
 
     ``model`` must be set up as it will train: trainable parameters marked, batch norm frozen or
@@ -174,6 +184,11 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         min_batch: the smallest batch considered (capped at the requested one). Below about 8,
             batch-norm statistics and gradient noise put accuracy at more risk than a sparser
             Back Razor does, and the exact-first order would otherwise pick dense at batch 1.
+        per_block: also fit a plan of one form per block (:mod:`.budget_blocks`; costs measured
+            with :func:`~edgetorch.activations.costs.measure_block_costs`, solved exactly by
+            :func:`~edgetorch.activations.blockplan.plan_blocks`, run once to check), returned as
+            :attr:`MemoryPlan.blocks`; ``chosen`` is still the whole-model choice. Needs the dense
+            line: ``dense`` is added to the candidates if missing.
 
     Returns:
         A :class:`MemoryPlan`.
@@ -193,6 +208,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         parsed = [p for p in parsed if not p.checkpoint]
     if not parsed:
         raise ValueError("give at least one policy")
+    if per_block and not any(p.spec() == "dense" for p in parsed):
+        parsed.append(TrainingPolicy(Dense()))  # the per-block prediction starts from the dense line
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     x, y = example_batch if isinstance(example_batch, (tuple, list)) else (example_batch, None)
@@ -222,7 +239,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     # spec -> (slope, intercept, seconds per sample, saved bytes at c2, c1, c2)
     lines: dict[str, tuple[float, float, float, int, int, int]] = {}
     firsts: dict[str, tuple[int, int]] = {}  # spec -> (first calibration batch, its measured increase)
-    with _restored(model):
+    with restored(model):
         step = _zero_lr_optimizer(optimizer, trainable, weight_decay)
         _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, None)  # warm-up: pools, first calls
         release_freed()
@@ -262,7 +279,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                                             _sparsity(policy), seconds / dense_seconds,
                                             int(saved * batch / second_batch)))
         how = {policy.spec(): policy for policy in parsed}
-        candidates.sort(key=lambda c: (not c.exact, c.sparsity, -c.batch, how[c.policy].checkpoint,
+        candidates.sort(key=lambda c: (not c.exact, _risk(how[c.policy]), -c.batch, how[c.policy].checkpoint,
                                        not isinstance(how[c.policy].policy, Dense), c.step_time_ratio))
         # The lines come from small batches, and what a bitmap saves depends on the data; so the
         # first candidate that fits is run once at its own batch before it is chosen (measured:
@@ -297,9 +314,17 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                 candidates = [dataclasses.replace(o, **dict(zip(("predicted_peak_bytes", "fits"),
                                                                 predict(slope, intercept, o.batch))))
                               if o.policy == c.policy and o.measured_peak_bytes is None else o for o in candidates]
+        fit = None
+        if per_block and find_blocks(model):
+            slope, intercept, _, saved, _, dense_batch = lines["dense"]
+            costs = measure_block_costs(model, sample(small), loss_fn=loss_fn)
+            fit = fit_blocks(costs, small, batches, budget_bytes, margin,
+                             lambda b: predict(slope, intercept, b)[0] - int(saved * b / dense_batch),
+                             lambda b, how: held + state_bytes + _measure(model, *sample(b), how, loss_fn, None, step)[0]
+                             + b * sample_bytes, VERIFY_ATTEMPTS)
         del step  # its state goes with it
     return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested, margin),
-                      held + state_bytes, {spec: line[4:] for spec, line in lines.items()}, peak_kind(device))
+                      held + state_bytes, {spec: line[4:] for spec, line in lines.items()}, peak_kind(device), fit)
 
 
 def _second_batch(first_batch: int, first_increase: int, wanted: int, room: float) -> int:
@@ -323,6 +348,17 @@ def _sparsity(how: TrainingPolicy) -> float:
     return float(how.policy.sparsity) if isinstance(how.policy, BackRazor) else 0.0
 
 
+def _risk(how: TrainingPolicy) -> tuple:
+    """The order of lossy policies (see the module docstring): quantized by bits, most first; a
+    lossy bitmap by threshold; Back Razor by sparsity, its lossless exact forms first."""
+    policy = how.policy
+    if isinstance(policy, Quantized):
+        return (0, -policy.bits, False)
+    if isinstance(policy, BackRazor):
+        return (2, policy.sparsity, policy.exact is not None)
+    return (1, getattr(policy, "threshold", 0.0), False)
+
+
 def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, requested: int, margin: float) -> str:
     mib = 2**20
     untried = [c for c in candidates if c.fits and c.measured_peak_bytes is None]
@@ -341,7 +377,8 @@ def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, 
                 f"{(least.measured_peak_bytes or least.predicted_peak_bytes) / mib:,.0f} MiB; raise "
                 "the budget, train fewer parameters, use a smaller input size, or allow smaller batches (min_batch)")
     why = "an exact policy" if chosen.exact else (
-        f"no exact policy fits at any batch, and {chosen.sparsity:g} is the lowest sparsity that does")
+        f"no exact policy fits at any batch, and {chosen.policy} is the least lossy that does (8-bit, then 4-bit "
+        "quantized, then Back Razor by sparsity)")
     batch = "the requested batch" if chosen.batch == requested else f"the largest batch that fits (requested {requested})"
     rejected = sum(c.measured_peak_bytes is not None and not c.fits for c in candidates)
     also = f" ({rejected} preferred candidate(s) predicted to fit did not when run)" if rejected else ""
@@ -378,27 +415,3 @@ def _measure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: TrainingPo
     for p in model.parameters():
         p.grad = None
     return peak - before, seconds
-
-
-class _restored:
-    """Leave the model as it was: buffers (batch-norm statistics), gradients, the RNG streams."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __enter__(self) -> None:
-        self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
-        self._grads = {p: p.grad for p in self.model.parameters()}
-        # The CUDA stream of the model's device too: dropout on a GPU draws from it.
-        devices = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
-        self._rng = torch.random.fork_rng(devices=sorted(devices, key=str))
-        self._rng.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._rng.__exit__(*exc)
-        with torch.no_grad():
-            for name, b in self.model.named_buffers():
-                b.copy_(self._buffers[name])
-        for p, grad in self._grads.items():
-            p.grad = grad
-

@@ -31,10 +31,6 @@ from ..measure.ledger import SavedTensorLedger
 from .engine import compress_activations
 from .policies import Bitmap, Policy
 
-# Activations whose ``inplace=True`` would modify a tensor a checkpointed block saved as its input.
-INPLACE_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.SiLU, nn.Hardswish, nn.LeakyReLU)
-
-
 class CheckpointEvery(nn.Module):
     """Run ``blocks`` in segments of ``every`` blocks, storing only segment inputs for backward.
 
@@ -181,18 +177,20 @@ class CheckpointedBlock(nn.Module):
 
 
 def checkpoint_blocks(model: nn.Module) -> nn.Module:
-    """``model`` (edited in place) with every block checkpointed and no in-place activation.
+    """``model`` (edited in place) with every block checkpointed and no in-place module.
 
-    Blocks: ResNet stages' blocks (``layer1..4``); the children of ``features`` that are blocks
-    themselves (MobileNet's inverted residuals); where ``features`` is a flat run of layers (VGG),
-    a convolution with the batch norm, activation and pooling after it (checkpointing a lone
-    activation or batch norm stores its input, which it saves anyway). In-place activations are
-    turned off (``inplace=False``) because torchvision's ``ReLU(inplace=True)`` modifies a tensor a
-    checkpointed block saved as its input ("one of the variables needed for gradient computation
-    has been modified by an inplace operation" on vgg11_bn with one checkpoint per layer).
+    Blocks are the children of each stage :func:`find_stages` finds (ResNet's ``layer1..4``,
+    MobileNet's ``features``) that are blocks themselves (a residual or inverted residual block);
+    where a stage is a flat run of layers (VGG's ``features`` and ``classifier``), each
+    convolution or Linear with the parameter-free layers and batch norm after it (checkpointing
+    a lone activation or batch norm stores its input, which it saves anyway). Every module with
+    ``inplace=True`` is set to ``inplace=False``, because torchvision's ``ReLU(inplace=True)``
+    modifies a tensor a checkpointed block saved as its input ("one of the variables needed for
+    gradient computation has been modified by an inplace operation" on vgg11_bn with one
+    checkpoint per layer).
 
     Args:
-        model: a torchvision ResNet, VGG or MobileNet-like model (other parts are left as they are).
+        model: the model (parts outside its stages are left as they are).
 
     Returns:
         ``model`` itself, its blocks wrapped in :class:`CheckpointedBlock`.
@@ -202,30 +200,28 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
         >>> peer(x).sum().backward()  # doctest: +SKIP
     """
     for m in model.modules():
-        if isinstance(m, INPLACE_ACTIVATIONS) and getattr(m, "inplace", False):
+        if getattr(m, "inplace", False) is True:
             m.inplace = False
-    for i in range(1, 5):
-        stage = getattr(model, f"layer{i}", None)
-        if stage is not None:
-            for j, block in enumerate(stage):
-                stage[j] = CheckpointedBlock(block)
-    features = getattr(model, "features", None)
-    if isinstance(features, nn.Sequential):
+    for parent, attr, stage in find_stages(model):
         blocks: list[nn.Module] = []
         run: list[nn.Module] = []
-        for child in features:
+        for child in stage:
             if any(True for _ in child.children()):  # a block of its own
                 blocks += [nn.Sequential(*run)] if run else []
                 blocks.append(child)
                 run = []
             else:
-                if isinstance(child, nn.Conv2d) and run:
+                if isinstance(child, _LAYERS) and run:
                     blocks.append(nn.Sequential(*run))
                     run = []
                 run.append(child)
         blocks += [nn.Sequential(*run)] if run else []
-        model.features = nn.Sequential(*(CheckpointedBlock(b) for b in blocks))
+        setattr(parent, attr, nn.Sequential(*(CheckpointedBlock(b) for b in blocks)))
     return model
+
+
+# Where a flat run of layers starts a new block in checkpoint_blocks.
+_LAYERS = (nn.modules.conv._ConvNd, nn.Linear)
 
 
 @contextlib.contextmanager

@@ -125,8 +125,9 @@ class compress_activations(contextlib.ContextDecorator):
         # Roles come from a tape recorded on an earlier step of this model (no dispatch mode, no
         # module hooks), else from watching this step, which records one (see .tape).
         self._roles = self.ledger is not None or self.policy.needs_roles
-        # Bitmaps on the GPU path: sized from an earlier step's counts, checked late (.capacity).
-        self._sized = self.policy.sized_by_count
+        # Each saved tensor's policy by the name of the module that saved it (a PerBlock plan
+        # names one per block); one dict lookup per tensor, the policy itself where none is named.
+        self._by_module, self._default = self.policy.by_module(self.model)
         self._checks: LateChecks | None = None
         self._uncompressed: dict[int, int] | None = None  # see _held_as_is
         self._index = 0  # the pack being stored: its position in the step
@@ -347,7 +348,8 @@ class compress_activations(contextlib.ContextDecorator):
             self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
             return Kept(d, t._version)
         nbytes = t.numel() * t.element_size()
-        narrowable = t.dtype in WIDE_INTS and self.policy.narrows_integers
+        policy = self._by_module.get(module[0], self._default)
+        narrowable = t.dtype in WIDE_INTS and policy.narrows_integers
         if (t.dtype not in _FLOATS and not narrowable) or nbytes < self.min_bytes:
             self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
             return Kept(d, t._version)
@@ -356,7 +358,7 @@ class compress_activations(contextlib.ContextDecorator):
             # Without roles every pack takes the one form, so no later pack of this storage
             # could want another form that the dense copy would have served; and no ledger.
             return Kept(d, t._version)
-        return self._save(t, d, need, module, ptr)
+        return self._save(t, d, need, module, ptr, policy)
 
     def _held_as_is(self) -> dict[int, int]:
         """Positions of this model, input signature and policy whose exact form did not compress."""
@@ -368,26 +370,27 @@ class compress_activations(contextlib.ContextDecorator):
         if self._watch is not None:
             self._watch.flush()
 
-    def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], ptr: int):
-        form = self.policy.form(need) if t.dtype in _FLOATS else EXACT_FORM  # integers: never pruned
+    def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], ptr: int, policy: Policy):
+        form = policy.form(need) if t.dtype in _FLOATS else EXACT_FORM  # integers: never pruned
         lo, hi = span(t)
         key = (ptr, t.dtype)
         for ref in self._table.get(key, ()):
             entry = ref()
             if entry is not None and entry.covers(t, lo, hi):
-                if entry.serves(form, self.policy.covers):
+                if entry.serves(form, policy.covers):
                     self._record(t, module, "shared", 0, 0, 0, need, form)
                 else:
-                    self._encode(entry, t, d, need, form, module, dense_bytes=0)
+                    self._encode(entry, t, d, need, form, module, 0, policy)
                 return entry.view_of(t, form)
         # Dense enough: store the storage region, so later views of it can share the entry;
         # a sparse view of a big storage (every third row, say) stores only its own elements.
         entry = Entry(t, lo, hi, gathered=hi - lo > 2 * t.numel())
-        self._encode(entry, t, d, need, form, module, dense_bytes=(hi - lo if entry.gathered is None else t.numel()) * t.element_size())
+        self._encode(entry, t, d, need, form, module, (hi - lo if entry.gathered is None else t.numel()) * t.element_size(),
+                     policy)
         self._table.setdefault(key, []).append(weakref.ref(entry))
         return entry.view_of(t, form)
 
-    def _encode(self, entry: Entry, t, d, need: Need, form: Form, module, dense_bytes: int) -> None:
+    def _encode(self, entry: Entry, t, d, need: Need, form: Form, module, dense_bytes: int, policy: Policy) -> None:
         """Add ``form`` to ``entry``; ``dense_bytes`` is what plain PyTorch holds (0 if shared)."""
         if entry.gathered is not None:
             region, rows = d.reshape(-1), (t.shape[0] if t.dim() else 1)
@@ -401,21 +404,21 @@ class compress_activations(contextlib.ContextDecorator):
             rep = SHAPE
         else:
             floating = region.dtype in _FLOATS
-            split = self.policy.per_sample(form) and sample_split(t, entry, self._batch, module[1] == "MultiheadAttention")
+            split = policy.per_sample(form) and sample_split(t, entry, self._batch, module[1] == "MultiheadAttention")
             if not floating:
                 rep = pack_narrow(region, need.bound)
             elif split:
-                rep = encode_per_sample(self.policy, region, *split, need)
-            elif self._sized and _cuda.gpu_path(region):
-                rep = self._encode_sized(region.view(rows, -1), need, entry, form)
+                rep = encode_per_sample(policy, region, *split, need, form)
+            elif policy.sized_by_count and _cuda.gpu_path(region):  # sized from an earlier step (.capacity)
+                rep = self._encode_sized(region.view(rows, -1), need, entry, form, policy)
             else:
-                rep = self._encode_exact_once(region, rows, need, form, dense_bytes)
+                rep = self._encode_exact_once(region, rows, need, form, dense_bytes, policy)
             region_bytes = region.numel() * region.element_size()
             if rep is None or rep.nbytes >= region_bytes:
                 # Never worse than plain PyTorch: what does not compress is held as it is (a
                 # gathered view as itself, so that backward sees its own strides).
                 form, rep = EXACT_FORM, Region(d if entry.gathered is not None else region, d)
-        superseded = entry.add(form, rep, self.policy.covers)
+        superseded = entry.add(form, rep, policy.covers)
         storage = "dense" if isinstance(rep, Region) else "stored"
         # A form added to an entry already counted adds bytes, not elements.
         if self.ledger is None:  # only a ledger reads the kept counts
@@ -428,18 +431,19 @@ class compress_activations(contextlib.ContextDecorator):
             self.ledger.hold(rep.nbytes)
             weakref.finalize(rep, self.ledger.release, rep.nbytes)
 
-    def _encode_exact_once(self, region: torch.Tensor, rows: int, need: Need, form: Form, dense_bytes: int):
+    def _encode_exact_once(self, region: torch.Tensor, rows: int, need: Need, form: Form, dense_bytes: int,
+                           policy: Policy):
         """``policy.encode`` of ``region``, except where its exact form did not compress at this
         position before: None then, without looking (.capacity); a new such position is noted."""
         as_is = self._held_as_is() if form is EXACT_FORM and dense_bytes else None
         if as_is is not None and as_is.get(self._index) == region.numel():
             return None
-        rep = self.policy.encode(region.view(rows, -1), need)
+        rep = policy.encode_as(region.view(rows, -1), need, form)
         if as_is is not None and (rep is None or rep.nbytes >= region.numel() * region.element_size()):
             as_is[self._index] = region.numel()
         return rep
 
-    def _encode_sized(self, x: torch.Tensor, need: Need, entry: Entry, form: Form):
+    def _encode_sized(self, x: torch.Tensor, need: Need, entry: Entry, form: Form, policy: Policy):
         """Encode ``x`` into value slots sized from the count kept at this position of an earlier
         step, with no host sync; its count is checked later (see .capacity). Where none was seen,
         exactly, reading its count (one sync), which sizes the next step's."""
@@ -448,13 +452,13 @@ class compress_activations(contextlib.ContextDecorator):
         counts = self._checks.counts
         slots = capacity(counts, self._index, x.numel())
         if slots is None:
-            rep = self.policy.encode(x, need)
+            rep = policy.encode(x, need)
             counts[self._index] = (x.numel(), x.numel() if rep is None else rep.nnz)
             return rep
-        rep = self.policy.encode(x, need, capacity=slots)
+        rep = policy.encode(x, need, capacity=slots)
         if not isinstance(rep, CappedBitmapTensor):
             return rep
-        repack = Repack(self.policy, need, self.ledger, entry, form)
+        repack = Repack(policy, need, self.ledger, entry, form)
         return self._checks.track(rep, x, self._index, repack)
 
     def _supersede(self, entry: Entry, forms: list[str], nnz: int) -> None:

@@ -16,16 +16,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .budget import _restored
 from .policies import Dense, Policy
-from .step import TrainingPolicy, forward_backward, parse_training_policy
+from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
 # A reference parameter gradient whose norm is at most this fraction of the largest one is
 # rounding noise around a gradient that is zero in exact arithmetic (a convolution's bias before
@@ -173,9 +172,31 @@ def gradient_fidelity(
         >>> fid.input.cosine, fid.worst_cosine, fid.worst_parameter  # doctest: +SKIP
         (1.0, 0.93, 'layer4.1.conv2.weight')
     """
+    return gradient_fidelities(model, batch, [policy], loss_fn=loss_fn)[0]
+
+
+def gradient_fidelities(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    policies: Sequence[Policy | TrainingPolicy | str],
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> list[GradientFidelity]:
+    """:func:`gradient_fidelity` of each of ``policies``, against one plain PyTorch step.
+
+    The reference step runs once for all of them (a per-block cost table compares dozens of
+    plans with the same reference). Arguments, state handling and errors as
+    :func:`gradient_fidelity`'s.
+
+    Returns:
+        One :class:`GradientFidelity` per policy, in order.
+
+    Example:
+        >>> rows = gradient_fidelities(model.train(), (x, y), ["quantized:bits=8", "quantized:bits=4"])  # doctest: +SKIP
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    how = _training_policy(policy)
+    hows = [_training_policy(policy) for policy in policies]
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         got = f"{len(batch)} items" if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}"
         raise ValueError(f"batch must be a pair (inputs, targets), got {got}")
@@ -187,21 +208,26 @@ def gradient_fidelity(
     cuda = sorted({t.device.index for t in tensors if t.is_cuda})
 
     reference = _step(model, x, y, TrainingPolicy(Dense()), loss_fn, cuda)
-    under = _step(model, x, y, how, loss_fn, cuda)
+    scale = max((torch.linalg.vector_norm(g.double()).item() for g in reference[1].values()), default=0.0)
+    quiet = sum(torch.linalg.vector_norm(g.double()).item() <= NEGLIGIBLE * scale for g in reference[1].values())
+    if 2 * quiet > len(reference[1]):
+        warnings.warn(f"{quiet} of {len(reference[1])} parameter gradients are zero or negligible in plain PyTorch on "
+                      "this batch, so the comparison says little about the model: a zero-initialised layer "
+                      "(torchvision's ViT head, at random init) blocks every gradient behind it. Compare on a trained "
+                      "model, or draw such a layer at random first", stacklevel=3)
+    return [_against(reference, _step(model, x, y, how, loss_fn, cuda), how, x) for how in hows]
+
+
+def _against(reference: tuple, under: tuple, how: TrainingPolicy, x: torch.Tensor) -> GradientFidelity:
+    """One policy's step (``under``) compared with the reference step, as :func:`_step` returns both."""
     if under[0] != reference[0] and not (math.isnan(under[0]) and math.isnan(reference[0])):
         warnings.warn(f"the forward under {how.spec()} gave loss {under[0]!r}, plain PyTorch {reference[0]!r}: "
                       "random ops saw different numbers (a policy that draws random numbers itself, such as "
                       "quantized:stochastic=true, moves dropout's stream), and the gradients compared include "
-                      "that difference", stacklevel=2)
-
+                      "that difference", stacklevel=4)
     rows = [_compare(name, under[1][name], g) for name, g in reference[1].items()]
     scale = max((r.reference_norm for r in rows), default=0.0)
     rows = [dataclasses.replace(r, negligible=r.reference_norm <= NEGLIGIBLE * scale) for r in rows]
-    if 2 * (quiet := sum(r.negligible for r in rows)) > len(rows):
-        warnings.warn(f"{quiet} of {len(rows)} parameter gradients are zero or negligible in plain PyTorch on this "
-                      "batch, so the comparison says little about the model: a zero-initialised layer (torchvision's "
-                      "ViT head, at random init) blocks every gradient behind it. Compare on a trained model, or "
-                      "draw such a layer at random first", stacklevel=2)
     floating = x.is_floating_point()
     return GradientFidelity(
         policy=how.spec(),
@@ -229,9 +255,9 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: TrainingPolic
           cuda: list[int]) -> tuple[float, dict[str, torch.Tensor], torch.Tensor | None]:
     """One forward and backward from the model's current state: (loss, parameter gradients by
     name, input gradient). Buffers, gradients and RNG streams are put back afterwards."""
-    with torch.random.fork_rng(devices=cuda), _restored(model):
+    with torch.random.fork_rng(devices=cuda), restored(model):
         for p in model.parameters():
-            p.grad = None  # the caller's gradients are put back by _restored, never added to
+            p.grad = None  # the caller's gradients are put back by restored, never added to
         x = x.detach().requires_grad_() if x.is_floating_point() else x
         loss = forward_backward(model, x, y, how, loss_fn)
         grads = {name: _dense_grad(p) for name, p in model.named_parameters() if p.requires_grad}

@@ -280,13 +280,13 @@ def sample_split(t: torch.Tensor, entry: Entry, batch: int | None,
     return None
 
 
-def encode_per_sample(policy, region: torch.Tensor, shape: tuple[int, ...], position: int, need: Need):
-    """Encode ``region`` (in memory order, ``shape``) one row per sample, the samples at
-    ``position``: in place when they are outermost, else from a copy that gathers them."""
+def encode_per_sample(policy, region: torch.Tensor, shape: tuple[int, ...], position: int, need: Need, form: Form):
+    """Encode ``region`` (in memory order, ``shape``) in ``form`` one row per sample, the samples
+    at ``position``: in place when they are outermost, else from a copy that gathers them."""
     if position == 0:
-        return policy.encode(region.view(shape[0], -1), need)
+        return policy.encode_as(region.view(shape[0], -1), need, form)
     moved = region.view(shape).movedim(position, 0)
-    rep = policy.encode(moved.reshape(shape[position], -1), need)
+    rep = policy.encode_as(moved.reshape(shape[position], -1), need, form)
     return None if rep is None else SampleMajor(rep, tuple(moved.shape), position)
 
 

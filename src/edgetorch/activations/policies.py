@@ -65,9 +65,23 @@ class Policy:
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
 
+    def encode_as(self, t: torch.Tensor, need: Need, form: Form):
+        """``encode(t, need)`` when the caller already has ``form = self.form(need)``: the engine
+        computes each saved tensor's form once, to deduplicate, and passes it here rather than
+        have the policy work it out again (issue 23: Python per saved tensor is the step's cost).
+        A policy whose ``encode`` reads the form overrides this; others need not."""
+        return self.encode(t, need)
+
     def form(self, need: Need) -> Form:
         """The stored form for ``need``; the default stores every tensor one (exact) way."""
         return EXACT_FORM
+
+    def by_module(self, model: torch.nn.Module) -> tuple[dict[str, Policy], Policy]:
+        """The policy of each tensor by the qualified name of the module that saved it, and the
+        policy of the tensors saved by modules not named there. Every tensor takes this policy; a
+        plan with a policy per block (:class:`edgetorch.activations.blocks.PerBlock`) names the
+        modules of each block."""
+        return {}, self
 
     def per_sample(self, form: Form) -> bool:
         """Whether ``encode`` should see form ``form`` of a tensor as one row per sample even
@@ -240,7 +254,10 @@ class Quantized(Policy):
         return quantized_form(self.bits, need.kinks)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
-        kind = self.form(need).kind
+        return self.encode_as(t, need, self.form(need))
+
+    def encode_as(self, t: torch.Tensor, need: Need, form: Form):
+        kind = form.kind
         if kind is FormKind.MASK:
             return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
         if kind is FormKind.EXACT:
@@ -362,7 +379,9 @@ class BackRazor(Policy):
             wanted is PRUNE_FORM and held.kind is FormKind.QUANTIZED and held.interval is None)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
-        form = self.form(need)
+        return self.encode_as(t, need, self.form(need))
+
+    def encode_as(self, t: torch.Tensor, need: Need, form: Form):
         if form is PRUNE_FORM:
             kept = pack_topk(t, self.sparsity, value_dtype=self.value_dtype)
             return kept if self.values is None else quantize_values(kept, _QUANTIZED[self.values])

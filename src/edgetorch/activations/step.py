@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..measure import SavedTensorLedger
+from .blocks import PerBlock, recomputing
 from .checkpoint import checkpoint_stages
 from .engine import compress_activations
 from .policies import Dense, Policy, parse_policy
@@ -85,13 +86,15 @@ def storing(model: nn.Module, how: TrainingPolicy, ledger: SavedTensorLedger | N
         ...     loss = F.cross_entropy(model(x), y)
         >>> loss.backward()  # doctest: +SKIP
     """
-    # Stages are swapped in before the engine starts, so it sees (and names) the wrappers.
+    # Stages and recomputed blocks are swapped in before the engine starts, so it sees (and names)
+    # the wrappers.
     stages = checkpoint_stages(model, how.policy, ledger) if how.checkpoint else contextlib.nullcontext()
+    blocks = recomputing(model, how.policy, ledger) if isinstance(how.policy, PerBlock) else contextlib.nullcontext()
     # Dense with nothing to record stores every tensor as PyTorch does: run plain PyTorch, not
     # the engine's hooks, on every step of a dense run.
     plain = isinstance(how.policy, Dense) and ledger is None
     engine = contextlib.nullcontext() if plain else compress_activations(model, how.policy, ledger=ledger)
-    with stages, engine:
+    with stages, blocks, engine:
         yield
 
 
@@ -108,3 +111,33 @@ def step_ledger(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: Trainin
     ledger = SavedTensorLedger()
     forward_backward(copy.deepcopy(model), x, y, how, loss_fn, ledger)
     return ledger
+
+
+class restored:
+    """Leave the model as it was after the block: buffers (batch-norm statistics), gradients, the
+    RNG streams (what the planner and the fidelity and cost measurements run steps inside).
+
+    Example:
+        >>> with restored(model):  # doctest: +SKIP
+        ...     forward_backward(model, x, y, TrainingPolicy(Bitmap()), F.cross_entropy)
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __enter__(self) -> None:
+        self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        self._grads = {p: p.grad for p in self.model.parameters()}
+        # The CUDA stream of the model's device too: dropout on a GPU draws from it.
+        devices = {p.device for p in self.model.parameters() if p.device.type == "cuda"}
+        self._rng = torch.random.fork_rng(devices=sorted(devices, key=str))
+        self._rng.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._rng.__exit__(*exc)
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                b.copy_(self._buffers[name])
+        for p, grad in self._grads.items():
+            p.grad = grad
+

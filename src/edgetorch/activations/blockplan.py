@@ -1,0 +1,210 @@
+"""Choose one storage form per block: the least fidelity cost whose predicted peak fits a budget.
+
+The peak model, from one step's ledger (:mod:`.costs`): the saved bytes at the end of the forward
+are the blocks' stored bytes plus what lies outside the blocks, and backward frees them as it
+goes; a recomputed block's rerun stores its own tensors again, at most one block at a time. So
+
+    predicted = base + outside + sum over blocks of stored(block, form) + max over recomputed blocks of rerun
+
+where ``base`` is everything else the caller counts (held memory, gradients, optimizer state; 0
+predicts the ledger's saved bytes alone). Choosing a form per block to minimise the summed
+fidelity cost under that bound (among equals, the least machinery: :func:`penalty`) is a
+multiple-choice knapsack. It is solved exactly by dynamic
+programming over bytes rounded up to a stated granularity (so a plan it accepts fits in exact
+bytes too; it can miss a plan that fits only within the rounding, at most one granule per block),
+once per cap on the rerun term (each distinct rerun size, and none), keeping the best.
+
+Example:
+    >>> plan = plan_blocks(measure_block_costs(model.train(), (x, y)), 200 * 2**20)  # doctest: +SKIP
+    >>> for row in plan.rows: print(row.block, row.form, row.stored_bytes, row.why)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .blocks import PerBlock, Recompute
+from .costs import BlockCosts, FormCost
+from .policies import Dense
+
+#: Bytes are rounded to 1/STEPS of the room the blocks have, unless a granularity is given:
+#: fine enough that rounding moves the plan by under 0.1% of the budget for 8-20 blocks.
+STEPS = 16384
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    """One row of a plan's table.
+
+    Attributes:
+        block: the block.
+        form: the chosen form's spec.
+        stored_bytes: what it stores in that form (a recomputed block: its input).
+        rerun_bytes: what a recomputed block's rerun stores in backward (0 otherwise).
+        fidelity: its fidelity cost (:class:`~edgetorch.activations.costs.FormCost`).
+        why: why this form, in words.
+    """
+
+    block: str
+    form: str
+    stored_bytes: int
+    rerun_bytes: int
+    fidelity: float
+    why: str
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What :func:`plan_blocks` chose.
+
+    Attributes:
+        policy: the plan as a policy: train under it with ``TrainingPolicy(plan.policy)``.
+        rows: one :class:`BlockChoice` per block, in module order.
+        fits: whether the predicted peak fits the budget; if not, ``policy`` is the plan of
+            least predicted peak.
+        predicted_bytes: the predicted peak (see the module docstring).
+        budget_bytes: the budget.
+        fidelity: the plan's summed fidelity cost.
+        granularity: bytes were rounded up to multiples of this.
+        reason: one sentence on the choice.
+    """
+
+    policy: PerBlock
+    rows: tuple[BlockChoice, ...]
+    fits: bool
+    predicted_bytes: int
+    budget_bytes: int
+    fidelity: float
+    granularity: int
+    reason: str
+
+
+def choose(options: Sequence[Sequence[tuple[int, float, int]]], capacity: int) -> list[int] | None:
+    """The exact multiple-choice knapsack: one option per group, total weight <= ``capacity``,
+    least total cost; among those the least total penalty, then the lightest, then the earlier options.
+
+    Args:
+        options: per group, its options as ``(weight, cost, penalty)``: non-negative integer
+            weights and penalties (a plan's penalty: the forms' extra machinery, see :func:`penalty`).
+        capacity: the most total weight.
+
+    Returns:
+        The chosen option's index per group, or None if no choice fits.
+
+    Example:
+        >>> choose([[(3, 0.0, 0), (1, 1.0, 0)], [(2, 0.0, 1), (1, 0.0, 0)]], 3)
+        [1, 1]
+    """
+    if capacity < 0:
+        return None
+    # cost[w], extra[w]: the least (cost, penalty) at total weight exactly w, compared in that order
+    cost, extra = np.full(capacity + 1, np.inf), np.zeros(capacity + 1, dtype=np.int64)
+    cost[0] = 0.0
+    picks = []
+    for group in options:
+        new_cost, new_extra = np.full(capacity + 1, np.inf), np.zeros(capacity + 1, dtype=np.int64)
+        pick = np.full(capacity + 1, -1, dtype=np.int64)
+        for j, (weight, value, pen) in enumerate(group):
+            if weight > capacity:
+                continue
+            c, e = cost[: capacity + 1 - weight] + value, extra[: capacity + 1 - weight] + pen
+            window_cost, window_extra = new_cost[weight:], new_extra[weight:]
+            better = (c < window_cost) | ((c == window_cost) & (e < window_extra) & np.isfinite(c))
+            window_cost[better], window_extra[better] = c[better], e[better]
+            pick[weight:][better] = j
+        cost, extra = new_cost, new_extra
+        picks.append(pick)
+    if not np.isfinite(cost).any():
+        return None
+    w = int(np.lexsort((np.arange(capacity + 1), extra, cost))[0])  # least cost, penalty, weight
+    chosen = []
+    for group, pick in zip(reversed(options), reversed(picks)):
+        j = int(pick[w])
+        chosen.append(j)
+        w -= group[j][0]
+    return chosen[::-1]
+
+
+def penalty(form: object) -> int:
+    """The extra machinery of a form, the tie-break between forms of equal fidelity cost until step
+    times are measured per form: 0 for ``Dense()`` (plain PyTorch), 1 for a form that encodes,
+    2 for recomputation (a second forward of the block)."""
+    if isinstance(form, Recompute):
+        return 2
+    return 0 if isinstance(form, Dense) else 1
+
+
+def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
+                granularity: int | None = None) -> BlockPlan:
+    """One form per block: the least summed fidelity cost whose predicted peak fits ``budget_bytes``.
+
+    Args:
+        costs: what :func:`~edgetorch.activations.costs.measure_block_costs` measured.
+        budget_bytes: the budget for the predicted peak.
+        base_bytes: what the prediction adds to the saved bytes (held memory, parameters'
+            gradients, optimizer state), as the caller measured or computed it.
+        granularity: bytes per DP step (each block's bytes are rounded up to a multiple); default
+            the room the blocks have / ``STEPS``. 1 is exact in bytes (and slow for large budgets).
+
+    Returns:
+        A :class:`BlockPlan`; ``fits`` is False where no plan fits (then it holds the plan of
+        least predicted peak).
+
+    Raises:
+        ValueError: a budget, base or granularity that is not a positive (non-negative) int.
+    """
+    for name, value, least in (("budget_bytes", budget_bytes, 1), ("base_bytes", base_bytes, 0),
+                               ("granularity", 1 if granularity is None else granularity, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    fixed = base_bytes + costs.outside_bytes
+    room = budget_bytes - fixed
+    step = granularity or max(1, math.ceil(room / STEPS))
+    groups = [costs.options(block) for block in costs.blocks]
+    found = None
+    for cap in sorted({0, *(c.rerun_bytes for g in groups for c in g)}):
+        capacity = (room - cap) // step
+        allowed = [[(math.ceil(c.stored_bytes / step), c.fidelity, penalty(c.form)) if c.rerun_bytes <= cap
+                     else (capacity + 1, 0.0, 0) for c in g] for g in groups]
+        picked = choose(allowed, capacity)
+        if picked is not None:
+            chosen = [g[j] for g, j in zip(groups, picked)]
+            key = (sum(c.fidelity for c in chosen), sum(penalty(c.form) for c in chosen), _predicted(chosen, fixed))
+            if found is None or key < found[0]:
+                found = (key, chosen)
+    fits = found is not None
+    chosen = found[1] if fits else [min(g, key=lambda c: (c.stored_bytes + c.rerun_bytes, c.fidelity)) for g in groups]
+    predicted = _predicted(chosen, fixed)
+    rows = tuple(BlockChoice(c.block, c.form.spec(), c.stored_bytes, c.rerun_bytes, c.fidelity, _why(c, g, fits))
+                 for c, g in zip(chosen, groups))
+    fidelity = sum(c.fidelity for c in chosen)
+    mib = 2**20
+    if fits:
+        reason = (f"least summed fidelity cost ({fidelity:.3g}) of the plans predicted to fit {budget_bytes / mib:,.1f} "
+                  f"MiB: predicted {predicted / mib:,.1f} MiB ({fixed / mib:,.1f} outside the blocks)")
+    else:
+        reason = (f"no plan fits {budget_bytes / mib:,.1f} MiB: the least predicted peak is {predicted / mib:,.1f} MiB "
+                  f"({fixed / mib:,.1f} outside the blocks); raise the budget, offer smaller forms or a smaller batch")
+    return BlockPlan(PerBlock(tuple((c.block, c.form) for c in chosen), costs.default), rows, fits, predicted,
+                     budget_bytes, fidelity, step, reason)
+
+
+def _predicted(chosen: Sequence[FormCost], fixed: int) -> int:
+    return fixed + sum(c.stored_bytes for c in chosen) + max((c.rerun_bytes for c in chosen), default=0)
+
+
+def _why(chosen: FormCost, options: Sequence[FormCost], fits: bool) -> str:
+    if not fits:
+        return "its smallest form (nothing fits)"
+    best = min(options, key=lambda c: (c.fidelity, penalty(c.form), c.stored_bytes))
+    if chosen is best:
+        return "least fidelity cost of its forms, with the least machinery"
+    saved = (best.stored_bytes - chosen.stored_bytes) / 1024
+    if chosen.fidelity == best.fidelity:
+        return f"as exact as {best.form.spec()}, and stores {saved:,.0f} KiB less: the budget needs the bytes"
+    return (f"stores {saved:,.0f} KiB less than {best.form.spec()} for {chosen.fidelity - best.fidelity:.3g} more "
+            "fidelity cost: the budget needs the bytes")

@@ -1,0 +1,89 @@
+"""The per-block plan inside :func:`~edgetorch.activations.budget.plan_memory`: one form per block, fitted to
+the process budget and checked by running it once.
+
+The costs (:mod:`.costs`) are measured once at a calibration batch; stored bytes are per sample,
+so they are scaled to each batch. The rest of the step is taken from the dense line the planner
+measured: at a batch ``b``
+
+    predicted = dense's predicted peak(b) - dense's saved bytes(b) + the plan's saved bytes(b)
+
+(the plan's saved bytes as :mod:`.blockplan` predicts them). From the requested batch down, the
+first batch where a plan is predicted to fit is run once; if its measured peak does not fit, the
+plan is solved again with the overshoot taken off the budget, and where that gives the same plan,
+the next batch is tried (up to ``VERIFY_ATTEMPTS`` runs in all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .blockplan import BlockPlan, plan_blocks
+from .costs import BlockCosts
+from .step import TrainingPolicy
+
+
+@dataclass(frozen=True)
+class BlockFit:
+    """The per-block plan :func:`~edgetorch.activations.budget.plan_memory` found (``per_block=True``).
+
+    Attributes:
+        plan: the plan (its table, its policy, its prediction of the saved bytes alone).
+        batch: the batch it was fitted at.
+        predicted_peak_bytes: the run's predicted peak at that batch.
+        measured_peak_bytes: the peak one step under the plan reached at that batch; None if the
+            plan was not run (nothing was predicted to fit).
+        fits: the measured peak, with the margin, is within the budget.
+    """
+
+    plan: BlockPlan
+    batch: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int | None
+    fits: bool
+
+
+def scaled(costs: BlockCosts, factor: float) -> BlockCosts:
+    """``costs`` with every byte count times ``factor`` (another batch size: bytes are per sample)."""
+    return dataclasses.replace(
+        costs, outside_bytes=round(costs.outside_bytes * factor), peak_live_bytes=round(costs.peak_live_bytes * factor),
+        costs=tuple(dataclasses.replace(c, stored_bytes=round(c.stored_bytes * factor),
+                                        rerun_bytes=round(c.rerun_bytes * factor)) for c in costs.costs))
+
+
+def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int], budget_bytes: int, margin: float,
+               rest: Callable[[int], int], run: Callable[[int, TrainingPolicy], int],
+               attempts: int) -> BlockFit | None:
+    """The per-block plan of least fidelity cost at the largest batch where one fits (see the module docstring).
+
+    Args:
+        costs: measured at ``calibration_batch``.
+        calibration_batch: the batch ``costs`` were measured at.
+        batches: the batches to try, largest first.
+        budget_bytes: the budget; with ``margin``, what a measured peak must fit.
+        margin: the headroom, as in :func:`~edgetorch.activations.budget.plan_memory`.
+        rest: the predicted peak at a batch, less dense's saved bytes there.
+        run: one step at a batch under a training policy: its measured peak.
+        attempts: the most plans run.
+
+    Returns:
+        A :class:`BlockFit` (``fits`` False if the last plan run did not fit), or None where no
+        plan is predicted to fit at any batch.
+    """
+    last = None
+    for batch in batches:
+        at = scaled(costs, batch / calibration_batch)
+        base, limit = rest(batch), int(budget_bytes / (1 + margin))
+        while attempts > 0:
+            plan = plan_blocks(at, limit, base_bytes=max(0, base))
+            if not plan.fits or (last is not None and last.batch == batch and last.plan.policy == plan.policy):
+                break  # nothing smaller at this batch: the next batch
+            attempts -= 1
+            measured = run(batch, TrainingPolicy(plan.policy))
+            fits = measured * (1 + margin) <= budget_bytes
+            last = BlockFit(plan, batch, plan.predicted_bytes, measured, fits)
+            if fits:
+                return last
+            limit -= int(measured * (1 + margin)) - budget_bytes + 1  # take the overshoot off and solve again
+    return last
