@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..codecs import FLOAT_DTYPES, _cpu_kernels, _cuda, pack_bitmap
+from ..codecs import FLOAT_DTYPES, _backend, _cuda, pack_bitmap
 from ..codecs.bitmap import (BitmapTensor, CappedBitmapTensor, pack_bitmap_capped, pack_bitmap_if_smaller,
                              zero_limit_bits)
 from ..codecs.mask import pack_mask
@@ -161,7 +161,7 @@ class Bitmap(Policy):
             if (t.numel() + 7) // 8 + capacity * value_bytes >= limit:
                 return None
             return pack_bitmap_capped(t, capacity, self.threshold, self.value_dtype)
-        if _cuda.gpu_path(t) or (t.numel() <= _COUNT_FIRST and t.is_cpu and _cpu_kernels.NATIVE):
+        if _cuda.gpu_path(t) or (t.numel() <= _COUNT_FIRST and t.is_cpu and _backend.CPU.pack_bitmap is not None):
             # On a GPU packing reads the kept count back once anyway (to size the values); the
             # decision uses that exact count instead of a sample, which would be a second sync.
             # On a CPU, up to _COUNT_FIRST elements, packing's counting pass costs less than

@@ -84,18 +84,17 @@ def torch_ops() -> Iterator[None]:
     """Within the block the CPU codecs run on torch ops, as they do without the extension.
 
     The references of the tests and the fallback rows of the benchmarks use it. It points the
-    backend table's CPU entry at torch ops and clears ``NATIVE`` (which the policies read), for
-    the whole process: not thread-safe.
+    backend table's CPU entry (the codecs' and the policies' only question) at torch ops, for the
+    whole process: not thread-safe.
     """
     from . import _backend
 
-    global NATIVE
-    saved, cpu = NATIVE, _backend.CPU
-    NATIVE, _backend.CPU = False, _backend.TORCH
+    cpu = _backend.CPU
+    _backend.CPU = _backend.TORCH
     try:
         yield
     finally:
-        NATIVE, _backend.CPU = saved, cpu
+        _backend.CPU = cpu
 
 
 def build_description() -> str:

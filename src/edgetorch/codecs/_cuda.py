@@ -75,8 +75,8 @@ def emulate_gpu_path() -> Iterator[None]:
     """
     from . import _backend
 
-    # The table is the codecs' only question; ``_cpu_kernels.NATIVE`` stays as it is, since the
-    # policies ask it only off the GPU path (after ``gpu_path``).
+    # The table is the codecs' and the policies' only question (the policies ask its CPU entry
+    # only off the GPU path, after ``gpu_path``).
     global _emulated
     cpu, _emulated = _backend.CPU, True
     _backend.CPU = _backend.triton()  # CPU tensors to the Triton column
