@@ -16,21 +16,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-import torchvision
 
 from edgetorch.measure import machine_description
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 MIB = 2.0**20
-
-
-def machine() -> dict:
-    """The library's machine record plus what else changes timings: torchvision, torch threads."""
-    return {
-        **machine_description(),
-        "torchvision": torchvision.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
 
 
 def source_state() -> dict:
@@ -61,7 +51,7 @@ def commit_text(source: dict) -> str:
 
 
 def machine_line(info: dict) -> str:
-    """One human-readable line describing ``info`` (a :func:`machine` record)."""
+    """One human-readable line describing ``info`` (an ``edgetorch.measure.machine_description()`` record)."""
     gib = info["memory_bytes"] / 2**30
     gpu = f"GPU {info['cuda_device']}; " if info.get("cuda_device") else ""
     return (
@@ -84,10 +74,6 @@ def mib(nbytes: float) -> str:
 def pct(fraction: float) -> str:
     """A fraction as a percentage with one decimal."""
     return f"{100 * fraction:.1f}%"
-
-
-def median(values: Iterable[float]) -> float:
-    return statistics.median(list(values))
 
 
 def against_clone(times: dict[str, list[float]]) -> dict:
@@ -118,7 +104,7 @@ def write_results(name: str, title: str, body: str, data: dict, script: str | No
     Returns:
         The JSON and markdown paths.
     """
-    info = machine()
+    info = machine_description()
     date = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path, md_path = RESULTS_DIR / f"{name}.json", RESULTS_DIR / f"{name}.md"

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import RESULTS_DIR, commit_text, machine, mib, source_state, table, write_results
+from _common import RESULTS_DIR, commit_text, mib, source_state, table, write_results
 from torch import nn
 from torch.utils.data import TensorDataset
 from torchvision.models import VisionTransformer
@@ -52,7 +52,7 @@ from edgetorch.codecs.topk import pack_topk
 from edgetorch.data import cache_dir, load_dataset
 from edgetorch.finetune import FinetuneConfig, replace_classifier, prepare as finetune_prepare
 from edgetorch.activations.step import TrainingPolicy, storing
-from edgetorch.measure import run_fresh
+from edgetorch.measure import machine_description, run_fresh
 from edgetorch.measure.plots import new_figure, save_figure
 from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
 from edgetorch.training.cache import cached_model
@@ -423,7 +423,7 @@ def measured_section(arch: str, runs: list[dict], source: dict, scale: Scale, se
     if arch == "cnn":
         checks.append(target_check(rows, arch, "FT-Full (BN frozen)"))  # same BN treatment as Back Razor
     mine = [r for r in runs if r["arch"] == arch]
-    info = machine()
+    info = machine_description()
     return {
         "provenance": {"date": info["date_utc"], "source": source_state(), "machine": info, "seeds": seeds,
                        "carried_over": False},

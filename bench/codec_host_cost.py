@@ -36,8 +36,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
-from _common import median, table, timed_step, write_results
+from _common import table, timed_step, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUNDS, CALLS = 7, 500

@@ -21,10 +21,11 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from statistics import median
 
 import torch
 import torchvision
-from _common import median, table, timed_step, write_results
+from _common import table, timed_step, write_results
 from torch import nn
 
 import edgetorch

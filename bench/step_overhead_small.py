@@ -32,10 +32,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from statistics import median
 
 import torch
 import torchvision
-from _common import median, source_state, table, timed_step, write_results
+from _common import source_state, table, timed_step, write_results
 from torch import nn
 
 import edgetorch
