@@ -8,7 +8,7 @@ live in the library (``edgetorch.zoo.minilm``, ``edgetorch.data``).
 
 from __future__ import annotations
 
-import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from torch import nn
 import edgetorch
 from edgetorch.activations.step import forward_backward, parse_training_policy
 from edgetorch.measure import Totals
+from edgetorch.measure.timing import interleave, wall_time
 from edgetorch.zoo.minilm import MiniLMClassifier, minilm_path
 
 README_PARAGRAPHS = 8
@@ -94,14 +95,12 @@ def ledger_totals(
 def step_times(model: nn.Module, x: torch.Tensor, y: torch.Tensor, specs: list[str], rounds: int) -> dict[str, float]:
     """Fastest of ``rounds`` forward+backward steps per spec, interleaved (order rotated each round)
     so load on a shared machine hits every configuration alike."""
-    times: dict[str, list[float]] = {s: [] for s in specs}
+    def step(spec: str) -> float:
+        model.zero_grad(set_to_none=True)  # outside the timed span
+        return wall_time(lambda: forward_backward(model, x, y, parse_training_policy(spec), F.cross_entropy))
+
     forward_backward(model, x, y, parse_training_policy(specs[0]), F.cross_entropy)  # warm-up
-    for r in range(rounds):
-        for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            forward_backward(model, x, y, parse_training_policy(spec), F.cross_entropy)
-            times[spec].append(time.perf_counter() - start)
+    times = interleave({s: partial(step, s) for s in specs}, rounds, rotate=True, measure=lambda fn: fn())
     model.zero_grad(set_to_none=True)
     return {s: min(t) for s, t in times.items()}
 
