@@ -28,8 +28,8 @@ Each configuration is measured in isolation from failure: an error is recorded i
 
 Requires a CUDA device; writes ``docs/results/activations_cuda.{json,md}``. ``--smoke`` runs resnet18
 at batch 2, 32 px for one step of each configuration the device has (no captured or compiled rows
-without CUDA), checks the per-block checkpoint peer of every model against plain gradients, and
-writes nothing.
+without CUDA) and writes nothing. That the per-block checkpoint peer of every model gives plain
+PyTorch's gradients is checked by ``tests/test_checkpoint_blocks.py``.
 
 Run: ``python bench/activations_cuda.py`` on a machine with a GPU (about 3-4 minutes on an H200,
 ``--budget-s`` bounds it; SIGTERM writes what was measured so far).
@@ -57,7 +57,7 @@ from torch.nn import functional as F
 
 import edgetorch
 from edgetorch.activations import capacity
-from edgetorch.activations.checkpoint import CheckpointedBlock, checkpoint_blocks
+from edgetorch.activations.checkpoint import checkpoint_blocks
 from edgetorch.measure.counters import allocator_peak, count_host_syncs, host_profile, kernel_profile
 from edgetorch.measure.timing import per_call, synchronize, wall_time
 
@@ -540,32 +540,6 @@ waiting for them).
 """
 
 
-def check_peers(device: torch.device) -> list[str]:
-    """The checkpoint peer of every model runs forward and backward and gives plain's gradients
-    (smoke: batch 2, 32 px, eval-mode batch norm so that the recomputed forward is the same)."""
-    out = []
-    for name in MODELS:
-        torch.manual_seed(0)
-        model = torchvision.models.get_model(name, weights=None, num_classes=10).to(device).eval()
-        peer = checkpoint_blocks(copy.deepcopy(model))
-        x = torch.randn(2, 3, 32, 32, device=device, requires_grad=True)
-        grads = []
-        for net in (model, peer):
-            x.grad = None
-            net.zero_grad()
-            net(x).square().sum().backward()
-            grads.append([x.grad.clone()] + [p.grad.clone() for p in net.parameters()])
-        close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*grads))
-        peer.train()(x).sum().backward()  # and in train mode, where the in-place ReLU crashed vgg11_bn's
-        blocks = sum(isinstance(m, CheckpointedBlock) for m in peer.modules())
-        out.append(f"{name}: {blocks} checkpointed blocks, gradients {'equal plain' if close else 'DIFFER'} "
-                   "(eval mode), a train-mode step runs")
-        print(out[-1], flush=True)
-        if not close:
-            raise SystemExit(f"per-block checkpoint peer of {name} gives different gradients")
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny run on any device; writes nothing")
@@ -585,7 +559,6 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stop)
     if args.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        check_peers(device)
         rows = run_model("resnet18", device, batch=2, size=32, warmup=1, steps=1)
         for row in rows:
             print(row, flush=True)
