@@ -85,10 +85,6 @@ class Config:
     def baseline(self) -> str:
         return "bf16 plain" if self.bf16 else "plain"
 
-    @property
-    def family(self) -> str | None:
-        return None if self.policy is None else self.policy.name
-
 
 def configurations(cuda: bool) -> list[Config]:
     """Every configuration; the captured ones only where there is CUDA."""
