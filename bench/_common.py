@@ -19,7 +19,8 @@ import torch
 
 from edgetorch.measure import machine_description
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "docs" / "results"
 MIB = 2.0**20
 
 
@@ -27,8 +28,7 @@ def source_state() -> dict:
     """The commit measured, and library files that differed from it (the tree is shared and edited)."""
 
     def git(*args: str) -> str:
-        root = Path(__file__).resolve().parent.parent
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
 
     # A copy of the tree sent to a lent GPU machine carries a stale .git (the session's first
@@ -40,6 +40,14 @@ def source_state() -> dict:
         "commit": git("rev-parse", "HEAD") or None,
         "uncommitted_library_files": git("status", "--porcelain", "--", "src").splitlines(),
     }
+
+
+def revision_src(revision: str, into: str | Path) -> Path:
+    """The library (``src``) of git ``revision``, extracted under ``into``: an older library to measure
+    beside this one, in a process whose ``PYTHONPATH`` is the path returned."""
+    archive = subprocess.run(["git", "archive", revision, "src"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return Path(into) / "src"
 
 
 def commit_text(source: dict) -> str:
@@ -84,9 +92,10 @@ def against_clone(times: dict[str, list[float]]) -> dict:
             "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"}}
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """A GitHub markdown table; cells are rendered with ``str``."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]], right: Sequence[int] = ()) -> str:
+    """A GitHub markdown table; cells are rendered with ``str``, the columns numbered in ``right`` right-aligned."""
+    rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(headers)))
+    lines = ["| " + " | ".join(headers) + " |", rule]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
