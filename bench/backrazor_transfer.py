@@ -430,7 +430,7 @@ def measured_section(arch: str, runs: list[dict], source: dict, scale: Scale, se
 
 def carried_section(arch: str, scale: Scale, path: Path) -> dict:
     """``arch``'s part of the results file ``path``, unchanged, with the commit, date and machine
-    that measured it (a file from before sections were recorded: its top-level ones)."""
+    that measured it."""
     if not path.exists():
         raise SystemExit(f"--arch measures one model and carries the other's results over from {path}, "
                          "which does not exist: run without --arch")
@@ -440,8 +440,7 @@ def carried_section(arch: str, scale: Scale, path: Path) -> dict:
                          "would mix them; run without --arch, or with the --train-limit/--epochs it used")
     if arch not in old["summaries"]:
         raise SystemExit(f"{path} has no {arch} section to carry over: run without --arch")
-    provenance = old.get("sections", {}).get(arch) or {
-        "date": old["date"], "source": old["source"], "machine": old["machine"], "seeds": old["seeds"]}
+    provenance = old["sections"][arch]  # every file this script writes records its sections
     mine = [r for r in old["runs"] if r["arch"] == arch]
     return {
         "provenance": {**provenance, "carried_over": True},
