@@ -16,29 +16,19 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-import torchvision
 
 from edgetorch.measure import machine_description
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "docs" / "results"
 MIB = 2.0**20
-
-
-def machine() -> dict:
-    """The library's machine record plus what else changes timings: torchvision, torch threads."""
-    return {
-        **machine_description(),
-        "torchvision": torchvision.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
 
 
 def source_state() -> dict:
     """The commit measured, and library files that differed from it (the tree is shared and edited)."""
 
     def git(*args: str) -> str:
-        root = Path(__file__).resolve().parent.parent
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
 
     # A copy of the tree sent to a lent GPU machine carries a stale .git (the session's first
@@ -52,6 +42,14 @@ def source_state() -> dict:
     }
 
 
+def revision_src(revision: str, into: str | Path) -> Path:
+    """The library (``src``) of git ``revision``, extracted under ``into``: an older library to measure
+    beside this one, in a process whose ``PYTHONPATH`` is the path returned."""
+    archive = subprocess.run(["git", "archive", revision, "src"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return Path(into) / "src"
+
+
 def commit_text(source: dict) -> str:
     """A :func:`source_state` record for a results page: the short commit and whether the tree differed."""
     changes = source.get("uncommitted_library_files")
@@ -61,7 +59,7 @@ def commit_text(source: dict) -> str:
 
 
 def machine_line(info: dict) -> str:
-    """One human-readable line describing ``info`` (a :func:`machine` record)."""
+    """One human-readable line describing ``info`` (an ``edgetorch.measure.machine_description()`` record)."""
     gib = info["memory_bytes"] / 2**30
     gpu = f"GPU {info['cuda_device']}; " if info.get("cuda_device") else ""
     return (
@@ -86,10 +84,6 @@ def pct(fraction: float) -> str:
     return f"{100 * fraction:.1f}%"
 
 
-def median(values: Iterable[float]) -> float:
-    return statistics.median(list(values))
-
-
 def against_clone(times: dict[str, list[float]]) -> dict:
     """Interleaved timings of a codec bench as its JSON cell: median and minimum seconds of every
     variant, and clone's median over each other variant's (above 1: faster than copying the tensor)."""
@@ -98,9 +92,10 @@ def against_clone(times: dict[str, list[float]]) -> dict:
             "ratio_to_clone": {k: median["clone"] / s for k, s in median.items() if k != "clone"}}
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """A GitHub markdown table; cells are rendered with ``str``."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]], right: Sequence[int] = ()) -> str:
+    """A GitHub markdown table; cells are rendered with ``str``, the columns numbered in ``right`` right-aligned."""
+    rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(headers)))
+    lines = ["| " + " | ".join(headers) + " |", rule]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -118,7 +113,7 @@ def write_results(name: str, title: str, body: str, data: dict, script: str | No
     Returns:
         The JSON and markdown paths.
     """
-    info = machine()
+    info = machine_description()
     date = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path, md_path = RESULTS_DIR / f"{name}.json", RESULTS_DIR / f"{name}.md"

@@ -1,5 +1,6 @@
 """Inputs and measurements several benches share: real photographs, real text for MiniLM-L6, the
-saved-bytes sweep of a few steps, interleaved step timing. Only helpers; running it does nothing.
+saved-bytes sweep of a few steps, interleaved step timing, a model stepped under every configuration
+of a step-time bench. Only helpers; running it does nothing.
 
 These are benchmark workloads (this repository's README as text, scikit-learn's two sample
 photographs), not something a user of the library needs; the models and data a user would use
@@ -8,17 +9,23 @@ live in the library (``edgetorch.zoo.minilm``, ``edgetorch.data``).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torchvision
+from _common import timed_step
 from torch import nn
 
 import edgetorch
 from edgetorch.activations.step import forward_backward, parse_training_policy
 from edgetorch.measure import Totals
+from edgetorch.measure.timing import interleave, wall_time
 from edgetorch.zoo.minilm import MiniLMClassifier, minilm_path
 
 README_PARAGRAPHS = 8
@@ -94,14 +101,12 @@ def ledger_totals(
 def step_times(model: nn.Module, x: torch.Tensor, y: torch.Tensor, specs: list[str], rounds: int) -> dict[str, float]:
     """Fastest of ``rounds`` forward+backward steps per spec, interleaved (order rotated each round)
     so load on a shared machine hits every configuration alike."""
-    times: dict[str, list[float]] = {s: [] for s in specs}
+    def step(spec: str) -> float:
+        model.zero_grad(set_to_none=True)  # outside the timed span
+        return wall_time(lambda: forward_backward(model, x, y, parse_training_policy(spec), F.cross_entropy))
+
     forward_backward(model, x, y, parse_training_policy(specs[0]), F.cross_entropy)  # warm-up
-    for r in range(rounds):
-        for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            forward_backward(model, x, y, parse_training_policy(spec), F.cross_entropy)
-            times[spec].append(time.perf_counter() - start)
+    times = interleave({s: partial(step, s) for s in specs}, rounds, rotate=True, measure=lambda fn: fn())
     model.zero_grad(set_to_none=True)
     return {s: min(t) for s, t in times.items()}
 
@@ -110,3 +115,40 @@ def random_model(spec: str, num_classes: int = 10) -> nn.Module:
     """``spec`` at random init in train mode, with zero-initialised heads drawn at random (a
     zero head blocks every gradient a fidelity comparison reads)."""
     return edgetorch.zoo.redraw_zero_weights(edgetorch.build_model(spec, num_classes=num_classes).train())
+
+
+class StepBench:
+    """One torchvision model (random init, train mode), its SGD-with-momentum optimizer and a pool of
+    random batches, shared by every configuration of a step-time bench: each configuration steps a
+    model that has been stepped many times before (what per-model caching in the library relies on)."""
+
+    def __init__(self, arch: str, resolution: int, batch: int, classes: int, pool: int = 1, seed: int = 0):
+        torch.manual_seed(seed)
+        self.model: nn.Module = torchvision.models.get_model(arch, weights=None, num_classes=classes).train()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.batches = [(torch.randn(batch, 3, resolution, resolution), torch.randint(0, classes, (batch,)))
+                        for _ in range(pool)]  # fmt: skip
+        self.steps = 0
+        self.scope: contextlib.AbstractContextManager | None = None
+
+    def step(self, policy: edgetorch.Policy | Callable[[], contextlib.AbstractContextManager] | None,
+             ledger: edgetorch.SavedTensorLedger | None = None) -> float:
+        """One forward on the next batch of the pool, then backward and SGD step; its seconds (``timed_step``).
+
+        ``policy``: an edgetorch policy (the forward inside ``compress_activations``, with ``ledger``),
+        a factory of another context (e.g. bare ``saved_tensors_hooks``), or None: plain PyTorch. The
+        context is kept as ``self.scope`` (``compress_activations``' ``saved_count``).
+        """
+        x, y = self.batches[self.steps % len(self.batches)]
+        self.steps += 1
+        self.scope = (edgetorch.compress_activations(self.model, policy, ledger=ledger)
+                      if isinstance(policy, edgetorch.Policy) else contextlib.nullcontext() if policy is None
+                      else policy())  # fmt: skip
+        return timed_step(self.model, self.scope, x, y, self.optimizer)
+
+    def block(self, policy, steps: int) -> float:
+        """Seconds per step over ``steps`` consecutive :meth:`step` calls, timed as one block."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.step(policy)
+        return (time.perf_counter() - start) / steps

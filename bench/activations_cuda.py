@@ -26,10 +26,10 @@ kernels' durations, the kernels it ran and the launch calls the host made; and t
 step makes (``torch.cuda.set_sync_debug_mode("warn")`` warns once per sync; they are counted).
 Each configuration is measured in isolation from failure: an error is recorded in its row.
 
-Requires a CUDA device; writes ``docs/results/activations_cuda.{json,md}``. ``--smoke`` runs resnet18
-at batch 2, 32 px for one step of each configuration the device has (no captured or compiled rows
-without CUDA), checks the per-block checkpoint peer of every model against plain gradients, and
-writes nothing.
+Requires a CUDA device; writes ``docs/results/activations_cuda.{json,md}``. ``--smoke`` is the same
+run on resnet18 at batch 2, 32 px, one step of each configuration the device has (no captured rows
+without CUDA, and torch.compile through aot_eager), printed and not written. That the per-block checkpoint peer of every model gives plain
+PyTorch's gradients is checked by ``tests/test_checkpoint_blocks.py``.
 
 Run: ``python bench/activations_cuda.py`` on a machine with a GPU (about 3-4 minutes on an H200,
 ``--budget-s`` bounds it; SIGTERM writes what was measured so far).
@@ -57,7 +57,7 @@ from torch.nn import functional as F
 
 import edgetorch
 from edgetorch.activations import capacity
-from edgetorch.activations.checkpoint import CheckpointedBlock, checkpoint_blocks
+from edgetorch.activations.checkpoint import checkpoint_blocks
 from edgetorch.measure.counters import allocator_peak, count_host_syncs, host_profile, kernel_profile
 from edgetorch.measure.timing import per_call, synchronize, wall_time
 
@@ -84,10 +84,6 @@ class Config:
     @property
     def baseline(self) -> str:
         return "bf16 plain" if self.bf16 else "plain"
-
-    @property
-    def family(self) -> str | None:
-        return None if self.policy is None else self.policy.name
 
 
 def configurations(cuda: bool) -> list[Config]:
@@ -540,32 +536,6 @@ waiting for them).
 """
 
 
-def check_peers(device: torch.device) -> list[str]:
-    """The checkpoint peer of every model runs forward and backward and gives plain's gradients
-    (smoke: batch 2, 32 px, eval-mode batch norm so that the recomputed forward is the same)."""
-    out = []
-    for name in MODELS:
-        torch.manual_seed(0)
-        model = torchvision.models.get_model(name, weights=None, num_classes=10).to(device).eval()
-        peer = checkpoint_blocks(copy.deepcopy(model))
-        x = torch.randn(2, 3, 32, 32, device=device, requires_grad=True)
-        grads = []
-        for net in (model, peer):
-            x.grad = None
-            net.zero_grad()
-            net(x).square().sum().backward()
-            grads.append([x.grad.clone()] + [p.grad.clone() for p in net.parameters()])
-        close = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(*grads))
-        peer.train()(x).sum().backward()  # and in train mode, where the in-place ReLU crashed vgg11_bn's
-        blocks = sum(isinstance(m, CheckpointedBlock) for m in peer.modules())
-        out.append(f"{name}: {blocks} checkpointed blocks, gradients {'equal plain' if close else 'DIFFER'} "
-                   "(eval mode), a train-mode step runs")
-        print(out[-1], flush=True)
-        if not close:
-            raise SystemExit(f"per-block checkpoint peer of {name} gives different gradients")
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny run on any device; writes nothing")
@@ -583,33 +553,17 @@ def main() -> None:
         raise Stop
 
     signal.signal(signal.SIGTERM, stop)
-    if args.smoke:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        check_peers(device)
-        rows = run_model("resnet18", device, batch=2, size=32, warmup=1, steps=1)
-        for row in rows:
-            print(row, flush=True)
-        failed = [r for r in rows if r["error"]]
-        compiled = []
-        if not args.no_compile:  # on a CPU through aot_eager: the code path, not inductor's compile
-            compiled = run_compiled(COMPILE_MODEL, device, batch=2, size=32, warmup=1, steps=1,
-                                    backend="inductor" if device.type == "cuda" else "aot_eager")
-            for c in compiled:
-                print(c, flush=True)
-            failed += [c for c in compiled if c["error"]]
-        print(report(rows, compiled, {"batch": 2, "size": 32, "warmup": 1, "steps": 1}, ["smoke run"]))
-        if failed:
-            raise SystemExit(f"{len(failed)} configurations failed: " + "; ".join(r["config"] for r in failed))
-        return
-    if not torch.cuda.is_available():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
         raise SystemExit("activations_cuda needs a CUDA device (use --smoke to check the script elsewhere)")
-    torch.backends.cudnn.benchmark = True
-    device = torch.device("cuda")
+    # --smoke off CUDA compiles through aot_eager: the code path, not inductor's compile
+    batch, size, warmup, steps = (2, 32, 1, 1) if args.smoke else (BATCH, SIZE, args.warmup, args.steps)
+    models = ["resnet18"] if args.smoke else [m for m in args.models.split(",") if m]
+    torch.backends.cudnn.benchmark = not args.smoke
     rows: list[dict] = []
     compiled: list[dict] = []
-    notes: list[str] = []
-    models = [m for m in args.models.split(",") if m]
-    launches = launch_costs(device)
+    notes: list[str] = ["smoke run"] if args.smoke else []
+    launches = launch_costs(device) if device.type == "cuda" else []
     for row in launches:
         print(row, flush=True)
     try:
@@ -619,7 +573,7 @@ def main() -> None:
                 notes.append(f"{name} skipped: {spent:.0f} s spent of the {args.budget_s:.0f} s budget")
                 print(notes[-1], flush=True)
                 continue
-            model_rows = run_model(name, device, BATCH, SIZE, args.warmup, args.steps)
+            model_rows = run_model(name, device, batch, size, warmup, steps)
             rows += model_rows
             for r in model_rows:
                 print(r, flush=True)
@@ -633,7 +587,8 @@ def main() -> None:
             notes.append(f"torch.compile peer skipped: {spent:.0f} s spent, it needs about {COMPILE_S} s "
                          f"of the {args.budget_s:.0f} s budget")
         else:
-            compiled = run_compiled(COMPILE_MODEL, device, BATCH, SIZE, args.warmup, args.steps)
+            compiled = run_compiled(COMPILE_MODEL, device, batch, size, warmup, steps,
+                                    backend="inductor" if device.type == "cuda" else "aot_eager")
             for c in compiled:
                 print(c, flush=True)
     except Stop:
@@ -642,7 +597,13 @@ def main() -> None:
     except KeyboardInterrupt:
         notes.append("run interrupted: rows after the last complete model are missing")
     notes.append(f"whole run: {time.perf_counter() - started:.0f} s")
-    settings = {"batch": BATCH, "size": SIZE, "warmup": args.warmup, "steps": args.steps}
+    settings = {"batch": batch, "size": size, "warmup": warmup, "steps": steps}
+    if args.smoke:
+        print(report(rows, compiled, settings, notes))
+        failed = [r for r in rows + compiled if r["error"]]
+        if failed:
+            raise SystemExit(f"{len(failed)} configurations failed: " + "; ".join(r["config"] for r in failed))
+        return
     try:
         body = report(rows, compiled, settings, notes, launches)
     except Exception as e:  # the measurements must reach the JSON even if the markdown cannot be made

@@ -18,11 +18,12 @@ import time
 import torch
 import torch.nn.functional as F
 import torchvision
-from _common import machine, machine_line, mib, source_state, table, write_results
+from _common import log, machine_line, mib, table, write_results
 from _workloads import ledger_totals, minilm_inputs
 from torch import nn
 
 import edgetorch
+from edgetorch.measure import machine_description
 from edgetorch.activations.profile import profile_policies
 from edgetorch.zoo.minilm import minilm_path
 
@@ -138,12 +139,7 @@ def minilm_table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    info = machine()
-
-    def log(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-    log(machine_line(info))
+    log(machine_line(machine_description()))
     vision_rows = vision(log)
     minilm_rows = minilm(log)
     cnn = next(r for r in vision_rows if r["model"] == "vgg11 (no BN)")
@@ -178,10 +174,10 @@ def main() -> None:
         "",
         minilm_table(minilm_rows),
     ])
-    data = {"machine": info, "source": source_state(), "batch": BATCH, "resolution": RESOLUTION,
-            "vision": vision_rows, "minilm": minilm_rows, "ratios": ratio, "targets": TARGETS}
-    write_results("backrazor_memory", "Back Razor: saved-activation memory (ledger) and measured peaks", body, data)
-    print(body)
+    # write_results adds the machine and the commit, and prints the page
+    write_results("backrazor_memory", "Back Razor: saved-activation memory (ledger) and measured peaks", body,
+                  {"batch": BATCH, "resolution": RESOLUTION, "vision": vision_rows, "minilm": minilm_rows,
+                   "ratios": ratio, "targets": TARGETS})
 
 
 if __name__ == "__main__":

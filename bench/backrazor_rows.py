@@ -17,10 +17,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from _common import log, machine, machine_line, table, write_results
+from _common import log, machine_line, table, write_results
 from _workloads import minilm_batch, photo_batch, random_model, step_times
 
 import edgetorch
+from edgetorch.measure import machine_description
 from edgetorch.measure.timing import interleave
 
 MODELS = {"vit_b_16": "torchvision:vit_b_16", "deit_tiny": "timm.models:deit_tiny_patch16_224",
@@ -77,9 +78,7 @@ def codec_times(shape: tuple[int, int, int], repeats: int = 15) -> dict:
 
 
 def main() -> None:
-    info = machine()
-
-    log(machine_line(info))
+    log(machine_line(machine_description()))
     results = {}
     x, y = photo_batch(BATCH, RESOLUTION), torch.arange(BATCH) % 10
     for name, model_spec in MODELS.items():

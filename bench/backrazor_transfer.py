@@ -31,7 +31,6 @@ cores); the other model's section is carried over unchanged from the existing
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import statistics
@@ -42,7 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import RESULTS_DIR, commit_text, machine, mib, source_state, table, write_results
+from _common import RESULTS_DIR, commit_text, mib, source_state, table, write_results
 from torch import nn
 from torch.utils.data import TensorDataset
 from torchvision.models import VisionTransformer
@@ -51,8 +50,8 @@ import edgetorch as et
 from edgetorch.codecs.topk import pack_topk
 from edgetorch.data import cache_dir, load_dataset
 from edgetorch.finetune import FinetuneConfig, replace_classifier, prepare as finetune_prepare
-from edgetorch.activations.step import TrainingPolicy, storing
-from edgetorch.measure import run_fresh
+from edgetorch.activations.step import TrainingPolicy, forward_backward
+from edgetorch.measure import machine_description, run_fresh
 from edgetorch.measure.plots import new_figure, save_figure
 from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
 from edgetorch.training.cache import cached_model
@@ -62,6 +61,7 @@ from edgetorch.zoo import SmallResNet, evaluate_accuracy
 SOURCE_CLASSES = (0, 1, 2, 3, 4)
 TARGET_CLASSES = (5, 6, 7, 8, 9)
 ARCHS = ("cnn", "vit")
+DENSE = TrainingPolicy(et.Dense())  # plain PyTorch (no ledger: no engine at all)
 CACHE = cache_dir() / "backrazor_transfer"
 
 
@@ -112,10 +112,11 @@ class Method:
     def dense(self) -> bool:
         return isinstance(self.storage(), et.Dense)
 
-    def step_scope(self, model: nn.Module, ledger: et.SavedTensorLedger | None = None):
-        """The context one step's forward runs in (:func:`edgetorch.activations.step.storing`): plain
-        PyTorch for a dense method without a ledger, otherwise the engine under this method's policy."""
-        return storing(model, TrainingPolicy(self.storage()), ledger)
+    @property
+    def how(self) -> TrainingPolicy:
+        """How a step stores what backward needs (:func:`edgetorch.activations.step.forward_backward`:
+        plain PyTorch for a dense method without a ledger, otherwise the engine under this policy)."""
+        return TrainingPolicy(self.storage())
 
 
 def table_methods(arch: str) -> list[Method]:
@@ -173,17 +174,16 @@ def class_subset(split: str, classes: tuple[int, ...], limit: int | None = None)
 
 
 def train_loop(model, params, data: TensorDataset, epochs: int, batch: int, lr: float, seed: int,
-               scope_for_step) -> list[float]:
-    """Adam + cosine schedule over full batches (the library's loop); returns the loss of every step."""
+               how: TrainingPolicy = DENSE, ledger: et.SavedTensorLedger | None = None) -> list[float]:
+    """Adam + cosine schedule over full batches (the library's loop), each step stored as ``how`` says
+    (the first into ``ledger``); returns the loss of every step."""
     loop = et.training.Loop(epochs, batch, seed)
     optimizer = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * loop.steps_per_epoch(len(data)))
     losses: list[float] = []
 
     def step(images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        with scope_for_step(len(losses)):
-            loss = F.cross_entropy(model(images), labels)
-        loss.backward()
+        loss = forward_backward(model, images, labels, how, F.cross_entropy, None if losses else ledger)
         losses.append(loss.item())
         return loss
 
@@ -204,7 +204,7 @@ def source_model(arch: str, scale: Scale) -> tuple[nn.Module, dict]:
         return model, record
     start = time.perf_counter()
     train_loop(model, model.parameters(), class_subset("train", SOURCE_CLASSES, scale.source_limit),
-               scale.source_epochs, 128, scale.source_lr, 0, lambda step: contextlib.nullcontext())
+               scale.source_epochs, 128, scale.source_lr, 0)
     seconds = time.perf_counter() - start
     return model, entry.write(model, {"recipe": recipe, "train_seconds": seconds, "source_test_accuracy":
                                       evaluate_accuracy(model, class_subset("test", SOURCE_CLASSES))})
@@ -240,15 +240,10 @@ def fine_tune(arch: str, method: Method, seed: int, scale: Scale, train: TensorD
               test: TensorDataset) -> dict:
     """Fine-tune one method with one seed; ledger of the first step; accuracy on ``test``."""
     model, params = prepare(arch, method, seed, scale)
-    ledger = et.SavedTensorLedger()
-
-    def scope_for_step(step: int):
-        # plain methods go through the engine once, with Dense, for the ledger only
-        return method.step_scope(model, ledger if step == 0 else None)
-
+    ledger = et.SavedTensorLedger()  # of the first step (a plain method's too: the engine with Dense)
     lr = scale.lr_full if method.trains == "full" else scale.lr_head
     start = time.perf_counter()
-    losses = train_loop(model, params, train, scale.epochs, scale.batch, lr, seed, scope_for_step)
+    losses = train_loop(model, params, train, scale.epochs, scale.batch, lr, seed, method.how, ledger)
     seconds = time.perf_counter() - start
     total = ledger.total()
     return {
@@ -268,9 +263,7 @@ def measure_step(request: dict) -> dict:
     optimizer = torch.optim.Adam(params, lr=scale.lr_full)
 
     def step() -> None:
-        with method.step_scope(model):
-            loss = F.cross_entropy(model(images), labels)
-        loss.backward()
+        forward_backward(model, images, labels, method.how, F.cross_entropy)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -301,8 +294,7 @@ def gradient_fidelity(arch: str, method: Method, scale: Scale) -> dict:
     for variant in (replace(method, policy="dense"), method):
         model, params = prepare(arch, variant, 0, scale)
         model.train()
-        with et.compress_activations(model, variant.storage()):
-            F.cross_entropy(model(images), labels).backward()
+        forward_backward(model, images, labels, variant.how, F.cross_entropy)
         grads.append(torch.cat([p.grad.flatten() for p in params]))
     plain, pruned = grads
     return {"arch": arch, "method": method.name,
@@ -423,7 +415,7 @@ def measured_section(arch: str, runs: list[dict], source: dict, scale: Scale, se
     if arch == "cnn":
         checks.append(target_check(rows, arch, "FT-Full (BN frozen)"))  # same BN treatment as Back Razor
     mine = [r for r in runs if r["arch"] == arch]
-    info = machine()
+    info = machine_description()
     return {
         "provenance": {"date": info["date_utc"], "source": source_state(), "machine": info, "seeds": seeds,
                        "carried_over": False},
@@ -438,7 +430,7 @@ def measured_section(arch: str, runs: list[dict], source: dict, scale: Scale, se
 
 def carried_section(arch: str, scale: Scale, path: Path) -> dict:
     """``arch``'s part of the results file ``path``, unchanged, with the commit, date and machine
-    that measured it (a file from before sections were recorded: its top-level ones)."""
+    that measured it."""
     if not path.exists():
         raise SystemExit(f"--arch measures one model and carries the other's results over from {path}, "
                          "which does not exist: run without --arch")
@@ -448,8 +440,7 @@ def carried_section(arch: str, scale: Scale, path: Path) -> dict:
                          "would mix them; run without --arch, or with the --train-limit/--epochs it used")
     if arch not in old["summaries"]:
         raise SystemExit(f"{path} has no {arch} section to carry over: run without --arch")
-    provenance = old.get("sections", {}).get(arch) or {
-        "date": old["date"], "source": old["source"], "machine": old["machine"], "seeds": old["seeds"]}
+    provenance = old["sections"][arch]  # every file this script writes records its sections
     mine = [r for r in old["runs"] if r["arch"] == arch]
     return {
         "provenance": {**provenance, "carried_over": True},

@@ -32,6 +32,7 @@ from torch import nn
 import edgetorch
 from edgetorch.activations.profile import profile_policies
 from edgetorch.data import load_dataset
+from edgetorch.measure.plots import new_figure, save_figure
 from edgetorch.zoo import build_model, pretrained
 
 POLICIES = ["dense", "bitmap", "bitmap:threshold=0.01", "bitmap:threshold=0.05", "bitmap:threshold=0.1"]
@@ -161,14 +162,9 @@ def measured_table(rows: list[dict]) -> str:
 
 def plot(random_rows: list[dict], real_rows: list[dict], path) -> None:
     """Grouped bars per model, one bar per policy (the paper's Fig. 7/9 layout), one panel per size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = [(f"{d} {r} px, random init", [x for x in random_rows if x["resolution"] == r and "policies" in x])
               for d, r, _ in SIZES] + [("Fashion-MNIST 28 px, real images", real_rows)]  # fmt: skip
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12.5, 4 * len(panels)))
+    fig, axes = new_figure((12.5, 4 * len(panels)), len(panels), 1)
     width = 0.8 / len(POLICIES)
     for ax, (title, rows) in zip(axes, panels):
         for i, spec in enumerate(POLICIES):
@@ -179,9 +175,7 @@ def plot(random_rows: list[dict], real_rows: list[dict], path) -> None:
         ax.set_ylabel("saved activations, MiB (ledger)")
         ax.set_title(f"{title}, batch {BATCH}")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside: never hides a bar
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Callable
+from statistics import median
 
 import torch
 import torchvision
-from _common import median, mib, pct, table, timed_step, write_results
+from _common import mib, pct, table, timed_step, write_results
 from torch import nn
 
 import edgetorch

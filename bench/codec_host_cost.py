@@ -21,7 +21,7 @@ every kept count a bitmap pack reads back, so the bitmap rows pack fewer tensors
 PyTorch's, divided by the tensors it saves, is what the engine and the codec wrappers cost the host
 per saved tensor on a GPU, launches aside: the CPU proxy of an eager GPU step's extra time.
 
-``--before REV`` measures a second tree (a git worktree of REV) in the same run, rounds
+``--before REV`` measures a second library (REV's ``src``, extracted) in the same run, rounds
 interleaved, each side in its own process.
 
 Run: ``python bench/codec_host_cost.py --before REV`` (a few minutes).
@@ -36,10 +36,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
-from _common import median, table, timed_step, write_results
+from _common import ROOT, revision_src, table, timed_step, write_results
 
-ROOT = Path(__file__).resolve().parent.parent
 ROUNDS, CALLS = 7, 500
 STEPS = 10  # timed steps per configuration and round (after 3 warm-up steps)
 POLICIES = ("plain", "Dense()", "Bitmap()", "BackRazor(0.9)", "Quantized(bits=8)", 'BackRazor(0.9, exact="int8")')
@@ -145,18 +145,11 @@ def main() -> None:
     sides = {"now": ROOT / "src"}
     with tempfile.TemporaryDirectory() as tmp:
         if args.before:
-            tree = Path(tmp) / "before"
-            subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.before], cwd=ROOT, check=True,
-                           capture_output=True)
-            sides = {args.before: tree / "src", **sides}
-        try:
-            rounds: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
-            for _ in range(args.rounds):
-                for side, src in sides.items():
-                    rounds[side].append(_round(src, CALLS))
-        finally:
-            if args.before:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+            sides = {args.before: revision_src(args.before, tmp), **sides}
+        rounds: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+        for _ in range(args.rounds):
+            for side, src in sides.items():
+                rounds[side].append(_round(src, CALLS))
     names = list(rounds["now"][0])
     result = {side: {c: median(r[c] for r in rs) for c in names} for side, rs in rounds.items()}
     calls = [c for c in names if not c.startswith("step ") and c != "saved tensors"]

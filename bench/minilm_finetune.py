@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import median, mib, table, write_results
+from _common import mib, table, write_results
 from torch.utils.data import TensorDataset
 
 import edgetorch
@@ -111,7 +111,7 @@ def finetune(pad_id: int, spec: str, seed: int, train_data: TensorDataset, test:
     window = max(1, len(losses) // 10)
     return {"policy": spec, "seed": seed, "steps": len(losses), "test_accuracy": text_accuracy(model, test, pad_id, EVAL_BATCH),
             "first_loss": statistics.mean(losses[:window]), "last_loss": statistics.mean(losses[-window:]),
-            "finite": all(math.isfinite(v) for v in losses), "median_step_s": median(times.seconds),
+            "finite": all(math.isfinite(v) for v in losses), "median_step_s": statistics.median(times.seconds),
             "loss_curve": [round(statistics.mean(losses[i: i + window]), 4) for i in range(0, len(losses), window)]}
 
 
@@ -157,7 +157,7 @@ def report(runs: list[dict], steps: dict, setup: dict) -> str:
                      "-" if spec == "dense" or not diff else f"{100 * statistics.mean(diff):+.1f}",
                      mib(s["stored_bytes"]), f"{s['stored_bytes'] / dense:.3f}",
                      f"{s['worst_cosine']:.4f}", f"`{s['worst_parameter']}`" if s["worst_parameter"] else "-",
-                     f"{median(r['median_step_s'] for r in mine):.2f}"])
+                     f"{statistics.median(r['median_step_s'] for r in mine):.2f}"])
     headers = ["policy", "spec", "test acc. % (mean ± std)", "vs dense (paired, pts)", "saved MiB (1 step)",
                "vs dense", "worst grad cosine", "worst parameter", "step s"]
     per_seed = table(["policy", *(f"seed {s}" for s in setup["seeds"]), "last-10% train loss (mean)"],

@@ -116,6 +116,12 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:,.0f}" if seconds < 1e-2 else f"{seconds * 1e3:,.1f} ms"
 
 
+def _lowest(cells: list[dict], keys: list[str]) -> str:
+    """The lowest ratio to clone over ``cells`` and ``keys``, where it is, and whether it reaches 1."""
+    ratio, key, at = min((c["ratio_to_clone"][k], k, c["elements"]) for c in cells for k in keys)
+    return f"{ratio:.2f}x ({key} at {at:,} elements: {'met' if ratio >= 1.0 else f'missed by {1 / ratio:.2f}x'})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="up to 2^20 elements, fewer repeats")
@@ -147,7 +153,7 @@ def main() -> None:
                             f"{s['copy'] / s['pack8']:.2f}x"])
     gate = [row for row in rows if row["elements"] >= TARGET_FROM]
     codec_keys = [f"{op}{b}" for op in ("pack", "unpack") for b in BITS]
-    worst = min(((row["ratio_to_clone"][k], k, row["elements"]) for row in gate for k in codec_keys), default=None)
+    codec_headers = [f"{op} {b}-bit" for op in ("pack", "unpack") for b in BITS]
     body = (
         f"1-min load average {load_start:.2f} at start, {load_end:.2f} at end (shared machine). Codec kernels: "
         f"`{_cpu_kernels.build_description()}`; {torch.get_num_threads()} torch threads for clone and the kernels.\n\n"
@@ -159,11 +165,9 @@ def main() -> None:
         "faults of a fresh mapping that clone pays on every call).\n\n"
         + table(headers, body_rows)
     )
-    if worst is not None:
-        ratio, key, at = worst
+    if gate:
         body += (f"\n\nTarget: pack and unpack (8, 4 and 2 bits) at least as fast as `clone` from {TARGET_FROM:,} "
-                 f"elements. Lowest ratio from there: {ratio:.2f}x ({key} at {at:,} elements: "
-                 f"{'met' if ratio >= 1.0 else f'missed by {1 / ratio:.2f}x'}).")
+                 f"elements. Lowest ratio from there: {_lowest(gate, codec_keys)}.")
         cores = os.cpu_count() or 1
         if max(load_start, load_end) > cores / 2:
             body += (f" Not a verdict in this run: the load average ({load_start:.1f} / {load_end:.1f} on {cores} "
@@ -176,20 +180,16 @@ def main() -> None:
                  + [f"{row['min_seconds']['clone'] / row['min_seconds'][k]:.2f}x" for k in codec_keys] for row in fast]
         body += ("\n\nThe same repeats, fastest of each variant (the quietest moments of a shared machine; "
                  "medians above are the result):\n\n"
-                 + table(["elements", "clone us (fastest)"] + [f"{op} {b}-bit" for op in ("pack", "unpack") for b in BITS],
-                         frows))
+                 + table(["elements", "clone us (fastest)"] + codec_headers, frows))
     if single:
         srows = [[f"{c['elements']:,}", _us(c["seconds"]["clone"])]
                  + [f"{c['ratio_to_clone'][k]:.2f}x ({_us(c['seconds'][k])})" for k in codec_keys] for c in single]
-        ratio, key, at = min((c["ratio_to_clone"][k], k, c["elements"]) for c in single for k in codec_keys)
         body += ("\n\n## One thread each (float32, 8/4/2 bits)\n\n"
                  "`torch.set_num_threads(1)` for clone and the kernels alike: what a core does, without handing "
                  "work to a second thread (on a loaded machine the two-thread clone above can wait for a core; "
                  "these are the steadier numbers).\n\n"
-                 + table(["elements", "clone us"] + [f"{op} {b}-bit" for op in ("pack", "unpack") for b in BITS],
-                         srows)
-                 + f"\n\nLowest ratio with one thread each: {ratio:.2f}x ({key} at {at:,} elements: "
-                 f"{'met' if ratio >= 1.0 else f'missed by {1 / ratio:.2f}x'}).")
+                 + table(["elements", "clone us"] + codec_headers, srows)
+                 + f"\n\nLowest ratio with one thread each: {_lowest(single, codec_keys)}.")
     if types:
         trows = [[t["dtype"], _us(t["seconds"]["clone"]), f"{t['ratio_to_clone']['pack8']:.2f}x",
                   f"{t['ratio_to_clone']['unpack8']:.2f}x", _us(t["seconds"]["copy"]),

@@ -35,11 +35,12 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _common import machine, machine_line, mib, table, write_results
+from _common import log, machine_line, mib, table, write_results
 from _workloads import minilm_batch, photo_batch, random_model, step_times
 from torch import nn
 
 import edgetorch
+from edgetorch.measure import machine_description
 from edgetorch.activations.profile import profile_policies
 from edgetorch.activations.step import forward_backward, parse_training_policy, step_ledger
 from edgetorch.measure.process import held_bytes, peak_bytes, reset_peak, run_fresh
@@ -278,12 +279,7 @@ def main() -> None:
     if parser.parse_args().worker:
         print(json.dumps(minilm_worker(json.load(sys.stdin)["minilm_worker"])))
         return
-    info = machine()
-
-    def log(message: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-    log(machine_line(info))
+    log(machine_line(machine_description()))
     rows = vision(log) + [minilm(log)]
     summary, met = targets(rows)
     body = "\n".join([

@@ -24,17 +24,14 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-import matplotlib
+import torch
+from _common import RESULTS_DIR, log, table, write_results
+from torch import nn
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from _common import RESULTS_DIR, log, table, write_results  # noqa: E402
-from torch import nn  # noqa: E402
-
-from edgetorch.data import load_dataset  # noqa: E402
-from edgetorch.reduce import ALLOCATIONS, METHODS, ChainReducer, compare_latency, count_macs  # noqa: E402
-from edgetorch.zoo import default_config, evaluate_accuracy, load_pretrained, pretrain  # noqa: E402
+from edgetorch.data import load_dataset
+from edgetorch.measure.plots import new_figure, save_figure
+from edgetorch.reduce import ALLOCATIONS, METHODS, ChainReducer, compare_latency, count_macs
+from edgetorch.zoo import default_config, evaluate_accuracy, load_pretrained, pretrain
 
 NAME = "reduce_conv"
 ALPHAS = (0.3, 0.5, 0.7, 0.8, 0.9)
@@ -85,7 +82,7 @@ def main() -> None:
 
 
 def report(model, record, full_accuracy, full_macs, rows, exact_beats_pso) -> None:
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = new_figure((7.5, 4.5))
     styles = {"prune": "tab:red", "prune-ls": "tab:green", "lowrank": "tab:blue"}
     for method in METHODS:
         for allocation, line in (("uniform", ":"), ("optimal", "-")):
@@ -98,8 +95,7 @@ def report(model, record, full_accuracy, full_macs, rows, exact_beats_pso) -> No
     ax.set_title("Fashion-MNIST CNN: channel pruning and low-rank convolutions")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS_DIR / f"{NAME}.png", dpi=120)
+    save_figure(fig, RESULTS_DIR / f"{NAME}.png")
 
     by = {(r["alpha"], r["method"], r["allocation"]): r for r in rows}
     accuracy_rows = [[a] + [f"{100 * by[a, m, al]['accuracy']:.2f}" for m in METHODS for al in ("uniform", "optimal")]

@@ -123,10 +123,9 @@ def solve_exact_only(names, alphas) -> dict[str, list[dict]]:
 def start_baseline(revision: str, names, alphas, tmp: str) -> subprocess.Popen:
     """:func:`solve_exact_only` at git ``revision`` (its whole ``src`` tree, extracted under ``tmp``), in a
     subprocess that runs beside this one (the old solver takes minutes per resnet50 point)."""
-    root = Path(__file__).resolve().parent.parent
-    archive = subprocess.run(["git", "archive", revision, "src"], cwd=root, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-    env = {**os.environ, "PYTHONPATH": str(Path(tmp) / "src")}
+    from _common import revision_src
+
+    env = {**os.environ, "PYTHONPATH": str(revision_src(revision, tmp))}
     return subprocess.Popen([sys.executable, __file__, "--exact-only", *names, "--alphas", *map(str, alphas)],
                             env=env, stdout=subprocess.PIPE, text=True)
 

@@ -34,19 +34,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-import matplotlib
+import torch
+from _common import RESULTS_DIR, log, table, write_results
+from torch import nn
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from _common import RESULTS_DIR, log, table, write_results  # noqa: E402
-from torch import nn  # noqa: E402
-
-from edgetorch.data import load_dataset  # noqa: E402
-from edgetorch.zoo.paper import PAPER_HIDDEN, paper_mlp  # noqa: E402
-from edgetorch.reduce import ChainReducer, compare_latency, count_macs, reduce_model  # noqa: E402
-from edgetorch.reduce.pso import PSOConfig  # noqa: E402
-from edgetorch.zoo import evaluate_accuracy  # noqa: E402
+from edgetorch.data import load_dataset
+from edgetorch.measure.plots import new_figure, save_figure
+from edgetorch.zoo.paper import PAPER_HIDDEN, paper_mlp
+from edgetorch.reduce import ChainReducer, compare_latency, count_macs, reduce_model
+from edgetorch.reduce.pso import PSOConfig
+from edgetorch.zoo import evaluate_accuracy
 
 NAME = "reduce_layer_factors"
 DATASETS = ("digits", "fashion-mnist")  # the fast one first: a failure shows early
@@ -277,7 +274,7 @@ def latency_table(results: dict) -> str:
 def plot(results: dict) -> None:
     """Top row: accuracy vs alpha_tot (Fig. 3); bottom row: optimal alpha_l vs alpha_tot (Fig. 2)."""
     panels = [(d, m) for d in results for m in PAPER_METHODS]
-    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7.5))
+    fig, axes = new_figure((4.2 * len(panels), 7.5), 2, len(panels))
     styles = {"uniform": ("tab:gray", "s"), "pso": ("tab:orange", "^"), "optimal": ("tab:blue", "o")}
     for col, (dataset, method) in enumerate(panels):
         result, ax = results[dataset], axes[0, col]
@@ -308,9 +305,7 @@ def plot(results: dict) -> None:
         ax.set_ylabel("alpha_l")
         ax.set_ylim(-0.05, 1.05)
         ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(RESULTS_DIR / f"{NAME}.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, RESULTS_DIR / f"{NAME}.png")
 
 
 def markdown(results: dict, seconds: float) -> str:

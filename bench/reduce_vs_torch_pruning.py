@@ -171,19 +171,22 @@ def run_model(key: str, setup: Setup, alphas: tuple[float, ...], progress: Path 
     grads = taylor_gradients(full, calib, calib_labels)
     taylor_seconds = time.perf_counter() - began
     lows = dict.fromkeys(THEIRS, 0.0)
+
+    def add(cell: dict, reduced: nn.Module) -> None:
+        cell |= measure(full, reduced, example, test, tune, setup.distill, full_macs)
+        result["cells"].append(cell)
+        print(cell, flush=True)
+        if progress is not None:
+            progress.write_text(json.dumps([result], indent=1))
+
     for alpha in alphas:
         budget = (1 - alpha) * full_macs
         for method, allocation in setup.ours:
             began = time.perf_counter()
             reduced = reduce_model(copy.deepcopy(full), alpha, method, allocation, calibration=calib).model.eval()
             seconds = time.perf_counter() - began
-            cell = {"alpha": alpha, "library": "edgetorch", "method": f"{method} {allocation}",
-                    "reduce_seconds": seconds}
-            cell |= measure(full, reduced, example, test, tune, setup.distill, full_macs)
-            result["cells"].append(cell)
-            print(cell, flush=True)
-            if progress is not None:
-                progress.write_text(json.dumps([result], indent=1))
+            add({"alpha": alpha, "library": "edgetorch", "method": f"{method} {allocation}",
+                 "reduce_seconds": seconds}, reduced)
         for name in THEIRS:
             grad = grads if name.startswith("taylor") else None
             began = time.perf_counter()
@@ -193,13 +196,8 @@ def run_model(key: str, setup: Setup, alphas: tuple[float, ...], progress: Path 
             began = time.perf_counter()
             tp_prune(full, example, name, ratio, grad)  # the user's cost of one pruning at this ratio
             seconds = time.perf_counter() - began + (taylor_seconds if grad is not None else 0.0)
-            cell = {"alpha": alpha, "library": "torch-pruning", "method": name, "ratio": ratio,
-                    "reduce_seconds": seconds, "search_seconds": search, "search_tries": tries}
-            cell |= measure(full, reduced.eval(), example, test, tune, setup.distill, full_macs)
-            result["cells"].append(cell)
-            print(cell, flush=True)
-            if progress is not None:
-                progress.write_text(json.dumps([result], indent=1))
+            add({"alpha": alpha, "library": "torch-pruning", "method": name, "ratio": ratio,
+                 "reduce_seconds": seconds, "search_seconds": search, "search_tries": tries}, reduced.eval())
     result |= {"seconds": time.perf_counter() - start, "load_after": os.getloadavg()[0]}
     return result
 

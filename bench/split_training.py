@@ -24,9 +24,8 @@ the same test images at the model's resolution (gray, one channel, as the images
 (the paper's choice for them).
 
 Scale, and why. The paper trains on ImageNet for 10 + 10 epochs. This machine is a shared 2-core
-CPU (other benchmarks run beside it) and the whole run must take about 45 minutes. A ``--dry-run``
-(a few batches of every configuration, timed) estimated over 6 hours for 64 px, 8,000 images and
-2 epochs per stage, and a resnet18 training step measured 14 / 25 / 37 ms per image at
+CPU (other benchmarks run beside it) and the whole run must take about 45 minutes. Timing a few
+batches of every configuration estimated over 6 hours for 64 px, 8,000 images and 2 epochs per stage, and a resnet18 training step measured 14 / 25 / 37 ms per image at
 32 / 48 / 64 px on one thread (under the load of the day), so the run uses: 32 px images (the CIFAR size; the SP2 bottleneck
 is then C x 4 x 4 and resnet18's ``layer4`` output 1 x 1), the first 5,000 training
 images (teacher and students), 1 epoch per BottleFit stage, baselines as many epochs as BottleFit's
@@ -56,9 +55,7 @@ baseline), batch 128::
 
 Run: ``.venv/bin/python bench/split_training.py`` (30 minutes measured on 2 shared CPU cores,
 teacher included). Every training stage is checkpointed under ``cache_dir()/split/bench-*``, so an
-interrupted run resumes and a finished one only re-evaluates (4 minutes). ``--dry-run`` times a
-few batches of every configuration with an untrained teacher, writes nothing, and prints the
-extrapolated time. Every SP2 student, baseline or BottleFit, starts from the same seeded encoder
+interrupted run resumes and a finished one only re-evaluates (4 minutes). Every SP2 student, baseline or BottleFit, starts from the same seeded encoder
 and decoder (:func:`edgetorch.split.bottlefit.build_student`). The committed results predate the
 library recipe (their students were seeded per C, and the cache layout differed): a rerun
 retrains every stage.
@@ -67,7 +64,6 @@ retrains every stage.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import hashlib
 import json
@@ -80,14 +76,11 @@ import torch
 
 from _common import RESULTS_DIR, table, write_results
 from edgetorch.data import cache_dir
-from edgetorch.measure.timing import wall_time
-from edgetorch.split import (BottleFitConfig, StageConfig, TeacherConfig, evaluate_split, file_offload, load_rgb,
-                             train_stage, train_teacher)
-from edgetorch.split.bottlefit import build_student, lr_step
-from edgetorch.split.comparison import (STAGE1_ONLY, TABLE1_BASELINES, TABLE2_VARIANTS, Baseline, paper_claims,
-                                        plot_accuracy_vs_bytes, train_rows)
+from edgetorch.split import StageConfig, TeacherConfig, file_offload, load_rgb, train_teacher
+from edgetorch.split.bottlefit import lr_step
+from edgetorch.split.comparison import TABLE1_BASELINES, TABLE2_VARIANTS, paper_claims, plot_accuracy_vs_bytes, train_rows
 from edgetorch.split.teacher import teacher_paths
-from edgetorch.zoo import build_model, evaluate_accuracy
+from edgetorch.zoo import evaluate_accuracy
 
 ARCH = "resnet18"
 DATASET = "fashion-mnist"
@@ -129,47 +122,6 @@ def teacher_config(scale: Scale) -> TeacherConfig:
                                            batch_size=scale.batch))
 
 
-# ----------------------------------------------------------------------------- dry run
-
-
-def dry_run(scale: Scale, extra: tuple[int, ...], device: torch.device, steps: int) -> None:
-    """Time ``steps`` batches of every configuration (untrained teacher) and extrapolate the full run."""
-    torch.manual_seed(0)
-    teacher = build_model(f"torchvision:{ARCH}", num_classes=10).to(device).eval()
-    data = load_rgb(DATASET, "train", scale.size, steps * scale.batch, device)
-    per_sample: dict[str, float] = {}
-
-    def timed(label: str, fn) -> None:
-        fn() if device.type == "cuda" else None  # warm-up: cuDNN picks its kernels on the first batches
-        per_sample[label] = wall_time(fn, device) / (steps * scale.batch)
-        log(f"{label}: {1e3 * per_sample[label]:.2f} ms per training sample")
-
-    def one(m) -> StageConfig:  # one epoch of the row's (last) stage
-        return m.stage(1, scale.batch) if isinstance(m, Baseline) else m.config(12, 1, scale.batch).stages()[-1][1]
-
-    timed("teacher", lambda: train_stage(copy.deepcopy(teacher), data, StageConfig(loss="ce", trainable="all",
-                                         batch_size=scale.batch), progress=False))  # fmt: skip
-    for m in (*TABLE1_BASELINES, STAGE1_ONLY, *TABLE2_VARIANTS):
-        student = m.student(teacher, 12) if isinstance(m, Baseline) else build_student(teacher, BottleFitConfig(channels=12))
-        timed(m.name, lambda m=m, s=student: train_stage(s, data, one(m), teacher=teacher, progress=False))
-    test = load_rgb(DATASET, "test", scale.size, 500)
-    start = time.perf_counter()
-    evaluate_split(build_student(teacher, BottleFitConfig(channels=12)), test, batch_size=EVAL_BATCH)
-    eval_per_sample = (time.perf_counter() - start) / 500
-    n, e = scale.train, scale.stage_epochs
-    total = per_sample["teacher"] * n * scale.teacher_epochs
-    for m in TABLE1_BASELINES:
-        total += len(CHANNELS) * per_sample[m.name] * n * 2 * e
-    for m in (STAGE1_ONLY, *TABLE2_VARIANTS):
-        total += len(CHANNELS) * per_sample[m.name] * n * e
-    total += len(extra) * (per_sample[STAGE1_ONLY.name] + per_sample[TABLE2_VARIANTS[0].name]) * n * e
-    rows = len(CHANNELS) * (len(TABLE1_BASELINES) + 1 + len(TABLE2_VARIANTS)) + 2 * len(extra)
-    total += rows * eval_per_sample * scale.test
-    total += (1 + len(JPEG_QUALITIES)) * scale.test * eval_per_sample * 0.8  # teacher on decoded files
-    log(f"evaluation: {1e3 * eval_per_sample:.2f} ms per test sample (float + 8-bit)")
-    log(f"extrapolated full run at {scale}: {total / 60:.1f} min (+ teacher test on 10,000 images)")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=Scale.size)
@@ -184,8 +136,6 @@ def main() -> None:
                         help="torch threads (1: the machine's 2 cores are shared with other jobs, see docstring)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where students and teacher train (default: cuda when available)")
-    parser.add_argument("--dry-run", action="store_true", help="time a few batches per configuration; write nothing")
-    parser.add_argument("--dry-run-steps", type=int, default=5, help="batches timed per configuration")
     parser.add_argument("--train-only", type=int, nargs="*", metavar="C",
                         help="train (into the cache) the teacher and the rows of these C, then stop without "
                              "writing results: run several at once to share a GPU, then once without it")
@@ -198,10 +148,6 @@ def main() -> None:
                   stage_epochs=args.epochs, batch=args.batch)
     extra = tuple(c for c in args.extra_channels if c not in CHANNELS)
     log(f"scale {scale}; device {device}; torch threads {torch.get_num_threads()}")
-    if args.dry_run:
-        dry_run(scale, extra, device, args.dry_run_steps)
-        return
-
     tconfig = teacher_config(scale)
     log(f"teacher: {teacher_paths(tconfig)[0].name} (trained now unless cached)")
     teacher, tmeta = train_teacher(tconfig, progress=False, device=device)

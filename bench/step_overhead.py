@@ -7,9 +7,9 @@ every round runs each configuration once (in an order rotated per round). Report
 and minimum step time, the ratio of minima (the least-disturbed estimate) and the median of
 per-round ratios (each configuration against the plain step of the same round).
 
-A second, separate set of bitmap steps wraps the codec to time packing and unpacking, so the
-overhead can be split into codec work and the rest (hooks, dedupe, bookkeeping). Those steps
-are not used for the ratios.
+A second, separate set of bitmap steps times the codec's calls (``count_calls``) and records a
+ledger of what was packed, so the overhead can be split into codec work and the rest (hooks,
+dedupe, bookkeeping). Those steps are not used for the ratios.
 
 Run: ``python bench/step_overhead.py`` (about 3 minutes on 2 idle CPU cores).
 """
@@ -17,17 +17,15 @@ Run: ``python bench/step_overhead.py`` (about 3 minutes on 2 idle CPU cores).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import time
-from dataclasses import dataclass, field
 from functools import partial
+from statistics import median
 
 import torch
-import torchvision
-from _common import median, table, timed_step, write_results
-from torch import nn
+from _common import table, write_results
+from _workloads import StepBench
 
 import edgetorch
+from edgetorch.measure.counters import count_calls
 from edgetorch.measure.timing import interleave, ratios
 
 MODEL, RESOLUTION, BATCH = "resnet18", 224, 16
@@ -47,61 +45,16 @@ CONFIGS: dict[str, edgetorch.Policy | None] = {
 BASELINE = "dense (plain PyTorch)"
 
 
-def train_step(model: nn.Module, optimizer, x, y, policy: edgetorch.Policy | None) -> float:
-    """One forward/backward/SGD step; returns its wall-clock seconds."""
-    scope = contextlib.nullcontext() if policy is None else edgetorch.compress_activations(model, policy)
-    return timed_step(model, scope, x, y, optimizer)
-
-
-@dataclass
-class CodecClock:
-    """Seconds spent in bitmap packing and unpacking, and how often each ran."""
-
-    pack_s: float = 0.0
-    unpack_s: float = 0.0
-    packs: int = 0
-    unpacks: int = 0
-    packed_bytes: int = 0
-
-
-@dataclass
-class _TimedStored:
-    """Stands in for a BitmapTensor so the engine's unpack calls go through the clock."""
-
-    inner: edgetorch.BitmapTensor
-    clock: CodecClock
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
-
-    @property
-    def nnz(self) -> int:
-        return self.inner.nnz
-
-    def unpack(self) -> torch.Tensor:
-        start = time.perf_counter()
-        dense = self.inner.unpack()
-        self.clock.unpack_s += time.perf_counter() - start
-        self.clock.unpacks += 1
-        return dense
-
-
-@dataclass(frozen=True)
-class TimedBitmap(edgetorch.Bitmap):
-    """Lossless bitmap whose encode (sample check + pack) and unpack calls are timed."""
-
-    clock: CodecClock = field(default_factory=CodecClock)
-
-    def encode(self, t: torch.Tensor, need=None) -> _TimedStored | None:
-        start = time.perf_counter()
-        packed = super().encode(t)
-        self.clock.pack_s += time.perf_counter() - start
-        if packed is None:  # the policy's sample said it would not shrink: kept as is
-            return None
-        self.clock.packs += 1
-        self.clock.packed_bytes += t.numel() * t.element_size()
-        return _TimedStored(packed, self.clock)
+def codec_clock(bench: StepBench) -> dict:
+    """One lossless-bitmap step with the codec's calls timed: encode (sample check and pack) and the
+    unpacks in backward; its ledger says which tensors were packed and their dense bytes."""
+    ledger = edgetorch.SavedTensorLedger()
+    with count_calls(edgetorch.Bitmap, "encode") as pack, count_calls(edgetorch.BitmapTensor, "unpack") as unpack:
+        bench.step(edgetorch.Bitmap(), ledger)
+    # the floats the bitmap stored (max-pool's int64 indices are stored narrowed, by another codec)
+    packed = [r for r in ledger.records if r.storage == "stored" and r.dtype.startswith("float")]
+    return {"pack_s": pack.seconds, "unpack_s": unpack.seconds, "packs": len(packed), "unpacks": unpack.count,
+            "packed_bytes": sum(r.dense_bytes for r in packed)}
 
 
 def main() -> None:
@@ -111,23 +64,19 @@ def main() -> None:
     parser.add_argument("--breakdown-steps", type=int, default=5, help="timed-codec bitmap steps")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    model = torchvision.models.get_model(MODEL, weights=None).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    x = torch.randn(BATCH, 3, RESOLUTION, RESOLUTION)
-    y = torch.randint(0, 1000, (BATCH,))
+    bench = StepBench(MODEL, RESOLUTION, BATCH, classes=1000)
     names = list(CONFIGS)
 
     # Warm-up: compiled codec kernels, allocator pools, optimizer state all exist before timing.
     for _ in range(args.warmup):
         for name in names:
-            train_step(model, optimizer, x, y, CONFIGS[name])
+            bench.step(CONFIGS[name])
 
     def progress(r: int, times: dict[str, list[float]]) -> None:
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names), flush=True)
 
     # rotated per round so that no configuration always runs first; each step times itself
-    times = interleave({name: partial(train_step, model, optimizer, x, y, CONFIGS[name]) for name in names},
+    times = interleave({name: partial(bench.step, CONFIGS[name]) for name in names},
                        args.rounds, rotate=True, measure=lambda step: step(), each_round=progress)
 
     base_min = min(times[BASELINE])
@@ -141,32 +90,28 @@ def main() -> None:
                      f"{max(times[name]):.3f}", f"{vs.of_minima:.3f}x", f"{vs.median_paired:.3f}x"])  # fmt: skip
 
     # Codec breakdown: separate bitmap steps with the codec calls timed, one clock per step.
-    clocks = []
-    for _ in range(args.breakdown_steps):
-        timed = TimedBitmap()
-        train_step(model, optimizer, x, y, timed)
-        clocks.append(timed.clock)
-    pack_s, unpack_s = min(c.pack_s for c in clocks), min(c.unpack_s for c in clocks)
+    clocks = [codec_clock(bench) for _ in range(args.breakdown_steps)]
+    pack_s, unpack_s = min(c["pack_s"] for c in clocks), min(c["unpack_s"] for c in clocks)
     overhead = results["bitmap (lossless)"]["min_s"] - base_min
     hooks_s = results["hooks + Dense policy"]["min_s"] - base_min
     rest = overhead - pack_s - unpack_s
     codec = {
         "steps": args.breakdown_steps,
-        "pack_s_per_step": [c.pack_s for c in clocks],
-        "unpack_s_per_step": [c.unpack_s for c in clocks],
-        "packs_per_step": clocks[0].packs,
-        "unpacks_per_step": clocks[0].unpacks,
-        "packed_bytes_per_step": clocks[0].packed_bytes,
+        "pack_s_per_step": [c["pack_s"] for c in clocks],
+        "unpack_s_per_step": [c["unpack_s"] for c in clocks],
+        "packs_per_step": clocks[0]["packs"],
+        "unpacks_per_step": clocks[0]["unpacks"],
+        "packed_bytes_per_step": clocks[0]["packed_bytes"],
         "bitmap_overhead_s": overhead,
         "hooks_dense_policy_overhead_s": hooks_s,
     }
-    packed_mib = clocks[0].packed_bytes / 2**20
+    packed_mib = clocks[0]["packed_bytes"] / 2**20
     breakdown_rows = [
         ["plain PyTorch step (minimum, main table)", f"{base_min:.3f}", ""],
         ["lossless bitmap overhead (minimum - minimum)", f"{overhead:.3f}", f"{overhead / base_min:.1%}"],
-        [f"pack: {clocks[0].packs} tensors, {packed_mib:.0f} MiB dense ({packed_mib / 2**10 / pack_s:.1f} GiB/s)",
+        [f"pack: {clocks[0]['packs']} tensors, {packed_mib:.0f} MiB dense ({packed_mib / 2**10 / pack_s:.1f} GiB/s)",
          f"{pack_s:.3f}", f"{pack_s / base_min:.1%}"],
-        [f"unpack: {clocks[0].unpacks} calls", f"{unpack_s:.3f}", f"{unpack_s / base_min:.1%}"],
+        [f"unpack: {clocks[0]['unpacks']} calls", f"{unpack_s:.3f}", f"{unpack_s / base_min:.1%}"],
         ["rest (hooks, dedupe, allocation; overhead - pack - unpack)", f"{rest:.3f}", f"{rest / base_min:.1%}"],
         ["for reference: hooks + Dense policy (minimum - minimum)", f"{hooks_s:.3f}", f"{hooks_s / base_min:.1%}"],
     ]  # fmt: skip

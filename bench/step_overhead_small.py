@@ -30,13 +30,12 @@ Run: ``python bench/step_overhead_small.py`` (about 3-4 minutes on 2 cores) or w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
+from statistics import median
 
 import torch
-import torchvision
-from _common import median, source_state, table, timed_step, write_results
-from torch import nn
+from _common import source_state, table, write_results
+from _workloads import StepBench
 
 import edgetorch
 from edgetorch.activations import roles
@@ -83,38 +82,7 @@ TARGETS = {
 }
 
 
-class Bench:
-    """One architecture's model, optimizer and batches, shared by every configuration."""
-
-    def __init__(self, arch: str, seed: int = 0):
-        torch.manual_seed(seed)
-        self.arch = arch
-        self.model: nn.Module = torchvision.models.get_model(arch, weights=None, num_classes=CLASSES).train()
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
-        self.batches = [(torch.randn(BATCH, 3, RESOLUTION, RESOLUTION), torch.randint(0, CLASSES, (BATCH,)))
-                        for _ in range(POOL)]  # fmt: skip
-        self.steps = 0
-
-    def step(self, policy: edgetorch.Policy | BareHooks | None) -> edgetorch.compress_activations | None:
-        """One forward (inside compress_activations, the bare hooks, or nothing), backward and SGD step."""
-        x, y = self.batches[self.steps % POOL]
-        self.steps += 1
-        if isinstance(policy, edgetorch.Policy):
-            scope = edgetorch.compress_activations(self.model, policy)
-            timed_step(self.model, scope, x, y, self.optimizer)
-            return scope
-        timed_step(self.model, contextlib.nullcontext() if policy is None else policy(), x, y, self.optimizer)
-        return None
-
-    def block(self, policy: edgetorch.Policy | BareHooks | None, steps: int) -> float:
-        """Seconds per step over ``steps`` consecutive steps."""
-        start = time.perf_counter()
-        for _ in range(steps):
-            self.step(policy)
-        return (time.perf_counter() - start) / steps
-
-
-def plain_saved_count(bench: Bench) -> int:
+def plain_saved_count(bench: StepBench) -> int:
     """Tensors autograd saves in one plain step, counted by identity saved_tensors_hooks."""
     count = [0]
 
@@ -122,19 +90,18 @@ def plain_saved_count(bench: Bench) -> int:
         count[0] += 1
         return t
 
-    x, y = bench.batches[bench.steps % POOL]
-    bench.steps += 1
-    timed_step(bench.model, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), x, y, bench.optimizer)
+    bench.step(lambda: torch.autograd.graph.saved_tensors_hooks(pack, _bare_unpack))
     return count[0]
 
 
-def one_step_counts(bench: Bench, policy: edgetorch.Policy | BareHooks | None) -> dict:
+def one_step_counts(bench: StepBench, policy: edgetorch.Policy | BareHooks | None) -> dict:
     """Dispatch-mode calls and packed tensors of one untimed step."""
     with count_calls(roles.OpWatch, "__torch_dispatch__") as calls:
         if not isinstance(policy, edgetorch.Policy):  # the same packs as plain
             saved = plain_saved_count(bench)
         else:
-            saved = bench.step(policy).saved_count
+            bench.step(policy)
+            saved = bench.scope.saved_count
     return {"dispatch_calls": calls.count, "saved_count": saved}
 
 
@@ -156,7 +123,7 @@ def main() -> None:
     # tree as it is at the end, which can differ (the tree is shared and edited).
     start_source = source_state()
 
-    benches = {arch: Bench(arch) for arch in ARCHS}
+    benches = {arch: StepBench(arch, RESOLUTION, BATCH, CLASSES, POOL) for arch in ARCHS}
     names = list(CONFIGS)
 
     # Warm-up: optimizer state, allocator, codec kernels; the first step of each configuration

@@ -18,7 +18,7 @@ import math
 from decimal import ROUND_HALF_UP, Decimal
 
 
-from _common import write_results
+from _common import table, write_results
 
 from edgetorch.measure import run_fresh
 from edgetorch.measure.process import HONEST_MALLOC_ENV
@@ -140,25 +140,19 @@ def markdown(rows: list[dict]) -> str:
         "Jetson Nano). Theory and measurement are different quantities; both are shown. Rounded "
         "like the paper (halves up).",
         "",
-        "| shape | non-zeros | dense theory | paper | dense measured | paper on-board "
-        "| bitmap theory | paper | bitmap measured | paper on-board "
-        "| improv. theory | paper | improv. measured | paper on-board |",
-        "|---|---:" + "|---:" * 12 + "|",
     ]
+    cells = []
     for row in rows:
         o, p = row["ours"], row["paper"]
-        cols = [
-            o["dense_theory_mb"], p["dense_theory"], o["dense_measured_mb"], p["dense_onboard"],
-            o["bitmap_theory_mb"], p["bitmap_theory"], o["bitmap_measured_mb"], p["bitmap_onboard"],
-        ]
-        pcts = [o["improv_theory_pct"], p["improv_theory"]]
-        pcts += [o["improv_measured_pct"], p["improv_onboard"]]
-        lines.append(
-            f"| {'x'.join(map(str, row['shape']))} | {row['nonzero_percent']}% | "
-            + " | ".join([_r2(c) for c in cols] + [_r2(c) + "%" for c in pcts])
-            + " |"
-        )
-    return "\n".join(lines) + "\n"
+        mb = [o["dense_theory_mb"], p["dense_theory"], o["dense_measured_mb"], p["dense_onboard"],
+              o["bitmap_theory_mb"], p["bitmap_theory"], o["bitmap_measured_mb"], p["bitmap_onboard"]]
+        pcts = [o["improv_theory_pct"], p["improv_theory"], o["improv_measured_pct"], p["improv_onboard"]]
+        cells.append(["x".join(map(str, row["shape"])), f"{row['nonzero_percent']}%", *map(_r2, mb),
+                      *(_r2(c) + "%" for c in pcts)])
+    headers = ["shape", "non-zeros", "dense theory", "paper", "dense measured", "paper on-board", "bitmap theory",
+               "paper", "bitmap measured", "paper on-board", "improv. theory", "paper", "improv. measured",
+               "paper on-board"]
+    return "\n".join(lines) + "\n" + table(headers, cells, right=range(1, 14)) + "\n"
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from edgetorch.activations.checkpoint import CheckpointedBlock, checkpoint_block
 
 
 # vgg11_bn: its 8 convolutions in features, and the 3 Linear layers of its classifier (a stage of its own).
-@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("vgg11_bn", 11), ("mobilenet_v2", 19)])
+@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("resnet50", 16), ("vgg11_bn", 11), ("mobilenet_v2", 19)])
 def test_every_block_is_checkpointed_and_gradients_equal_plain(name, blocks):
     torch.manual_seed(0)
     model = torchvision.models.get_model(name, weights=None, num_classes=10).eval()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from edgetorch.measure import counters
 from edgetorch.measure.counters import allocator_peak, count_calls, count_host_syncs, host_profile, kernel_profile
 from edgetorch.measure.timing import (event_time, interleave, interleave_rounds, per_call, ratios, rotation,
                                       wall_time, within)
@@ -113,6 +114,14 @@ def test_count_calls_counts_and_restores_a_module_function():
     assert math.sqrt is original
     math.sqrt(25.0)
     assert calls.count == 4  # no longer counting
+
+
+def test_count_calls_sums_the_seconds_inside_the_calls(monkeypatch):
+    clock = iter([10.0, 10.5, 20.0, 21.0])  # start and end of each of two calls
+    monkeypatch.setattr(counters.time, "perf_counter", lambda: next(clock))
+    with count_calls(math, "sqrt") as calls:
+        math.sqrt(4.0), math.sqrt(9.0)
+    assert calls.count == 2 and calls.seconds == 1.5
 
 
 def test_count_calls_on_methods_restores_through_an_error():

@@ -1,4 +1,4 @@
-"""What one call of a callable does, counted: calls of a patched function, host syncs, GPU kernels
+"""What one call of a callable does, counted: calls of a patched function (and their time), host syncs, GPU kernels
 and the host's launch calls (``torch.profiler``), and the CUDA caching allocator's peak.
 
 The device counts are CUDA facts: off CUDA they are ``None`` (not measured), never 0.
@@ -29,12 +29,13 @@ class CallCount:
     """Calls counted so far (read it while the counting block is open or after it closed)."""
 
     count: int = 0
+    seconds: float = 0.0  # wall-clock seconds inside the calls (a recursive call is in its caller's too)
 
 
 @contextmanager
 def count_calls(owner: object, name: str) -> Iterator[CallCount]:
-    """Count the calls of ``owner.name`` (a function of a module, or a method defined on a class)
-    while the block runs; the attribute is put back when it ends.
+    """Count and time the calls of ``owner.name`` (a function of a module, or a method defined on a
+    class) while the block runs; the attribute is put back when it ends.
 
     Args:
         owner: the module or class that holds the function.
@@ -59,7 +60,11 @@ def count_calls(owner: object, name: str) -> Iterator[CallCount]:
 
     def counting(*args, **kwargs):
         counted.count += 1
-        return original(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            counted.seconds += time.perf_counter() - start
 
     setattr(owner, name, counting)
     try:
