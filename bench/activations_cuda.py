@@ -177,10 +177,10 @@ def host_profile_of(run: Callable[[], None], device, top: int = 12) -> dict:
 def launch_costs(device, calls: int = 300) -> list[dict]:
     """Host microseconds per call of each codec on a tiny tensor (so the host sets the pace), with the
     compiled kernels launched directly and through Triton's own launch path, next to one torch op."""
-    from edgetorch.codecs import _cuda
+    from edgetorch.codecs import _backend
     from edgetorch.codecs import _triton as T
 
-    _cuda.kernels(torch.zeros(1, device=device))  # loads the kernels and checks the direct launch
+    _backend.device(torch.zeros(1, device=device))  # loads the kernels and checks the direct launch
     x = torch.randn(4096, device=device)
     bits, rows = x.view(torch.int32), x.view(4, 1024)
     bitmap = torch.zeros(512, dtype=torch.uint8, device=device)

@@ -180,15 +180,12 @@ def train_loop(model, params, data: TensorDataset, epochs: int, batch: int, lr: 
     loop = et.training.Loop(epochs, batch, seed)
     optimizer = torch.optim.Adam(params, lr=lr)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * loop.steps_per_epoch(len(data)))
-    losses: list[float] = []
+    first = [ledger]  # the ledger records the first step only
 
     def step(images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        loss = forward_backward(model, images, labels, how, F.cross_entropy, None if losses else ledger)
-        losses.append(loss.item())
-        return loss
+        return forward_backward(model, images, labels, how, F.cross_entropy, first.pop() if first else None)
 
-    et.training.train_epochs(model.train(), data, loop, step, optimizer, schedule)
-    return losses
+    return et.training.train_epochs(model.train(), data, loop, step, optimizer, schedule).step_losses
 
 
 def source_model(arch: str, scale: Scale) -> tuple[nn.Module, dict]:

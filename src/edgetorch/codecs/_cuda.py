@@ -44,12 +44,6 @@ def _load():
     return _triton
 
 
-def kernels(t: torch.Tensor):
-    """The Triton kernel module for a CUDA tensor ``t``, or None (CPU tensors, or no Triton).
-    The codecs ask ``_backend``'s table instead; this loads and checks the kernels up front."""
-    return _load() if t.is_cuda else None
-
-
 def gpu_path(t: torch.Tensor) -> bool:
     """Whether ``t`` takes the GPU code path: the codecs' kernels, and policies that never read a
     value back to the host in the forward."""
