@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import os
 import re
@@ -171,17 +170,6 @@ def test_the_probe_command_replaces_deadline_with_the_header_and_read_deadlines(
     assert refused.exit_code == 2
     said = " ".join(refused.output.split())
     assert "--header-deadline" in said and "--read-deadline" in said
-
-
-def test_the_probes_default_deadlines_are_a_default_servers():
-    from edgetorch.cli.split import probe
-
-    options = inspect.signature(probe).parameters
-    server = ServerConfig()
-    assert (options["header_deadline"].default.default, options["read_deadline"].default.default) == (
-        server.header_timeout_s, server.read_timeout_s)
-    assert (StallConfig().header_timeout_s, StallConfig().read_timeout_s) == (server.header_timeout_s, server.read_timeout_s)
-    assert (CapConfig().header_timeout_s, FuzzConfig().read_timeout_s) == (server.header_timeout_s, server.read_timeout_s)
 
 
 def test_body_stalls_are_held_to_the_read_deadline_and_header_stalls_to_the_header_deadline():

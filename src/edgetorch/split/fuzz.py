@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .deadlines import READ_TIMEOUT_S
 from .loadgen import Target
 from .payload import encode
 from .wire import MAX_RAW_ANSWER_BYTES, connect, status_of
@@ -182,7 +183,7 @@ class FuzzConfig:
     requests: int = 10_000
     seed: int = 0
     concurrency: int = 32
-    read_timeout_s: float = 30.0
+    read_timeout_s: float = READ_TIMEOUT_S
 
 
 @dataclass

@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import psutil
 
+from .deadlines import HEADER_TIMEOUT_S, READ_TIMEOUT_S
 from .loadgen import AnswerError, Target, read_answer
 from .wire import (CONNECT_TIMEOUT_S, PollSummary, Reply, connect, get_once, half_request_line, infer_head,
                    read_until_closed, small_window_socket, stalled_requests, status_of)
@@ -76,8 +77,8 @@ class StallConfig:
     connection is waited for up to 60 s beyond its own deadline."""
 
     connections: int = 1000
-    header_timeout_s: float = 10.0
-    read_timeout_s: float = 30.0
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    read_timeout_s: float = READ_TIMEOUT_S
 
     def deadline_s(self, kind: str) -> float:
         """The deadline of one way of stalling, ``"partial headers"`` or ``"partial body"``."""
@@ -228,7 +229,7 @@ class CapConfig:
 
     connections: int = 2100
     polls: int = 20
-    header_timeout_s: float = 10.0
+    header_timeout_s: float = HEADER_TIMEOUT_S
 
 
 @dataclass
