@@ -12,7 +12,7 @@ import re
 import socket
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from edgetorch.split.fuzz import Fuzzer, FuzzConfig, fuzz_one, run_fuzz
-from edgetorch.split.loadgen import MAX_ANSWER_BYTES, AnswerError, LoadConfig, Target, metrics_totals, run_load
+from edgetorch.split.loadgen import MAX_ANSWER_BYTES, AnswerError, LoadConfig, Target, get, metrics_totals, run_load
 from edgetorch.split.payload import encode, payload_size
 from edgetorch.split.probe import (CapConfig, PipeliningConfig, StallConfig, run_connection_cap, run_pipelining,
                                    run_slow_readers, run_stall)
@@ -199,21 +199,19 @@ def _drain(conn: socket.socket) -> None:
 
 
 @contextlib.contextmanager
-def _fake_server(answer: bytes) -> Iterator[tuple[Target, list]]:
-    """A server on 127.0.0.1 that writes ``answer`` to every connection as soon as it accepts it
-    (whatever the client sends, read meanwhile and ignored), then closes. Yields its target and the
-    list of connections it accepted."""
-    listener = socket.create_server(("127.0.0.1", 0))
+def _serving(handle: Callable[[socket.socket, threading.Event], None],
+             receive_buffer: int | None = None) -> Iterator[tuple[Target, list]]:
+    """A server on 127.0.0.1 that runs ``handle(connection, closing)`` in a thread of its own for
+    every connection it accepts; ``closing`` is set when the ``with`` block ends. ``receive_buffer``
+    sets the accepted sockets' SO_RCVBUF (on the listener, so the window they advertise is small
+    from the start). Yields its target and the list of connections it accepted."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
     accepted: list = []
-
-    def answer_one(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):  # a client that stopped reading resets the connection
-            conn.settimeout(HANG_GUARD_S)
-            reader = threading.Thread(target=_drain, args=(conn,), daemon=True)
-            reader.start()
-            conn.sendall(answer)
-            conn.shutdown(socket.SHUT_WR)
-            reader.join(HANG_GUARD_S)  # until the client closes: its request is read, so no reset
+    closing = threading.Event()
 
     def accept() -> None:
         while True:
@@ -222,14 +220,56 @@ def _fake_server(answer: bytes) -> Iterator[tuple[Target, list]]:
             except OSError:  # the listener was shut down
                 return
             accepted.append(conn)
-            threading.Thread(target=answer_one, args=(conn,), daemon=True).start()
+            threading.Thread(target=handle, args=(conn, closing), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
     try:
         yield Target("127.0.0.1", listener.getsockname()[1]), accepted
     finally:
+        closing.set()
         listener.shutdown(socket.SHUT_RDWR)
         listener.close()
+
+
+def _fake_server(*parts: bytes, pause_s: float = 0.0) -> contextlib.AbstractContextManager[tuple[Target, list]]:
+    """A server on 127.0.0.1 that writes ``parts`` to every connection as soon as it accepts it,
+    ``pause_s`` apart (whatever the client sends, read meanwhile and ignored), then closes. Yields
+    its target and the list of connections it accepted."""
+
+    def answer_one(conn: socket.socket, closing: threading.Event) -> None:
+        with conn, contextlib.suppress(OSError):  # a client that stopped reading resets the connection
+            conn.settimeout(HANG_GUARD_S)
+            reader = threading.Thread(target=_drain, args=(conn,), daemon=True)
+            reader.start()
+            for i, part in enumerate(parts):
+                if i and closing.wait(pause_s):
+                    return
+                conn.sendall(part)
+            conn.shutdown(socket.SHUT_WR)
+            reader.join(HANG_GUARD_S)  # until the client closes: its request is read, so no reset
+
+    return _serving(answer_one)
+
+
+def _trickling_server() -> contextlib.AbstractContextManager[tuple[Target, list]]:
+    """A fake server that sends the head of a 200 at once, then its 40-byte body a byte every
+    0.1 s: each read comes well inside DEADLINE (no per-read timeout fires), the whole answer 4 s
+    after the head."""
+    body = b" " * 40
+    head = _answer(200, body, "text/plain")[:-len(body)]
+    return _fake_server(head, *(body[i:i + 1] for i in range(len(body))), pause_s=0.1)
+
+
+def test_an_answer_trickled_in_is_held_to_one_deadline_for_the_whole():
+    late = f"no whole answer within {DEADLINE:g} s"
+    with _trickling_server() as (target, _):
+        with pytest.raises(AnswerError, match="not answered in full") as raised:
+            get(target, "/", timeout_s=DEADLINE)
+        assert raised.value.kind == late
+        with pytest.raises(AnswerError, match="not answered in full"):
+            metrics_totals(target, timeout_s=DEADLINE)
+        load = run_load(target, _payload(), LoadConfig(clients=2, requests=2, timeout_s=DEADLINE))
+    assert (load.requests, load.errors, load.errors_by_kind) == (4, 4, {late: 4})
 
 
 def test_the_raw_clients_read_at_most_their_cap_and_say_so():

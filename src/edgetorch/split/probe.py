@@ -27,7 +27,7 @@ import numpy as np
 import psutil
 
 from .deadlines import HEADER_TIMEOUT_S, READ_TIMEOUT_S
-from .loadgen import AnswerError, Target, read_answer
+from .loadgen import AnswerError, Target, exchange
 from .wire import (CONNECT_TIMEOUT_S, PollSummary, Reply, connect, get_once, half_request_line, infer_head,
                    read_until_closed, small_window_socket, stalled_requests, status_of)
 
@@ -61,6 +61,11 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
         return max(self._peak, self.now())
+
+
+# The most seconds a /health poll and its whole answer may take while a phase holds the server
+# busy: a hang guard (a late poll is counted, not waited for without end).
+HEALTH_WAIT_S = 30.0
 
 
 def _peak_sampler(target: Target) -> RssSampler | None:
@@ -158,13 +163,11 @@ async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSa
 
     async def poll_health() -> list[dict]:
         polls = []
-        async with httpx.AsyncClient(base_url=target.url, timeout=30, headers=target.headers) as client:
+        async with httpx.AsyncClient(base_url=target.url, timeout=None, headers=target.headers) as client:
             while not done.is_set():
                 start = time.perf_counter()
                 try:
-                    async with client.stream("GET", "/health") as answer:
-                        await read_answer(answer)
-                    status = answer.status_code
+                    status, _ = await exchange(client, "GET", "/health", HEALTH_WAIT_S)
                 except httpx.HTTPError as err:
                     status = type(err).__name__
                 except AnswerError as err:
@@ -277,7 +280,7 @@ async def _connection_cap(target: Target, config: CapConfig, rss: RssSampler | N
     opened = held["now"]
     replies, held_then = [], []
     for _ in range(config.polls):
-        replies.append(await get_once(target, 30))
+        replies.append(await get_once(target, HEALTH_WAIT_S))
         held_then.append(held["now"])
         await asyncio.sleep(0.1)
     ends = collections.Counter(r["status"] for r in await asyncio.gather(*tasks))
