@@ -10,6 +10,7 @@ import json
 import os
 import re
 import socket
+import struct
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -270,6 +271,47 @@ def test_an_answer_trickled_in_is_held_to_one_deadline_for_the_whole():
             metrics_totals(target, timeout_s=DEADLINE)
         load = run_load(target, _payload(), LoadConfig(clients=2, requests=2, timeout_s=DEADLINE))
     assert (load.requests, load.errors, load.errors_by_kind) == (4, 4, {late: 4})
+
+
+def _reset(conn: socket.socket) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    conn.close()
+
+
+def _reset_once_sent_to(conn: socket.socket, closing: threading.Event) -> None:
+    """A handler for :func:`_serving` that reads nothing and resets the connection as soon as its
+    first byte arrives: the client has connected and begun to send."""
+    conn.settimeout(HANG_GUARD_S)
+    with contextlib.suppress(OSError):
+        conn.recv(1, socket.MSG_PEEK)
+    _reset(conn)
+
+
+def _hold_unread(conn: socket.socket, closing: threading.Event) -> None:
+    """A handler for :func:`_serving` that reads nothing and resets the connection when the server
+    closes (a hang guard later at most)."""
+    closing.wait(HANG_GUARD_S)
+    _reset(conn)
+
+
+# More than a client's send buffer (4 MiB at most by default) and a 4 KiB receive window take: a
+# client sending it to a server that reads nothing is still sending when the server resets or
+# gives up, however fast the machine.
+UNSENDABLE = 16 << 20
+
+
+def test_a_server_that_resets_connections_as_they_send_fails_them_not_the_stall_phase():
+    # The two stalled in the body are still sending half of a 2 * UNSENDABLE payload when the reset
+    # comes; the two stalled in the headers have sent theirs and are reset while they wait.
+    with _serving(_reset_once_sent_to, receive_buffer=4096) as (target, _):
+        stall = run_stall(target, bytes(2 * UNSENDABLE), StallConfig(4, HANG_GUARD_S, HANG_GUARD_S))
+    assert (stall.connections, stall.connect_errors, stall.send_errors, stall.closed) == (4, 0, 2, 0)
+
+
+def test_fuzzing_a_server_that_reads_nothing_of_a_large_request_gives_up_at_the_answer_deadline():
+    request = b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % UNSENDABLE + bytes(UNSENDABLE)
+    with _serving(_hold_unread, receive_buffer=4096) as (target, _):
+        assert asyncio.run(fuzz_one(target, request, DEADLINE)) == "no answer in time"
 
 
 def test_the_raw_clients_read_at_most_their_cap_and_say_so():

@@ -98,15 +98,18 @@ _STALLS = ("partial headers", "partial body")
 class StallResult:
     """When the server closed each stalled connection, from its last byte, whether it answered
     408, and how many it closed within their own deadline + 1 s (``by_kind``: the same per way of
-    stalling, with that deadline); ``answers_over_cap``: connections that sent more than a probe
-    reads (:data:`~edgetorch.split.wire.MAX_RAW_ANSWER_BYTES`), not counted as closed;
-    ``/health`` polled every 0.1 s meanwhile; ``peak_rss_bytes`` with a ``server_pid``."""
+    stalling, with that deadline); ``connect_errors`` and ``send_errors``: connections that could
+    not be opened, or that failed (a reset) before their half request was sent;
+    ``answers_over_cap``: connections that sent more than a probe reads
+    (:data:`~edgetorch.split.wire.MAX_RAW_ANSWER_BYTES`), not counted as closed; ``/health``
+    polled every 0.1 s meanwhile; ``peak_rss_bytes`` with a ``server_pid``."""
 
     connections: int
     header_timeout_s: float
     read_timeout_s: float
     wall_s: float
     connect_errors: int
+    send_errors: int
     closed: int
     answered_408: int
     answers_over_cap: int
@@ -122,6 +125,10 @@ class StallResult:
     health_p50_ms: float | None
     health_max_ms: float | None
     peak_rss_bytes: int | None = None
+
+
+def _errors(results: list[dict], stage: str) -> int:
+    return sum(r.get("error", "").startswith(f"{stage}:") for r in results)
 
 
 def _closing_times(results: list[dict], deadline_s: float) -> dict:
@@ -144,8 +151,12 @@ async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSa
             reader, writer = await connect(target)
         except (OSError, asyncio.TimeoutError) as err:
             return {"kind": kind, "error": f"connect: {type(err).__name__} {err}"}
-        writer.write(sent_bytes[kind])
-        await writer.drain()
+        try:  # a server may reset a connection as soon as it accepts it: one failed connection, not the phase
+            writer.write(sent_bytes[kind])
+            await writer.drain()
+        except OSError as err:
+            writer.close()
+            return {"kind": kind, "error": f"send: {type(err).__name__} {err}"}
         sent = time.perf_counter()
         held["now"] += 1
         held["max"] = max(held["max"], held["now"])
@@ -180,18 +191,21 @@ async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSa
         rss.start_peak()
     poller = asyncio.create_task(poll_health())
     start = time.perf_counter()
-    results = await asyncio.gather(*(stalled(i) for i in range(config.connections)))
-    wall = time.perf_counter() - start
-    done.set()
+    try:
+        results = await asyncio.gather(*(stalled(i) for i in range(config.connections)))
+        wall = time.perf_counter() - start
+    finally:  # however the phase ends, the poller and the sampler's thread end with it
+        done.set()
+        peak_rss = rss.stop_peak() if rss else None
     polls = await poller
-    peak_rss = rss.stop_peak() if rss else None
     closed = np.array([r["closed_after_s"] for r in results if r.get("closed_after_s") is not None])
     while_held = [p for p in polls if p["held"] > 0]
     by_kind = {kind: _closing_times([r for r in results if r["kind"] == kind], config.deadline_s(kind))
                for kind in _STALLS}
     ok_polls = [p for p in while_held if p["status"] == 200]
     return StallResult(
-        config.connections, config.header_timeout_s, config.read_timeout_s, wall, sum("error" in r for r in results),
+        config.connections, config.header_timeout_s, config.read_timeout_s, wall, _errors(results, "connect"),
+        _errors(results, "send"),
         int(closed.size), sum(r.get("status") == 408 for r in results), sum("over_cap" in r for r in results),
         float(closed.min()) if closed.size else None, float(np.median(closed)) if closed.size else None,
         float(closed.max()) if closed.size else None,
