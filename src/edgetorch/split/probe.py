@@ -63,8 +63,7 @@ class RssSampler:
         return max(self._peak, self.now())
 
 
-# The most seconds a /health poll and its whole answer may take while a phase holds the server
-# busy: a hang guard (a late poll is counted, not waited for without end).
+# Seconds a /health poll and its whole answer may take while a phase holds the server: a hang guard.
 HEALTH_WAIT_S = 30.0
 
 
@@ -125,10 +124,6 @@ class StallResult:
     health_p50_ms: float | None
     health_max_ms: float | None
     peak_rss_bytes: int | None = None
-
-
-def _errors(results: list[dict], stage: str) -> int:
-    return sum(r.get("error", "").startswith(f"{stage}:") for r in results)
 
 
 def _closing_times(results: list[dict], deadline_s: float) -> dict:
@@ -203,9 +198,9 @@ async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSa
     by_kind = {kind: _closing_times([r for r in results if r["kind"] == kind], config.deadline_s(kind))
                for kind in _STALLS}
     ok_polls = [p for p in while_held if p["status"] == 200]
+    errors = collections.Counter(r["error"].partition(":")[0] for r in results if "error" in r)  # connect, send
     return StallResult(
-        config.connections, config.header_timeout_s, config.read_timeout_s, wall, _errors(results, "connect"),
-        _errors(results, "send"),
+        config.connections, config.header_timeout_s, config.read_timeout_s, wall, errors["connect"], errors["send"],
         int(closed.size), sum(r.get("status") == 408 for r in results), sum("over_cap" in r for r in results),
         float(closed.min()) if closed.size else None, float(np.median(closed)) if closed.size else None,
         float(closed.max()) if closed.size else None,
