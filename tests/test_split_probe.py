@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import os
 import re
 import socket
+import struct
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from edgetorch.split.fuzz import Fuzzer, FuzzConfig, fuzz_one, run_fuzz
-from edgetorch.split.loadgen import MAX_ANSWER_BYTES, AnswerError, LoadConfig, Target, metrics_totals, run_load
+from edgetorch.split.loadgen import MAX_ANSWER_BYTES, AnswerError, LoadConfig, Target, get, metrics_totals, run_load
 from edgetorch.split.payload import encode, payload_size
 from edgetorch.split.probe import (CapConfig, PipeliningConfig, StallConfig, run_connection_cap, run_pipelining,
                                    run_slow_readers, run_stall)
@@ -173,17 +173,6 @@ def test_the_probe_command_replaces_deadline_with_the_header_and_read_deadlines(
     assert "--header-deadline" in said and "--read-deadline" in said
 
 
-def test_the_probes_default_deadlines_are_a_default_servers():
-    from edgetorch.cli.split import probe
-
-    options = inspect.signature(probe).parameters
-    server = ServerConfig()
-    assert (options["header_deadline"].default.default, options["read_deadline"].default.default) == (
-        server.header_timeout_s, server.read_timeout_s)
-    assert (StallConfig().header_timeout_s, StallConfig().read_timeout_s) == (server.header_timeout_s, server.read_timeout_s)
-    assert (CapConfig().header_timeout_s, FuzzConfig().read_timeout_s) == (server.header_timeout_s, server.read_timeout_s)
-
-
 def test_body_stalls_are_held_to_the_read_deadline_and_header_stalls_to_the_header_deadline():
     # The server's body deadline (5 s) is past the header deadline given + 1 s (3 + 1): checked
     # against the header deadline, as the probe once did, every body stall would fail. The
@@ -211,21 +200,19 @@ def _drain(conn: socket.socket) -> None:
 
 
 @contextlib.contextmanager
-def _fake_server(answer: bytes) -> Iterator[tuple[Target, list]]:
-    """A server on 127.0.0.1 that writes ``answer`` to every connection as soon as it accepts it
-    (whatever the client sends, read meanwhile and ignored), then closes. Yields its target and the
-    list of connections it accepted."""
-    listener = socket.create_server(("127.0.0.1", 0))
+def _serving(handle: Callable[[socket.socket, threading.Event], None],
+             receive_buffer: int | None = None) -> Iterator[tuple[Target, list]]:
+    """A server on 127.0.0.1 that runs ``handle(connection, closing)`` in a thread of its own for
+    every connection it accepts; ``closing`` is set when the ``with`` block ends. ``receive_buffer``
+    sets the accepted sockets' SO_RCVBUF (on the listener, so the window they advertise is small
+    from the start). Yields its target and the list of connections it accepted."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
     accepted: list = []
-
-    def answer_one(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):  # a client that stopped reading resets the connection
-            conn.settimeout(HANG_GUARD_S)
-            reader = threading.Thread(target=_drain, args=(conn,), daemon=True)
-            reader.start()
-            conn.sendall(answer)
-            conn.shutdown(socket.SHUT_WR)
-            reader.join(HANG_GUARD_S)  # until the client closes: its request is read, so no reset
+    closing = threading.Event()
 
     def accept() -> None:
         while True:
@@ -234,14 +221,97 @@ def _fake_server(answer: bytes) -> Iterator[tuple[Target, list]]:
             except OSError:  # the listener was shut down
                 return
             accepted.append(conn)
-            threading.Thread(target=answer_one, args=(conn,), daemon=True).start()
+            threading.Thread(target=handle, args=(conn, closing), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
     try:
         yield Target("127.0.0.1", listener.getsockname()[1]), accepted
     finally:
+        closing.set()
         listener.shutdown(socket.SHUT_RDWR)
         listener.close()
+
+
+def _fake_server(*parts: bytes, pause_s: float = 0.0) -> contextlib.AbstractContextManager[tuple[Target, list]]:
+    """A server on 127.0.0.1 that writes ``parts`` to every connection as soon as it accepts it,
+    ``pause_s`` apart (whatever the client sends, read meanwhile and ignored), then closes. Yields
+    its target and the list of connections it accepted."""
+
+    def answer_one(conn: socket.socket, closing: threading.Event) -> None:
+        with conn, contextlib.suppress(OSError):  # a client that stopped reading resets the connection
+            conn.settimeout(HANG_GUARD_S)
+            reader = threading.Thread(target=_drain, args=(conn,), daemon=True)
+            reader.start()
+            for i, part in enumerate(parts):
+                if i and closing.wait(pause_s):
+                    return
+                conn.sendall(part)
+            conn.shutdown(socket.SHUT_WR)
+            reader.join(HANG_GUARD_S)  # until the client closes: its request is read, so no reset
+
+    return _serving(answer_one)
+
+
+def _trickling_server() -> contextlib.AbstractContextManager[tuple[Target, list]]:
+    """A fake server that sends the head of a 200 at once, then its 40-byte body a byte every
+    0.1 s: each read comes well inside DEADLINE (no per-read timeout fires), the whole answer 4 s
+    after the head."""
+    body = b" " * 40
+    head = _answer(200, body, "text/plain")[:-len(body)]
+    return _fake_server(head, *(body[i:i + 1] for i in range(len(body))), pause_s=0.1)
+
+
+def test_an_answer_trickled_in_is_held_to_one_deadline_for_the_whole():
+    late = f"no whole answer within {DEADLINE:g} s"
+    with _trickling_server() as (target, _):
+        with pytest.raises(AnswerError, match="not answered in full") as raised:
+            get(target, "/", timeout_s=DEADLINE)
+        assert raised.value.kind == late
+        with pytest.raises(AnswerError, match="not answered in full"):
+            metrics_totals(target, timeout_s=DEADLINE)
+        load = run_load(target, _payload(), LoadConfig(clients=2, requests=2, timeout_s=DEADLINE))
+    assert (load.requests, load.errors, load.errors_by_kind) == (4, 4, {late: 4})
+
+
+def _reset(conn: socket.socket) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    conn.close()
+
+
+def _reset_once_sent_to(conn: socket.socket, closing: threading.Event) -> None:
+    """A handler for :func:`_serving` that reads nothing and resets the connection as soon as its
+    first byte arrives: the client has connected and begun to send."""
+    conn.settimeout(HANG_GUARD_S)
+    with contextlib.suppress(OSError):
+        conn.recv(1, socket.MSG_PEEK)
+    _reset(conn)
+
+
+def _hold_unread(conn: socket.socket, closing: threading.Event) -> None:
+    """A handler for :func:`_serving` that reads nothing and resets the connection when the server
+    closes (a hang guard later at most)."""
+    closing.wait(HANG_GUARD_S)
+    _reset(conn)
+
+
+# More than a client's send buffer (4 MiB at most by default) and a 4 KiB receive window take: a
+# client sending it to a server that reads nothing is still sending when the server resets or
+# gives up, however fast the machine.
+UNSENDABLE = 16 << 20
+
+
+def test_a_server_that_resets_connections_as_they_send_fails_them_not_the_stall_phase():
+    # The two stalled in the body are still sending half of a 2 * UNSENDABLE payload when the reset
+    # comes; the two stalled in the headers have sent theirs and are reset while they wait.
+    with _serving(_reset_once_sent_to, receive_buffer=4096) as (target, _):
+        stall = run_stall(target, bytes(2 * UNSENDABLE), StallConfig(4, HANG_GUARD_S, HANG_GUARD_S))
+    assert (stall.connections, stall.connect_errors, stall.send_errors, stall.closed) == (4, 0, 2, 0)
+
+
+def test_fuzzing_a_server_that_reads_nothing_of_a_large_request_gives_up_at_the_answer_deadline():
+    request = b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % UNSENDABLE + bytes(UNSENDABLE)
+    with _serving(_hold_unread, receive_buffer=4096) as (target, _):
+        assert asyncio.run(fuzz_one(target, request, DEADLINE)) == "no answer in time"
 
 
 def test_the_raw_clients_read_at_most_their_cap_and_say_so():

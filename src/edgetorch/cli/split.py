@@ -279,8 +279,8 @@ def probe(
     hostile: bool = typer.Option(False, "--hostile", help="also open stalled connections and send fuzzed requests"),
     stalled: int = typer.Option(100, min=1, help="with --hostile: connections that stop halfway through a request"),
     fuzz: int = typer.Option(500, min=1, help="with --hostile: seeded malformed requests, 32 at a time"),
-    header_deadline: float = typer.Option(10.0, min=0.1, help="with --hostile: the seconds the server gives a request line and headers (its --header-timeout); a connection stalled in its headers must be closed within this + 1 s"),
-    read_deadline: float = typer.Option(30.0, min=0.1, help="with --hostile: the seconds the server gives a request body (its --read-timeout); a connection stalled in its body must be closed within this + 1 s, and fuzzed requests that send less body than they declare are waited for this + 10 s"),
+    header_deadline: float = typer.Option(None, min=0.1, help="with --hostile: the seconds the server gives a request line and headers (its --header-timeout; default: a default server's); a connection stalled in its headers must be closed within this + 1 s"),
+    read_deadline: float = typer.Option(None, min=0.1, help="with --hostile: the seconds the server gives a request body (its --read-timeout; default: a default server's); a connection stalled in its body must be closed within this + 1 s, and fuzzed requests that send less body than they declare are waited for this + 10 s"),
     deadline: float = typer.Option(None, hidden=True),  # replaced: an error names the two options above
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write every phase's full result here"),
 ) -> None:
@@ -294,15 +294,21 @@ def probe(
 
     import httpx
 
+    from ..split.deadlines import HEADER_TIMEOUT_S, READ_TIMEOUT_S
     from ..split.fuzz import FuzzConfig, run_fuzz
     from ..split.loadgen import LoadConfig, Target, get, run_load
     from ..split.payload import encode, payload_size
     from ..split.probe import StallConfig, run_stall
 
     if deadline is not None:  # one deadline for both was checked against the header timeout alone
-        raise typer.BadParameter("--deadline is replaced by --header-deadline (the server's --header-timeout, "
-                                 "default 10 s) and --read-deadline (its --read-timeout, default 30 s): a server's "
-                                 "body deadline is not its header deadline", param_hint="--deadline")
+        raise typer.BadParameter(f"--deadline is replaced by --header-deadline (the server's --header-timeout, "
+                                 f"default {HEADER_TIMEOUT_S:g} s) and --read-deadline (its --read-timeout, default "
+                                 f"{READ_TIMEOUT_S:g} s): a server's body deadline is not its header deadline",
+                                 param_hint="--deadline")
+    # Read here, not as the options' defaults: the module that holds them is under edgetorch.split,
+    # whose import brings torch, and `--help` must not wait for torch.
+    header_deadline = HEADER_TIMEOUT_S if header_deadline is None else header_deadline
+    read_deadline = READ_TIMEOUT_S if read_deadline is None else read_deadline
     try:
         target = Target.from_url(url, _secret(token_env, "bearer token"))
     except ValueError as err:

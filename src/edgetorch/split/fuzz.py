@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .deadlines import READ_TIMEOUT_S
 from .loadgen import Target
 from .payload import encode
 from .wire import MAX_RAW_ANSWER_BYTES, connect, status_of
@@ -149,15 +150,21 @@ class Fuzzer:
 
 async def fuzz_one(target: Target, raw: bytes, wait_s: float) -> str:
     """Send one raw request on a new connection; the answer's status code (or why there is none).
-    Only the answer's head is read, at most :data:`~edgetorch.split.wire.MAX_RAW_ANSWER_BYTES` of it."""
+    Only the answer's head is read, at most :data:`~edgetorch.split.wire.MAX_RAW_ANSWER_BYTES` of it.
+    Sending the request and reading that head have ``wait_s`` together: a server that reads
+    nothing of a large request holds it no longer than one that never answers."""
     try:
         reader, writer = await connect(target)
     except (OSError, asyncio.TimeoutError) as err:
         return f"connect failed ({type(err).__name__})"
-    try:
+
+    async def send_and_read_head() -> bytes:
         writer.write(raw)
         await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait_s)
+        return await reader.readuntil(b"\r\n\r\n")
+
+    try:
+        head = await asyncio.wait_for(send_and_read_head(), wait_s)
         status = status_of(head)
         return str(status) if status is not None else "unparseable answer"
     except asyncio.IncompleteReadError as err:
@@ -182,7 +189,7 @@ class FuzzConfig:
     requests: int = 10_000
     seed: int = 0
     concurrency: int = 32
-    read_timeout_s: float = 30.0
+    read_timeout_s: float = READ_TIMEOUT_S
 
 
 @dataclass

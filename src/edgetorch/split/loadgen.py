@@ -5,9 +5,11 @@ Point them at your own deployment to see what it sustains end to end (a reverse 
 changes both); :mod:`edgetorch.split.probe` has the hostile clients. Every client here speaks
 through httpx; the address and token come in a :class:`Target`.
 
-Every answer is read raw and at most :data:`MAX_ANSWER_BYTES` of it: a probe is pointed at servers
-that may be broken or hostile, and one that answers without end must not make it allocate without
-end. A longer answer is an :class:`AnswerError` (a counted error under load).
+Every answer is read raw, at most :data:`MAX_ANSWER_BYTES` of it, and whole within one deadline
+(:func:`exchange`): a probe is pointed at servers that may be broken or hostile, and one that
+answers without end must not make it allocate without end, nor one that answers a byte at a time
+make it wait without end. A longer or later answer is an :class:`AnswerError` (a counted error
+under load).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import collections
 import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import numpy as np
@@ -97,23 +100,9 @@ class Target:
         return {**_IDENTITY, **({"authorization": self.auth} if self.token else {})}
 
 
-async def read_answer(answer: httpx.Response, limit: int = MAX_ANSWER_BYTES) -> bytes:
-    """The body of a streamed answer (``client.stream(...)``), as it arrived, at most ``limit`` bytes.
-
-    Args:
-        answer: an answer whose body has not been read yet.
-        limit: the most bytes to read; reading stops at the chunk that passes it.
-
-    Returns:
-        The body.
-
-    Raises:
-        AnswerError: the body is longer than ``limit``.
-
-    Example:
-        >>> async with client.stream("GET", "/health") as answer:  # doctest: +SKIP
-        ...     body = await read_answer(answer)
-    """
+async def _read_capped(answer: httpx.Response, limit: int) -> bytes:
+    """The body of a streamed answer as it arrived, at most ``limit`` bytes (reading stops at the
+    chunk that passes it: an :class:`AnswerError`). No deadline of its own: :func:`exchange` sets it."""
     body = bytearray()
     async for chunk in answer.aiter_raw():
         body += chunk
@@ -123,27 +112,67 @@ async def read_answer(answer: httpx.Response, limit: int = MAX_ANSWER_BYTES) -> 
     return bytes(body)
 
 
+async def exchange(client: httpx.AsyncClient, method: str, path: str, timeout_s: float,
+                   **request: Any) -> tuple[int, bytes]:
+    """``method path`` on ``client``, and its answer read whole within ``timeout_s`` of sending.
+
+    One deadline for the request and every byte of its answer: httpx's own timeout limits each
+    read, not the whole, so under it a server that sends a byte every 29 s holds a 30 s guard for
+    as long as the answer is (up to :data:`MAX_ANSWER_BYTES` reads). Make ``client`` with
+    ``timeout=None``: this deadline is then the only one, and every late answer is counted alike.
+
+    Args:
+        client: the client to send on (its base URL and headers apply).
+        method: e.g. ``"GET"``.
+        path: e.g. ``"/health"``.
+        timeout_s: seconds for the request and its whole answer.
+        **request: passed to ``client.stream`` (e.g. ``content=``).
+
+    Returns:
+        (status code, body): at most :data:`MAX_ANSWER_BYTES` of body, as it arrived.
+
+    Raises:
+        httpx.HTTPError: the server could not be reached or broke the connection.
+        AnswerError: the body is longer than :data:`MAX_ANSWER_BYTES`, or the answer was not whole
+            within ``timeout_s`` (``kind``: ``"no whole answer within N s"``).
+
+    Example:
+        >>> async with httpx.AsyncClient(base_url=url, timeout=None) as client:  # doctest: +SKIP
+        ...     status, body = await exchange(client, "GET", "/health", 10.0)
+    """
+    async def whole() -> tuple[int, bytes]:
+        async with client.stream(method, path, **request) as answer:
+            return answer.status_code, await _read_capped(answer, MAX_ANSWER_BYTES)
+
+    try:
+        return await asyncio.wait_for(whole(), timeout_s)
+    except asyncio.TimeoutError:
+        raise AnswerError(f"{method} {path} was not answered in full within {timeout_s:g} s (the probe's deadline "
+                          "for a request and its whole answer, however steadily the bytes come)",
+                          f"no whole answer within {timeout_s:g} s") from None
+
+
 async def _get(target: Target, path: str, timeout_s: float) -> tuple[int, bytes]:
-    async with httpx.AsyncClient(base_url=target.url, timeout=timeout_s, headers=target.headers) as client:
-        async with client.stream("GET", path) as answer:
-            return answer.status_code, await read_answer(answer)
+    async with httpx.AsyncClient(base_url=target.url, timeout=None, headers=target.headers) as client:
+        return await exchange(client, "GET", path, timeout_s)
 
 
 def get(target: Target, path: str, timeout_s: float = 30.0) -> tuple[int, bytes]:
     """``GET path`` (with the target's token): the status and the body, at most
-    :data:`MAX_ANSWER_BYTES` of it.
+    :data:`MAX_ANSWER_BYTES` of it, whole within ``timeout_s``.
 
     Args:
         target: the server.
         path: e.g. ``"/"`` or ``"/health"``.
-        timeout_s: hang guard of the request (connect, and each read).
+        timeout_s: seconds for the request and its whole answer (connecting included).
 
     Returns:
         (status code, body).
 
     Raises:
         httpx.HTTPError: the server could not be reached or broke the connection.
-        AnswerError: the body is longer than :data:`MAX_ANSWER_BYTES`.
+        AnswerError: the body is longer than :data:`MAX_ANSWER_BYTES`, or the answer was not whole
+            within ``timeout_s``.
 
     Example:
         >>> status, body = get(Target.from_url(url), "/")  # doctest: +SKIP
@@ -156,7 +185,8 @@ def get(target: Target, path: str, timeout_s: float = 30.0) -> tuple[int, bytes]
 @dataclass(frozen=True)
 class LoadConfig:
     """``clients`` concurrent clients, each sending ``requests`` back to back over one keep-alive
-    connection; ``timeout_s`` guards each request against a hang."""
+    connection; a request whose answer is not whole within ``timeout_s`` of sending it is a
+    counted error (``"no whole answer within N s"``)."""
 
     clients: int = 32
     requests: int = 100
@@ -209,13 +239,12 @@ def _server_seconds(status: int, body: bytes) -> float:
 async def _one_client(target: Target, payload: bytes, config: LoadConfig) -> tuple[list[float], list[float], list[str]]:
     latencies, server_times, errors = [], [], []
     headers = {"content-type": "application/octet-stream", **target.headers}
-    async with httpx.AsyncClient(base_url=target.url, timeout=config.timeout_s, headers=headers) as client:
+    async with httpx.AsyncClient(base_url=target.url, timeout=None, headers=headers) as client:
         for _ in range(config.requests):
             start = time.perf_counter()
             try:
-                async with client.stream("POST", "/infer", content=payload) as answer:
-                    body = await read_answer(answer)
-                server_times.append(_server_seconds(answer.status_code, body))
+                status, body = await exchange(client, "POST", "/infer", config.timeout_s, content=payload)
+                server_times.append(_server_seconds(status, body))
             except httpx.HTTPError as err:
                 errors.append(type(err).__name__)
             except AnswerError as err:
@@ -283,7 +312,7 @@ def metrics_totals(target: Target, timeout_s: float = 30.0) -> dict:
 
     Args:
         target: the server (its token, if it has one, opens ``/metrics``).
-        timeout_s: hang guard of the request.
+        timeout_s: seconds for the request and its whole answer.
 
     Returns:
         ``{"requests": n, "errors_by_code": {code: n}, "connections_dropped": {reason: n},
@@ -292,7 +321,8 @@ def metrics_totals(target: Target, timeout_s: float = 30.0) -> dict:
     Raises:
         httpx.HTTPError: the server could not be reached.
         AnswerError: it answered other than 200 (a wrong or missing token: 401), more than
-            :data:`MAX_ANSWER_BYTES`, or not with the counters of an edgetorch split server.
+            :data:`MAX_ANSWER_BYTES`, not whole within ``timeout_s``, or not with the counters of
+            an edgetorch split server.
     """
     status, body = get(target, "/metrics", timeout_s)
     if status != 200:

@@ -26,7 +26,8 @@ import httpx
 import numpy as np
 import psutil
 
-from .loadgen import AnswerError, Target, read_answer
+from .deadlines import HEADER_TIMEOUT_S, READ_TIMEOUT_S
+from .loadgen import AnswerError, Target, exchange
 from .wire import (CONNECT_TIMEOUT_S, PollSummary, Reply, connect, get_once, half_request_line, infer_head,
                    read_until_closed, small_window_socket, stalled_requests, status_of)
 
@@ -62,6 +63,10 @@ class RssSampler:
         return max(self._peak, self.now())
 
 
+# Seconds a /health poll and its whole answer may take while a phase holds the server: a hang guard.
+HEALTH_WAIT_S = 30.0
+
+
 def _peak_sampler(target: Target) -> RssSampler | None:
     return None if target.server_pid is None else RssSampler(target.server_pid)
 
@@ -76,8 +81,8 @@ class StallConfig:
     connection is waited for up to 60 s beyond its own deadline."""
 
     connections: int = 1000
-    header_timeout_s: float = 10.0
-    read_timeout_s: float = 30.0
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    read_timeout_s: float = READ_TIMEOUT_S
 
     def deadline_s(self, kind: str) -> float:
         """The deadline of one way of stalling, ``"partial headers"`` or ``"partial body"``."""
@@ -92,15 +97,18 @@ _STALLS = ("partial headers", "partial body")
 class StallResult:
     """When the server closed each stalled connection, from its last byte, whether it answered
     408, and how many it closed within their own deadline + 1 s (``by_kind``: the same per way of
-    stalling, with that deadline); ``answers_over_cap``: connections that sent more than a probe
-    reads (:data:`~edgetorch.split.wire.MAX_RAW_ANSWER_BYTES`), not counted as closed;
-    ``/health`` polled every 0.1 s meanwhile; ``peak_rss_bytes`` with a ``server_pid``."""
+    stalling, with that deadline); ``connect_errors`` and ``send_errors``: connections that could
+    not be opened, or that failed (a reset) before their half request was sent;
+    ``answers_over_cap``: connections that sent more than a probe reads
+    (:data:`~edgetorch.split.wire.MAX_RAW_ANSWER_BYTES`), not counted as closed; ``/health``
+    polled every 0.1 s meanwhile; ``peak_rss_bytes`` with a ``server_pid``."""
 
     connections: int
     header_timeout_s: float
     read_timeout_s: float
     wall_s: float
     connect_errors: int
+    send_errors: int
     closed: int
     answered_408: int
     answers_over_cap: int
@@ -138,8 +146,12 @@ async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSa
             reader, writer = await connect(target)
         except (OSError, asyncio.TimeoutError) as err:
             return {"kind": kind, "error": f"connect: {type(err).__name__} {err}"}
-        writer.write(sent_bytes[kind])
-        await writer.drain()
+        try:  # a server may reset a connection as soon as it accepts it: one failed connection, not the phase
+            writer.write(sent_bytes[kind])
+            await writer.drain()
+        except OSError as err:
+            writer.close()
+            return {"kind": kind, "error": f"send: {type(err).__name__} {err}"}
         sent = time.perf_counter()
         held["now"] += 1
         held["max"] = max(held["max"], held["now"])
@@ -157,13 +169,11 @@ async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSa
 
     async def poll_health() -> list[dict]:
         polls = []
-        async with httpx.AsyncClient(base_url=target.url, timeout=30, headers=target.headers) as client:
+        async with httpx.AsyncClient(base_url=target.url, timeout=None, headers=target.headers) as client:
             while not done.is_set():
                 start = time.perf_counter()
                 try:
-                    async with client.stream("GET", "/health") as answer:
-                        await read_answer(answer)
-                    status = answer.status_code
+                    status, _ = await exchange(client, "GET", "/health", HEALTH_WAIT_S)
                 except httpx.HTTPError as err:
                     status = type(err).__name__
                 except AnswerError as err:
@@ -176,18 +186,21 @@ async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSa
         rss.start_peak()
     poller = asyncio.create_task(poll_health())
     start = time.perf_counter()
-    results = await asyncio.gather(*(stalled(i) for i in range(config.connections)))
-    wall = time.perf_counter() - start
-    done.set()
+    try:
+        results = await asyncio.gather(*(stalled(i) for i in range(config.connections)))
+        wall = time.perf_counter() - start
+    finally:  # however the phase ends, the poller and the sampler's thread end with it
+        done.set()
+        peak_rss = rss.stop_peak() if rss else None
     polls = await poller
-    peak_rss = rss.stop_peak() if rss else None
     closed = np.array([r["closed_after_s"] for r in results if r.get("closed_after_s") is not None])
     while_held = [p for p in polls if p["held"] > 0]
     by_kind = {kind: _closing_times([r for r in results if r["kind"] == kind], config.deadline_s(kind))
                for kind in _STALLS}
     ok_polls = [p for p in while_held if p["status"] == 200]
+    errors = collections.Counter(r["error"].partition(":")[0] for r in results if "error" in r)  # connect, send
     return StallResult(
-        config.connections, config.header_timeout_s, config.read_timeout_s, wall, sum("error" in r for r in results),
+        config.connections, config.header_timeout_s, config.read_timeout_s, wall, errors["connect"], errors["send"],
         int(closed.size), sum(r.get("status") == 408 for r in results), sum("over_cap" in r for r in results),
         float(closed.min()) if closed.size else None, float(np.median(closed)) if closed.size else None,
         float(closed.max()) if closed.size else None,
@@ -228,7 +241,7 @@ class CapConfig:
 
     connections: int = 2100
     polls: int = 20
-    header_timeout_s: float = 10.0
+    header_timeout_s: float = HEADER_TIMEOUT_S
 
 
 @dataclass
@@ -276,7 +289,7 @@ async def _connection_cap(target: Target, config: CapConfig, rss: RssSampler | N
     opened = held["now"]
     replies, held_then = [], []
     for _ in range(config.polls):
-        replies.append(await get_once(target, 30))
+        replies.append(await get_once(target, HEALTH_WAIT_S))
         held_then.append(held["now"])
         await asyncio.sleep(0.1)
     ends = collections.Counter(r["status"] for r in await asyncio.gather(*tasks))

@@ -92,6 +92,7 @@ from torch import nn
 
 from .._checks import check_positive_int
 from .artifact import load_part
+from .deadlines import HEADER_TIMEOUT_S, READ_TIMEOUT_S
 from .manifest import SplitManifest, check_artifact_id
 from .metrics import Metrics
 from .payload import PayloadError, decode, payload_size, read_header
@@ -148,8 +149,8 @@ class ServerConfig:
     max_payload_bytes: int | None = None
     token: str | None = None
     max_batch: int = 1024
-    header_timeout_s: float = 10.0
-    read_timeout_s: float = 30.0
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    read_timeout_s: float = READ_TIMEOUT_S
     keep_alive_s: float = 5.0
     write_timeout_s: float = 30.0
     max_connections: int = 2048
