@@ -61,6 +61,10 @@ class Policy:
                 raise ValueError(f"policy name {key!r} is taken by {POLICIES[key].__qualname__}; give "
                                  f"{cls.__qualname__} a name of its own")
             POLICIES[key] = cls
+        if "encode" in cls.__dict__ and "encode_as" not in cls.__dict__:
+            # A subclass that overrides ``encode`` (say, of BackRazor) must see every tensor
+            # there, not through the ``encode_as`` shortcut it inherited.
+            cls.encode_as = Policy.encode_as
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
@@ -254,7 +258,8 @@ class Quantized(Policy):
         return quantized_form(self.bits, need.kinks)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
-        return self.encode_as(t, need, self.form(need))
+        # Named, not self.encode_as: a subclass that overrides encode routes encode_as back here.
+        return Quantized.encode_as(self, t, need, self.form(need))
 
     def encode_as(self, t: torch.Tensor, need: Need, form: Form):
         kind = form.kind
@@ -379,7 +384,8 @@ class BackRazor(Policy):
             wanted is PRUNE_FORM and held.kind is FormKind.QUANTIZED and held.interval is None)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
-        return self.encode_as(t, need, self.form(need))
+        # Named, not self.encode_as: a subclass that overrides encode routes encode_as back here.
+        return BackRazor.encode_as(self, t, need, self.form(need))
 
     def encode_as(self, t: torch.Tensor, need: Need, form: Form):
         if form is PRUNE_FORM:
