@@ -125,3 +125,21 @@ def test_recomputed_blocks_give_plain_gradients_and_statistics_and_hold_less():
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
     assert all(torch.equal(a, b) for a, b in zip(plain_stats, planned_stats))  # statistics updated once
     assert planned_bytes < 0.6 * plain_bytes  # measured 0.54x: the stem and layer1.0 are held as before
+
+
+def test_the_module_table_is_built_once_per_model_not_per_step(monkeypatch):
+    import edgetorch.activations.blocks as blocks
+
+    built = []
+    table = blocks._table
+    monkeypatch.setattr(blocks, "_table", lambda model, named: built.append(named) or table(model, named))
+    model, x, y = _resnet(), torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+    plan = PerBlock((("layer1.0", edgetorch.Quantized(8)), ("layer2.1", Recompute())), default=edgetorch.Bitmap())
+    for _ in range(3):  # forward_backward makes an engine per step; each asks for the table
+        forward_backward(model, x, y, TrainingPolicy(plan), F.cross_entropy)
+    assert len(built) == 1  # recomputing swaps layer2.1 in on every step: one table for that state
+    table_swapped, _ = plan.by_module(model)  # not swapped now: the names differ, a second table
+    assert len(built) == 2 and "layer2.1.conv1" in table_swapped and "layer2.1.blocks.0.conv1" not in table_swapped
+    assert table_swapped["layer1.0.bn2"] == edgetorch.Quantized(8) and "layer1.1.conv1" not in table_swapped
+    plan.by_module(_resnet())  # another model: its own table
+    assert len(built) == 3
