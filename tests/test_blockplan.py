@@ -39,7 +39,7 @@ def instances(draw):
             # few whole-number costs: every sum is exact, and ties (broken by penalty) are common
             costs.append(FormCost(f"b{b}", form, draw(st.integers(0, 50)), rerun, float(draw(st.integers(0, 4)))))
     outside = draw(st.integers(0, 20))
-    return BlockCosts(tuple(f"b{b}" for b in range(blocks)), forms, tuple(costs), edgetorch.Bitmap(), outside, 0), \
+    return BlockCosts(tuple(f"b{b}" for b in range(blocks)), forms, tuple(costs), edgetorch.Bitmap(), outside), \
         draw(st.integers(1, 240))
 
 
@@ -83,7 +83,7 @@ def test_choose_breaks_ties_by_penalty_then_weight():
 
 def test_bad_arguments_say_what_is_accepted():
     costs = BlockCosts(("b",), (edgetorch.Dense(),), (FormCost("b", edgetorch.Dense(), 1, 0, 0.0),),
-                       edgetorch.Dense(), 0, 0)
+                       edgetorch.Dense(), 0)
     with pytest.raises(ValueError, match="budget_bytes must be an int >= 1"):
         plan_blocks(costs, 0)
     with pytest.raises(ValueError, match="granularity must be an int >= 1"):

@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 import edgetorch
 from edgetorch.activations.blocks import PerBlock, Recompute, find_blocks
+from edgetorch.activations.roles import EXACT
 from edgetorch.activations.step import TrainingPolicy, forward_backward
 
 
@@ -143,3 +144,11 @@ def test_the_module_table_is_built_once_per_model_not_per_step(monkeypatch):
     assert table_swapped["layer1.0.bn2"] == edgetorch.Quantized(8) and "layer1.1.conv1" not in table_swapped
     plan.by_module(_resnet())  # another model: its own table
     assert len(built) == 3
+
+
+def test_a_plan_has_no_form_of_its_own():
+    plan = PerBlock((("layer1.0", edgetorch.BackRazor(0.9)),))
+    with pytest.raises(TypeError, match="policy of the block that saved it"):
+        plan.form(EXACT)
+    with pytest.raises(TypeError, match="call form or encode on that block's policy"):
+        plan.encode(torch.ones(4), EXACT)

@@ -204,7 +204,7 @@ def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter
     forms = (Dense(), Quantized(8))
     costs = BlockCosts(("a", "b"), forms, (FormCost("a", forms[0], 100, 0, 0.0), FormCost("a", forms[1], 30, 0, 1.0),
                                            FormCost("b", forms[0], 100, 0, 0.0), FormCost("b", forms[1], 30, 0, 2.0)),
-                       Bitmap(), 0, 0)
+                       Bitmap(), 0)
     runs = []
 
     def run(batch, how):  # each plan measures 50 bytes above its saved bytes at batch 2

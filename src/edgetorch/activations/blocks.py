@@ -177,18 +177,32 @@ class PerBlock(Policy):
             return False
 
     def form(self, need: Need) -> Form:
-        """``default``'s form: which block saved a tensor is known only inside the engine."""
-        return self.default.form(need)
+        """Not a plan's to say: each tensor takes the form of its block's policy, which the engine
+        looks up by the module that saved it (:meth:`by_module`).
+
+        Raises:
+            TypeError: always; ask the block's policy.
+        """
+        raise TypeError(_PER_TENSOR)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
-        """What ``default`` stores (which block saved ``t`` is known only inside the engine)."""
-        return self.default.encode(t, need)
+        """Not a plan's to do: see :meth:`form`.
+
+        Raises:
+            TypeError: always; encode with the block's policy.
+        """
+        raise TypeError(_PER_TENSOR)
 
     def spec(self) -> str:
         """A readable description (``per-block(layer1.0=bitmap, ...; default=dense)``); not a
         string :func:`~edgetorch.parse_policy` takes."""
         listed = ", ".join(f"{name}={policy.spec()}" for name, policy in self.blocks)
         return f"per-block({listed}; default={self.default.spec()})"
+
+
+_PER_TENSOR = ("a PerBlock plan stores each saved tensor with the policy of the block that saved it, which only "
+               "the engine knows (compress_activations looks it up with by_module); call form or encode on that "
+               "block's policy, e.g. plan.blocks[0][1]")
 
 
 def _table(model: nn.Module, blocks: tuple[tuple[str, Policy | Recompute], ...]) -> dict[str, Policy]:

@@ -47,7 +47,7 @@ class BlockFit:
 def scaled(costs: BlockCosts, factor: float) -> BlockCosts:
     """``costs`` with every byte count times ``factor`` (another batch size: bytes are per sample)."""
     return dataclasses.replace(
-        costs, outside_bytes=round(costs.outside_bytes * factor), peak_live_bytes=round(costs.peak_live_bytes * factor),
+        costs, outside_bytes=round(costs.outside_bytes * factor),
         costs=tuple(dataclasses.replace(c, stored_bytes=round(c.stored_bytes * factor),
                                         rerun_bytes=round(c.rerun_bytes * factor)) for c in costs.costs))
 

@@ -58,7 +58,9 @@ class FormCost:
             block holds in its kept form when not recomputed); 0 for other forms.
         fidelity: the mean squared relative gradient error with only this block in this form
             (0 for a form whose gradients are bit-identical to plain PyTorch's).
-        seconds: the form's step time; not measured yet (None).
+
+    Time is not yet a cost: no step time is measured per form, so the solver breaks ties between
+    equally faithful forms by their machinery (:func:`~edgetorch.activations.blockplan.penalty`).
     """
 
     block: str
@@ -66,7 +68,6 @@ class FormCost:
     stored_bytes: int
     rerun_bytes: int
     fidelity: float
-    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,6 @@ class BlockCosts:
         costs: one :class:`FormCost` per (block, form), block by block, forms in order.
         default: the policy of the tensors saved outside every block.
         outside_bytes: what those tensors hold (under ``default``).
-        peak_live_bytes: the ledger's peak of live saved bytes in the step under ``default`` alone.
     """
 
     blocks: tuple[str, ...]
@@ -87,7 +87,6 @@ class BlockCosts:
     costs: tuple[FormCost, ...]
     default: Policy
     outside_bytes: int
-    peak_live_bytes: int
 
     def options(self, block: str) -> list[FormCost]:
         """The costs of ``block``'s forms, in the order of :attr:`forms`."""
@@ -149,7 +148,7 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     # One ledger step per form (and the default's, for what lies outside the blocks); a
     # recomputed block's rerun stores what the block stores in its kept form.
     kept = tuple(dict.fromkeys(f.keep for f in forms if isinstance(f, Recompute) and f.keep not in forms))
-    outside, peak, by_form = 0, 0, {}
+    outside, by_form = 0, {}
     for form in (default, *forms, *kept):
         ledger = SavedTensorLedger()
         with restored(model):
@@ -160,7 +159,7 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
         per_block = _bytes_by_block(ledger, blocks)
         by_form[form] = per_block
         if form is default:
-            outside, peak = per_block[None], ledger.peak_live_bytes
+            outside = per_block[None]
     plans = [PerBlock(((b, form),), Dense()) for b in blocks for form in forms]
     fidelities = gradient_fidelities(model, (x, y), plans, loss_fn=loss_fn)
     costs = []
@@ -168,7 +167,7 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
         (block, form), = plan.blocks
         rerun = by_form[form.keep][block] if isinstance(form, Recompute) else 0
         costs.append(FormCost(block, form, by_form[form][block], rerun, _error(fidelity, degenerate)))
-    return BlockCosts(blocks, forms, tuple(costs), default, outside, peak)
+    return BlockCosts(blocks, forms, tuple(costs), default, outside)
 
 
 def _bytes_by_block(ledger: SavedTensorLedger, blocks: Sequence[str]) -> dict[str | None, int]:
