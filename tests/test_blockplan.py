@@ -92,13 +92,13 @@ def test_bad_arguments_say_what_is_accepted():
         costs.cost("c", edgetorch.Dense())
 
 
-def test_degenerate_reference_gradients_are_left_out_of_the_cost():
-    rows = (GradientComparison("w", 0.9, 0.5, 1.0, 1.0), GradientComparison("b", 0.0, 1e3, 1.0, 1e-6))
+def test_negligible_reference_gradients_are_left_out_of_the_cost():
+    rows = (GradientComparison("w", 0.9, 0.5, 1.0, 1.0), GradientComparison("b", 0.0, 1e3, 1.0, 1e-6, negligible=True),
+            GradientComparison("v", 0.9, 0.1, 1.0, 1e-4))  # small but not flagged: counted, whatever its norm
     fidelity = GradientFidelity("x", rows, None, None, 0.0, 0.0)
-    assert _error(fidelity, 1e-3) == pytest.approx(0.25)  # only w: (0.5)^2
-    assert _error(fidelity, 0.0) == pytest.approx((0.25 + 1e6) / 2)
+    assert _error(fidelity) == pytest.approx((0.25 + 0.01) / 2)  # w and v: (0.5)^2 and (0.1)^2
     nan = GradientFidelity("x", (GradientComparison("w", math.nan, math.nan, 1.0, 1.0),), None, None, 0.0, 0.0)
-    assert _error(nan, 1e-3) == math.inf
+    assert _error(nan) == math.inf
 
 
 @pytest.fixture(scope="module")

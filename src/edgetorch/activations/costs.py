@@ -11,10 +11,10 @@ other tensor exact (:func:`~edgetorch.activations.fidelity.gradient_fidelities`,
 step for all): the mean, over the parameters, of the squared relative error of each gradient.
 Squared errors of independent perturbations add, so the costs of several blocks are summed by
 the solver (:mod:`.blockplan`). Parameters whose reference gradient is degenerate are left out:
-those whose norm is at most ``degenerate`` times the largest (a bias before a training batch
-norm, or a depthwise convolution at 1x1 spatial size before one, whose gradient is zero in exact
-arithmetic: the batch norm cancels it, so its relative error is rounding noise over rounding noise
-and would rank every form by that noise).
+those :func:`~edgetorch.activations.fidelity.gradient_fidelities` flags ``negligible`` (a bias
+before a training batch norm, or a depthwise convolution at 1x1 spatial size before one, whose
+gradient is zero in exact arithmetic: the batch norm cancels it, so its relative error is
+rounding noise over rounding noise and would rank every form by that noise).
 
 Example:
     >>> costs = measure_block_costs(model.train(), (x, y))  # doctest: +SKIP
@@ -34,7 +34,7 @@ from torch import nn
 
 from ..measure import SavedTensorLedger
 from .blocks import PerBlock, Recompute, find_blocks
-from .fidelity import GradientFidelity, gradient_fidelities
+from .fidelity import NEGLIGIBLE, GradientFidelity, gradient_fidelities
 from .policies import BackRazor, Bitmap, Dense, Policy, Quantized
 from .step import TrainingPolicy, forward_backward, restored
 
@@ -43,7 +43,6 @@ from .step import TrainingPolicy, forward_backward, restored
 DEFAULT_FORMS: tuple[Policy | Recompute, ...] = (
     Dense(), Bitmap(), Quantized(8), Quantized(4), BackRazor(0.9), BackRazor(0.9, exact="int8"),
     BackRazor(0.95, exact="int8"), Recompute(Bitmap()))
-DEGENERATE = 1e-3  # see the module docstring
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ class BlockCosts:
 
 def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                         forms: Sequence[Policy | Recompute] = DEFAULT_FORMS, *, blocks: Sequence[str] | None = None,
-                        default: Policy = Bitmap(), degenerate: float = DEGENERATE,
+                        default: Policy = Bitmap(), negligible: float = NEGLIGIBLE,
                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> BlockCosts:
     """Measure the bytes and the fidelity cost of every block in every form.
 
@@ -121,15 +120,15 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
         forms: the forms to offer each block (policies, or ``Recompute(policy)``).
         blocks: the block names; default :func:`~edgetorch.activations.blocks.find_blocks`.
         default: the policy of tensors saved outside every block.
-        degenerate: leave out parameters whose reference gradient norm is at most this fraction
-            of the largest (see the module docstring).
+        negligible: leave out parameters whose reference gradient norm is at most this fraction
+            of the largest (as :func:`~edgetorch.activations.fidelity.gradient_fidelity` does).
         loss_fn: ``loss_fn(outputs, targets)``; default cross-entropy.
 
     Returns:
         A :class:`BlockCosts`.
 
     Raises:
-        ValueError: no blocks, no forms, or a ``degenerate`` outside [0, 1).
+        ValueError: no blocks, no forms, or a ``negligible`` outside [0, 1).
 
     Example:
         >>> costs = measure_block_costs(model.train(), (x, y), [Bitmap(), Quantized(8)])  # doctest: +SKIP
@@ -141,8 +140,6 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
                          "modules with parameters); name them with blocks=")
     if not forms:
         raise ValueError("give at least one form")
-    if not 0 <= degenerate < 1:
-        raise ValueError(f"degenerate must lie in [0, 1), got {degenerate!r}")
     loss_fn = loss_fn or F.cross_entropy
     x, y = batch
     # One ledger step per form (and the default's, for what lies outside the blocks); a
@@ -161,12 +158,12 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
         if form is default:
             outside = per_block[None]
     plans = [PerBlock(((b, form),), Dense()) for b in blocks for form in forms]
-    fidelities = gradient_fidelities(model, (x, y), plans, loss_fn=loss_fn)
+    fidelities = gradient_fidelities(model, (x, y), plans, loss_fn=loss_fn, negligible=negligible)
     costs = []
     for plan, fidelity in zip(plans, fidelities):
         (block, form), = plan.blocks
         rerun = by_form[form.keep][block] if isinstance(form, Recompute) else 0
-        costs.append(FormCost(block, form, by_form[form][block], rerun, _error(fidelity, degenerate)))
+        costs.append(FormCost(block, form, by_form[form][block], rerun, _error(fidelity)))
     return BlockCosts(blocks, forms, tuple(costs), default, outside)
 
 
@@ -185,10 +182,9 @@ def _bytes_by_block(ledger: SavedTensorLedger, blocks: Sequence[str]) -> dict[st
     return totals
 
 
-def _error(fidelity: GradientFidelity, degenerate: float) -> float:
-    """Mean squared relative error over the parameters whose reference gradient is not degenerate."""
-    scale = max((r.reference_norm for r in fidelity.parameters), default=0.0)
-    counted = [r.relative_error for r in fidelity.parameters if r.reference_norm > degenerate * scale]
+def _error(fidelity: GradientFidelity) -> float:
+    """Mean squared relative error over the parameters whose reference gradient is not negligible."""
+    counted = [r.relative_error for r in fidelity.parameters if not r.negligible]
     if any(math.isnan(e) for e in counted):
         return math.inf
     return sum(e * e for e in counted) / len(counted) if counted else 0.0
