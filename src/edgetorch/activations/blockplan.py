@@ -131,8 +131,9 @@ def choose(options: Sequence[Sequence[tuple[int, float, int]]], capacity: int) -
 
 def penalty(form: object) -> int:
     """The extra machinery of a form, the tie-break between forms of equal fidelity cost until step
-    times are measured per form: 0 for ``Dense()`` (plain PyTorch), 1 for a form that encodes,
-    2 for recomputation (a second forward of the block)."""
+    times are measured per form: 0 for ``Dense()`` (nothing encoded, though inside a plan its
+    tensors still pass through the engine, which records and deduplicates them), 1 for a form
+    that encodes, 2 for recomputation (a second forward of the block)."""
     if isinstance(form, Recompute):
         return 2
     return 0 if isinstance(form, Dense) else 1

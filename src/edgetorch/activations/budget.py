@@ -29,8 +29,7 @@ fits is run once at its own batch, and chosen only if that step's measured peak 
 otherwise the next one is tried (up to ``VERIFY_ATTEMPTS``).
 
 The choice follows the least accuracy risk: exact policies (dense, lossless bitmap) first, then
-8-bit and 4-bit quantized storage (every value kept, rounded; a 4-bit block's gradient error was
-measured 10x below Back Razor@0.9's on resnet18: :mod:`.costs`), then the lowest Back Razor
+8-bit and 4-bit quantized storage (every value kept, rounded), then the lowest Back Razor
 sparsity (``exact="int8"`` after its lossless twin), then the largest batch; among equals, the least machinery
 (no checkpointing before checkpointing, dense before an encoding policy), then the faster step.
 The step times come from the small calibration batches, which are too noisy to rank dense
