@@ -152,3 +152,21 @@ def test_a_plan_has_no_form_of_its_own():
         plan.form(EXACT)
     with pytest.raises(TypeError, match="call form or encode on that block's policy"):
         plan.encode(torch.ones(4), EXACT)
+
+
+def test_a_plan_recomputing_other_blocks_is_not_replayed_from_anothers_tape():
+    # Both plans swap in as many wrappers, so only the module order tells them apart; the second
+    # used to replay the first one's tape (wrong modules, every tensor exact).
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+    blocks = find_blocks(_resnet())
+    first = tuple(zip(blocks, [edgetorch.Quantized(4), Recompute()] * 4))
+    second = tuple(zip(blocks, [Recompute(), edgetorch.Quantized(4)] * 4))
+
+    def rows(model, named):
+        ledger = edgetorch.SavedTensorLedger()
+        forward_backward(model, x, y, TrainingPolicy(PerBlock(named, edgetorch.Bitmap())), F.cross_entropy, ledger)
+        return [(r.module, r.op, r.form, r.stored_bytes) for r in ledger.records]
+
+    model = _resnet()
+    rows(model, first)
+    assert rows(model, second) == rows(_resnet(), second)
