@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 import edgetorch
 from edgetorch.activations.blocks import PerBlock, Recompute, find_blocks
+from edgetorch.activations.roles import EXACT
 from edgetorch.activations.step import TrainingPolicy, forward_backward
 
 
@@ -125,3 +126,47 @@ def test_recomputed_blocks_give_plain_gradients_and_statistics_and_hold_less():
     assert all(torch.equal(a, b) for a, b in zip(plain, planned))
     assert all(torch.equal(a, b) for a, b in zip(plain_stats, planned_stats))  # statistics updated once
     assert planned_bytes < 0.6 * plain_bytes  # measured 0.54x: the stem and layer1.0 are held as before
+
+
+def test_the_module_table_is_built_once_per_model_not_per_step(monkeypatch):
+    import edgetorch.activations.blocks as blocks
+
+    built = []
+    table = blocks._table
+    monkeypatch.setattr(blocks, "_table", lambda model, named: built.append(named) or table(model, named))
+    model, x, y = _resnet(), torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+    plan = PerBlock((("layer1.0", edgetorch.Quantized(8)), ("layer2.1", Recompute())), default=edgetorch.Bitmap())
+    for _ in range(3):  # forward_backward makes an engine per step; each asks for the table
+        forward_backward(model, x, y, TrainingPolicy(plan), F.cross_entropy)
+    assert len(built) == 1  # recomputing swaps layer2.1 in on every step: one table for that state
+    table_swapped, _ = plan.by_module(model)  # not swapped now: the names differ, a second table
+    assert len(built) == 2 and "layer2.1.conv1" in table_swapped and "layer2.1.blocks.0.conv1" not in table_swapped
+    assert table_swapped["layer1.0.bn2"] == edgetorch.Quantized(8) and "layer1.1.conv1" not in table_swapped
+    plan.by_module(_resnet())  # another model: its own table
+    assert len(built) == 3
+
+
+def test_a_plan_has_no_form_of_its_own():
+    plan = PerBlock((("layer1.0", edgetorch.BackRazor(0.9)),))
+    with pytest.raises(TypeError, match="policy of the block that saved it"):
+        plan.form(EXACT)
+    with pytest.raises(TypeError, match="call form or encode on that block's policy"):
+        plan.encode(torch.ones(4), EXACT)
+
+
+def test_a_plan_recomputing_other_blocks_is_not_replayed_from_anothers_tape():
+    # Both plans swap in as many wrappers, so only the module order tells them apart; the second
+    # used to replay the first one's tape (wrong modules, every tensor exact).
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+    blocks = find_blocks(_resnet())
+    first = tuple(zip(blocks, [edgetorch.Quantized(4), Recompute()] * 4))
+    second = tuple(zip(blocks, [Recompute(), edgetorch.Quantized(4)] * 4))
+
+    def rows(model, named):
+        ledger = edgetorch.SavedTensorLedger()
+        forward_backward(model, x, y, TrainingPolicy(PerBlock(named, edgetorch.Bitmap())), F.cross_entropy, ledger)
+        return [(r.module, r.op, r.form, r.stored_bytes) for r in ledger.records]
+
+    model = _resnet()
+    rows(model, first)
+    assert rows(model, second) == rows(_resnet(), second)

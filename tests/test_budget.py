@@ -204,7 +204,7 @@ def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter
     forms = (Dense(), Quantized(8))
     costs = BlockCosts(("a", "b"), forms, (FormCost("a", forms[0], 100, 0, 0.0), FormCost("a", forms[1], 30, 0, 1.0),
                                            FormCost("b", forms[0], 100, 0, 0.0), FormCost("b", forms[1], 30, 0, 2.0)),
-                       Bitmap(), 0, 0)
+                       Bitmap(), 0)
     runs = []
 
     def run(batch, how):  # each plan measures 50 bytes above its saved bytes at batch 2
@@ -221,3 +221,8 @@ def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter
     # at 8 bits (130, 180 measured), then both (60, 110 measured)
     assert runs == [120, 130, 60] and fit.batch == 2 and fit.fits and fit.measured_peak_bytes == 110
     assert not fit_blocks(costs, 2, [4], 150, 0.0, lambda b: 0, run, attempts=5).fits  # measured, did not fit
+    runs.clear()
+    # a plan with slack under the limit: a at 8 bits (130) fits 180 by 50 and measures 190; taking
+    # only the overshoot (10) off the limit gives it again; taking its error (60) off gives both
+    fit = fit_blocks(costs, 2, [2], 180, 0.0, lambda b: 0, lambda b, how: run(b, how) + 10, attempts=3)
+    assert runs == [130, 60] and fit.fits and fit.measured_peak_bytes == 120

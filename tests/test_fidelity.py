@@ -97,6 +97,19 @@ def test_biases_a_training_batch_norm_cancels_are_listed_but_not_counted():
     assert fid.worst_cosine == min(r.cosine for r in counted) and 0.5 < fid.worst_cosine < 1
 
 
+def test_one_threshold_says_which_reference_gradients_are_negligible():
+    model = bn_dropout_cnn()
+    largest = max(r.reference_norm for r in et.gradient_fidelity(model, BN_BATCH, "dense").parameters)
+    strict = gradient_fidelities(model, BN_BATCH, [et.Quantized(bits=4)], negligible=0.0)[0]
+    with pytest.warns(UserWarning, match="are zero or negligible"):  # most are, at half the largest
+        loose = gradient_fidelities(model, BN_BATCH, [et.Quantized(bits=4)], negligible=0.5)[0]
+    assert not any(r.negligible for r in strict.parameters)
+    assert {r.name for r in loose.parameters if r.negligible} == {
+        r.name for r in loose.parameters if r.reference_norm <= 0.5 * largest}
+    with pytest.raises(ValueError, match=r"negligible must be a fraction in \[0, 1\)"):
+        et.gradient_fidelity(model, BN_BATCH, "dense", negligible=1.0)
+
+
 def test_a_zero_initialised_head_that_blocks_the_gradients_is_told_and_can_be_redrawn():
     import torchvision
 

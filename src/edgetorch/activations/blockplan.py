@@ -1,18 +1,28 @@
 """Choose one storage form per block: the least fidelity cost whose predicted peak fits a budget.
 
-The peak model, from one step's ledger (:mod:`.costs`): the saved bytes at the end of the forward
-are the blocks' stored bytes plus what lies outside the blocks, and backward frees them as it
-goes; a recomputed block's rerun stores its own tensors again, at most one block at a time. So
+The peak model, from the ledger steps of :mod:`.costs`: the saved bytes at the end of the forward
+are what lies before the first block plus each block's stored bytes after its predecessor's form
+(a boundary tensor is held once, by whoever saves it first, so the previous block's form changes
+what a block adds), and backward frees them as it goes; a recomputed block's rerun stores its own
+tensors again, at most one block at a time. So
 
-    predicted = base + outside + sum over blocks of stored(block, form) + max over recomputed blocks of rerun
+    predicted = base + outside + sum over blocks of stored(block, form | previous form)
+                + max over recomputed blocks of rerun
 
 where ``base`` is everything else the caller counts (held memory, gradients, optimizer state; 0
-predicts the ledger's saved bytes alone). Choosing a form per block to minimise the summed
-fidelity cost under that bound (among equals, the least machinery: :func:`penalty`) is a
-multiple-choice knapsack. It is solved exactly by dynamic
-programming over bytes rounded up to a stated granularity (so a plan it accepts fits in exact
+predicts the ledger's saved bytes alone). For a chain of blocks that share only boundary
+tensors, the forward's part of it is what a step's ledger holds, to the byte; the rerun term is a
+bound (each rerun's bytes counted on top of everything the forward saved). The fidelity cost is
+summed the same way, per block after its predecessor's form (see :mod:`.costs` for what it does
+not capture).
+
+Choosing a form per block to minimise the summed fidelity cost under that bound (among equals,
+the least machinery: :func:`penalty`) is a multiple-choice knapsack whose item weights depend on
+the previous choice. It is solved exactly by dynamic programming over (bytes, previous block's
+form), bytes rounded up to a stated granularity (so a plan it accepts is predicted to fit in exact
 bytes too; it can miss a plan that fits only within the rounding, at most one granule per block),
-once per cap on the rerun term (each distinct rerun size, and none), keeping the best.
+once per cap on the rerun term (each distinct rerun size, and none), keeping the best. Carrying
+the previous form costs ``len(forms)`` times the independent knapsack.
 
 Example:
     >>> plan = plan_blocks(measure_block_costs(model.train(), (x, y)), 200 * 2**20)  # doctest: +SKIP
@@ -83,56 +93,69 @@ class BlockPlan:
     reason: str
 
 
-def choose(options: Sequence[Sequence[tuple[int, float, int]]], capacity: int) -> list[int] | None:
-    """The exact multiple-choice knapsack: one option per group, total weight <= ``capacity``,
-    least total cost; among those the least total penalty, then the lightest, then the earlier options.
+def choose(options: Sequence[Sequence[Sequence[tuple[int, float, int]]]], capacity: int) -> list[int] | None:
+    """The exact multiple-choice knapsack along a chain: one option per group, each option's
+    weight, cost and penalty depending on the option chosen in the group before; total weight <=
+    ``capacity``, least total cost; among those the least total penalty, then the lightest, then
+    the earlier options.
 
     Args:
-        options: per group, its options as ``(weight, cost, penalty)``: non-negative integer
-            weights and penalties (a plan's penalty: the forms' extra machinery, see :func:`penalty`).
+        options: ``options[i][p][j]``: group ``i``'s option ``j`` after option ``p`` of group
+            ``i - 1``, as ``(weight, cost, penalty)`` with non-negative integer weights and
+            penalties (a plan's penalty: the forms' extra machinery, see :func:`penalty`). The
+            first group has one row, ``options[0][0]``; each later group one row per option of
+            the group before.
         capacity: the most total weight.
 
     Returns:
         The chosen option's index per group, or None if no choice fits.
 
     Example:
-        >>> choose([[(3, 0.0, 0), (1, 1.0, 0)], [(2, 0.0, 1), (1, 0.0, 0)]], 3)
+        >>> choose([[[(3, 0.0, 0), (1, 1.0, 0)]], [[(2, 0.0, 1), (1, 0.0, 0)], [(1, 0.0, 1), (1, 0.0, 0)]]], 3)
         [1, 1]
     """
     if capacity < 0:
         return None
-    # cost[w], extra[w]: the least (cost, penalty) at total weight exactly w, compared in that order
-    cost, extra = np.full(capacity + 1, np.inf), np.zeros(capacity + 1, dtype=np.int64)
-    cost[0] = 0.0
-    picks = []
-    for group in options:
-        new_cost, new_extra = np.full(capacity + 1, np.inf), np.zeros(capacity + 1, dtype=np.int64)
-        pick = np.full(capacity + 1, -1, dtype=np.int64)
-        for j, (weight, value, pen) in enumerate(group):
-            if weight > capacity:
-                continue
-            c, e = cost[: capacity + 1 - weight] + value, extra[: capacity + 1 - weight] + pen
-            window_cost, window_extra = new_cost[weight:], new_extra[weight:]
-            better = (c < window_cost) | ((c == window_cost) & (e < window_extra) & np.isfinite(c))
-            window_cost[better], window_extra[better] = c[better], e[better]
-            pick[weight:][better] = j
+    # cost[p][w], extra[p][w]: the least (cost, penalty) of the groups so far at total weight
+    # exactly w with option p last, compared in that order; the first group starts from one state.
+    cost, extra = np.full((1, capacity + 1), np.inf), np.zeros((1, capacity + 1), dtype=np.int64)
+    cost[0, 0] = 0.0
+    picks = []  # per group after the first: [option j, weight w] -> the option before
+    for i, group in enumerate(options):
+        width = len(group[0])
+        new_cost, new_extra = np.full((width, capacity + 1), np.inf), np.zeros((width, capacity + 1), dtype=np.int64)
+        pick = np.full((width, capacity + 1), -1, dtype=np.int64)
+        for p, row in enumerate(group):
+            for j, (weight, value, pen) in enumerate(row):
+                if weight > capacity:
+                    continue
+                c, e = cost[p, : capacity + 1 - weight] + value, extra[p, : capacity + 1 - weight] + pen
+                window_cost, window_extra = new_cost[j, weight:], new_extra[j, weight:]
+                better = (c < window_cost) | ((c == window_cost) & (e < window_extra) & np.isfinite(c))
+                window_cost[better], window_extra[better] = c[better], e[better]
+                pick[j, weight:][better] = p
         cost, extra = new_cost, new_extra
         picks.append(pick)
     if not np.isfinite(cost).any():
         return None
-    w = int(np.lexsort((np.arange(capacity + 1), extra, cost))[0])  # least cost, penalty, weight
+    # least cost, then penalty, then weight, then the earlier option
+    j, w = np.unravel_index(np.lexsort((np.arange(cost.size), np.tile(np.arange(capacity + 1), len(cost)),
+                                        extra.ravel(), cost.ravel()))[0], cost.shape)
+    j, w = int(j), int(w)
     chosen = []
     for group, pick in zip(reversed(options), reversed(picks)):
-        j = int(pick[w])
+        p = int(pick[j, w])
         chosen.append(j)
-        w -= group[j][0]
+        w -= group[p][j][0]
+        j = p
     return chosen[::-1]
 
 
 def penalty(form: object) -> int:
     """The extra machinery of a form, the tie-break between forms of equal fidelity cost until step
-    times are measured per form: 0 for ``Dense()`` (plain PyTorch), 1 for a form that encodes,
-    2 for recomputation (a second forward of the block)."""
+    times are measured per form: 0 for ``Dense()`` (nothing encoded, though inside a plan its
+    tensors still pass through the engine, which records and deduplicates them), 1 for a form
+    that encodes, 2 for recomputation (a second forward of the block)."""
     if isinstance(form, Recompute):
         return 2
     return 0 if isinstance(form, Dense) else 1
@@ -164,23 +187,29 @@ def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
     fixed = base_bytes + costs.outside_bytes
     room = budget_bytes - fixed
     step = granularity or max(1, math.ceil(room / STEPS))
-    groups = [costs.options(block) for block in costs.blocks]
+    # groups[i][p]: block i's options after option p of block i - 1 (the first block: one row)
+    groups = [[costs.options(block, after) for after in ((None,) if i == 0 else costs.forms)]
+              for i, block in enumerate(costs.blocks)]
     found = None
-    for cap in sorted({0, *(c.rerun_bytes for g in groups for c in g)}):
+    for cap in sorted({0, *(c.rerun_bytes for g in groups for row in g for c in row)}):
         capacity = (room - cap) // step
-        allowed = [[(math.ceil(c.stored_bytes / step), c.fidelity, penalty(c.form)) if c.rerun_bytes <= cap
-                     else (capacity + 1, 0.0, 0) for c in g] for g in groups]
+        # a negative byte count (a block whose exact copies replace more than it adds) is
+        # rounded up to 0: the prediction stays exact, the knapsack errs towards fitting
+        allowed = [[[(math.ceil(max(c.stored_bytes, 0) / step), c.fidelity, penalty(c.form)) if c.rerun_bytes <= cap
+                     else (capacity + 1, 0.0, 0) for c in row] for row in g] for g in groups]
         picked = choose(allowed, capacity)
         if picked is not None:
-            chosen = [g[j] for g, j in zip(groups, picked)]
+            chosen = _along(groups, picked)
             key = (sum(c.fidelity for c in chosen), sum(penalty(c.form) for c in chosen), _predicted(chosen, fixed))
             if found is None or key < found[0]:
-                found = (key, chosen)
+                found = (key, chosen, picked)
     fits = found is not None
-    chosen = found[1] if fits else [min(g, key=lambda c: (c.stored_bytes + c.rerun_bytes, c.fidelity)) for g in groups]
+    picked = found[2] if fits else _smallest(groups)
+    chosen = _along(groups, picked)
     predicted = _predicted(chosen, fixed)
-    rows = tuple(BlockChoice(c.block, c.form.spec(), c.stored_bytes, c.rerun_bytes, c.fidelity, _why(c, g, fits))
-                 for c, g in zip(chosen, groups))
+    rows = tuple(BlockChoice(c.block, c.form.spec(), c.stored_bytes, c.rerun_bytes, c.fidelity,
+                             _why(c, g[picked[i - 1] if i else 0], fits))
+                 for i, (c, g) in enumerate(zip(chosen, groups)))
     fidelity = sum(c.fidelity for c in chosen)
     mib = 2**20
     if fits:
@@ -191,6 +220,21 @@ def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
                   f"({fixed / mib:,.1f} outside the blocks); raise the budget, offer smaller forms or a smaller batch")
     return BlockPlan(PerBlock(tuple((c.block, c.form) for c in chosen), costs.default), rows, fits, predicted,
                      budget_bytes, fidelity, step, reason)
+
+
+def _along(groups: Sequence[Sequence[Sequence[FormCost]]], picked: Sequence[int]) -> list[FormCost]:
+    """The costs of the picked options, each after the option picked before it."""
+    return [g[picked[i - 1] if i else 0][j] for i, (g, j) in enumerate(zip(groups, picked))]
+
+
+def _smallest(groups: Sequence[Sequence[Sequence[FormCost]]]) -> list[int]:
+    """The options of least stored plus rerun bytes in all (then least fidelity cost), along the
+    chain: what a plan that fits nothing falls back to."""
+    best = [((c.stored_bytes + c.rerun_bytes, c.fidelity), [j]) for j, c in enumerate(groups[0][0])]
+    for g in groups[1:]:
+        best = [min(((total[0] + g[p][j].stored_bytes + g[p][j].rerun_bytes, total[1] + g[p][j].fidelity), path + [j])
+                    for p, (total, path) in enumerate(best)) for j in range(len(g[0]))]
+    return min(best)[1]
 
 
 def _predicted(chosen: Sequence[FormCost], fixed: int) -> int:

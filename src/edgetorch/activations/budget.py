@@ -29,8 +29,7 @@ fits is run once at its own batch, and chosen only if that step's measured peak 
 otherwise the next one is tried (up to ``VERIFY_ATTEMPTS``).
 
 The choice follows the least accuracy risk: exact policies (dense, lossless bitmap) first, then
-8-bit and 4-bit quantized storage (every value kept, rounded; a 4-bit block's gradient error was
-measured 10x below Back Razor@0.9's on resnet18: :mod:`.costs`), then the lowest Back Razor
+8-bit and 4-bit quantized storage (every value kept, rounded), then the lowest Back Razor
 sparsity (``exact="int8"`` after its lossless twin), then the largest batch; among equals, the least machinery
 (no checkpointing before checkpointing, dense before an encoding policy), then the faster step.
 The step times come from the small calibration batches, which are too noisy to rank dense
@@ -60,7 +59,7 @@ from ..measure.process import held_bytes, honest_malloc, peak_bytes, peak_kind, 
 from .blocks import find_blocks
 from .budget_blocks import BlockFit, fit_blocks
 from .checkpoint import find_stages
-from .costs import measure_block_costs
+from .costs import lossless, measure_block_costs
 from .policies import BackRazor, Bitmap, Dense, Quantized
 from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
@@ -317,11 +316,18 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         fit = None
         if per_block and find_blocks(model):
             slope, intercept, _, saved, _, dense_batch = lines["dense"]
-            costs = measure_block_costs(model, sample(small), loss_fn=loss_fn)
-            fit = fit_blocks(costs, small, batches, budget_bytes, margin,
-                             lambda b: predict(slope, intercept, b)[0] - int(saved * b / dense_batch),
-                             lambda b, how: held + state_bytes + _measure(model, *sample(b), how, loss_fn, None, step)[0]
-                             + b * sample_bytes, VERIFY_ATTEMPTS)
+
+            def rest(b: int) -> int:  # the step's predicted peak less what dense saves
+                return predict(slope, intercept, b)[0] - int(saved * b / dense_batch)
+
+            # Where the rest of the step alone breaks the budget at the smallest batch, no plan
+            # fits: the costs (len(forms) ** 2 ledger steps) are not measured.
+            if rest(batches[-1]) * (1 + margin) <= budget_bytes:
+                costs = measure_block_costs(model, sample(small), loss_fn=loss_fn)
+                fit = fit_blocks(costs, small, batches, budget_bytes, margin, rest,
+                                 lambda b, how: held + state_bytes
+                                 + _measure(model, *sample(b), how, loss_fn, None, step)[0] + b * sample_bytes,
+                                 VERIFY_ATTEMPTS)
         del step  # its state goes with it
     return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested, margin),
                       held + state_bytes, {spec: line[4:] for spec, line in lines.items()}, peak_kind(device), fit)
@@ -339,9 +345,7 @@ def _second_batch(first_batch: int, first_increase: int, wanted: int, room: floa
 
 
 def _exact(how: TrainingPolicy) -> bool:
-    policy = how.policy
-    return isinstance(policy, Dense) or (isinstance(policy, Bitmap) and policy.threshold == 0
-                                         and policy.value_dtype is None)
+    return lossless(how.policy)
 
 
 def _sparsity(how: TrainingPolicy) -> float:

@@ -9,8 +9,8 @@ measured: at a batch ``b``
 
 (the plan's saved bytes as :mod:`.blockplan` predicts them). From the requested batch down, the
 first batch where a plan is predicted to fit is run once; if its measured peak does not fit, the
-plan is solved again with the overshoot taken off the budget, and where that gives the same plan,
-the next batch is tried (up to ``VERIFY_ATTEMPTS`` runs in all).
+plan is solved again for a limit lowered by that run's prediction error, and where that gives the
+same plan or none, the next batch is tried (up to ``VERIFY_ATTEMPTS`` runs in all).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class BlockFit:
 def scaled(costs: BlockCosts, factor: float) -> BlockCosts:
     """``costs`` with every byte count times ``factor`` (another batch size: bytes are per sample)."""
     return dataclasses.replace(
-        costs, outside_bytes=round(costs.outside_bytes * factor), peak_live_bytes=round(costs.peak_live_bytes * factor),
+        costs, outside_bytes=round(costs.outside_bytes * factor),
         costs=tuple(dataclasses.replace(c, stored_bytes=round(c.stored_bytes * factor),
                                         rerun_bytes=round(c.rerun_bytes * factor)) for c in costs.costs))
 
@@ -72,9 +72,10 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
         plan is predicted to fit at any batch.
     """
     last = None
+    ceiling = int(budget_bytes / (1 + margin))  # what a measured peak must stay within
     for batch in batches:
         at = scaled(costs, batch / calibration_batch)
-        base, limit = rest(batch), int(budget_bytes / (1 + margin))
+        base, limit = rest(batch), ceiling
         while attempts > 0:
             plan = plan_blocks(at, limit, base_bytes=max(0, base))
             if not plan.fits or (last is not None and last.batch == batch and last.plan.policy == plan.policy):
@@ -85,5 +86,10 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
             last = BlockFit(plan, batch, plan.predicted_bytes, measured, fits)
             if fits:
                 return last
-            limit -= int(measured * (1 + margin)) - budget_bytes + 1  # take the overshoot off and solve again
+            # The step measured its prediction's error above the prediction; a plan predicted at
+            # most that much below the ceiling measures within it if it errs by as much. That is
+            # below this plan's prediction (measured > ceiling >= predicted), so a smaller plan,
+            # and it keeps the slack this plan left under the ceiling (both in peak bytes, the
+            # units of the ceiling: the budget's margin is not applied to the error).
+            limit = min(limit, ceiling - (measured - plan.predicted_bytes) - 1)
     return last

@@ -1,29 +1,53 @@
 """What each storage form costs each block: bytes from the ledger of one step, fidelity measured once.
 
-For every form, one training step of the whole model with every block in that form fills a
-:class:`~edgetorch.SavedTensorLedger`; its rows are summed per block by the name of the module that
-saved them (codec sizes are exact, so these are exact bytes for that step). A tensor stored once
-for several ops counts for the block whose op saved it first, so a block's bytes are additive
-across blocks only up to the tensors at block boundaries.
+A block's costs depend on its neighbour. The tensor at a boundary (a block's input, the output
+of the block before: ResNet's ReLU saves it, the next block's convolutions save it again) is
+stored once per distinct form, by whoever saves it first; an exact copy serves every later op
+and a later exact copy replaces an earlier mask. So the previous block's form decides both what
+this block adds in bytes and whether its first ops read an exact copy of their input (Back
+Razor@0.9 on resnet18's layer2.0 gives conv1.weight a relative error of 0.0 after an exact block,
+0.80 after a Back Razor one). The costs are therefore kept per pair (previous block's form, this
+block's form), and the solver carries the previous form in its state (:mod:`.blockplan`).
 
-The fidelity cost of a (block, form) is measured with only that block in the form and every
-other tensor exact (:func:`~edgetorch.activations.fidelity.gradient_fidelities`, one reference
-step for all): the mean, over the parameters, of the squared relative error of each gradient.
-Squared errors of independent perturbations add, so the costs of several blocks are summed by
-the solver (:mod:`.blockplan`). Parameters whose reference gradient is degenerate are left out:
-those whose norm is at most ``degenerate`` times the largest (a bias before a training batch
-norm, or a depthwise convolution at 1x1 spatial size before one, whose gradient is zero in exact
-arithmetic: the batch norm cancels it, so its relative error is rounding noise over rounding noise
-and would rank every form by that noise).
+Bytes, exactly for a chain of blocks that share only their boundary tensors: one training step
+per assignment of forms fills a :class:`~edgetorch.SavedTensorLedger`, and hooks mark the
+ledger's stored bytes as each block starts and as the model's forward ends. What the ledger
+gained from one block's start to the next block's start (new rows, less what its exact copies
+made earlier rows give up) is that block's bytes after its predecessor's form. Steps with every
+block in one form, and with two forms alternating (both ways round), give every block every
+pair: ``len(forms) ** 2`` steps. Rows are attributed by when they were saved, not by the
+module's name, so a recomputed block's rerun in backward (its rows named relative to the block,
+``0.conv1``) is told from the forward by position: it starts when the block's forward starts a
+second time, and what it saves is the block's ``rerun_bytes``. What the ledger holds outside
+every block's window (the stem before the first block, the loss after the model) is
+``outside_bytes``.
+
+Fidelity: the mean, over the parameters, of the squared relative error of each gradient with
+only this block compressed (:func:`~edgetorch.activations.fidelity.gradient_fidelities`, one
+reference step for all). Squared errors of independent perturbations add, so the solver sums
+them. Each lossy (block, form) is measured twice: after an exact previous block, which lends
+the boundary exactly, and after the previous block at 8 bits (:data:`LENDS_NOTHING`: it keeps a
+ReLU's output as a mask, so the block's ops read their own form), less what 8 bits there cost
+alone. A previous form that keeps every tensor exact (:func:`lossless`) takes the first; any
+other, a recomputed one included, the second. Not captured: a lossy previous form that lends the
+boundary where 8 bits do not, or the other way round (the second is taken); and the next block
+is exact in both measurements, so where a block's last op saves its output lossily (a GELU's
+input, quantized), the next block's exact copy of it serves that op there, and the cost is low
+for a plan whose next block is lossy (ResNet's and MobileNet's blocks end in a ReLU, whose mask
+is lossless, or save no output). Parameters whose reference gradient is negligible are left out
+(a bias before a training batch norm, or a depthwise convolution at 1x1 spatial size before
+one: zero in exact arithmetic, the batch norm cancels it, so its relative error is rounding
+noise over rounding noise and would rank every form by that noise).
 
 Example:
     >>> costs = measure_block_costs(model.train(), (x, y))  # doctest: +SKIP
-    >>> costs.cost("layer4.1", Quantized(8)).fidelity  # doctest: +SKIP
+    >>> costs.cost("layer4.1", Quantized(8), after=Dense()).fidelity  # doctest: +SKIP
     3.1e-05
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,39 +58,57 @@ from torch import nn
 
 from ..measure import SavedTensorLedger
 from .blocks import PerBlock, Recompute, find_blocks
-from .fidelity import GradientFidelity, gradient_fidelities
+from .fidelity import NEGLIGIBLE, GradientFidelity, gradient_fidelities
 from .policies import BackRazor, Bitmap, Dense, Policy, Quantized
-from .step import TrainingPolicy, forward_backward, restored
+from .step import TrainingPolicy, forward_backward, restored, storing
 
 #: The forms a block is offered by default: exact, lossless, 8 and 4 bits, Back Razor with its
 #: exact forms exact or at 8 bits, and recomputation keeping a lossless bitmap.
 DEFAULT_FORMS: tuple[Policy | Recompute, ...] = (
     Dense(), Bitmap(), Quantized(8), Quantized(4), BackRazor(0.9), BackRazor(0.9, exact="int8"),
     BackRazor(0.95, exact="int8"), Recompute(Bitmap()))
-DEGENERATE = 1e-3  # see the module docstring
+
+Form = Policy | Recompute
+#: The previous block's form when a lossy form's cost is measured where no exact copy of the block's
+#: input is lent: 8 bits keep a ReLU's output as a mask and the values of others at 8 bits, and
+#: cost little alone (recomputing the previous block would lend nothing either, but the engine
+#: stores the next op's saved input exactly after a recomputed block: it cannot tell its role).
+LENDS_NOTHING = Quantized(8)
+
+
+def lossless(form: Form) -> bool:
+    """Whether ``form`` keeps every saved tensor exactly (``Dense()``, a ``Bitmap()`` with no
+    threshold and full-precision values, or recomputation keeping one of those): its gradients
+    are plain PyTorch's."""
+    if isinstance(form, Recompute):
+        return lossless(form.keep)
+    return isinstance(form, Dense) or (isinstance(form, Bitmap) and form.threshold == 0 and form.value_dtype is None)
 
 
 @dataclass(frozen=True)
 class FormCost:
-    """One block in one form.
+    """One block in one form, after the previous block in another.
 
     Attributes:
         block: the block's name (:func:`~edgetorch.activations.blocks.find_blocks`).
         form: the block's policy, or :class:`~edgetorch.activations.blocks.Recompute`.
-        stored_bytes: what the block holds for backward after the forward, in exact bytes.
-        rerun_bytes: a recomputed block's rerun in backward stores this much at once (what the
-            block holds in its kept form when not recomputed); 0 for other forms.
+        stored_bytes: what the block adds to the saved bytes in the forward, in exact bytes.
+        rerun_bytes: what a recomputed block's rerun in backward stores; 0 for other forms.
         fidelity: the mean squared relative gradient error with only this block in this form
             (0 for a form whose gradients are bit-identical to plain PyTorch's).
-        seconds: the form's step time; not measured yet (None).
+        after: the previous block's form; None for the first block, or for a cost that holds
+            whatever the previous block's form is.
+
+    Time is not yet a cost: no step time is measured per form, so the solver breaks ties between
+    equally faithful forms by their machinery (:func:`~edgetorch.activations.blockplan.penalty`).
     """
 
     block: str
-    form: Policy | Recompute
+    form: Form
     stored_bytes: int
     rerun_bytes: int
     fidelity: float
-    seconds: float | None = None
+    after: Form | None = None
 
 
 @dataclass(frozen=True)
@@ -74,63 +116,74 @@ class BlockCosts:
     """What :func:`measure_block_costs` measured.
 
     Attributes:
-        blocks: the blocks, in module order.
+        blocks: the blocks, in the order the forward runs them.
         forms: the forms offered to each block.
-        costs: one :class:`FormCost` per (block, form), block by block, forms in order.
+        costs: one :class:`FormCost` per (block, form), and per previous form where it matters
+            (``after``): costs with ``after`` None hold after any previous form.
         default: the policy of the tensors saved outside every block.
         outside_bytes: what those tensors hold (under ``default``).
-        peak_live_bytes: the ledger's peak of live saved bytes in the step under ``default`` alone.
     """
 
     blocks: tuple[str, ...]
-    forms: tuple[Policy | Recompute, ...]
+    forms: tuple[Form, ...]
     costs: tuple[FormCost, ...]
     default: Policy
     outside_bytes: int
-    peak_live_bytes: int
 
-    def options(self, block: str) -> list[FormCost]:
-        """The costs of ``block``'s forms, in the order of :attr:`forms`."""
-        return [c for c in self.costs if c.block == block]
+    def options(self, block: str, after: Form | None = None) -> list[FormCost]:
+        """The costs of ``block``'s forms after the previous block in ``after``, in the order of
+        :attr:`forms` (its costs that hold after any form, where it has those)."""
+        return [self.cost(block, form, after) for form in self.forms]
 
-    def cost(self, block: str, form: Policy | Recompute) -> FormCost:
-        """The cost of ``block`` in ``form``.
+    def cost(self, block: str, form: Form, after: Form | None = None) -> FormCost:
+        """The cost of ``block`` in ``form`` after the previous block in ``after``.
 
         Raises:
-            KeyError: a block or form that was not measured.
+            KeyError: a block, form or previous form that was not measured.
         """
-        found = next((c for c in self.costs if c.block == block and c.form == form), None)
+        index = self._index()
+        found = index.get((block, form, after), index.get((block, form, None)))
         if found is None:
-            raise KeyError(f"no cost measured for block {block!r} in {form!r}; measured blocks: {list(self.blocks)}, "
-                           f"forms: {[f.spec() for f in self.forms]}")
+            raise KeyError(f"no cost measured for block {block!r} in {form!r} after {after!r}; measured blocks: "
+                           f"{list(self.blocks)}, forms: {[f.spec() for f in self.forms]}")
         return found
+
+    def _index(self) -> dict[tuple, FormCost]:
+        # Built on first use: the solver looks up every (block, previous form, form).
+        if "_by_key" not in self.__dict__:
+            object.__setattr__(self, "_by_key", {(c.block, c.form, c.after): c for c in self.costs})
+        return self.__dict__["_by_key"]
 
 
 def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                        forms: Sequence[Policy | Recompute] = DEFAULT_FORMS, *, blocks: Sequence[str] | None = None,
-                        default: Policy = Bitmap(), degenerate: float = DEGENERATE,
+                        forms: Sequence[Form] = DEFAULT_FORMS, *, blocks: Sequence[str] | None = None,
+                        default: Policy = Bitmap(), negligible: float = NEGLIGIBLE,
                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> BlockCosts:
-    """Measure the bytes and the fidelity cost of every block in every form.
+    """Measure the bytes and the fidelity cost of every block in every form after every form.
 
-    Runs ``len(forms) + 1`` ledger steps and ``len(blocks) * len(forms) + 1`` gradient steps on
-    ``batch``. The model's weights, buffers, gradients and RNG state are as they were when this
-    returns. Use it in the mode it trains in (``model.train()``, or batch norm frozen).
+    Runs ``len(forms) ** 2`` ledger steps and, per block, one gradient step per form and one more
+    per lossy form and one at :data:`LENDS_NOTHING` (see the module docstring), plus one
+    reference step, all on ``batch``. The
+    model's weights, buffers, gradients and RNG state are as they were when this returns. Use it
+    in the mode it trains in (``model.train()``, or batch norm frozen).
 
     Args:
         model: the model.
         batch: ``(inputs, targets)``: bytes scale with the batch (per sample), fidelity does not much.
         forms: the forms to offer each block (policies, or ``Recompute(policy)``).
-        blocks: the block names; default :func:`~edgetorch.activations.blocks.find_blocks`.
+        blocks: the block names, in the order the forward runs them, each run once per forward
+            and none inside another; default :func:`~edgetorch.activations.blocks.find_blocks`.
         default: the policy of tensors saved outside every block.
-        degenerate: leave out parameters whose reference gradient norm is at most this fraction
-            of the largest (see the module docstring).
+        negligible: leave out parameters whose reference gradient norm is at most this fraction
+            of the largest (as :func:`~edgetorch.activations.fidelity.gradient_fidelity` does).
         loss_fn: ``loss_fn(outputs, targets)``; default cross-entropy.
 
     Returns:
         A :class:`BlockCosts`.
 
     Raises:
-        ValueError: no blocks, no forms, or a ``degenerate`` outside [0, 1).
+        ValueError: no blocks, no forms, a form given twice, blocks that do not run once each in
+            the order given, or a ``negligible`` outside [0, 1).
 
     Example:
         >>> costs = measure_block_costs(model.train(), (x, y), [Bitmap(), Quantized(8)])  # doctest: +SKIP
@@ -140,56 +193,147 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no blocks (no nn.Sequential or nn.ModuleList of two or more "
                          "modules with parameters); name them with blocks=")
-    if not forms:
-        raise ValueError("give at least one form")
-    if not 0 <= degenerate < 1:
-        raise ValueError(f"degenerate must lie in [0, 1), got {degenerate!r}")
+    if not forms or len(set(forms)) != len(forms):
+        raise ValueError(f"give at least one form, each once; got {[f.spec() for f in forms]}")
     loss_fn = loss_fn or F.cross_entropy
     x, y = batch
-    # One ledger step per form (and the default's, for what lies outside the blocks); a
-    # recomputed block's rerun stores what the block stores in its kept form.
-    kept = tuple(dict.fromkeys(f.keep for f in forms if isinstance(f, Recompute) and f.keep not in forms))
-    outside, peak, by_form = 0, 0, {}
-    for form in (default, *forms, *kept):
-        ledger = SavedTensorLedger()
-        with restored(model):
-            forward_backward(model, x, y, TrainingPolicy(PerBlock(tuple((b, form) for b in blocks), default)),
-                             loss_fn, ledger)
-            for p in model.parameters():
-                p.grad = None
-        per_block = _bytes_by_block(ledger, blocks)
-        by_form[form] = per_block
-        if form is default:
-            outside, peak = per_block[None], ledger.peak_live_bytes
-    plans = [PerBlock(((b, form),), Dense()) for b in blocks for form in forms]
-    fidelities = gradient_fidelities(model, (x, y), plans, loss_fn=loss_fn)
+    stored: dict[tuple[int, Form | None, Form], int] = {}  # (block index, previous form, form) -> bytes
+    rerun: dict[tuple[int, Form], int] = {}
+    outside = 0
+    for assignment in _assignments(forms, len(blocks)):
+        step = _measure_step(model, x, y, blocks, assignment, default, loss_fn)
+        outside = max(outside, step.outside)  # the same in every step where only neighbours share
+        for i, form in enumerate(assignment):
+            stored.setdefault((i, assignment[i - 1] if i else None, form), step.stored[i])
+            if i in step.rerun:
+                rerun[(i, form)] = step.rerun[i]
+    fidelity = _fidelities(model, (x, y), blocks, forms, loss_fn, negligible)
     costs = []
-    for plan, fidelity in zip(plans, fidelities):
-        (block, form), = plan.blocks
-        rerun = by_form[form.keep][block] if isinstance(form, Recompute) else 0
-        costs.append(FormCost(block, form, by_form[form][block], rerun, _error(fidelity, degenerate)))
-    return BlockCosts(blocks, forms, tuple(costs), default, outside, peak)
+    for i, block in enumerate(blocks):
+        for after in (None,) if i == 0 else forms:
+            # a previous block that holds its output exactly lends it to this block's first ops
+            lends = i == 0 or (not isinstance(after, Recompute) and lossless(after))
+            costs.extend(FormCost(block, form, stored[(i, after, form)], rerun.get((i, form), 0),
+                                  fidelity[(i, form, lends)], after) for form in forms)
+    return BlockCosts(blocks, forms, tuple(costs), default, outside)
 
 
-def _bytes_by_block(ledger: SavedTensorLedger, blocks: Sequence[str]) -> dict[str | None, int]:
-    """The ledger's stored bytes per block (None: outside every block), by the saving module's name.
-
-    A recomputed block's rerun is recorded by an engine on the block alone, with names relative to
-    it that start with no block's: those rows (and the root's) count as outside, and are left out
-    where they are not the forward's (``rerun`` is measured from the kept form's step instead).
-    """
-    ordered = sorted(blocks, key=len, reverse=True)  # a block inside another keeps its own rows
-    totals: dict[str | None, int] = dict.fromkeys((*blocks, None), 0)
-    for row in ledger.records:
-        block = next((b for b in ordered if row.module == b or row.module.startswith(b + ".")), None)
-        totals[block] += row.stored_bytes
-    return totals
+def _assignments(forms: tuple[Form, ...], n: int) -> list[tuple[Form, ...]]:
+    """Forms per block such that every block after the first meets every (previous, own) pair
+    once, and the first block every form: each form everywhere, then each two alternating, both
+    ways round."""
+    steps = [(form,) * n for form in forms]
+    if n > 1:
+        for a, p in enumerate(forms):
+            for q in forms[a + 1:]:
+                steps += [tuple((p, q)[i % 2] for i in range(n)), tuple((q, p)[i % 2] for i in range(n))]
+    return steps
 
 
-def _error(fidelity: GradientFidelity, degenerate: float) -> float:
-    """Mean squared relative error over the parameters whose reference gradient is not degenerate."""
-    scale = max((r.reference_norm for r in fidelity.parameters), default=0.0)
-    counted = [r.relative_error for r in fidelity.parameters if r.reference_norm > degenerate * scale]
+@dataclass(frozen=True)
+class _Step:
+    stored: list[int]  # per block, after its predecessor (see the module docstring)
+    rerun: dict[int, int]  # per recomputed block: what its rerun saved
+    outside: int  # what is saved before the first block
+
+
+def _measure_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, blocks: tuple[str, ...],
+                  assignment: tuple[Form, ...], default: Policy, loss_fn: Callable) -> _Step:
+    """One ledger step under ``assignment``, its rows given to blocks (see the module docstring)."""
+    ledger = SavedTensorLedger()
+    starts: list[tuple[int, int]] = []  # (block index, ledger rows so far) each time a block's forward starts
+
+    def mark(index: int, *_) -> None:
+        starts.append((index, len(ledger.records)))
+
+    handles = [model.get_submodule(b).register_forward_pre_hook(functools.partial(mark, i))
+               for i, b in enumerate(blocks)]
+    how = TrainingPolicy(PerBlock(tuple(zip(blocks, assignment)), default))
+    try:
+        with restored(model):
+            if any(isinstance(form, Recompute) for form in assignment):  # reruns save in backward
+                forward_backward(model, x, y, how, loss_fn, ledger)
+                for p in model.parameters():
+                    p.grad = None
+            else:  # the forward saves all a step holds: no backward (a third of the time)
+                with storing(model, how, ledger):
+                    loss_fn(model(x), y)
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = ledger.records
+    if [i for i, _ in starts[: len(blocks)]] != list(range(len(blocks))):
+        raise ValueError(f"blocks must run one after another, each once per forward, in the order given "
+                         f"({', '.join(blocks)}); their forwards started in the order "
+                         f"{[blocks[i] for i, _ in starts[: len(blocks)]]}")
+    # A block starting again runs in backward, to be recomputed: what is saved from then to the
+    # next such start (or the step's end) is its rerun. The forward's rows all come first.
+    reruns = starts[len(blocks):]
+    ends = [at for _, at in reruns[1:]] + [len(rows)]
+    rerun = {i: sum(r.stored_bytes for r in rows[at:end]) for (i, at), end in zip(reruns, ends)}
+    forward = rows[: reruns[0][1] if reruns else len(rows)]
+    # Owners by the saving module's name; a row saved outside every block belongs to the stem
+    # before the first block's rows, else to the block saved after it (the last block after the last).
+    names = {b: i for i, b in enumerate(blocks)}
+    held, replaced = [0] * (len(blocks) + 1), [0] * (len(blocks) + 1)  # per block; [-1]: the stem
+    waiting: list = []
+    seen = False
+    for row in forward:
+        owner = _owner(row.module, names)
+        if owner is None and seen:
+            waiting.append(row)
+            continue
+        owner = -1 if owner is None else owner
+        seen = seen or owner >= 0
+        for r in (*waiting, row):
+            held[owner] += r.stored_bytes
+            replaced[owner] += r.replaced_bytes
+        waiting = []
+    for r in waiting:
+        held[len(blocks) - 1] += r.stored_bytes
+    # What a row held before a later exact copy replaced it is charged to its own block and taken
+    # off the next one's (whose copy replaced it), so a block's bytes depend on its own form and
+    # its predecessor's only; the sum is what the step held. The last block keeps its replaced
+    # rows off: what replaced them is its own or the loss's.
+    stored = [held[i] + (replaced[i] if i < len(blocks) - 1 else 0) - replaced[i - 1] for i in range(len(blocks))]
+    return _Step(stored, rerun, held[-1] + replaced[-1])
+
+
+def _owner(module: str, names: dict[str, int]) -> int | None:
+    """The index of the innermost block ``module`` lies in, or None."""
+    while module:
+        if module in names:
+            return names[module]
+        module = module.rpartition(".")[0]
+    return None
+
+
+def _fidelities(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], blocks: tuple[str, ...],
+                forms: tuple[Form, ...], loss_fn: Callable, negligible: float) -> dict[tuple[int, Form, bool], float]:
+    """(block index, form, the previous block lends its output exactly) -> fidelity cost (see the
+    module docstring): every form with only the block compressed, the rest exact (lending); a
+    lossy form also after the previous block in :data:`LENDS_NOTHING`, less what that costs alone."""
+    keys = [(i, form, True) for i in range(len(blocks)) for form in forms]
+    plans = {key: PerBlock(((blocks[key[0]], key[1]),), Dense()) for key in keys}
+    for i in range(1, len(blocks)):
+        plans[(i - 1, LENDS_NOTHING, True)] = PerBlock(((blocks[i - 1], LENDS_NOTHING),), Dense())
+        for form in forms:
+            if not lossless(form):
+                plans[(i, form, False)] = PerBlock(((blocks[i - 1], LENDS_NOTHING), (blocks[i], form)), Dense())
+    measured = dict(zip(plans, map(_error, gradient_fidelities(model, batch, list(plans.values()), loss_fn=loss_fn,
+                                                               negligible=negligible))))
+    costs = {key: measured[key] for key in keys}
+    for i, form, lends in plans:
+        if not lends:  # squared errors of independent perturbations add: take the neighbour's off
+            costs[(i, form, False)] = max(0.0, measured[(i, form, False)] - measured[(i - 1, LENDS_NOTHING, True)])
+        elif lossless(form):  # a lossless form reads exact copies whoever holds them
+            costs.setdefault((i, form, False), measured[(i, form, True)])
+    return costs
+
+
+def _error(fidelity: GradientFidelity) -> float:
+    """Mean squared relative error over the parameters whose reference gradient is not negligible."""
+    counted = [r.relative_error for r in fidelity.parameters if not r.negligible]
     if any(math.isnan(e) for e in counted):
         return math.inf
     return sum(e * e for e in counted) / len(counted) if counted else 0.0

@@ -29,6 +29,9 @@ from .step import TrainingPolicy, forward_backward, parse_training_policy, resto
 # A reference parameter gradient whose norm is at most this fraction of the largest one is
 # rounding noise around a gradient that is zero in exact arithmetic (a convolution's bias before
 # a training batch norm, which cancels it in the forward): its cosine says nothing about the policy.
+# The one definition of a degenerate reference gradient (the per-block costs read the same flag).
+# Not higher: at random init, mobilenet_v2's batch-norm weights have real gradients at 3e-5 to
+# 1e-3 of the largest (26 of them at batch 4, 64 px).
 NEGLIGIBLE = 1e-5
 
 
@@ -45,8 +48,8 @@ class GradientComparison:
             0/0 is 0); ``math.inf`` where the reference is exactly zero and ``g`` is not.
         norm: ``||g||``.
         reference_norm: ``||g_ref||``.
-        negligible: ``reference_norm`` is at most ``NEGLIGIBLE`` (1e-5) times the largest
-            reference parameter gradient norm: rounding noise around a gradient that is zero in
+        negligible: ``reference_norm`` is at most ``negligible`` (default ``NEGLIGIBLE``, 1e-5)
+            times the largest reference parameter gradient norm: rounding noise around a gradient that is zero in
             exact arithmetic (a bias before a training batch norm, which the batch norm cancels,
             so no value of it changes the loss). Listed, but left out of the summaries.
     """
@@ -135,6 +138,7 @@ def gradient_fidelity(
     policy: Policy | TrainingPolicy | str,
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    negligible: float = NEGLIGIBLE,
 ) -> GradientFidelity:
     """Compare one step's gradients under ``policy`` with plain PyTorch's on the same batch.
 
@@ -157,14 +161,16 @@ def gradient_fidelity(
             or a spec string as :func:`~edgetorch.activations.parse_training_policy` takes it
             (``"bitmap"``, ``"backrazor:sparsity=0.9"``, ``"dense+checkpoint"``).
         loss_fn: ``loss_fn(outputs, targets)`` returning a scalar; default cross-entropy.
+        negligible: a parameter whose reference gradient norm is at most this fraction of the
+            largest is flagged :attr:`GradientComparison.negligible` and left out of the summaries.
 
     Returns:
         A :class:`GradientFidelity`: a row per parameter and one for the input, with
         ``worst_cosine``, ``max_relative_error`` and ``to_dict()``.
 
     Raises:
-        ValueError: a malformed policy spec (the message lists what is accepted), or a batch
-            that is not ``(inputs, targets)``.
+        ValueError: a malformed policy spec (the message lists what is accepted), a batch
+            that is not ``(inputs, targets)``, or ``negligible`` outside [0, 1).
         TypeError: a model, policy or inputs of another type.
 
     Example:
@@ -172,7 +178,7 @@ def gradient_fidelity(
         >>> fid.input.cosine, fid.worst_cosine, fid.worst_parameter  # doctest: +SKIP
         (1.0, 0.93, 'layer4.1.conv2.weight')
     """
-    return gradient_fidelities(model, batch, [policy], loss_fn=loss_fn)[0]
+    return gradient_fidelities(model, batch, [policy], loss_fn=loss_fn, negligible=negligible)[0]
 
 
 def gradient_fidelities(
@@ -181,6 +187,7 @@ def gradient_fidelities(
     policies: Sequence[Policy | TrainingPolicy | str],
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    negligible: float = NEGLIGIBLE,
 ) -> list[GradientFidelity]:
     """:func:`gradient_fidelity` of each of ``policies``, against one plain PyTorch step.
 
@@ -197,6 +204,9 @@ def gradient_fidelities(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     hows = [_training_policy(policy) for policy in policies]
+    if isinstance(negligible, bool) or not isinstance(negligible, (int, float)) or not 0 <= negligible < 1:
+        raise ValueError(f"negligible must be a fraction in [0, 1) of the largest reference gradient norm, "
+                         f"got {negligible!r}")
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         got = f"{len(batch)} items" if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}"
         raise ValueError(f"batch must be a pair (inputs, targets), got {got}")
@@ -208,26 +218,27 @@ def gradient_fidelities(
     cuda = sorted({t.device.index for t in tensors if t.is_cuda})
 
     reference = _step(model, x, y, TrainingPolicy(Dense()), loss_fn, cuda)
-    scale = max((torch.linalg.vector_norm(g.double()).item() for g in reference[1].values()), default=0.0)
-    quiet = sum(torch.linalg.vector_norm(g.double()).item() <= NEGLIGIBLE * scale for g in reference[1].values())
-    if 2 * quiet > len(reference[1]):
-        warnings.warn(f"{quiet} of {len(reference[1])} parameter gradients are zero or negligible in plain PyTorch on "
+    norms = {name: torch.linalg.vector_norm(g.double()).item() for name, g in reference[1].items()}
+    floor = negligible * max(norms.values(), default=0.0)
+    quiet = {name for name, norm in norms.items() if norm <= floor}
+    if 2 * len(quiet) > len(norms):
+        warnings.warn(f"{len(quiet)} of {len(norms)} parameter gradients are zero or negligible in plain PyTorch on "
                       "this batch, so the comparison says little about the model: a zero-initialised layer "
                       "(torchvision's ViT head, at random init) blocks every gradient behind it. Compare on a trained "
                       "model, or draw such a layer at random first", stacklevel=3)
-    return [_against(reference, _step(model, x, y, how, loss_fn, cuda), how, x) for how in hows]
+    return [_against(reference, _step(model, x, y, how, loss_fn, cuda), how, x, quiet) for how in hows]
 
 
-def _against(reference: tuple, under: tuple, how: TrainingPolicy, x: torch.Tensor) -> GradientFidelity:
-    """One policy's step (``under``) compared with the reference step, as :func:`_step` returns both."""
+def _against(reference: tuple, under: tuple, how: TrainingPolicy, x: torch.Tensor, quiet: set[str]) -> GradientFidelity:
+    """One policy's step (``under``) compared with the reference step, as :func:`_step` returns both;
+    ``quiet``: the parameters whose reference gradient is negligible."""
     if under[0] != reference[0] and not (math.isnan(under[0]) and math.isnan(reference[0])):
         warnings.warn(f"the forward under {how.spec()} gave loss {under[0]!r}, plain PyTorch {reference[0]!r}: "
                       "random ops saw different numbers (a policy that draws random numbers itself, such as "
                       "quantized:stochastic=true, moves dropout's stream), and the gradients compared include "
                       "that difference", stacklevel=4)
-    rows = [_compare(name, under[1][name], g) for name, g in reference[1].items()]
-    scale = max((r.reference_norm for r in rows), default=0.0)
-    rows = [dataclasses.replace(r, negligible=r.reference_norm <= NEGLIGIBLE * scale) for r in rows]
+    rows = [dataclasses.replace(_compare(name, under[1][name], g), negligible=name in quiet)
+            for name, g in reference[1].items()]
     floating = x.is_floating_point()
     return GradientFidelity(
         policy=how.spec(),

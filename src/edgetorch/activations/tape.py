@@ -153,6 +153,9 @@ def model_state(model: nn.Module, tapes: ModelTapes) -> tuple[set[int], tuple]:
     _, _, params, buffers = walk
     storages = {storage_address(t) for t in params}
     storages.update(storage_address(t) for t in buffers)
-    state = (tuple(m.training for m in modules), tuple(p.requires_grad for p in params),
+    # The module types in order tell a structure apart: blocks swapped for recomputing wrappers
+    # (edgetorch.activations.blocks.recomputing) at other places save other tensors at the same
+    # positions, with the same shapes, so the guards alone replayed one plan's tape on another.
+    state = (tuple(type(m) for m in modules), tuple(m.training for m in modules), tuple(p.requires_grad for p in params),
              torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"))
     return storages, state

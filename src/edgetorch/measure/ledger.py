@@ -35,6 +35,8 @@ class SavedRecord:
         nnz: values the codec kept (``numel`` when held dense).
         form: what was stored: ``exact``, ``prune`` (top-k values), ``mask ...`` (one bit per
             element), ``shape`` (nothing: backward never reads the values).
+        replaced_bytes: a ``superseded`` row's stored bytes before a later exact copy of the
+            tensor replaced its form (0 for every other row): who caused what a step holds.
     """
 
     module: str
@@ -48,6 +50,7 @@ class SavedRecord:
     numel: int
     nnz: int
     form: str = "exact"
+    replaced_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ class SavedTensorLedger:
         """Row ``index``'s stored form was replaced by an exact one that keeps ``nnz`` values
         (no host sync): it holds no bytes of its own now, and a row with elements takes ``nnz``."""
         row = self._rows[index]
-        self._rows[index] = replace(row, stored_bytes=0, storage="superseded", nnz=nnz if row.numel else 0)
+        self._rows[index] = replace(row, stored_bytes=0, storage="superseded", nnz=nnz if row.numel else 0,
+                                    replaced_bytes=row.stored_bytes)
 
     def restate(self, index: int, stored_bytes: int, storage: str) -> None:
         """Row ``index``'s tensor was stored again, now in ``stored_bytes`` as ``storage``
