@@ -35,18 +35,18 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._pytree import tree_flatten
 
 from ..codecs import _cuda
-from ..codecs.bitmap import CappedBitmapTensor
-from ..codecs.narrow import WIDE_INTS, pack_narrow
+from ..codecs.narrow import pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
-from .capacity import LateChecks, Repack, capacity
+from .capacity import LateChecks
 from .forms import EXACT_FORM, SHAPE_FORM, Form
 from .held import (SHAPE, Entry, Kept, Pending, Region, alias, encode_per_sample, kept_count, rows_of, sample_split,
                    span)
 from .policies import Policy
+from .replay import FLOATS as _FLOATS
+from .replay import decide, plan_for
 from .roles import EXACT, Need, OpWatch, storage_address
 from .tape import Slot, model_state, signature, tapes_of
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # autograd's unpack hook: every packed object answers unpack(); a C callable, no Python frame
 # between autograd and it (the hook runs once per saved tensor of every backward).
 _UNPACK = operator.methodcaller("unpack")
@@ -134,6 +134,8 @@ class compress_activations(contextlib.ContextDecorator):
         nested = self._tapes.busy
         self._owns_tapes = not nested
         self._candidates: list[list[Slot]] | None = None  # replaying: the tapes still matched
+        self._plan_tape: list[Slot] | None = None  # the tape whose plan _plan is (see .replay)
+        self._plan: list = []
         self._undecided: list | None = None  # tapes to choose from by the input signature
         self._signature: tuple | None = None
         self._recording: list[Slot | None] | None = None
@@ -311,6 +313,8 @@ class compress_activations(contextlib.ContextDecorator):
             if live:
                 self._candidates = live
                 slot = live[0][index]
+                if self.ledger is None:
+                    return self._replay(t, slot, live[0], index)
                 return self._hold(t, alias(t), slot.need, slot.module, slot.param_copy)
             # On no tape: exact from here on (see .tape: watching cannot start mid-step).
             self._candidates, self._missed = None, True
@@ -332,6 +336,21 @@ class compress_activations(contextlib.ContextDecorator):
         pending.target = self._hold(t, pending.detached, need, pending.module, param_copy)
         pending.tensor = pending.detached = None
 
+    def _replay(self, t: torch.Tensor, slot: Slot, tape: list[Slot], index: int):
+        """:meth:`_hold` of a pack that matched ``slot``, with no ledger: what the slot fixes is
+        read from the tape's plan (.replay); its storage is looked at, as on every step."""
+        if tape is not self._plan_tape:
+            self._plan_tape = tape
+            self._plan = plan_for(self._tapes, tape, self.policy, self._by_module, self._default, self.min_bytes)
+        step = self._plan[index]
+        d = t if t.is_leaf else t.detach()  # alias(t), inlined
+        if step is None:
+            return Kept(d, t._version)
+        ptr = t.data_ptr() - t.storage_offset() * t.element_size()  # storage_address(t), inlined
+        if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
+            return Kept(d, t._version)
+        return self._save(t, d, slot.need, slot.module, ptr, *step)
+
     def _hold(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], param_copy: bool):
         """Store ``t`` (``d``: its alias made at autograd level, see :func:`alias`) for ``need``.
 
@@ -341,16 +360,9 @@ class compress_activations(contextlib.ContextDecorator):
         if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
             self._record(t, module, "external", 0, 0, 0, need)
             return Kept(d, t._version)
-        if param_copy:
-            # autocast's low-precision copy of a weight: autograd holds it in plain PyTorch too
-            # (so it is counted), but it has no activation sparsity to find
+        step = decide(t.dtype, t.shape, param_copy, need, self._by_module.get(module[0], self._default), self.min_bytes)
+        if step is None:
             nbytes = t.numel() * t.element_size()
-            self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
-            return Kept(d, t._version)
-        nbytes = t.numel() * t.element_size()
-        policy = self._by_module.get(module[0], self._default)
-        narrowable = t.dtype in WIDE_INTS and policy.narrows_integers
-        if (t.dtype not in _FLOATS and not narrowable) or nbytes < self.min_bytes:
             self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
             return Kept(d, t._version)
         if not self._roles and self._held_as_is().get(self._index) == t.numel():
@@ -358,7 +370,7 @@ class compress_activations(contextlib.ContextDecorator):
             # Without roles every pack takes the one form, so no later pack of this storage
             # could want another form that the dense copy would have served; and no ledger.
             return Kept(d, t._version)
-        return self._save(t, d, need, module, ptr, policy)
+        return self._save(t, d, need, module, ptr, *step)
 
     def _held_as_is(self) -> dict[int, int]:
         """Positions of this model, input signature and policy whose exact form did not compress."""
@@ -370,8 +382,8 @@ class compress_activations(contextlib.ContextDecorator):
         if self._watch is not None:
             self._watch.flush()
 
-    def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], ptr: int, policy: Policy):
-        form = policy.form(need) if t.dtype in _FLOATS else EXACT_FORM  # integers: never pruned
+    def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], ptr: int, policy: Policy,
+              form: Form):
         lo, hi = span(t)
         key = (ptr, t.dtype)
         for ref in self._table.get(key, ()):
@@ -410,7 +422,9 @@ class compress_activations(contextlib.ContextDecorator):
             elif split:
                 rep = encode_per_sample(policy, region, *split, need, form)
             elif policy.sized_by_count and _cuda.gpu_path(region):  # sized from an earlier step (.capacity)
-                rep = self._encode_sized(region.view(rows, -1), need, entry, form, policy)
+                if self._checks is None:
+                    self._checks = LateChecks(self._tapes.capacities.of(self._signature))
+                rep = self._checks.encode(region.view(rows, -1), self._index, policy, need, self.ledger, entry, form)
             else:
                 rep = self._encode_exact_once(region, rows, need, form, dense_bytes, policy)
             region_bytes = region.numel() * region.element_size()
@@ -438,28 +452,10 @@ class compress_activations(contextlib.ContextDecorator):
         as_is = self._held_as_is() if form is EXACT_FORM and dense_bytes else None
         if as_is is not None and as_is.get(self._index) == region.numel():
             return None
-        rep = policy.encode_as(region.view(rows, -1), need, form)
+        rep = policy.encode_region(region, rows, need, form)
         if as_is is not None and (rep is None or rep.nbytes >= region.numel() * region.element_size()):
             as_is[self._index] = region.numel()
         return rep
-
-    def _encode_sized(self, x: torch.Tensor, need: Need, entry: Entry, form: Form, policy: Policy):
-        """Encode ``x`` into value slots sized from the count kept at this position of an earlier
-        step, with no host sync; its count is checked later (see .capacity). Where none was seen,
-        exactly, reading its count (one sync), which sizes the next step's."""
-        if self._checks is None:
-            self._checks = LateChecks(self._tapes.capacities.of(self._signature))
-        counts = self._checks.counts
-        slots = capacity(counts, self._index, x.numel())
-        if slots is None:
-            rep = policy.encode(x, need)
-            counts[self._index] = (x.numel(), x.numel() if rep is None else rep.nnz)
-            return rep
-        rep = policy.encode(x, need, capacity=slots)
-        if not isinstance(rep, CappedBitmapTensor):
-            return rep
-        repack = Repack(policy, need, self.ledger, entry, form)
-        return self._checks.track(rep, x, self._index, repack)
 
     def _supersede(self, entry: Entry, forms: list[str], nnz: int) -> None:
         """Zero the stored bytes of ledger rows whose forms an exact form replaced.

@@ -284,7 +284,7 @@ def encode_per_sample(policy, region: torch.Tensor, shape: tuple[int, ...], posi
     """Encode ``region`` (in memory order, ``shape``) in ``form`` one row per sample, the samples
     at ``position``: in place when they are outermost, else from a copy that gathers them."""
     if position == 0:
-        return policy.encode_as(region.view(shape[0], -1), need, form)
+        return policy.encode_region(region, shape[0], need, form)
     moved = region.view(shape).movedim(position, 0)
     rep = policy.encode_as(moved.reshape(shape[position], -1), need, form)
     return None if rep is None else SampleMajor(rep, tuple(moved.shape), position)

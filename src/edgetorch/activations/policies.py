@@ -72,6 +72,17 @@ class Policy:
         A policy whose ``encode`` reads the form overrides this; others need not."""
         return self.encode(t, need)
 
+    def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
+        """``encode_as`` of a contiguous ``t`` of any shape read row-major as ``[rows, n]``.
+
+        The engine's call: a codec that takes ``rows`` itself reads ``t`` in place and decodes to
+        ``t``'s own shape, so neither a ``[rows, n]`` view at pack nor a view back to the saved
+        shape at unpack is made (each a torch call of microseconds, for every stored tensor of a
+        step: issue 23). The built-in policies store the same bytes as ``encode_as`` of the view;
+        the default makes the view, so a subclass that only defines ``encode`` sees ``[rows, n]``.
+        """
+        return self.encode_as(t.view(rows, -1), need, form)
+
     def form(self, need: Need) -> Form:
         """The stored form for ``need``; the default stores every tensor one (exact) way."""
         return EXACT_FORM
@@ -171,6 +182,10 @@ class Bitmap(Policy):
             return None
         return pack_bitmap(t, self.threshold, self.value_dtype)
 
+    def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
+        """``encode`` of ``t`` as it is: a bitmap's bytes are row-major whatever the shape."""
+        return self.encode(t, need)
+
     def _worth_packing(self, t: torch.Tensor) -> bool:
         """Estimate from a strided sample whether the bitmap form is smaller than ``t``.
 
@@ -257,12 +272,15 @@ class Quantized(Policy):
         return self.encode_as(t, need, self.form(need))
 
     def encode_as(self, t: torch.Tensor, need: Need, form: Form):
+        return self.encode_region(t, t.shape[0] if t.dim() else 1, need, form)
+
+    def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
         kind = form.kind
         if kind is FormKind.MASK:
             return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
         if kind is FormKind.EXACT:
             return _lossless(t)
-        return _quantize(t, need, self.bits, self.group, self.stochastic)
+        return _quantize(t, need, rows, self.bits, self.group, self.stochastic)
 
 
 def _exact_form(need: Need) -> Form:
@@ -276,12 +294,12 @@ def _exact_form(need: Need) -> Form:
 _FORM_OF_NEED = {NeedKind.EXACT: EXACT_FORM, NeedKind.PRUNE: PRUNE_FORM, NeedKind.SHAPE: SHAPE_FORM}
 
 
-def _quantize(t: torch.Tensor, need: Need, bits: int, group: int = POLICY_GROUP, stochastic: bool = False):
+def _quantize(t: torch.Tensor, need: Need, rows: int, bits: int, group: int = POLICY_GROUP, stochastic: bool = False):
     # The seed comes from the CPU generator even for a CUDA tensor: no device sync.
     seed = int(torch.randint(0, 2**32, (), dtype=torch.int64)) if stochastic else None
     if need.kinks is not None:
-        return pack_quantized_sided(t, bits, *need.kinks, group=group, seed=seed)
-    return pack_quantized(t, bits, group=group, seed=seed)
+        return pack_quantized_sided(t, bits, *need.kinks, group=group, rows=rows, seed=seed)
+    return pack_quantized(t, bits, group=group, rows=rows, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -382,13 +400,16 @@ class BackRazor(Policy):
         return self.encode_as(t, need, self.form(need))
 
     def encode_as(self, t: torch.Tensor, need: Need, form: Form):
+        return self.encode_region(t, t.shape[0] if t.dim() else 1, need, form)
+
+    def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
         if form is PRUNE_FORM:
-            kept = pack_topk(t, self.sparsity, value_dtype=self.value_dtype)
+            kept = pack_topk(t, self.sparsity, rows=rows, value_dtype=self.value_dtype)
             return kept if self.values is None else quantize_values(kept, _QUANTIZED[self.values])
         if form.kind is FormKind.MASK:
             return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
         if form.kind is FormKind.QUANTIZED:
-            return _quantize(t, need, form.bits)
+            return _quantize(t, need, rows, form.bits)
         return _lossless(t)
 
 

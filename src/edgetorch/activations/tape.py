@@ -61,7 +61,7 @@ class ModelTapes:
     """The tapes of one model under its current state, newest first, each with the input
     signature it was recorded for."""
 
-    __slots__ = ("state", "tapes", "busy", "seen", "watch", "walk", "capacities")
+    __slots__ = ("state", "tapes", "busy", "seen", "watch", "walk", "capacities", "plans")
 
     def __init__(self):
         self.state: tuple | None = None
@@ -71,11 +71,12 @@ class ModelTapes:
         self.watch = 0  # steps still to watch after one left every tape
         self.walk: tuple | None = None  # (generation, modules, parameters, buffers): see model_state
         self.capacities = Capacities()  # kept counts of packed bitmaps, by position (GPU path)
+        self.plans: list = []  # what each replayed position does, per tape and policy (see .replay)
 
     def for_state(self, state: tuple) -> list[tuple[tuple | None, list[Slot]]]:
         """The tapes recorded under ``state``, newest first (none if the state changed)."""
         if state != self.state:
-            self.state, self.tapes, self.watch = state, [], 0
+            self.state, self.tapes, self.watch, self.plans = state, [], 0, []
         return self.tapes
 
     def keep(self, signature: tuple | None, tape: list[Slot]) -> None:

@@ -362,12 +362,12 @@ class SidedQuantizedTensor:
 
 
 def pack_quantized_sided(t: torch.Tensor, bits: int, low: float, high: float, *, group: int = DEFAULT_GROUP,
-                         seed: int | None = None) -> SidedQuantizedTensor:
+                         rows: int | None = None, seed: int | None = None) -> SidedQuantizedTensor:
     """:func:`pack_quantized` of ``t`` clamped into ``[low, high]``, plus one exact bit per element:
     whether it lay in the open interval ``(low, high)``.
 
     Args:
-        t, bits, group, seed: as :func:`pack_quantized` (one row per sample).
+        t, bits, group, rows, seed: as :func:`pack_quantized` (default: one row per sample).
         low, high: the interval, ``low < high``, both finite.
 
     Returns:
@@ -383,6 +383,6 @@ def pack_quantized_sided(t: torch.Tensor, bits: int, low: float, high: float, *,
         raise ValueError(f"low < high must be finite numbers; got low={low!r}, high={high!r}")
     # Outside the interval only the side is read back, so the codes spend their range on the
     # inside: a group's step comes from its values clamped into [low, high], not from outliers.
-    values = pack_quantized(t.clamp(low, high), bits, group=group, seed=seed)
+    values = pack_quantized(t.clamp(low, high), bits, group=group, rows=rows, seed=seed)
     inside = pack_mask(t, low, high, inside=(low + high) / 2).bitmap
     return SidedQuantizedTensor(values, inside, float(low), float(high))
