@@ -307,12 +307,15 @@ class compress_activations(contextlib.ContextDecorator):
             candidates = self._candidates
             if len(candidates) == 1:  # the usual case: one tape, no list to build
                 tape = candidates[0]
-                live = candidates if index < len(tape) and tape[index].matches(t) else None
+                slot = tape[index] if index < len(tape) else None
+                # slot.matches(t), inlined: every pack of a steady step passes here
+                live = candidates if slot is not None and slot.shape == t.shape and slot.dtype is t.dtype \
+                    and slot.node is type(t.grad_fn) else None
             else:
                 live = [tape for tape in candidates if index < len(tape) and tape[index].matches(t)]
+                slot = live[0][index] if live else None
             if live:
                 self._candidates = live
-                slot = live[0][index]
                 if self.ledger is None:
                     return self._replay(t, slot, live[0], index)
                 return self._hold(t, alias(t), slot.need, slot.module, slot.param_copy)
@@ -439,6 +442,7 @@ class compress_activations(contextlib.ContextDecorator):
             return
         kept = kept_count(rep)
         numel, nnz = (region.numel(), kept) if dense_bytes else (0, 0)
+        entry.records = entry.records or {}
         entry.records[form] = self._record(t, module, storage, dense_bytes, rep.nbytes, numel, need, form, nnz)
         self._supersede(entry, superseded, kept)
         if rep.nbytes:

@@ -43,7 +43,8 @@ class Entry:
         # gathered: holds only t's own elements, row-major (t was a sparse view of its storage)
         self.gathered = geometry(t) if gathered else None
         self.reps: dict[Form, object] = {}
-        self.records: dict[Form, int] = {}  # form -> index of its ledger row (for supersession)
+        # form -> index of its ledger row (for supersession); made by the first row (a ledger)
+        self.records: dict[Form, int] | None = None
 
     def covers(self, t: torch.Tensor, lo: int, hi: int) -> bool:
         if self.source() is None or self.version != t._version:
@@ -65,15 +66,20 @@ class Entry:
     def add(self, form: Form, rep, covers) -> list[Form]:
         """Hold ``rep`` for ``form``; returns the held forms it supersedes (those it covers:
         an exact form covers all), which are read from ``rep`` from now on."""
+        if not self.reps:  # a new entry (most): nothing to supersede
+            self.reps[form] = rep
+            return []
         dropped = [f for f in self.reps if f != form and covers(form, f)]
         for f in (*dropped, form):
             self.reps[f] = rep
         return dropped
 
     def view_of(self, t: torch.Tensor, form: Form) -> View:
+        # Only a shape's stand-in needs the device (t.device makes an object: one per saved tensor)
+        device = t.device if form is SHAPE_FORM else None
         if self.gathered is not None:  # flat() returns t's own geometry
-            return View(self, t.shape, t.stride(), None, form, t.dtype, t.device)
-        return View(self, t.shape, t.stride(), t.storage_offset() - self.lo, form, t.dtype, t.device)
+            return View(self, t.shape, t.stride(), None, form, t.dtype, device)
+        return View(self, t.shape, t.stride(), t.storage_offset() - self.lo, form, t.dtype, device)
 
     def flat(self, form: Form) -> torch.Tensor:
         """The region in ``form`` as a dense tensor, decoded once for all the ops that saved it.
