@@ -49,12 +49,12 @@ def test_linear_on_tokens_keeps_the_top_k_of_each_token_or_of_each_sample(rows):
 
 
 class Rows(et.BackRazor):
-    """Back Razor that also records the matrices its top-k sees."""
+    """Back Razor that also records the matrices its top-k sees (as rows: the engine's call)."""
 
-    def encode(self, t, need=et.activations.roles.EXACT):
-        if self.form(need) is et.activations.forms.PRUNE_FORM:
-            self.seen.append(t.clone())
-        return super().encode(t, need)
+    def encode_region(self, t, rows, need, form):
+        if form is et.activations.forms.PRUNE_FORM:
+            self.seen.append(t.reshape(rows, -1).clone())
+        return super().encode_region(t, rows, need, form)
 
 
 def tiny_vit():

@@ -38,6 +38,7 @@ from ..codecs import _cuda
 from ..codecs.narrow import pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
 from .capacity import LateChecks
+from .compiled import is_compiled, warn_compiled
 from .forms import EXACT_FORM, SHAPE_FORM, Form
 from .held import (SHAPE, Entry, Kept, Pending, Region, alias, encode_per_sample, kept_count, rows_of, sample_split,
                    span)
@@ -212,33 +213,10 @@ class compress_activations(contextlib.ContextDecorator):
                 "saved_tensors_hooks context, so nothing was compressed.",
                 stacklevel=2,
             )
-        elif exc[0] is None and self.saved_count and _is_compiled(self.model):
-            self._warn_compiled()
+        elif exc[0] is None and self.saved_count and is_compiled(self.model):
+            warn_compiled(self._watch is not None, self.saved_count)
         self._pack_fn = self._watch = None  # bound to this block: cycles (see __enter__)
         return False
-
-    def _warn_compiled(self) -> None:
-        """Say what happened to a torch.compile'd model, which depends on the dispatch mode.
-
-        Measured on torch 2.14 (tests/test_engine_corners.py checks it on the installed torch):
-        with the dispatch mode that tells op roles (BackRazor, or any policy with a ledger),
-        dynamo runs the model eagerly, so compression works and compile is lost. Without it,
-        the compiled graph runs and the tensors it saves reach the hooks as one opaque
-        autograd Function's: they are stored losslessly, without per-op roles.
-        """
-        if self._watch is not None:
-            what = ("its activations were compressed, but the model ran eagerly: torch.compile "
-                    "falls back to eager under the dispatch mode edgetorch uses to tell each op's "
-                    "role (BackRazor, or any policy with a ledger), so compile's speed is lost")
-        else:
-            what = ("the compiled graph ran and the tensors it saves for backward were compressed "
-                    "losslessly as one opaque function's, without per-op roles or deduplication")
-        warnings.warn(
-            f"compress_activations got a torch.compile'd model ({self.saved_count} saved tensors "
-            f"seen, torch {torch.__version__}): {what}. Pass the uncompiled module for the "
-            "documented behaviour.",
-            stacklevel=3,
-        )
 
     def _check_can_act(self) -> None:
         if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
@@ -316,9 +294,19 @@ class compress_activations(contextlib.ContextDecorator):
                 slot = live[0][index] if live else None
             if live:
                 self._candidates = live
-                if self.ledger is None:
-                    return self._replay(t, slot, live[0], index)
-                return self._hold(t, alias(t), slot.need, slot.module, slot.param_copy)
+                if self.ledger is not None:
+                    return self._hold(t, alias(t), slot.need, slot.module, slot.param_copy)
+                # What the slot fixes, from the tape's plan (.replay); most packs end here, so
+                # this part of _hold is inlined (a call per saved tensor is ~1% of the step)
+                if live[0] is not self._plan_tape:
+                    self._plan_tape = live[0]
+                    self._plan = plan_for(self._tapes, live[0], self.policy, self._by_module, self._default,
+                                          self.min_bytes)
+                step = self._plan[index]
+                d = t if t.is_leaf else t.detach()  # alias(t), inlined
+                if step is None:
+                    return Kept(d, t._version)
+                return self._replay(t, d, slot, step)
             # On no tape: exact from here on (see .tape: watching cannot start mid-step).
             self._candidates, self._missed = None, True
         if self._watch is None:
@@ -339,16 +327,9 @@ class compress_activations(contextlib.ContextDecorator):
         pending.target = self._hold(t, pending.detached, need, pending.module, param_copy)
         pending.tensor = pending.detached = None
 
-    def _replay(self, t: torch.Tensor, slot: Slot, tape: list[Slot], index: int):
-        """:meth:`_hold` of a pack that matched ``slot``, with no ledger: what the slot fixes is
-        read from the tape's plan (.replay); its storage is looked at, as on every step."""
-        if tape is not self._plan_tape:
-            self._plan_tape = tape
-            self._plan = plan_for(self._tapes, tape, self.policy, self._by_module, self._default, self.min_bytes)
-        step = self._plan[index]
-        d = t if t.is_leaf else t.detach()  # alias(t), inlined
-        if step is None:
-            return Kept(d, t._version)
+    def _replay(self, t: torch.Tensor, d: torch.Tensor, slot: Slot, step: tuple[Policy, Form]):
+        """:meth:`_hold` of a replayed pack that ``step`` (its plan) says ``policy`` stores in
+        ``form``, unless it is a parameter, buffer or input: its storage is looked at every step."""
         ptr = t.data_ptr() - t.storage_offset() * t.element_size()  # storage_address(t), inlined
         if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
             return Kept(d, t._version)
@@ -412,7 +393,7 @@ class compress_activations(contextlib.ContextDecorator):
         elif entry.hi - entry.lo == t.numel() and t.is_contiguous():
             # Most saved tensors: t is its whole region, held in its own shape (on a GPU host every
             # torch call, a view included, costs microseconds, for each of a step's saved tensors)
-            region, rows = d, rows_of(t, entry)
+            region, rows = d, ((t.shape[0] or 1) if t.dim() else 1)  # rows_of(t, entry), inlined
         else:
             region, rows = torch.as_strided(d, (entry.hi - entry.lo,), (1,), entry.lo), rows_of(t, entry)
         if form is SHAPE_FORM:
@@ -428,18 +409,20 @@ class compress_activations(contextlib.ContextDecorator):
                 if self._checks is None:
                     self._checks = LateChecks(self._tapes.capacities.of(self._signature))
                 rep = self._checks.encode(region.view(rows, -1), self._index, policy, need, self.ledger, entry, form)
+            elif form is EXACT_FORM and dense_bytes:
+                rep = self._encode_exact_once(region, rows, need, policy)
             else:
-                rep = self._encode_exact_once(region, rows, need, form, dense_bytes, policy)
+                rep = policy.encode_region(region, rows, need, form)
             region_bytes = region.numel() * region.element_size()
             if rep is None or rep.nbytes >= region_bytes:
                 # Never worse than plain PyTorch: what does not compress is held as it is (a
                 # gathered view as itself, so that backward sees its own strides).
                 form, rep = EXACT_FORM, Region(d if entry.gathered is not None else region, d)
         superseded = entry.add(form, rep, policy.covers)
-        storage = "dense" if isinstance(rep, Region) else "stored"
-        # A form added to an entry already counted adds bytes, not elements.
         if self.ledger is None:  # only a ledger reads the kept counts
             return
+        storage = "dense" if isinstance(rep, Region) else "stored"
+        # A form added to an entry already counted adds bytes, not elements.
         kept = kept_count(rep)
         numel, nnz = (region.numel(), kept) if dense_bytes else (0, 0)
         entry.records = entry.records or {}
@@ -449,15 +432,15 @@ class compress_activations(contextlib.ContextDecorator):
             self.ledger.hold(rep.nbytes)
             weakref.finalize(rep, self.ledger.release, rep.nbytes)
 
-    def _encode_exact_once(self, region: torch.Tensor, rows: int, need: Need, form: Form, dense_bytes: int,
-                           policy: Policy):
-        """``policy.encode`` of ``region``, except where its exact form did not compress at this
-        position before: None then, without looking (.capacity); a new such position is noted."""
-        as_is = self._held_as_is() if form is EXACT_FORM and dense_bytes else None
-        if as_is is not None and as_is.get(self._index) == region.numel():
+    def _encode_exact_once(self, region: torch.Tensor, rows: int, need: Need, policy: Policy):
+        """``policy``'s exact form of ``region`` (a new entry's), except where it did not compress
+        at this position before: None then, without looking (.capacity); a new such position is
+        noted."""
+        as_is = self._held_as_is()
+        if as_is.get(self._index) == region.numel():
             return None
-        rep = policy.encode_region(region, rows, need, form)
-        if as_is is not None and (rep is None or rep.nbytes >= region.numel() * region.element_size()):
+        rep = policy.encode_region(region, rows, need, EXACT_FORM)
+        if rep is None or rep.nbytes >= region.numel() * region.element_size():
             as_is[self._index] = region.numel()
         return rep
 
@@ -494,7 +477,3 @@ class compress_activations(contextlib.ContextDecorator):
                 form=form.text,
             )
         )
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    return type(model).__name__ == "OptimizedModule"

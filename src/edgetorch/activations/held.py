@@ -149,10 +149,13 @@ class View:
     def unpack(self) -> torch.Tensor:
         # The stored copy is the value at save time, but a later in-place change is still a
         # bug in the caller's code that plain PyTorch would report: report it too.
-        check_version(self.entry.live(), self.entry.version)
+        entry = self.entry
+        live = entry.live()
+        if live is not None and live._version != entry.version:  # most: no call to check it
+            check_version(live, entry.version)
         if self.form is SHAPE_FORM:  # backward reads only the shape (and the layout): zero bytes
             return stand_in(self.size, self.stride, self.dtype, self.device)
-        base = self.entry.flat(self.form)  # a decoded copy, or the kept region in place
+        base = entry.flat(self.form)  # a decoded copy, or the kept region in place
         if self.offset is None:  # a gathered entry decodes to this view's own geometry
             return base
         if not self.offset and base.shape == self.size and base.stride() == self.stride:
@@ -292,7 +295,7 @@ def encode_per_sample(policy, region: torch.Tensor, shape: tuple[int, ...], posi
     if position == 0:
         return policy.encode_region(region, shape[0], need, form)
     moved = region.view(shape).movedim(position, 0)
-    rep = policy.encode_as(moved.reshape(shape[position], -1), need, form)
+    rep = policy.encode_region(moved.reshape(shape[position], -1), shape[position], need, form)
     return None if rep is None else SampleMajor(rep, tuple(moved.shape), position)
 
 

@@ -10,8 +10,8 @@ import torch
 from ..codecs import FLOAT_DTYPES, _backend, _cuda, pack_bitmap
 from ..codecs.bitmap import (BitmapTensor, CappedBitmapTensor, pack_bitmap_capped, pack_bitmap_if_smaller,
                              zero_limit_bits)
-from ..codecs.mask import pack_mask
-from ..codecs.quantized import check_bits, pack_quantized, pack_quantized_sided, quantize_values
+from ..codecs.mask import mask_checked
+from ..codecs.quantized import check_bits, pack_quantized_sided, quantize_checked, quantize_values
 from ..codecs.topk import check_sparsity, pack_topk
 from .forms import EXACT_FORM, PRUNE_FORM, SHAPE_FORM, Form, FormKind, mask_form, quantized_form
 from .roles import EXACT, UNKNOWN_OP, Need, NeedKind
@@ -75,11 +75,13 @@ class Policy:
     def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
         """``encode_as`` of a contiguous ``t`` of any shape read row-major as ``[rows, n]``.
 
-        The engine's call: a codec that takes ``rows`` itself reads ``t`` in place and decodes to
-        ``t``'s own shape, so neither a ``[rows, n]`` view at pack nor a view back to the saved
-        shape at unpack is made (each a torch call of microseconds, for every stored tensor of a
-        step: issue 23). The built-in policies store the same bytes as ``encode_as`` of the view;
-        the default makes the view, so a subclass that only defines ``encode`` sees ``[rows, n]``.
+        The engine's call for every tensor it stores (but count-sized bitmaps on a GPU, which
+        take ``encode(..., capacity=)``): a codec that takes ``rows`` itself reads ``t`` in place
+        and decodes to ``t``'s own shape, so neither a ``[rows, n]`` view at pack nor a view back
+        to the saved shape at unpack is made (each a torch call of microseconds, for every stored
+        tensor of a step: issue 23). The built-in policies store the same bytes as ``encode_as``
+        of the view; the default makes the view, so a subclass that only defines ``encode`` sees
+        ``[rows, n]``. A subclass of a built-in policy that changes what is stored overrides this.
         """
         return self.encode_as(t.view(rows, -1), need, form)
 
@@ -277,7 +279,7 @@ class Quantized(Policy):
     def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
         kind = form.kind
         if kind is FormKind.MASK:
-            return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
+            return _mask(t, need)
         if kind is FormKind.EXACT:
             return _lossless(t)
         return _quantize(t, need, rows, self.bits, self.group, self.stochastic)
@@ -299,7 +301,14 @@ def _quantize(t: torch.Tensor, need: Need, rows: int, bits: int, group: int = PO
     seed = int(torch.randint(0, 2**32, (), dtype=torch.int64)) if stochastic else None
     if need.kinks is not None:
         return pack_quantized_sided(t, bits, *need.kinks, group=group, rows=rows, seed=seed)
-    return pack_quantized(t, bits, group=group, rows=rows, seed=seed)
+    # bits and group were checked when the policy was made; rows divides t's elements (engine)
+    return quantize_checked(t, bits, group, rows if t.numel() else 0, seed)
+
+
+def _mask(t: torch.Tensor, need: Need):
+    """The 1-bit mask a ``mask`` need reads (its interval and stand-ins come from the op table of
+    :mod:`.roles`, which makes only valid ones, of floats: not checked again per tensor)."""
+    return mask_checked(t, need.low, need.high, need.inside, need.outside)
 
 
 @dataclass(frozen=True)
@@ -407,7 +416,7 @@ class BackRazor(Policy):
             kept = pack_topk(t, self.sparsity, rows=rows, value_dtype=self.value_dtype)
             return kept if self.values is None else quantize_values(kept, _QUANTIZED[self.values])
         if form.kind is FormKind.MASK:
-            return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
+            return _mask(t, need)
         if form.kind is FormKind.QUANTIZED:
             return _quantize(t, need, rows, form.bits)
         return _lossless(t)

@@ -156,6 +156,13 @@ def pack_quantized(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK32):
         raise ValueError(f"seed must be None (round to nearest) or an int in [0, 2**32) (stochastic rounding); "
                          f"got {seed!r}")
+    return quantize_checked(t, bits, group, rows, seed)
+
+
+def quantize_checked(t: torch.Tensor, bits: int, group: int, rows: int, seed: int | None) -> QuantizedTensor:
+    """:func:`pack_quantized` of arguments it has checked (``rows`` 0 for an empty ``t``, else a
+    divisor of its elements): the policies' call, which checked ``bits`` and ``group`` once when
+    they were made and store one tensor per saved activation (the checks cost microseconds)."""
     # CUDA: Triton, no host sync. CPU: the C kernel (groups in batches: their ranges together,
     # then their codes from L1), reading t in place: no reshape or detach (a few microseconds each)
     if rows and (kernel := (_backend.CPU if t.is_cpu else _backend.device(t)).quantize) is not None:
