@@ -310,7 +310,7 @@ class compress_activations(contextlib.ContextDecorator):
             # On no tape: exact from here on (see .tape: watching cannot start mid-step).
             self._candidates, self._missed = None, True
         if self._watch is None:
-            return self._hold(t, alias(t), EXACT, self._stack[-1][1], False)
+            return self._hold(t, t if t.is_leaf else t.detach(), EXACT, self._stack[-1][1], False)  # alias(t)
         forced = EXACT if self._watch.after_grad_free_op else None
         pending = Pending(t, self._stack[-1][1], forced, index)
         self._watch.pending.append(pending)
@@ -340,14 +340,18 @@ class compress_activations(contextlib.ContextDecorator):
 
         ``param_copy``: autocast's low-precision copy of a weight (the dispatch mode saw it made).
         """
-        ptr = storage_address(t)
+        # Without roles (Bitmap) every pack comes here: no call that can be saved is made (a
+        # ledger row only with a ledger, storage_address inlined)
+        ptr = t.data_ptr() - t.storage_offset() * t.element_size()
         if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
-            self._record(t, module, "external", 0, 0, 0, need)
+            if self.ledger is not None:
+                self._record(t, module, "external", 0, 0, 0, need)
             return Kept(d, t._version)
         step = decide(t.dtype, t.shape, param_copy, need, self._by_module.get(module[0], self._default), self.min_bytes)
         if step is None:
-            nbytes = t.numel() * t.element_size()
-            self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
+            if self.ledger is not None:
+                nbytes = t.numel() * t.element_size()
+                self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
             return Kept(d, t._version)
         if not self._roles and self._held_as_is().get(self._index) == t.numel():
             # Did not compress at this position before (.capacity): held as it is, with no entry.
