@@ -18,7 +18,8 @@ What the hooks alone would get wrong, and how this module handles it:
 
 What a pack returns, and the region arithmetic, live in :mod:`.held`; how bitmaps are sized on a
 GPU without a sync, and which positions are not looked at again, in :mod:`.capacity`; which op
-saved a tensor and what its backward needs, in :mod:`.roles` and :mod:`.tape`.
+saved a tensor and what its backward needs, in :mod:`.roles` and :mod:`.tape`; what a replayed
+pack's slot fixes (its policy, form, or that it is held as it is), decided once, in :mod:`.replay`.
 """
 
 from __future__ import annotations

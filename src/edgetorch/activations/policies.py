@@ -73,16 +73,12 @@ class Policy:
         return self.encode(t, need)
 
     def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
-        """``encode_as`` of a contiguous ``t`` of any shape read row-major as ``[rows, n]``.
-
-        The engine's call for every tensor it stores (but count-sized bitmaps on a GPU, which
-        take ``encode(..., capacity=)``): a codec that takes ``rows`` itself reads ``t`` in place
-        and decodes to ``t``'s own shape, so neither a ``[rows, n]`` view at pack nor a view back
-        to the saved shape at unpack is made (each a torch call of microseconds, for every stored
-        tensor of a step: issue 23). The built-in policies store the same bytes as ``encode_as``
-        of the view; the default makes the view, so a subclass that only defines ``encode`` sees
-        ``[rows, n]``. A subclass of a built-in policy that changes what is stored overrides this.
-        """
+        """``encode_as`` of a contiguous ``t`` of any shape read row-major as ``[rows, n]``: the
+        engine's call for every tensor it stores (but a GPU's count-sized bitmaps). The built-in
+        policies pass ``rows`` to codecs that read ``t`` in place and decode to its shape: no view
+        at pack or unpack (a torch call each, per stored tensor of a step: issue 23), the same bytes.
+        The default makes the ``[rows, n]`` view; a subclass of a built-in policy that changes what
+        is stored overrides this."""
         return self.encode_as(t.view(rows, -1), need, form)
 
     def form(self, need: Need) -> Form:
@@ -185,8 +181,7 @@ class Bitmap(Policy):
         return pack_bitmap(t, self.threshold, self.value_dtype)
 
     def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
-        """``encode`` of ``t`` as it is: a bitmap's bytes are row-major whatever the shape."""
-        return self.encode(t, need)
+        return self.encode(t, need)  # a bitmap's bytes are row-major whatever the shape
 
     def _worth_packing(self, t: torch.Tensor) -> bool:
         """Estimate from a strided sample whether the bitmap form is smaller than ``t``.
@@ -306,8 +301,7 @@ def _quantize(t: torch.Tensor, need: Need, rows: int, bits: int, group: int = PO
 
 
 def _mask(t: torch.Tensor, need: Need):
-    """The 1-bit mask a ``mask`` need reads (its interval and stand-ins come from the op table of
-    :mod:`.roles`, which makes only valid ones, of floats: not checked again per tensor)."""
+    # the interval and stand-ins come from .roles, which makes only valid ones (of floats)
     return mask_checked(t, need.low, need.high, need.inside, need.outside)
 
 
