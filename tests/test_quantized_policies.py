@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import edgetorch as et
+from edgetorch.activations.roles import Need, NeedKind
 from edgetorch.codecs import QuantizedTensor, QuantizedValues
 
 from test_backrazor import CNN_INPUT, FusedAttention, SmallCNN, compare, tiny_vit
@@ -327,3 +328,41 @@ def test_a_policy_name_already_taken_is_refused_and_names_are_looked_up_in_lower
         assert type(et.parse_policy("Mixed-Case-Test")) is Mixed
     finally:
         del et.activations.policies.POLICIES["mixed-case-test"]
+
+
+def _held_tensors(rep) -> list[torch.Tensor]:
+    """Every tensor a stored form holds, in a fixed order (its bytes)."""
+    if isinstance(rep, torch.Tensor):
+        return [rep]
+    return [t for v in vars(rep).values() for t in _held_tensors(v)] if hasattr(rep, "__dict__") else []
+
+
+@pytest.mark.parametrize("policy", [et.Quantized(8), et.Quantized(2, stochastic=True), et.BackRazor(0.7),
+                                    et.BackRazor(0.7, exact="int4"), et.BackRazor(0.7, values="int8"), et.Bitmap()],
+                         ids=lambda p: p.spec())
+@pytest.mark.parametrize("need", [Need(NeedKind.EXACT, prunable=True, op="gelu"),
+                                  Need(NeedKind.MASK, 0.0, 6.0, 3.0, 0.0, op="hardtanh_"),
+                                  Need(NeedKind.PRUNE, op="convolution"),
+                                  Need(NeedKind.EXACT, prunable=True, op="hardswish", kinks=(-3.0, 3.0))],
+                         ids=lambda n: n.op)
+def test_encode_region_stores_the_bytes_of_encode_as_on_rows_and_decodes_to_the_saved_shape(policy, need):
+    # The engine hands the saved region as it is with its rows (no [rows, n] view at pack, none
+    # back at unpack): the built-in policies must store exactly what they store for the view.
+    t = torch.relu(torch.randn(4, 6, 5, 3)) - 0.25
+    t[1, 2] = 0
+    rows = 2  # not the outermost extent: the codecs must take rows from the engine
+    form = policy.form(need)
+    torch.manual_seed(3)
+    by_view = policy.encode_as(t.view(rows, -1), need, form)
+    torch.manual_seed(3)
+    by_region = policy.encode_region(t, rows, need, form)
+    assert type(by_region) is type(by_view)
+    if by_view is None:
+        return
+    held, expected = _held_tensors(by_region), _held_tensors(by_view)
+    assert len(held) == len(expected) > 0
+    for a, b in zip(held, expected):
+        assert a.dtype == b.dtype and torch.equal(a.reshape(-1), b.reshape(-1))
+    decoded = by_region.unpack()
+    assert decoded.shape == t.shape
+    assert torch.equal(decoded.reshape(-1), by_view.unpack().reshape(-1))

@@ -195,3 +195,32 @@ def test_a_model_is_freed_when_dropped_without_the_garbage_collector(policy):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_replayed_step_follows_a_change_of_policy_or_min_bytes():
+    # What a replayed position does is planned once per tape, policy and min_bytes (.replay):
+    # a plan made under one of them must not serve a step under another.
+    torch.manual_seed(0)
+    model = Branchy()
+    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 3])
+
+    def grads(policy, min_bytes=4096):
+        model.zero_grad(set_to_none=True)
+        with et.compress_activations(model, policy, min_bytes=min_bytes):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    fine, coarse = et.Quantized(8), et.Quantized(2)
+    grads(fine)  # records the tape
+    steps = {"fine": grads(fine), "coarse": grads(coarse), "fine again": grads(fine),
+             "nothing stored": grads(fine, min_bytes=1 << 40)}
+    assert len(tape.tapes_of(model).tapes) == 1  # every step above replayed the one tape
+    references = {"fine": watched(model, x, y, fine)[0], "coarse": watched(model, x, y, coarse)[0]}
+    assert not all(torch.equal(a, b) for a, b in zip(references["fine"], references["coarse"]))
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x), y).backward()  # plain PyTorch: what nothing stored gives
+    references["nothing stored"] = [p.grad.clone() for p in model.parameters()]
+    references["fine again"] = references["fine"]
+    for name, got in steps.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, references[name])), name

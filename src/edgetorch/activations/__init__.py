@@ -10,7 +10,8 @@ from .costs import BlockCosts, FormCost, measure_block_costs
 from .engine import compress_activations
 from .fidelity import GradientComparison, GradientFidelity, gradient_fidelities, gradient_fidelity
 from .graphed import CapturedStep, CaptureError, capture_step
-from .policies import POLICIES, BackRazor, Bitmap, Dense, Policy, Quantized, parse_policy
+from .policies import POLICIES, BackRazor, Bitmap, Dense, Policy, Quantized
+from .specs import parse_policy
 from .step import TrainingPolicy, forward_backward, parse_training_policy, step_ledger
 
 __all__ = ["POLICIES", "BackRazor", "Bitmap", "BlockChoice", "BlockCosts", "BlockFit", "BlockPlan", "Candidate", "CaptureError",

@@ -60,7 +60,7 @@ from .blocks import find_blocks
 from .budget_blocks import BlockFit, fit_blocks
 from .checkpoint import find_stages
 from .costs import lossless, measure_block_costs
-from .policies import BackRazor, Bitmap, Dense, Quantized
+from .policies import BackRazor, Dense, Quantized
 from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
 # Checkpointed candidates are dropped for a model with no stage to checkpoint.

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..codecs.bitmap import CappedBitmapTensor
 from .held import Region, Wrapper
 
 if TYPE_CHECKING:
@@ -151,6 +152,22 @@ class LateChecks:
         self._used = 0
         self._seq = 0  # checks tracked so far
         self._reached = 0  # checks whose counts are known to be on the host
+
+    def encode(self, x: torch.Tensor, index: int, policy: Policy, need: Need, ledger: SavedTensorLedger | None,
+               entry: Entry, form: Form):
+        """``policy.encode(x, need)`` (pack ``index`` of the block, stored in ``entry`` as ``form``)
+        into value slots sized from the count kept at this position of an earlier step, with no
+        host sync; its count is checked later. Where none was seen, exactly, reading its count (one
+        sync), which sizes the next step's."""
+        slots = capacity(self.counts, index, x.numel())
+        if slots is None:
+            rep = policy.encode(x, need)
+            self.counts[index] = (x.numel(), x.numel() if rep is None else rep.nnz)
+            return rep
+        rep = policy.encode(x, need, capacity=slots)
+        if not isinstance(rep, CappedBitmapTensor):
+            return rep
+        return self.track(rep, x, index, Repack(policy, need, ledger, entry, form))
 
     def track(self, rep, source: torch.Tensor, index: int, repack) -> Unchecked:
         """Hold ``source`` until ``rep``'s count is seen; ``repack(source, held)`` re-packs it

@@ -18,7 +18,8 @@ What the hooks alone would get wrong, and how this module handles it:
 
 What a pack returns, and the region arithmetic, live in :mod:`.held`; how bitmaps are sized on a
 GPU without a sync, and which positions are not looked at again, in :mod:`.capacity`; which op
-saved a tensor and what its backward needs, in :mod:`.roles` and :mod:`.tape`.
+saved a tensor and what its backward needs, in :mod:`.roles` and :mod:`.tape`; what a replayed
+pack's slot fixes (its policy, form, or that it is held as it is), decided once, in :mod:`.replay`.
 """
 
 from __future__ import annotations
@@ -35,18 +36,19 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._pytree import tree_flatten
 
 from ..codecs import _cuda
-from ..codecs.bitmap import CappedBitmapTensor
-from ..codecs.narrow import WIDE_INTS, pack_narrow
+from ..codecs.narrow import pack_narrow
 from ..measure.ledger import SavedRecord, SavedTensorLedger
-from .capacity import LateChecks, Repack, capacity
+from .capacity import LateChecks
+from .compiled import is_compiled, warn_compiled
 from .forms import EXACT_FORM, SHAPE_FORM, Form
 from .held import (SHAPE, Entry, Kept, Pending, Region, alias, encode_per_sample, kept_count, rows_of, sample_split,
                    span)
 from .policies import Policy
+from .replay import FLOATS as _FLOATS
+from .replay import decide, plan_for
 from .roles import EXACT, Need, OpWatch, storage_address
 from .tape import Slot, model_state, signature, tapes_of
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # autograd's unpack hook: every packed object answers unpack(); a C callable, no Python frame
 # between autograd and it (the hook runs once per saved tensor of every backward).
 _UNPACK = operator.methodcaller("unpack")
@@ -134,6 +136,8 @@ class compress_activations(contextlib.ContextDecorator):
         nested = self._tapes.busy
         self._owns_tapes = not nested
         self._candidates: list[list[Slot]] | None = None  # replaying: the tapes still matched
+        self._plan_tape: list[Slot] | None = None  # the tape whose plan _plan is (see .replay)
+        self._plan: list = []
         self._undecided: list | None = None  # tapes to choose from by the input signature
         self._signature: tuple | None = None
         self._recording: list[Slot | None] | None = None
@@ -210,33 +214,10 @@ class compress_activations(contextlib.ContextDecorator):
                 "saved_tensors_hooks context, so nothing was compressed.",
                 stacklevel=2,
             )
-        elif exc[0] is None and self.saved_count and _is_compiled(self.model):
-            self._warn_compiled()
+        elif exc[0] is None and self.saved_count and is_compiled(self.model):
+            warn_compiled(self._watch is not None, self.saved_count)
         self._pack_fn = self._watch = None  # bound to this block: cycles (see __enter__)
         return False
-
-    def _warn_compiled(self) -> None:
-        """Say what happened to a torch.compile'd model, which depends on the dispatch mode.
-
-        Measured on torch 2.14 (tests/test_engine_corners.py checks it on the installed torch):
-        with the dispatch mode that tells op roles (BackRazor, or any policy with a ledger),
-        dynamo runs the model eagerly, so compression works and compile is lost. Without it,
-        the compiled graph runs and the tensors it saves reach the hooks as one opaque
-        autograd Function's: they are stored losslessly, without per-op roles.
-        """
-        if self._watch is not None:
-            what = ("its activations were compressed, but the model ran eagerly: torch.compile "
-                    "falls back to eager under the dispatch mode edgetorch uses to tell each op's "
-                    "role (BackRazor, or any policy with a ledger), so compile's speed is lost")
-        else:
-            what = ("the compiled graph ran and the tensors it saves for backward were compressed "
-                    "losslessly as one opaque function's, without per-op roles or deduplication")
-        warnings.warn(
-            f"compress_activations got a torch.compile'd model ({self.saved_count} saved tensors "
-            f"seen, torch {torch.__version__}): {what}. Pass the uncompiled module for the "
-            "documented behaviour.",
-            stacklevel=3,
-        )
 
     def _check_can_act(self) -> None:
         if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
@@ -305,17 +286,32 @@ class compress_activations(contextlib.ContextDecorator):
             candidates = self._candidates
             if len(candidates) == 1:  # the usual case: one tape, no list to build
                 tape = candidates[0]
-                live = candidates if index < len(tape) and tape[index].matches(t) else None
+                slot = tape[index] if index < len(tape) else None
+                # slot.matches(t), inlined: every pack of a steady step passes here
+                live = candidates if slot is not None and slot.shape == t.shape and slot.dtype is t.dtype \
+                    and slot.node is type(t.grad_fn) else None
             else:
                 live = [tape for tape in candidates if index < len(tape) and tape[index].matches(t)]
+                slot = live[0][index] if live else None
             if live:
                 self._candidates = live
-                slot = live[0][index]
-                return self._hold(t, alias(t), slot.need, slot.module, slot.param_copy)
+                if self.ledger is not None:
+                    return self._hold(t, alias(t), slot.need, slot.module, slot.param_copy)
+                # What the slot fixes, from the tape's plan (.replay); most packs end here, so
+                # this part of _hold is inlined (a call per saved tensor is ~1% of the step)
+                if live[0] is not self._plan_tape:
+                    self._plan_tape = live[0]
+                    self._plan = plan_for(self._tapes, live[0], self.policy, self._by_module, self._default,
+                                          self.min_bytes)
+                step = self._plan[index]
+                d = t if t.is_leaf else t.detach()  # alias(t), inlined
+                if step is None:
+                    return Kept(d, t._version)
+                return self._replay(t, d, slot, step)
             # On no tape: exact from here on (see .tape: watching cannot start mid-step).
             self._candidates, self._missed = None, True
         if self._watch is None:
-            return self._hold(t, alias(t), EXACT, self._stack[-1][1], False)
+            return self._hold(t, t if t.is_leaf else t.detach(), EXACT, self._stack[-1][1], False)  # alias(t)
         forced = EXACT if self._watch.after_grad_free_op else None
         pending = Pending(t, self._stack[-1][1], forced, index)
         self._watch.pending.append(pending)
@@ -332,33 +328,38 @@ class compress_activations(contextlib.ContextDecorator):
         pending.target = self._hold(t, pending.detached, need, pending.module, param_copy)
         pending.tensor = pending.detached = None
 
+    def _replay(self, t: torch.Tensor, d: torch.Tensor, slot: Slot, step: tuple[Policy, Form]):
+        """:meth:`_hold` of a replayed pack that ``step`` (its plan) says ``policy`` stores in
+        ``form``, unless it is a parameter, buffer or input: its storage is looked at every step."""
+        ptr = t.data_ptr() - t.storage_offset() * t.element_size()  # storage_address(t), inlined
+        if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
+            return Kept(d, t._version)
+        return self._save(t, d, slot.need, slot.module, ptr, *step)
+
     def _hold(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], param_copy: bool):
         """Store ``t`` (``d``: its alias made at autograd level, see :func:`alias`) for ``need``.
 
         ``param_copy``: autocast's low-precision copy of a weight (the dispatch mode saw it made).
         """
-        ptr = storage_address(t)
+        # Without roles (Bitmap) every pack comes here: no call that can be saved is made (a
+        # ledger row only with a ledger, storage_address inlined)
+        ptr = t.data_ptr() - t.storage_offset() * t.element_size()
         if ptr in self._external or ptr in self._inputs or (t.is_leaf and t.requires_grad):
-            self._record(t, module, "external", 0, 0, 0, need)
+            if self.ledger is not None:
+                self._record(t, module, "external", 0, 0, 0, need)
             return Kept(d, t._version)
-        if param_copy:
-            # autocast's low-precision copy of a weight: autograd holds it in plain PyTorch too
-            # (so it is counted), but it has no activation sparsity to find
-            nbytes = t.numel() * t.element_size()
-            self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
-            return Kept(d, t._version)
-        nbytes = t.numel() * t.element_size()
-        policy = self._by_module.get(module[0], self._default)
-        narrowable = t.dtype in WIDE_INTS and policy.narrows_integers
-        if (t.dtype not in _FLOATS and not narrowable) or nbytes < self.min_bytes:
-            self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
+        step = decide(t.dtype, t.shape, param_copy, need, self._by_module.get(module[0], self._default), self.min_bytes)
+        if step is None:
+            if self.ledger is not None:
+                nbytes = t.numel() * t.element_size()
+                self._record(t, module, "dense", nbytes, nbytes, t.numel(), need)
             return Kept(d, t._version)
         if not self._roles and self._held_as_is().get(self._index) == t.numel():
             # Did not compress at this position before (.capacity): held as it is, with no entry.
             # Without roles every pack takes the one form, so no later pack of this storage
             # could want another form that the dense copy would have served; and no ledger.
             return Kept(d, t._version)
-        return self._save(t, d, need, module, ptr, policy)
+        return self._save(t, d, need, module, ptr, *step)
 
     def _held_as_is(self) -> dict[int, int]:
         """Positions of this model, input signature and policy whose exact form did not compress."""
@@ -370,8 +371,8 @@ class compress_activations(contextlib.ContextDecorator):
         if self._watch is not None:
             self._watch.flush()
 
-    def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], ptr: int, policy: Policy):
-        form = policy.form(need) if t.dtype in _FLOATS else EXACT_FORM  # integers: never pruned
+    def _save(self, t: torch.Tensor, d: torch.Tensor, need: Need, module: tuple[str, str], ptr: int, policy: Policy,
+              form: Form):
         lo, hi = span(t)
         key = (ptr, t.dtype)
         for ref in self._table.get(key, ()):
@@ -397,7 +398,7 @@ class compress_activations(contextlib.ContextDecorator):
         elif entry.hi - entry.lo == t.numel() and t.is_contiguous():
             # Most saved tensors: t is its whole region, held in its own shape (on a GPU host every
             # torch call, a view included, costs microseconds, for each of a step's saved tensors)
-            region, rows = d, rows_of(t, entry)
+            region, rows = d, ((t.shape[0] or 1) if t.dim() else 1)  # rows_of(t, entry), inlined
         else:
             region, rows = torch.as_strided(d, (entry.hi - entry.lo,), (1,), entry.lo), rows_of(t, entry)
         if form is SHAPE_FORM:
@@ -410,56 +411,43 @@ class compress_activations(contextlib.ContextDecorator):
             elif split:
                 rep = encode_per_sample(policy, region, *split, need, form)
             elif policy.sized_by_count and _cuda.gpu_path(region):  # sized from an earlier step (.capacity)
-                rep = self._encode_sized(region.view(rows, -1), need, entry, form, policy)
+                if self._checks is None:
+                    self._checks = LateChecks(self._tapes.capacities.of(self._signature))
+                rep = self._checks.encode(region.view(rows, -1), self._index, policy, need, self.ledger, entry, form)
+            elif form is EXACT_FORM and dense_bytes:
+                rep = self._encode_exact_once(region, rows, need, policy)
             else:
-                rep = self._encode_exact_once(region, rows, need, form, dense_bytes, policy)
+                rep = policy.encode_region(region, rows, need, form)
             region_bytes = region.numel() * region.element_size()
             if rep is None or rep.nbytes >= region_bytes:
                 # Never worse than plain PyTorch: what does not compress is held as it is (a
                 # gathered view as itself, so that backward sees its own strides).
                 form, rep = EXACT_FORM, Region(d if entry.gathered is not None else region, d)
         superseded = entry.add(form, rep, policy.covers)
-        storage = "dense" if isinstance(rep, Region) else "stored"
-        # A form added to an entry already counted adds bytes, not elements.
         if self.ledger is None:  # only a ledger reads the kept counts
             return
+        storage = "dense" if isinstance(rep, Region) else "stored"
+        # A form added to an entry already counted adds bytes, not elements.
         kept = kept_count(rep)
         numel, nnz = (region.numel(), kept) if dense_bytes else (0, 0)
+        entry.records = entry.records or {}
         entry.records[form] = self._record(t, module, storage, dense_bytes, rep.nbytes, numel, need, form, nnz)
         self._supersede(entry, superseded, kept)
         if rep.nbytes:
             self.ledger.hold(rep.nbytes)
             weakref.finalize(rep, self.ledger.release, rep.nbytes)
 
-    def _encode_exact_once(self, region: torch.Tensor, rows: int, need: Need, form: Form, dense_bytes: int,
-                           policy: Policy):
-        """``policy.encode`` of ``region``, except where its exact form did not compress at this
-        position before: None then, without looking (.capacity); a new such position is noted."""
-        as_is = self._held_as_is() if form is EXACT_FORM and dense_bytes else None
-        if as_is is not None and as_is.get(self._index) == region.numel():
+    def _encode_exact_once(self, region: torch.Tensor, rows: int, need: Need, policy: Policy):
+        """``policy``'s exact form of ``region`` (a new entry's), except where it did not compress
+        at this position before: None then, without looking (.capacity); a new such position is
+        noted."""
+        as_is = self._held_as_is()
+        if as_is.get(self._index) == region.numel():
             return None
-        rep = policy.encode_as(region.view(rows, -1), need, form)
-        if as_is is not None and (rep is None or rep.nbytes >= region.numel() * region.element_size()):
+        rep = policy.encode_region(region, rows, need, EXACT_FORM)
+        if rep is None or rep.nbytes >= region.numel() * region.element_size():
             as_is[self._index] = region.numel()
         return rep
-
-    def _encode_sized(self, x: torch.Tensor, need: Need, entry: Entry, form: Form, policy: Policy):
-        """Encode ``x`` into value slots sized from the count kept at this position of an earlier
-        step, with no host sync; its count is checked later (see .capacity). Where none was seen,
-        exactly, reading its count (one sync), which sizes the next step's."""
-        if self._checks is None:
-            self._checks = LateChecks(self._tapes.capacities.of(self._signature))
-        counts = self._checks.counts
-        slots = capacity(counts, self._index, x.numel())
-        if slots is None:
-            rep = policy.encode(x, need)
-            counts[self._index] = (x.numel(), x.numel() if rep is None else rep.nnz)
-            return rep
-        rep = policy.encode(x, need, capacity=slots)
-        if not isinstance(rep, CappedBitmapTensor):
-            return rep
-        repack = Repack(policy, need, self.ledger, entry, form)
-        return self._checks.track(rep, x, self._index, repack)
 
     def _supersede(self, entry: Entry, forms: list[str], nnz: int) -> None:
         """Zero the stored bytes of ledger rows whose forms an exact form replaced.
@@ -494,7 +482,3 @@ class compress_activations(contextlib.ContextDecorator):
                 form=form.text,
             )
         )
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    return type(model).__name__ == "OptimizedModule"

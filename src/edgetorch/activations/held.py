@@ -43,7 +43,8 @@ class Entry:
         # gathered: holds only t's own elements, row-major (t was a sparse view of its storage)
         self.gathered = geometry(t) if gathered else None
         self.reps: dict[Form, object] = {}
-        self.records: dict[Form, int] = {}  # form -> index of its ledger row (for supersession)
+        # form -> index of its ledger row (for supersession); made by the first row (a ledger)
+        self.records: dict[Form, int] | None = None
 
     def covers(self, t: torch.Tensor, lo: int, hi: int) -> bool:
         if self.source() is None or self.version != t._version:
@@ -65,15 +66,20 @@ class Entry:
     def add(self, form: Form, rep, covers) -> list[Form]:
         """Hold ``rep`` for ``form``; returns the held forms it supersedes (those it covers:
         an exact form covers all), which are read from ``rep`` from now on."""
+        if not self.reps:  # a new entry (most): nothing to supersede
+            self.reps[form] = rep
+            return []
         dropped = [f for f in self.reps if f != form and covers(form, f)]
         for f in (*dropped, form):
             self.reps[f] = rep
         return dropped
 
     def view_of(self, t: torch.Tensor, form: Form) -> View:
+        # Only a shape's stand-in needs the device (t.device makes an object: one per saved tensor)
+        device = t.device if form is SHAPE_FORM else None
         if self.gathered is not None:  # flat() returns t's own geometry
-            return View(self, t.shape, t.stride(), None, form, t.dtype, t.device)
-        return View(self, t.shape, t.stride(), t.storage_offset() - self.lo, form, t.dtype, t.device)
+            return View(self, t.shape, t.stride(), None, form, t.dtype, device)
+        return View(self, t.shape, t.stride(), t.storage_offset() - self.lo, form, t.dtype, device)
 
     def flat(self, form: Form) -> torch.Tensor:
         """The region in ``form`` as a dense tensor, decoded once for all the ops that saved it.
@@ -143,10 +149,13 @@ class View:
     def unpack(self) -> torch.Tensor:
         # The stored copy is the value at save time, but a later in-place change is still a
         # bug in the caller's code that plain PyTorch would report: report it too.
-        check_version(self.entry.live(), self.entry.version)
+        entry = self.entry
+        live = entry.live()
+        if live is not None and live._version != entry.version:  # most: no call to check it
+            check_version(live, entry.version)
         if self.form is SHAPE_FORM:  # backward reads only the shape (and the layout): zero bytes
             return stand_in(self.size, self.stride, self.dtype, self.device)
-        base = self.entry.flat(self.form)  # a decoded copy, or the kept region in place
+        base = entry.flat(self.form)  # a decoded copy, or the kept region in place
         if self.offset is None:  # a gathered entry decodes to this view's own geometry
             return base
         if not self.offset and base.shape == self.size and base.stride() == self.stride:
@@ -284,9 +293,9 @@ def encode_per_sample(policy, region: torch.Tensor, shape: tuple[int, ...], posi
     """Encode ``region`` (in memory order, ``shape``) in ``form`` one row per sample, the samples
     at ``position``: in place when they are outermost, else from a copy that gathers them."""
     if position == 0:
-        return policy.encode_as(region.view(shape[0], -1), need, form)
+        return policy.encode_region(region, shape[0], need, form)
     moved = region.view(shape).movedim(position, 0)
-    rep = policy.encode_as(moved.reshape(shape[position], -1), need, form)
+    rep = policy.encode_region(moved.reshape(shape[position], -1), shape[position], need, form)
     return None if rep is None else SampleMajor(rep, tuple(moved.shape), position)
 
 

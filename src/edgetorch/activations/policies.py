@@ -10,8 +10,8 @@ import torch
 from ..codecs import FLOAT_DTYPES, _backend, _cuda, pack_bitmap
 from ..codecs.bitmap import (BitmapTensor, CappedBitmapTensor, pack_bitmap_capped, pack_bitmap_if_smaller,
                              zero_limit_bits)
-from ..codecs.mask import pack_mask
-from ..codecs.quantized import check_bits, pack_quantized, pack_quantized_sided, quantize_values
+from ..codecs.mask import mask_checked
+from ..codecs.quantized import check_bits, pack_quantized_sided, quantize_checked, quantize_values
 from ..codecs.topk import check_sparsity, pack_topk
 from .forms import EXACT_FORM, PRUNE_FORM, SHAPE_FORM, Form, FormKind, mask_form, quantized_form
 from .roles import EXACT, UNKNOWN_OP, Need, NeedKind
@@ -61,10 +61,12 @@ class Policy:
                 raise ValueError(f"policy name {key!r} is taken by {POLICIES[key].__qualname__}; give "
                                  f"{cls.__qualname__} a name of its own")
             POLICIES[key] = cls
+        # A subclass that overrides ``encode`` (say, of BackRazor) must see every tensor there,
+        # as ``[rows, n]``, not through the shortcuts it inherited (the engine calls encode_region).
         if "encode" in cls.__dict__ and "encode_as" not in cls.__dict__:
-            # A subclass that overrides ``encode`` (say, of BackRazor) must see every tensor
-            # there, not through the ``encode_as`` shortcut it inherited.
             cls.encode_as = Policy.encode_as
+        if {"encode", "encode_as"} & cls.__dict__.keys() and "encode_region" not in cls.__dict__:
+            cls.encode_region = Policy.encode_region
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
@@ -75,6 +77,15 @@ class Policy:
         have the policy work it out again (issue 23: Python per saved tensor is the step's cost).
         A policy whose ``encode`` reads the form overrides this; others need not."""
         return self.encode(t, need)
+
+    def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
+        """``encode_as`` of a contiguous ``t`` of any shape read row-major as ``[rows, n]``: the
+        engine's call for every tensor it stores (but a GPU's count-sized bitmaps). The built-in
+        policies pass ``rows`` to codecs that read ``t`` in place and decode to its shape: no view
+        at pack or unpack (a torch call each, per stored tensor of a step: issue 23), the same bytes.
+        The default makes the ``[rows, n]`` view; a subclass of a built-in policy that changes what
+        is stored overrides this."""
+        return self.encode_as(t.view(rows, -1), need, form)
 
     def form(self, need: Need) -> Form:
         """The stored form for ``need``; the default stores every tensor one (exact) way."""
@@ -175,6 +186,9 @@ class Bitmap(Policy):
             return None
         return pack_bitmap(t, self.threshold, self.value_dtype)
 
+    def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
+        return self.encode(t, need)  # a bitmap's bytes are row-major whatever the shape
+
     def _worth_packing(self, t: torch.Tensor) -> bool:
         """Estimate from a strided sample whether the bitmap form is smaller than ``t``.
 
@@ -258,16 +272,19 @@ class Quantized(Policy):
         return quantized_form(self.bits, need.kinks)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
-        # Named, not self.encode_as: a subclass that overrides encode routes encode_as back here.
-        return Quantized.encode_as(self, t, need, self.form(need))
+        # Named, not self.encode_region: a subclass that overrides encode routes that back here.
+        return Quantized.encode_region(self, t, t.shape[0] if t.dim() else 1, need, self.form(need))
 
     def encode_as(self, t: torch.Tensor, need: Need, form: Form):
+        return self.encode_region(t, t.shape[0] if t.dim() else 1, need, form)
+
+    def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
         kind = form.kind
         if kind is FormKind.MASK:
-            return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
+            return _mask(t, need)
         if kind is FormKind.EXACT:
             return _lossless(t)
-        return _quantize(t, need, self.bits, self.group, self.stochastic)
+        return _quantize(t, need, rows, self.bits, self.group, self.stochastic)
 
 
 def _exact_form(need: Need) -> Form:
@@ -281,12 +298,18 @@ def _exact_form(need: Need) -> Form:
 _FORM_OF_NEED = {NeedKind.EXACT: EXACT_FORM, NeedKind.PRUNE: PRUNE_FORM, NeedKind.SHAPE: SHAPE_FORM}
 
 
-def _quantize(t: torch.Tensor, need: Need, bits: int, group: int = POLICY_GROUP, stochastic: bool = False):
+def _quantize(t: torch.Tensor, need: Need, rows: int, bits: int, group: int = POLICY_GROUP, stochastic: bool = False):
     # The seed comes from the CPU generator even for a CUDA tensor: no device sync.
     seed = int(torch.randint(0, 2**32, (), dtype=torch.int64)) if stochastic else None
     if need.kinks is not None:
-        return pack_quantized_sided(t, bits, *need.kinks, group=group, seed=seed)
-    return pack_quantized(t, bits, group=group, seed=seed)
+        return pack_quantized_sided(t, bits, *need.kinks, group=group, rows=rows, seed=seed)
+    # bits and group were checked when the policy was made; rows divides t's elements (engine)
+    return quantize_checked(t, bits, group, rows if t.numel() else 0, seed)
+
+
+def _mask(t: torch.Tensor, need: Need):
+    # the interval and stand-ins come from .roles, which makes only valid ones (of floats)
+    return mask_checked(t, need.low, need.high, need.inside, need.outside)
 
 
 @dataclass(frozen=True)
@@ -384,17 +407,20 @@ class BackRazor(Policy):
             wanted is PRUNE_FORM and held.kind is FormKind.QUANTIZED and held.interval is None)
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
-        # Named, not self.encode_as: a subclass that overrides encode routes encode_as back here.
-        return BackRazor.encode_as(self, t, need, self.form(need))
+        # Named, not self.encode_region: a subclass that overrides encode routes that back here.
+        return BackRazor.encode_region(self, t, t.shape[0] if t.dim() else 1, need, self.form(need))
 
     def encode_as(self, t: torch.Tensor, need: Need, form: Form):
+        return self.encode_region(t, t.shape[0] if t.dim() else 1, need, form)
+
+    def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
         if form is PRUNE_FORM:
-            kept = pack_topk(t, self.sparsity, value_dtype=self.value_dtype)
+            kept = pack_topk(t, self.sparsity, rows=rows, value_dtype=self.value_dtype)
             return kept if self.values is None else quantize_values(kept, _QUANTIZED[self.values])
         if form.kind is FormKind.MASK:
-            return pack_mask(t, need.low, need.high, inside=need.inside, outside=need.outside)
+            return _mask(t, need)
         if form.kind is FormKind.QUANTIZED:
-            return _quantize(t, need, form.bits)
+            return _quantize(t, need, rows, form.bits)
         return _lossless(t)
 
 
@@ -409,73 +435,6 @@ def _lossless(t: torch.Tensor) -> BitmapTensor | None:
 
 
 _LOSSLESS = Bitmap()
-
-_DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
-
-
-def parse_policy(spec: str) -> Policy:
-    """Build a policy from ``name`` or ``name:key=value,key=value`` (the CLI's ``--policy``).
-
-    Args:
-        spec: e.g. ``dense``, ``bitmap``, ``bitmap:threshold=0.01``,
-            ``bitmap:threshold=0.05,value_dtype=float16``, ``backrazor:sparsity=0.9``,
-            ``backrazor:sparsity=0.95,scope=all``, ``backrazor:sparsity=0.9,exact=int8``,
-            ``backrazor:sparsity=0.9,rows=token``,
-            ``backrazor:sparsity=0.8,exact=int8,values=int8``, ``quantized:bits=4``,
-            ``quantized:bits=8,group=64,stochastic=true``.
-
-    Returns:
-        The policy object.
-
-    Raises:
-        ValueError: unknown policy or argument name, or a malformed value; the message lists
-            what is accepted.
-    """
-    name, _, arg_text = spec.strip().partition(":")
-    cls = POLICIES.get(name.strip().lower())
-    if cls is None:
-        raise ValueError(f"unknown policy {name!r}; accepted: {', '.join(POLICIES)}")
-    accepted = {f.name: f for f in fields(cls)}
-    kwargs = {}
-    for item in filter(None, (a.strip() for a in arg_text.split(","))):
-        key, eq, value = item.partition("=")
-        key = key.strip()
-        if not eq or key not in accepted:
-            raise ValueError(
-                f"bad argument {item!r} for policy {name!r}; accepted: "
-                + (", ".join(f"{k}=..." for k in accepted) or "no arguments")
-            )
-        kwargs[key] = _parse_value(key, value.strip())
-    return cls(**kwargs)
-
-
-def _parse_value(key: str, value: str):
-    if key in ("scope", "rows"):
-        return value
-    if key in ("exact", "values"):
-        return None if value.lower() in ("none", "lossless", "") else value.lower()
-    if key == "stochastic":
-        if value.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"stochastic={value!r}: accepted are true or false")
-        return value.lower() in ("true", "1")
-    if key in ("bits", "group"):
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{key}={value!r} is not a whole number") from None
-    if key.endswith("dtype"):
-        if value.lower() in ("none", ""):
-            return None
-        if value.lower() not in _DTYPE_NAMES:
-            raise ValueError(f"{key}={value!r}: accepted dtypes are {', '.join(_DTYPE_NAMES)}")
-        return _DTYPE_NAMES[value.lower()]
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{key}={value!r} is not a number") from None
-
 
 def _fmt(v) -> str:
     return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else str(v)

@@ -1,7 +1,7 @@
 """One training step under a policy spec: the step the memory planner measures and
 ``edgetorch finetune`` runs, so what is predicted is what runs.
 
-A spec is a policy (:func:`~edgetorch.activations.policies.parse_policy`) with an optional
+A spec is a policy (:func:`~edgetorch.activations.specs.parse_policy`) with an optional
 ``+checkpoint`` suffix: ``dense``, ``bitmap+checkpoint``, ``backrazor:sparsity=0.9+checkpoint``.
 The suffix checkpoints every stage of the model (:func:`~edgetorch.activations.checkpoint.checkpoint_stages`)
 and stores both the stage inputs and the recomputed segments under the policy.
@@ -22,7 +22,8 @@ from ..measure import SavedTensorLedger
 from .blocks import PerBlock, recomputing
 from .checkpoint import checkpoint_stages
 from .engine import compress_activations
-from .policies import Dense, Policy, parse_policy
+from .policies import Dense, Policy
+from .specs import parse_policy
 
 CHECKPOINT_SUFFIX = "+checkpoint"
 

@@ -29,6 +29,7 @@ recorded under another state are dropped.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -61,7 +62,7 @@ class ModelTapes:
     """The tapes of one model under its current state, newest first, each with the input
     signature it was recorded for."""
 
-    __slots__ = ("state", "tapes", "busy", "seen", "watch", "walk", "capacities")
+    __slots__ = ("state", "tapes", "busy", "seen", "watch", "walk", "capacities", "plans")
 
     def __init__(self):
         self.state: tuple | None = None
@@ -71,11 +72,12 @@ class ModelTapes:
         self.watch = 0  # steps still to watch after one left every tape
         self.walk: tuple | None = None  # (generation, modules, parameters, buffers): see model_state
         self.capacities = Capacities()  # kept counts of packed bitmaps, by position (GPU path)
+        self.plans: list = []  # what each replayed position does, per tape and policy (see .replay)
 
     def for_state(self, state: tuple) -> list[tuple[tuple | None, list[Slot]]]:
         """The tapes recorded under ``state``, newest first (none if the state changed)."""
         if state != self.state:
-            self.state, self.tapes, self.watch = state, [], 0
+            self.state, self.tapes, self.watch, self.plans = state, [], 0, []
         return self.tapes
 
     def keep(self, signature: tuple | None, tape: list[Slot]) -> None:
@@ -151,11 +153,23 @@ def model_state(model: nn.Module, tapes: ModelTapes) -> tuple[set[int], tuple]:
         # alive. Parameters and buffers hold no reference to their module.
         walk = tapes.walk = (_generation, [weakref.ref(m) for m in modules], params, buffers)
     _, _, params, buffers = walk
-    storages = {storage_address(t) for t in params}
-    storages.update(storage_address(t) for t in buffers)
+    storages = _storages(params)
+    storages.update(_storages(buffers))
     # The module types in order tell a structure apart: blocks swapped for recomputing wrappers
     # (edgetorch.activations.blocks.recomputing) at other places save other tensors at the same
     # positions, with the same shapes, so the guards alone replayed one plan's tape on another.
-    state = (tuple(type(m) for m in modules), tuple(m.training for m in modules), tuple(p.requires_grad for p in params),
+    # map over C getters: no Python frame per module or parameter (one walk costs ~1% of a step)
+    state = (tuple(map(type, modules)), tuple(map(_TRAINING, modules)), tuple(map(_REQUIRES_GRAD, params)),
              torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"))
     return storages, state
+
+
+_TRAINING, _REQUIRES_GRAD = operator.attrgetter("training"), operator.attrgetter("requires_grad")
+
+
+def _storages(tensors: list[torch.Tensor]) -> set[int]:
+    """:func:`storage_address` of each tensor; where none is offset into its storage (the usual
+    parameters and buffers), read as their data pointers by C calls alone."""
+    if any(map(torch.Tensor.storage_offset, tensors)):
+        return {storage_address(t) for t in tensors}
+    return set(map(torch.Tensor.data_ptr, tensors))

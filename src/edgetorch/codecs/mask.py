@@ -94,6 +94,13 @@ def pack_mask(
         raise ValueError(
             f"inside={inside} must lie in ({low}, {high}) and outside={outside} must not"
         )
+    return mask_checked(t, low, high, float(inside), float(outside))
+
+
+def mask_checked(t: torch.Tensor, low: float, high: float, inside: float, outside: float) -> MaskTensor:
+    """:func:`pack_mask` of a float tensor and an interval it has checked (``inside`` and
+    ``outside`` floats): the policies' call, with the intervals of the ops they know (a saved
+    tensor's checks cost microseconds)."""
     if (kernel := (_backend.CPU if t.is_cpu else _backend.device(t)).pack_mask) is not None:
         bitmap = kernel(t, low, high)  # the predicate straight into bits, in one pass
     else:
@@ -101,4 +108,4 @@ def pack_mask(
             _cpu_kernels.warn_fallback()
         d = t.detach()
         bitmap = pack_bits(d > low if math.isinf(high) else (d > low) & (d < high))
-    return MaskTensor(bitmap, t.shape, t.dtype, float(inside), float(outside))
+    return MaskTensor(bitmap, t.shape, t.dtype, inside, outside)

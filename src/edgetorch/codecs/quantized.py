@@ -156,6 +156,13 @@ def pack_quantized(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK32):
         raise ValueError(f"seed must be None (round to nearest) or an int in [0, 2**32) (stochastic rounding); "
                          f"got {seed!r}")
+    return quantize_checked(t, bits, group, rows, seed)
+
+
+def quantize_checked(t: torch.Tensor, bits: int, group: int, rows: int, seed: int | None) -> QuantizedTensor:
+    """:func:`pack_quantized` of arguments it has checked (``rows`` 0 for an empty ``t``, else a
+    divisor of its elements): the policies' call, which checked ``bits`` and ``group`` once when
+    they were made and store one tensor per saved activation (the checks cost microseconds)."""
     # CUDA: Triton, no host sync. CPU: the C kernel (groups in batches: their ranges together,
     # then their codes from L1), reading t in place: no reshape or detach (a few microseconds each)
     if rows and (kernel := (_backend.CPU if t.is_cpu else _backend.device(t)).quantize) is not None:
@@ -362,12 +369,12 @@ class SidedQuantizedTensor:
 
 
 def pack_quantized_sided(t: torch.Tensor, bits: int, low: float, high: float, *, group: int = DEFAULT_GROUP,
-                         seed: int | None = None) -> SidedQuantizedTensor:
+                         rows: int | None = None, seed: int | None = None) -> SidedQuantizedTensor:
     """:func:`pack_quantized` of ``t`` clamped into ``[low, high]``, plus one exact bit per element:
     whether it lay in the open interval ``(low, high)``.
 
     Args:
-        t, bits, group, seed: as :func:`pack_quantized` (one row per sample).
+        t, bits, group, rows, seed: as :func:`pack_quantized` (default: one row per sample).
         low, high: the interval, ``low < high``, both finite.
 
     Returns:
@@ -383,6 +390,6 @@ def pack_quantized_sided(t: torch.Tensor, bits: int, low: float, high: float, *,
         raise ValueError(f"low < high must be finite numbers; got low={low!r}, high={high!r}")
     # Outside the interval only the side is read back, so the codes spend their range on the
     # inside: a group's step comes from its values clamped into [low, high], not from outliers.
-    values = pack_quantized(t.clamp(low, high), bits, group=group, seed=seed)
+    values = pack_quantized(t.clamp(low, high), bits, group=group, rows=rows, seed=seed)
     inside = pack_mask(t, low, high, inside=(low + high) / 2).bitmap
     return SidedQuantizedTensor(values, inside, float(low), float(high))
