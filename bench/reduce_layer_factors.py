@@ -323,7 +323,10 @@ def markdown(results: dict, seconds: float) -> str:
         f"Whole run {seconds / 60:.1f} min.\n\n"
         "Caveats: the networks are trained by the paper's optimiser at a lower learning rate and for "
         "few epochs (recipes in the records below), and nothing is retrained after a reduction, so "
-        "accuracies read relative to each full network. Digits has only "
+        "accuracies read relative to each full network. The digits network's training loss still swings "
+        "from epoch to epoch at the end of its recipe, so which network it ends as depends on the order of "
+        "floating-point sums (the torch thread count, the CPU): the full accuracy below is this machine's. "
+        "Digits has only "
         "1,438 training images, fewer than the 2,500- and 2,000-wide hidden layers, so those layers' "
         "covariances are rank-deficient: prune-ls then refits on directions the calibration set cannot "
         "pin down, and its J reaches 0 at a few neurons short of the full width.",
@@ -333,7 +336,8 @@ def markdown(results: dict, seconds: float) -> str:
         parts.append(
             f"## {dataset}\n\nWidths {r['widths']}, {r['full_macs']:,} MACs; full network accuracy "
             f"**{r['full_accuracy']:.4f}** on {r['test_samples']:,} test images (recipe: {m['recipe']['epochs']} "
-            f"epochs, train limit {m['recipe']['train_limit']}, lr {m['recipe']['lr']}). Calibration: "
+            f"epochs on all training images, batch {m['recipe']['batch_size']}, RMSprop lr {m['recipe']['lr']}, "
+            f"seed {m['recipe']['seed']}). Calibration: "
             f"{r['calibration_samples']:,} training images (statistics and all curves in "
             f"{r['statistics_seconds']:.1f} s).\n\n"
             f"### Test accuracy vs alpha_tot (Fig. 3)\n\n{accuracy_table(r)}\n\n"
