@@ -12,7 +12,9 @@ no retraining at alpha_tot in ALPHAS, by
   convolution and a 1x1 convolution (eq. 13),
 
 each with the uniform and the exact ("optimal") allocation, plus the paper's PSO for J and
-solver time. Per point: test accuracy (all 10,000 test images), MACs (``count_macs``, equal to the
+solver time. Uniform is the library's baseline: pruning keeps the same fraction of every layer's
+channels; low-rank keeps the last layer dense and gives every other layer one share of its
+multiplications (the paper's Fig. 3 baseline). Per point: test accuracy (all 10,000 test images), MACs (``count_macs``, equal to the
 allocation's cost), J, solver seconds and, for the optimal allocation, the measured CPU latency
 ratio reduced / full at 1 torch thread (``compare_latency``, batch 256, interleaved rounds).
 
@@ -120,6 +122,11 @@ on the 10,000 test images;
 The units pruned are channels: a convolution's cost is kernel area x output positions per channel
 pair, and the Linear after the Flatten counts each channel's 3 x 3 positions; low-rank layers are
 the convolutions' ``C_out x C_in k k`` matrices (and the Linear layers' own).
+
+Allocations: `uniform` (pruning: the same keep fraction of every layer's channels; low-rank: the
+paper's Fig. 3 baseline, the last layer dense and one share of its multiplications for every other
+layer, the share that meets the budget), `optimal` (the exact solver on the paper's J, eq. 12) and,
+for J and solver time only, `pso` (the paper's particle swarm).
 
 ## Test accuracy %, uniform vs exact-optimal allocation
 

@@ -7,8 +7,8 @@ retraining after the reduction:
 1. Test accuracy vs the total reduction factor alpha_tot in (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
    for naive pruning ("prune", Sec. 2.2) and low-rank approximation ("lowrank", Sec. 2.3), each
    with the uniform, particle-swarm ("pso", the paper's solver) and exact ("optimal") allocation
-   of per-layer factors (Fig. 3); for low-rank also the paper's own uniform baseline (output layer
-   dense).
+   of per-layer factors (Fig. 3). The library's uniform low-rank allocation is the paper's Fig. 3
+   baseline (output layer dense, one factor for the others).
 2. The optimal per-layer factors alpha_l vs alpha_tot for both methods (Fig. 2), exact solver.
 3. At every alpha: the objective J (eq. 12) and the solver wall time of PSO vs exact. Exact's J
    above PSO's would be a bug: it is checked, reported loudly, and makes the script exit 1 (after
@@ -61,9 +61,6 @@ EVAL_LIMIT = {"fashion-mnist": None, "digits": None}  # full test splits (10,000
 LATENCY_ALPHAS = (0.5, 0.8, 0.9, 0.95)
 LATENCY_BATCH, LATENCY_ROUNDS, LATENCY_WARMUP = 256, 20, 3
 LATENCY_THREADS = (1, 2)
-# The paper's Fig. 3 uniform baseline for low-rank (output layer kept dense), next to the
-# library's "uniform" (alpha_l = alpha_tot in every layer, output layer included).
-PAPER_UNIFORM = "uniform-output-dense"
 # One point per method is also run through the public reduce_model, on digits only: its 1,438
 # calibration images make the recomputed statistics cheap (Fashion-MNIST's 5,000 cost a minute).
 CROSS_CHECK_ALPHA, CROSS_CHECK_DATASET = 0.8, "digits"
@@ -80,11 +77,10 @@ def run_point(reducer: ChainReducer, test, method: str, alpha: float, allocation
     calibration statistics (about a minute here) and the SVDs (most of a minute) for each of the 28
     pruned and 21 low-rank networks per dataset. :func:`cross_check` shows that ``reduce_model``
     gives the same allocation and accuracy. The paper's problem prunes the input pixels too (M~_0,
-    eq. 5-7), so ``prune_input=True``. The library's uniform low-rank allocation is the paper's
-    Fig. 3 baseline (output layer dense, one alpha' elsewhere, the alpha' that meets the budget).
+    eq. 5-7), so ``prune_input=True``.
     """
-    result = reducer.reduce(alpha, method, "uniform" if allocation == PAPER_UNIFORM else allocation, seed=PSO_SEED,
-                            time_limit=EXACT_TIME_LIMIT_S, prune_input=True)
+    result = reducer.reduce(alpha, method, allocation, seed=PSO_SEED, time_limit=EXACT_TIME_LIMIT_S,
+                            prune_input=True)
     chosen, model = result.allocation, result.model
     macs = count_macs(model, test.tensors[0][:1])
     if macs != chosen.cost:  # the built network must cost what the allocator budgeted
@@ -183,8 +179,7 @@ def run_dataset(dataset: str) -> dict:
 
     points, latency_models = [], {}
     for method in (*PAPER_METHODS, "prune-ls"):
-        allocations = {"prune": ALLOCATION_ORDER, "lowrank": (*ALLOCATION_ORDER, PAPER_UNIFORM),
-                       "prune-ls": ("optimal",)}[method]
+        allocations = ALLOCATION_ORDER if method in PAPER_METHODS else ("optimal",)
         for alpha in ALPHAS:
             for allocation in allocations:
                 point, reduced = run_point(reducer, test, method, alpha, allocation)
@@ -217,8 +212,7 @@ def point(result: dict, method: str, alpha: float, allocation: str) -> dict:
 
 
 def accuracy_table(result: dict) -> str:
-    columns = [(m, a) for m in PAPER_METHODS for a in ALLOCATION_ORDER] + [("lowrank", PAPER_UNIFORM),
-                                                                    ("prune-ls", "optimal")]
+    columns = [(m, a) for m in PAPER_METHODS for a in ALLOCATION_ORDER] + [("prune-ls", "optimal")]
     rows = [[alpha] + [f"{point(result, m, alpha, a)['accuracy']:.4f}" for m, a in columns] for alpha in ALPHAS]
     return table(["alpha_tot"] + [f"{m} {a}" for m, a in columns], rows)
 
@@ -285,9 +279,6 @@ def plot(results: dict) -> None:
         if method == "prune":
             ax.plot(ALPHAS, [point(result, "prune-ls", a, "optimal")["accuracy"] for a in ALPHAS],
                     marker="o", ls="--", color="tab:green", label="prune-ls optimal")
-        else:
-            ax.plot(ALPHAS, [point(result, method, a, PAPER_UNIFORM)["accuracy"] for a in ALPHAS],
-                    marker="s", ls="--", color="tab:purple", label="uniform, output layer dense")
         ax.axhline(result["full_accuracy"], color="black", lw=0.8, ls=":", label="full network")
         ax.set_title(f"{dataset}: {method}", fontsize=10)
         ax.set_xlabel("alpha_tot")
@@ -312,9 +303,8 @@ def markdown(results: dict, seconds: float) -> str:
     parts = [
         f"The paper's network (hidden {'-'.join(map(str, PAPER_HIDDEN))}, ReLU; trained by "
         "`edgetorch.zoo.paper.paper_mlp`, recipe in its record below) reduced with no retraining. "
-        f"Allocations: `uniform` (pruning: the same keep fraction in every neuron layer; low-rank: "
-        f"alpha_l = alpha_tot in every layer, the output layer included), `{PAPER_UNIFORM}` (low-rank only: "
-        "the paper's Fig. 3 baseline, output layer dense and one factor alpha' for the others; the paper's "
+        "Allocations: `uniform` (pruning: the same keep fraction in every neuron layer; low-rank: "
+        "the paper's Fig. 3 baseline, the output layer dense and one factor alpha' for the others; the paper's "
         "formula for alpha' misses the budget by the output layer's multiplications, so alpha' = alpha_tot "
         "sum_l M_{l-1} M_l / sum_{l<L} M_{l-1} M_l is used), `pso` (the paper's particle swarm on the relaxed "
         f"problem, {PSOConfig().particles} particles x {PSOConfig().iterations} iterations, seed {PSO_SEED}, "
@@ -328,7 +318,10 @@ def markdown(results: dict, seconds: float) -> str:
         f"Whole run {seconds / 60:.1f} min.\n\n"
         "Caveats: the networks are trained by the paper's optimiser at a lower learning rate and for "
         "few epochs (recipes in the records below), and nothing is retrained after a reduction, so "
-        "accuracies read relative to each full network. Digits has only "
+        "accuracies read relative to each full network. The digits network's training loss still swings "
+        "from epoch to epoch at the end of its recipe, so which network it ends as depends on the order of "
+        "floating-point sums (the torch thread count, the CPU): the full accuracy below is this machine's. "
+        "Digits has only "
         "1,438 training images, fewer than the 2,500- and 2,000-wide hidden layers, so those layers' "
         "covariances are rank-deficient: prune-ls then refits on directions the calibration set cannot "
         "pin down, and its J reaches 0 at a few neurons short of the full width.",
@@ -338,7 +331,8 @@ def markdown(results: dict, seconds: float) -> str:
         parts.append(
             f"## {dataset}\n\nWidths {r['widths']}, {r['full_macs']:,} MACs; full network accuracy "
             f"**{r['full_accuracy']:.4f}** on {r['test_samples']:,} test images (recipe: {m['recipe']['epochs']} "
-            f"epochs, train limit {m['recipe']['train_limit']}, lr {m['recipe']['lr']}). Calibration: "
+            f"epochs on all training images, batch {m['recipe']['batch_size']}, RMSprop lr {m['recipe']['lr']}, "
+            f"seed {m['recipe']['seed']}). Calibration: "
             f"{r['calibration_samples']:,} training images (statistics and all curves in "
             f"{r['statistics_seconds']:.1f} s).\n\n"
             f"### Test accuracy vs alpha_tot (Fig. 3)\n\n{accuracy_table(r)}\n\n"
