@@ -224,3 +224,17 @@ def test_a_replayed_step_follows_a_change_of_policy_or_min_bytes():
     references["fine again"] = references["fine"]
     for name, got in steps.items():
         assert all(torch.equal(a, b) for a, b in zip(got, references[name])), name
+
+
+def test_an_equal_policy_built_each_step_reuses_the_replay_plan():
+    # The README's loop builds `compress_activations(model, BackRazor(0.9))` every step: an equal
+    # policy object must be served by the plan made for the first, not plan every slot again.
+    torch.manual_seed(0)
+    model = Branchy()
+    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 3])
+    for _ in range(4):
+        with et.compress_activations(model, et.BackRazor(0.9)):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+    tapes = tape.tapes_of(model)
+    assert len(tapes.tapes) == 1 and len(tapes.plans) == 1
