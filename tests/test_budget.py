@@ -226,3 +226,8 @@ def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter
     # only the overshoot (10) off the limit gives it again; taking its error (60) off gives both
     fit = fit_blocks(costs, 2, [2], 180, 0.0, lambda b: 0, lambda b, how: run(b, how) + 10, attempts=3)
     assert runs == [130, 60] and fit.fits and fit.measured_peak_bytes == 120
+    runs.clear()
+    # a step that errs by more than the whole ceiling leaves no limit to solve for: the batch is
+    # given up (a smaller one is tried), not a ValueError from plan_blocks
+    fit = fit_blocks(costs, 2, [2], 200, 0.0, lambda b: 0, lambda b, how: run(b, how) + 1000, attempts=3)
+    assert runs == [200] and not fit.fits

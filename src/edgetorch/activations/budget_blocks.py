@@ -92,4 +92,6 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
             # and it keeps the slack this plan left under the ceiling (both in peak bytes, the
             # units of the ceiling: the budget's margin is not applied to the error).
             limit = min(limit, ceiling - (measured - plan.predicted_bytes) - 1)
+            if limit < 1:
+                break  # the step errs by more than the whole ceiling: no plan at this batch can fit
     return last
