@@ -162,6 +162,15 @@ def test_the_probe_command_checks_the_shape_a_server_claims_before_making_a_tens
     with _fake_server(_answer(200, json.dumps(claim).encode())) as (target, _):
         done = _probe(target.url)
     assert done.exit_code == 1 and "not 3 positive ints within the payload limit" in " ".join(done.output.split())
+    # the limit is the server's word too: a huge one does not let a 4 TB tensor through
+    claim = {"bottleneck_shape": [10_000, 10_000, 10_000], "max_payload_bytes": 10**13}
+    with _fake_server(_answer(200, json.dumps(claim).encode())) as (target, _):
+        done = _probe(target.url)
+    assert isinstance(done.exception, SystemExit) and "not 3 positive ints within the payload limit" in " ".join(done.output.split())
+    for body in (b'{"bottleneck_shape": [2, 2, 2], "max_payload_bytes": Infinity}', b"[" * 200_000):
+        with _fake_server(_answer(200, body)) as (target, _):
+            done = _probe(target.url)
+        assert done.exit_code == 1 and isinstance(done.exception, SystemExit)  # a clear failure, not a traceback
     with _fake_server(_answer(200, b"<html>", "text/html")) as (target, _):
         assert _probe(target.url).exit_code == 1  # not JSON: not a tail server, not a bad URL
 

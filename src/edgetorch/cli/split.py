@@ -296,7 +296,7 @@ def probe(
 
     from ..split.deadlines import HEADER_TIMEOUT_S, READ_TIMEOUT_S
     from ..split.fuzz import FuzzConfig, run_fuzz
-    from ..split.loadgen import LoadConfig, Target, get, run_load
+    from ..split.loadgen import MAX_PROBE_PAYLOAD_BYTES, LoadConfig, Target, get, run_load
     from ..split.payload import encode, payload_size
     from ..split.probe import StallConfig, run_stall
 
@@ -318,14 +318,18 @@ def probe(
         if status != 200:
             raise ValueError(f"it answered {status}: {body[:200]!r}")
         info = json.loads(body)
-        shape, limit = tuple(info["bottleneck_shape"]), int(info["max_payload_bytes"])
+        shape, limit = tuple(info["bottleneck_shape"]), info["max_payload_bytes"]
+        if type(limit) is not int:
+            raise ValueError(f"max_payload_bytes {limit!r} is not a whole number")
         # The server's answer is outside data: check the shape it claims against the payload limit
-        # it states before a tensor of that shape is made (a claim of 10^15 elements is refused here).
+        # it states, and against the probe's own (the server states both), before a tensor of that
+        # shape is made (a claim of 10^15 elements is refused here).
+        limit = min(limit, MAX_PROBE_PAYLOAD_BYTES)
         if len(shape) != 3 or not all(type(d) is int and d > 0 for d in shape) \
                 or payload_size((1, *shape)) > limit:
             raise ValueError(f"bottleneck_shape {list(shape)[:4]} is not 3 positive ints within the payload "
                              f"limit of {limit} bytes")
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as err:  # an AnswerError (too long) is a ValueError
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, RecursionError) as err:  # AnswerError is a ValueError
         console.print(f"{url} did not answer GET / as a split tail server does: {err!r}", style="red")
         raise typer.Exit(1) from None
     import torch

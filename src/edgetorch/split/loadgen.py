@@ -29,6 +29,9 @@ from ..errors import EdgetorchError
 # The longest answer a client here reads. A batch-1 /infer answer is about 22 bytes a class (a
 # 21,841-class ImageNet-21k tail: ~0.5 MB), /metrics and GET / a few KB.
 MAX_ANSWER_BYTES = 4 << 20
+# The largest payload the probe builds from a server's own GET / claims (the fuzzer batches up to 8
+# of them): a server states its shape and its limit, so both could be hostile.
+MAX_PROBE_PAYLOAD_BYTES = 16 << 20
 # Asked of every server: the cap is on the bytes that arrive, so a compressed answer could not be
 # checked against it until inflated. A body that comes compressed anyway is not JSON: an error.
 _IDENTITY = {"accept-encoding": "identity"}
