@@ -146,13 +146,13 @@ async def _stall(target: Target, payload: bytes, config: StallConfig, rss: RssSa
             reader, writer = await connect(target)
         except (OSError, asyncio.TimeoutError) as err:
             return {"kind": kind, "error": f"connect: {type(err).__name__} {err}"}
+        sent = time.perf_counter()  # before the write: a late resume after drain() must not shorten a close
         try:  # a server may reset a connection as soon as it accepts it: one failed connection, not the phase
             writer.write(sent_bytes[kind])
             await writer.drain()
         except OSError as err:
             writer.close()
             return {"kind": kind, "error": f"send: {type(err).__name__} {err}"}
-        sent = time.perf_counter()
         held["now"] += 1
         held["max"] = max(held["max"], held["now"])
         result = {"kind": kind, "closed_after_s": None, "status": None}
