@@ -1184,17 +1184,21 @@ def _grads(model) -> list[torch.Tensor]:
 
 @interpreted
 @quiet
-@pytest.mark.parametrize("hold", [None, 0])
-def test_capped_bitmap_overflow_repacks_exactly(hold, monkeypatch) -> None:
+@pytest.mark.parametrize("hold, at_once", [(None, False), (0, False), (None, True)])
+def test_capped_bitmap_overflow_repacks_exactly(hold, at_once, monkeypatch) -> None:
     """A step that keeps more values than the previous step's count and margin overflows its
     value slots; the held source is re-packed exactly when the count is seen, so gradients stay
     bit-identical to plain PyTorch, and the ledger row is restated with the bytes held then.
     ``hold=0``: no source may be held past the next pack, so the host waits for each count
-    during the forward instead of once in backward (the bound on held sources)."""
+    during the forward instead of once in backward (the bound on held sources). ``at_once``: every
+    count is on the host as soon as it is copied, as on an idle GPU (seen on an H100: the overflow
+    was re-packed before its entry held the ledger row, and the step raised)."""
     from edgetorch.activations import capacity
 
     if hold is not None:
         monkeypatch.setattr(capacity, "HOLD_BYTES", hold)
+    if at_once:
+        monkeypatch.setattr(capacity.LateChecks, "_arrived", lambda self, check: True)
     with _cuda.emulate_gpu_path():
         _overflowing_steps(torch.device("cpu"), bounded=hold == 0)
 

@@ -182,6 +182,11 @@ class LateChecks:
         # that from being a cycle (which would hold the sources until the garbage collector ran).
         check.held, check.source, check.index, check.repack = weakref.ref(held), source, index, repack
         with self._lock:
+            # Earlier counts that arrived are looked at before this one is queued: this one's
+            # entry does not hold it yet (its ledger row is written after this returns), so a
+            # re-pack now could not restate the row. An idle GPU's count can arrive at once.
+            while self._queue and self._arrived(self._queue[0]):
+                self._check_first()
             check.host, check.slot = self._copy(rep.count)
             # Recorded after the copy: when it has passed, the count is in host memory.
             check.event = torch.cuda.Event() if rep.count.is_cuda else None
@@ -191,8 +196,6 @@ class LateChecks:
             check.seq = self._seq
             self._queue.append(check)
             self._held += source.numel() * source.element_size()
-            while self._queue and self._arrived(self._queue[0]):
-                self._check_first()
             while self._held > HOLD_BYTES and len(self._queue) > 1:
                 self._wait(self._queue[0])
                 self._check_first()
