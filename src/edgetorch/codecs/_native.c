@@ -467,6 +467,17 @@ static void parallel_for(int64_t n_tasks, long long threads, int64_t min_per_thr
     pthread_mutex_unlock(&pool.lock);
 }
 
+/* Run fn(ctx, t) for t in [0, n_tasks): on up to `threads` threads with the GIL released when
+ * the call covers at least GIL_FREE_MIN_ELEMS elements, else on this thread alone. */
+static void dispatch_tasks(int64_t elems, int64_t n_tasks, long long threads, task_fn fn, void *ctx) {
+    if (elems >= GIL_FREE_MIN_ELEMS) {
+        Py_BEGIN_ALLOW_THREADS parallel_for(n_tasks, threads, MIN_CHUNKS_PER_THREAD, fn, ctx);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (int64_t t = 0; t < n_tasks; t++) fn(ctx, t);
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Argument parsing: every argument is a Python int (addresses come from Tensor.data_ptr())
  */
@@ -681,12 +692,7 @@ static PyObject *pack_compact(PyObject *self, PyObject *const *args, Py_ssize_t 
     compact_ctx ctx = {&ops->w[width_index(a[2])], (const char *)PTR(a[0]), n, nbytes, a[2],
                        (const uint8_t *)PTR(a[3]), offsets, (char *)PTR(a[5])};
     advise_hugepages(ctx.out, nvals * a[2]);
-    if (n >= GIL_FREE_MIN_ELEMS) {
-        Py_BEGIN_ALLOW_THREADS parallel_for(nchunks, a[7], MIN_CHUNKS_PER_THREAD, compact_task, &ctx);
-        Py_END_ALLOW_THREADS
-    } else {
-        compact_task(&ctx, 0);
-    }
+    dispatch_tasks(n, nchunks, a[7], compact_task, &ctx);
     if (offsets != single) free(offsets);
     Py_RETURN_NONE;
 }
@@ -831,13 +837,7 @@ static void range_task(void *p, int64_t c) {
 }
 
 static void run_range(range_ctx *ctx, long long threads) {
-    int64_t nchunks = n_chunks_of(ctx->nbytes);
-    if (ctx->n >= GIL_FREE_MIN_ELEMS) {
-        Py_BEGIN_ALLOW_THREADS parallel_for(nchunks, threads, MIN_CHUNKS_PER_THREAD, range_task, ctx);
-        Py_END_ALLOW_THREADS
-    } else {
-        for (int64_t c = 0; c < nchunks; c++) range_task(ctx, c);
-    }
+    dispatch_tasks(ctx->n, n_chunks_of(ctx->nbytes), threads, range_task, ctx);
 }
 
 PyDoc_STRVAR(mask_pack_doc,
@@ -981,13 +981,7 @@ static int quant_layout(quant_ctx *ctx, long long rows, long long n, long long b
 }
 
 static void run_quant(quant_ctx *ctx, task_fn fn, long long threads) {
-    int64_t tasks = (ctx->total + ctx->per_task - 1) / ctx->per_task;
-    if (ctx->elems >= GIL_FREE_MIN_ELEMS) {
-        Py_BEGIN_ALLOW_THREADS parallel_for(tasks, threads, MIN_CHUNKS_PER_THREAD, fn, ctx);
-        Py_END_ALLOW_THREADS
-    } else {
-        for (int64_t t = 0; t < tasks; t++) fn(ctx, t);
-    }
+    dispatch_tasks(ctx->elems, (ctx->total + ctx->per_task - 1) / ctx->per_task, threads, fn, ctx);
 }
 
 PyDoc_STRVAR(quantize_doc,

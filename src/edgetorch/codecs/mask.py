@@ -16,10 +16,11 @@ import torch
 
 from . import _backend, _cpu_kernels
 from .bitmap import FLOAT_DTYPES, pack_bits, unpack_bits
+from .protocol import HeldShape
 
 
 @dataclass(frozen=True, eq=False)
-class MaskTensor:
+class MaskTensor(HeldShape):
     """Which elements lay inside an open interval, read back as ``inside`` / ``outside`` values.
 
     Attributes:
@@ -35,10 +36,6 @@ class MaskTensor:
     dtype: torch.dtype
     inside: float
     outside: float
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
     @property
     def nnz(self) -> int:

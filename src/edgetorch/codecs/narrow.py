@@ -32,10 +32,6 @@ class NarrowIntTensor(HeldValues):
     dtype: torch.dtype
 
     @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    @property
     def nbytes(self) -> int:
         """Exact bytes held: ``numel * narrow itemsize``."""
         return self.value_bytes
@@ -44,6 +40,11 @@ class NarrowIntTensor(HeldValues):
     def nnz(self) -> int:
         """Every element is stored."""
         return self.values.numel()
+
+    @property
+    def shape(self) -> torch.Size:
+        """The original shape: every element is held, in place."""
+        return self.values.shape
 
     def unpack(self) -> torch.Tensor:
         """The original tensor (a new, contiguous tensor of the original dtype)."""

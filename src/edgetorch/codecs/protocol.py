@@ -47,19 +47,24 @@ class HeldTensor(Protocol):
         ...
 
 
-class HeldValues:
-    """Base of the forms that keep a tensor of ``shape``'s elements, or some of them, in ``values``."""
+class HeldShape:
+    """Base of the forms that record the original tensor's ``shape``: its element count."""
 
-    values: torch.Tensor
     shape: torch.Size
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+class HeldValues(HeldShape):
+    """Base of the forms that keep a tensor of ``shape``'s elements, or some of them, in ``values``."""
+
+    values: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
 
     @property
     def value_bytes(self) -> int:

@@ -90,10 +90,10 @@ class LoRaLink:
         bandwidth_hz: 125e3, 250e3 or 500e3.
         coding_rate: 1..4 for 4/5..4/8.
         preamble_symbols: programmed preamble length (8 by default).
+        crc: payload CRC on (the uplink default).
         max_payload: bytes per packet (255 = the PHY maximum).
         duty_cycle: fraction of time the radio may transmit (1.0 = no limit; 0.01 for EU 868 MHz
             sub-bands); after each fragment but the last the sender waits ``airtime * (1/dc - 1)``.
-        crc: payload CRC on (the uplink default).
         model: ``"airtime"`` (the Semtech formula per fragment, with duty-cycle waits) or
             ``"rate"`` (the paper's delay: bytes x 8 / the nominal bit rate, no packet overhead).
     """
@@ -102,9 +102,9 @@ class LoRaLink:
     bandwidth_hz: float = 125e3
     coding_rate: int = 1
     preamble_symbols: int = 8
+    crc: bool = True  # the last input of the Semtech formula; fragmenting's two settings follow
     max_payload: int = 255
     duty_cycle: float = 1.0
-    crc: bool = True
     model: str = "airtime"
 
     def __post_init__(self) -> None:
