@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
 import edgetorch
 from edgetorch.activations.blocks import PerBlock, Recompute, find_blocks
 from edgetorch.activations.roles import EXACT
-from edgetorch.activations.step import TrainingPolicy, forward_backward
+from edgetorch.activations.step import TrainingPolicy, forward_backward, parse_training_policy
 
 
 def _resnet() -> nn.Module:
@@ -108,6 +110,7 @@ def test_flags_and_spec_follow_the_policies_it_uses():
     plan = PerBlock((("layer1.0", edgetorch.BackRazor(0.9)),), default=edgetorch.Dense())
     assert plan.needs_roles and plan.encodes and not PerBlock().encodes
     assert plan.spec() == "per-block(layer1.0=backrazor:sparsity=0.9; default=dense)"
+    assert PerBlock().spec() == "per-block(default=dense)"
     assert plan.policies == (edgetorch.Dense(), edgetorch.BackRazor(0.9))
     assert hash(plan) == hash(PerBlock((("layer1.0", edgetorch.BackRazor(0.9)),)))
 
@@ -170,3 +173,58 @@ def test_a_plan_recomputing_other_blocks_is_not_replayed_from_anothers_tape():
     model = _resnet()
     rows(model, first)
     assert rows(model, second) == rows(_resnet(), second)
+
+
+def test_the_block_after_a_recomputed_one_keeps_its_roles():
+    """A recomputed block's forward (reentrant checkpointing) ends in gradient-free ops, and the next
+    block's first pack follows them directly. It takes its own op's role, a convolution input that
+    Back Razor prunes, as without recomputation: not exact (as when every pack after a
+    gradient-free op was taken for a custom Function's), and not the role of the last
+    gradient-free op, which saved nothing (matching its output made the input a ReLU mask)."""
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+
+    def forms(block_form):
+        ledger = edgetorch.SavedTensorLedger()
+        plan = PerBlock((("layer2.0", block_form),), default=edgetorch.BackRazor(0.9))
+        forward_backward(_resnet(), x, y, TrainingPolicy(plan), F.cross_entropy, ledger)
+        return sorted((r.op, r.form) for r in ledger.records if r.module == "layer2.1.conv1")
+
+    stored = forms(edgetorch.BackRazor(0.9))
+    assert ("convolution", "prune") in stored
+    assert forms(Recompute(edgetorch.BackRazor(0.9))) == stored
+
+
+_POLICIES = [edgetorch.Dense(), edgetorch.Bitmap(), edgetorch.Bitmap(threshold=0.05), edgetorch.Quantized(4),
+             edgetorch.Quantized(8, group=64, stochastic=True), edgetorch.BackRazor(0.9),
+             edgetorch.BackRazor(0.8, exact="int8", values="int8")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["layer1.0", "layer2.1", "features.3", "encoder.layer.0"]),
+                          st.sampled_from(_POLICIES), st.booleans()), unique_by=lambda b: b[0], max_size=4),
+       st.sampled_from(_POLICIES))
+def test_a_plans_spec_parses_back_to_the_plan(blocks, default):
+    plan = PerBlock(tuple((name, Recompute(p) if recompute else p) for name, p, recompute in blocks), default)
+    assert edgetorch.parse_policy(plan.spec()) == plan
+    assert parse_training_policy(plan.spec()) == TrainingPolicy(plan)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("per-block", "written per-block\\(BLOCK=POLICY"),
+    ("per-block(layer1.0 bitmap)", "bad item 'layer1.0 bitmap'"),
+    ("per-block(layer1.0=)", "bad item 'layer1.0='"),
+    ("per-block(layer1.0=zip)", "unknown policy 'zip'"),
+    ("per-block(layer1.0=bitmap; default=recompute(bitmap))", "Recompute\\(policy\\) for a block"),
+    ("per-block(layer1.0=per-block(layer1.1=dense))", "not a PerBlock"),
+])
+def test_a_malformed_plan_spec_says_how_to_write_one(text, message):
+    with pytest.raises(ValueError, match=message):
+        edgetorch.parse_policy(text)
+
+
+def test_a_plan_does_not_combine_with_stage_checkpointing():
+    plan = PerBlock((("layer2.0", Recompute()),))
+    with pytest.raises(ValueError, match="give the blocks to recompute Recompute"):
+        TrainingPolicy(plan, checkpoint=True)
+    with pytest.raises(ValueError, match="does not combine"):
+        parse_training_policy(plan.spec() + "+checkpoint")

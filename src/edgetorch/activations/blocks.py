@@ -194,10 +194,11 @@ class PerBlock(Policy):
         raise TypeError(_PER_TENSOR)
 
     def spec(self) -> str:
-        """A readable description (``per-block(layer1.0=bitmap, ...; default=dense)``); not a
-        string :func:`~edgetorch.parse_policy` takes."""
-        listed = ", ".join(f"{name}={policy.spec()}" for name, policy in self.blocks)
-        return f"per-block({listed}; default={self.default.spec()})"
+        """The string :func:`~edgetorch.parse_policy` turns back into this plan:
+        ``per-block(layer1.0=bitmap; layer2.0=recompute(bitmap); default=dense)`` (items apart by
+        ``;``, since a policy's own arguments are apart by ``,``)."""
+        listed = "".join(f"{name}={policy.spec()}; " for name, policy in self.blocks)
+        return f"per-block({listed}default={self.default.spec()})"
 
 
 _PER_TENSOR = ("a PerBlock plan stores each saved tensor with the policy of the block that saved it, which only "

@@ -251,8 +251,11 @@ class compress_activations(contextlib.ContextDecorator):
         if info is None or threading.get_ident() != self._thread:
             return
         self._stack.append((id(module), info))
+        if not torch.is_grad_enabled():
+            return
+        self._past_custom_functions()
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-        if torch.is_grad_enabled() and (top is None or top[0] is not self._pack_fn):
+        if top is None or top[0] is not self._pack_fn:
             self._warn_once(
                 f"module {info[0] or '<root>'} ({info[1]}) runs under another "
                 "saved_tensors_hooks context (non-reentrant torch.utils.checkpoint, "
@@ -265,6 +268,16 @@ class compress_activations(contextlib.ContextDecorator):
         # pre-hook, inside the root's call) was never pushed.
         if self._stack[-1][0] == id(module) and len(self._stack) > 1 and threading.get_ident() == self._thread:
             self._stack.pop()
+            if torch.is_grad_enabled():
+                self._past_custom_functions()
+
+    def _past_custom_functions(self) -> None:
+        """A module entered or left with gradients on runs outside any custom autograd Function's
+        forward (those run with them off), so the packs that follow are not that Function's: they
+        take the role of the op that saves them (a block recomputed by reentrant checkpointing
+        ends in a gradient-free op, and the next block's first input was held exact before)."""
+        if self._watch is not None:
+            self._watch.after_grad_free_op = False
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:

@@ -313,7 +313,7 @@ class OpWatch(TorchDispatchMode):
             # Casts made by autocast; a cast the model makes itself is tracked alike, since a
             # parameter's copy is still parameter-valued (its other operand feeds weight grads).
             self._casts[storage_address(out)] = weakref.ref(out)
-        if op in _SAVED_OUTPUTS:
+        if op in _SAVED_OUTPUTS and not self.after_grad_free_op:  # with gradients off it saved nothing
             outs = out if isinstance(out, (tuple, list)) else (out,)
             saved = [(i, outs[i]) for i in _SAVED_OUTPUTS[op] if i < len(outs) and isinstance(outs[i], torch.Tensor)]
             self._last = (op, args, kwargs, saved)

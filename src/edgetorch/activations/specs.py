@@ -6,7 +6,8 @@ from dataclasses import fields
 
 import torch
 
-from .policies import POLICIES, Policy
+from .blocks import PerBlock, Recompute
+from .policies import POLICIES, Dense, Policy
 
 _DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -22,7 +23,9 @@ def parse_policy(spec: str) -> Policy:
             ``backrazor:sparsity=0.95,scope=all``, ``backrazor:sparsity=0.9,exact=int8``,
             ``backrazor:sparsity=0.9,rows=token``,
             ``backrazor:sparsity=0.8,exact=int8,values=int8``, ``quantized:bits=4``,
-            ``quantized:bits=8,group=64,stochastic=true``.
+            ``quantized:bits=8,group=64,stochastic=true``; a plan per block as
+            :meth:`PerBlock.spec <edgetorch.activations.blocks.PerBlock.spec>` writes it:
+            ``per-block(layer1.0=bitmap; layer2.0=recompute(bitmap); default=dense)``.
 
     Returns:
         The policy object.
@@ -31,6 +34,8 @@ def parse_policy(spec: str) -> Policy:
         ValueError: unknown policy or argument name, or a malformed value; the message lists
             what is accepted.
     """
+    if spec.strip().lower().startswith(PER_BLOCK):
+        return _parse_per_block(spec.strip())
     name, _, arg_text = spec.strip().partition(":")
     cls = POLICIES.get(name.strip().lower())
     if cls is None:
@@ -47,6 +52,30 @@ def parse_policy(spec: str) -> Policy:
             )
         kwargs[key] = _parse_value(key, value.strip())
     return cls(**kwargs)
+
+
+PER_BLOCK, RECOMPUTE = "per-block", "recompute"
+_PER_BLOCK_FORMAT = ("a per-block plan is written per-block(BLOCK=POLICY; ...; default=POLICY), POLICY a policy "
+                     "spec or recompute(POLICY), e.g. per-block(layer1.0=bitmap; layer2.0=recompute(bitmap); default=dense)")
+
+
+def _parse_per_block(text: str) -> PerBlock:
+    # Items are split on ';': a policy's own arguments are split on ',' (backrazor:sparsity=0.9,exact=int8).
+    inner = text[len(PER_BLOCK):].strip()
+    if not (inner.startswith("(") and inner.endswith(")")):
+        raise ValueError(f"{text!r}: {_PER_BLOCK_FORMAT}")
+    blocks, default = [], Dense()
+    for item in filter(None, (i.strip() for i in inner[1:-1].split(";"))):
+        name, eq, policy = (part.strip() for part in item.partition("="))
+        if not eq or not name or not policy:
+            raise ValueError(f"bad item {item!r} in {text!r}: {_PER_BLOCK_FORMAT}")
+        recompute = policy.lower().startswith(RECOMPUTE + "(") and policy.endswith(")")
+        form = Recompute(parse_policy(policy[len(RECOMPUTE) + 1 : -1])) if recompute else parse_policy(policy)
+        if name == "default":
+            default = form  # a Recompute here is refused by PerBlock, with its reason
+        else:
+            blocks.append((name, form))
+    return PerBlock(tuple(blocks), default)
 
 
 def _parse_value(key: str, value: str):

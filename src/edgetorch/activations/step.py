@@ -40,6 +40,12 @@ class TrainingPolicy:
     policy: Policy
     checkpoint: bool = False
 
+    def __post_init__(self) -> None:
+        if self.checkpoint and isinstance(self.policy, PerBlock):
+            raise ValueError("a PerBlock plan recomputes the blocks it names itself, with Recompute(policy); "
+                             "+checkpoint recomputes every stage and does not combine with it: give the blocks "
+                             "to recompute Recompute(...) in the plan instead")
+
     def spec(self) -> str:
         """The string :func:`parse_training_policy` turns back into this."""
         return self.policy.spec() + (CHECKPOINT_SUFFIX if self.checkpoint else "")
