@@ -345,7 +345,7 @@ def _held_tensors(rep) -> list[torch.Tensor]:
                                   Need(NeedKind.PRUNE, op="convolution"),
                                   Need(NeedKind.EXACT, prunable=True, op="hardswish", kinks=(-3.0, 3.0))],
                          ids=lambda n: n.op)
-def test_encode_region_stores_the_bytes_of_encode_as_on_rows_and_decodes_to_the_saved_shape(policy, need):
+def test_encode_region_stores_the_bytes_of_encode_on_rows_and_decodes_to_the_saved_shape(policy, need):
     # The engine hands the saved region as it is with its rows (no [rows, n] view at pack, none
     # back at unpack): the built-in policies must store exactly what they store for the view.
     t = torch.relu(torch.randn(4, 6, 5, 3)) - 0.25
@@ -353,7 +353,7 @@ def test_encode_region_stores_the_bytes_of_encode_as_on_rows_and_decodes_to_the_
     rows = 2  # not the outermost extent: the codecs must take rows from the engine
     form = policy.form(need)
     torch.manual_seed(3)
-    by_view = policy.encode_as(t.view(rows, -1), need, form)
+    by_view = policy.encode(t.view(rows, -1), need)
     torch.manual_seed(3)
     by_region = policy.encode_region(t, rows, need, form)
     assert type(by_region) is type(by_view)

@@ -71,8 +71,8 @@ DEFAULT_FORMS: tuple[Policy | Recompute, ...] = (
 Form = Policy | Recompute
 #: The previous block's form when a lossy form's cost is measured where no exact copy of the block's
 #: input is lent: 8 bits keep a ReLU's output as a mask and the values of others at 8 bits, and
-#: cost little alone (recomputing the previous block would lend nothing either, but the engine
-#: stores the next op's saved input exactly after a recomputed block: it cannot tell its role).
+#: cost little alone (a recomputed previous block lends nothing either: its forward keeps only its
+#: input, and the next block's first ops store the boundary in their own form).
 LENDS_NOTHING = Quantized(8)
 
 

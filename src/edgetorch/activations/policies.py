@@ -62,30 +62,23 @@ class Policy:
                                  f"{cls.__qualname__} a name of its own")
             POLICIES[key] = cls
         # A subclass that overrides ``encode`` (say, of BackRazor) must see every tensor there,
-        # as ``[rows, n]``, not through the shortcuts it inherited (the engine calls encode_region).
-        if "encode" in cls.__dict__ and "encode_as" not in cls.__dict__:
-            cls.encode_as = Policy.encode_as
-        if {"encode", "encode_as"} & cls.__dict__.keys() and "encode_region" not in cls.__dict__:
+        # as ``[rows, n]``, not through the shortcut it inherited (the engine calls encode_region).
+        if "encode" in cls.__dict__ and "encode_region" not in cls.__dict__:
             cls.encode_region = Policy.encode_region
 
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         raise NotImplementedError
 
-    def encode_as(self, t: torch.Tensor, need: Need, form: Form):
-        """``encode(t, need)`` when the caller already has ``form = self.form(need)``: the engine
-        computes each saved tensor's form once, to deduplicate, and passes it here rather than
-        have the policy work it out again (issue 23: Python per saved tensor is the step's cost).
-        A policy whose ``encode`` reads the form overrides this; others need not."""
-        return self.encode(t, need)
-
     def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
-        """``encode_as`` of a contiguous ``t`` of any shape read row-major as ``[rows, n]``: the
-        engine's call for every tensor it stores (but a GPU's count-sized bitmaps). The built-in
-        policies pass ``rows`` to codecs that read ``t`` in place and decode to its shape: no view
-        at pack or unpack (a torch call each, per stored tensor of a step: issue 23), the same bytes.
-        The default makes the ``[rows, n]`` view; a subclass of a built-in policy that changes what
-        is stored overrides this."""
-        return self.encode_as(t.view(rows, -1), need, form)
+        """``encode(t.view(rows, -1), need)`` of a contiguous ``t`` of any shape, where the caller
+        already has ``form = self.form(need)``: the engine's call for every tensor it stores (but
+        a GPU's count-sized bitmaps). It computes each saved tensor's form once, to deduplicate,
+        and the built-in policies take it rather than work it out again, and pass ``rows`` to
+        codecs that read ``t`` in place and decode to its shape: no view at pack or unpack (Python
+        and torch calls per saved tensor are a small step's cost: issue 23), the same bytes. The
+        default makes the ``[rows, n]`` view and calls ``encode``; so does a subclass that
+        overrides ``encode`` alone."""
+        return self.encode(t.view(rows, -1), need)
 
     def form(self, need: Need) -> Form:
         """The stored form for ``need``; the default stores every tensor one (exact) way."""
@@ -275,9 +268,6 @@ class Quantized(Policy):
         # Named, not self.encode_region: a subclass that overrides encode routes that back here.
         return Quantized.encode_region(self, t, t.shape[0] if t.dim() else 1, need, self.form(need))
 
-    def encode_as(self, t: torch.Tensor, need: Need, form: Form):
-        return self.encode_region(t, t.shape[0] if t.dim() else 1, need, form)
-
     def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
         kind = form.kind
         if kind is FormKind.MASK:
@@ -409,9 +399,6 @@ class BackRazor(Policy):
     def encode(self, t: torch.Tensor, need: Need = EXACT):
         # Named, not self.encode_region: a subclass that overrides encode routes that back here.
         return BackRazor.encode_region(self, t, t.shape[0] if t.dim() else 1, need, self.form(need))
-
-    def encode_as(self, t: torch.Tensor, need: Need, form: Form):
-        return self.encode_region(t, t.shape[0] if t.dim() else 1, need, form)
 
     def encode_region(self, t: torch.Tensor, rows: int, need: Need, form: Form):
         if form is PRUNE_FORM:
