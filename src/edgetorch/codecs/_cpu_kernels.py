@@ -105,35 +105,25 @@ def build_description() -> str:
     return f"C extension (abi {info['abi']}, {info['compiler'].strip()}, {info['isa']} kernels)"
 
 
-def pack(t: torch.Tensor, limit: int, max_kept: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Bitmap and kept elements of a float (or integer-view) CPU tensor, row-major.
+def pack(t: torch.Tensor, limit: int, max_kept: int | None = None, rows: int = 0
+         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Bitmap and kept elements of a float (or integer-view) CPU tensor, row-major: a first pass
+    writes the bitmap and counts, then, unless more than ``max_kept`` were kept, a second gathers
+    the kept values. (The bitmap codec's kernel, called once per stored tensor: :func:`topk`
+    calls it, not the other way round, to spare the hot path a frame.)
 
     Args:
         t: CPU tensor of 2-, 4- or 8-byte elements, any shape and layout.
-        limit: keep element i iff ``bits(i) & absmask > limit`` (``bitmap.zero_limit_bits``).
-        max_kept: give up after the first pass (which counts) when more elements than this are
-            kept: the values are then never gathered. None: no limit.
+        limit: keep element i iff ``bits(i) & absmask > limit`` (``bitmap.zero_limit_bits``);
+            with ``rows``, the values kept in each row.
+        max_kept: give up after the first pass when more elements than this are kept: the
+            values are then never gathered. None: no limit.
+        rows: 0, or :func:`topk`'s rows.
 
     Returns:
         ``(bitmap, values)``: ``uint8`` bitmap of ``ceil(n / 8)`` bytes and the kept elements in
         order, 1-D in ``t.dtype``; None when more than ``max_kept`` are kept.
     """
-    return _build(t, 0, limit, max_kept)
-
-
-def topk(x: torch.Tensor, rows: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row top-k of ``x`` split row-major into ``rows`` (>= 1) equal rows, as ``(bitmap, values)``.
-
-    Each row keeps its ``keep`` largest magnitudes (compared on the bits, NaN largest), ties
-    taken by position, zeros never: ``min(keep, non-zeros)`` values a row.
-    """
-    return _build(x, rows, keep, None)
-
-
-def _build(t: torch.Tensor, rows: int, limit: int, max_kept: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """What :func:`pack` (``rows`` 0: ``limit`` is the magnitude bound) and :func:`topk` (``limit``
-    values in each of ``rows`` rows) share: a first pass that writes the bitmap and counts, then,
-    unless more than ``max_kept`` were kept, a second that gathers the kept values."""
     if not t.is_contiguous():
         t = t.detach().contiguous()
     n = t.numel()
@@ -153,6 +143,15 @@ def _build(t: torch.Tensor, rows: int, limit: int, max_kept: int | None) -> tupl
     if kept:
         _native.pack_compact(ptr, n, width, bm, cp, values.data_ptr(), kept, threads)
     return bitmap, values
+
+
+def topk(x: torch.Tensor, rows: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row top-k of ``x`` split row-major into ``rows`` (>= 1) equal rows, as ``(bitmap, values)``.
+
+    Each row keeps its ``keep`` largest magnitudes (compared on the bits, NaN largest), ties
+    taken by position, zeros never: ``min(keep, non-zeros)`` values a row.
+    """
+    return pack(x, keep, None, rows)
 
 
 def unpack(bitmap: torch.Tensor, values: torch.Tensor, shape) -> torch.Tensor:
