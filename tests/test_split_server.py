@@ -740,3 +740,19 @@ def test_fuzzed_requests_never_get_a_5xx(request):
     if answer.status_code >= 400 and method != "HEAD":
         error = answer.json()["error"]
         assert error["code"] == answer.status_code and "Traceback" not in answer.text
+
+
+def test_split_serve_defaults_are_the_servers():
+    """The CLI's option defaults and ServerConfig's come from one dependency-free module
+    (edgetorch.tail_defaults): a default `split serve` is a default ServerConfig."""
+    import inspect
+
+    from edgetorch.cli.split import serve
+    from edgetorch.split.server import ServerConfig
+
+    options = {name: p.default.default for name, p in inspect.signature(serve).parameters.items()}
+    config = ServerConfig()
+    assert (options["header_timeout"], options["read_timeout"], options["keep_alive"], options["write_timeout"],
+            options["max_connections"], options["max_batch"]) == (
+        config.header_timeout_s, config.read_timeout_s, config.keep_alive_s, config.write_timeout_s,
+        config.max_connections, config.max_batch)

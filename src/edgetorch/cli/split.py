@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from ..errors import EdgetorchError
+from ..tail_defaults import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_BATCH, MAX_CONNECTIONS, READ_TIMEOUT_S, WRITE_TIMEOUT_S
 from ._app import app, console, device_option, output_dir, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the commands import torch-backed modules only when they run
@@ -186,12 +187,12 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to bind"),
     port: int = typer.Option(8000, min=0, max=65535, help="port to bind"),
     max_payload_bytes: int = typer.Option(None, min=1, help="request size limit (default: 64 bottlenecks)"),
-    max_batch: int = typer.Option(1024, min=1, help="payloads with more samples get 413, before decoding"),
-    header_timeout: float = typer.Option(10.0, min=0.1, help="seconds for a request line and headers, else 408"),
-    read_timeout: float = typer.Option(30.0, min=0.1, help="seconds for a whole request body, else 408"),
-    keep_alive: float = typer.Option(5.0, min=0.1, help="seconds an idle keep-alive connection stays open"),
-    write_timeout: float = typer.Option(30.0, min=0.1, help="seconds a client that stops reading its answer is kept, then dropped"),
-    max_connections: int = typer.Option(2048, min=1, help="connections kept open (a new one closes the longest idle); "
+    max_batch: int = typer.Option(MAX_BATCH, min=1, help="payloads with more samples get 413, before decoding"),
+    header_timeout: float = typer.Option(HEADER_TIMEOUT_S, min=0.1, help="seconds for a request line and headers, else 408"),
+    read_timeout: float = typer.Option(READ_TIMEOUT_S, min=0.1, help="seconds for a whole request body, else 408"),
+    keep_alive: float = typer.Option(KEEP_ALIVE_S, min=0.1, help="seconds an idle keep-alive connection stays open"),
+    write_timeout: float = typer.Option(WRITE_TIMEOUT_S, min=0.1, help="seconds a client that stops reading its answer is kept, then dropped"),
+    max_connections: int = typer.Option(MAX_CONNECTIONS, min=1, help="connections kept open (a new one closes the longest idle); "
                                                           "requests running at once beyond it get 503, except /health"),
     max_pipelined: int = typer.Option(16, min=1, help="requests a client may queue ahead of its answers before the "
                                                       "connection is closed"),
@@ -294,7 +295,6 @@ def probe(
 
     import httpx
 
-    from ..split.deadlines import HEADER_TIMEOUT_S, READ_TIMEOUT_S
     from ..split.fuzz import FuzzConfig, run_fuzz
     from ..split.loadgen import MAX_PROBE_PAYLOAD_BYTES, LoadConfig, Target, get, run_load
     from ..split.payload import encode, payload_size

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .deadlines import READ_TIMEOUT_S
+from ..tail_defaults import READ_TIMEOUT_S
 from .loadgen import Target
 from .payload import encode
 from .wire import MAX_RAW_ANSWER_BYTES, connect, status_of

@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 import psutil
 
-from .deadlines import HEADER_TIMEOUT_S, READ_TIMEOUT_S
+from ..tail_defaults import HEADER_TIMEOUT_S, READ_TIMEOUT_S
 from .loadgen import AnswerError, Target, exchange
 from .wire import (CONNECT_TIMEOUT_S, PollSummary, Reply, connect, get_once, half_request_line, infer_head,
                    read_until_closed, small_window_socket, stalled_requests, status_of)

@@ -92,7 +92,7 @@ from torch import nn
 
 from .._checks import check_positive_int
 from .artifact import load_part
-from .deadlines import HEADER_TIMEOUT_S, READ_TIMEOUT_S
+from ..tail_defaults import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_BATCH, MAX_CONNECTIONS, READ_TIMEOUT_S, WRITE_TIMEOUT_S
 from .manifest import SplitManifest, check_artifact_id
 from .metrics import Metrics
 from .payload import PayloadError, decode, payload_size, read_header
@@ -148,12 +148,12 @@ class ServerConfig:
 
     max_payload_bytes: int | None = None
     token: str | None = None
-    max_batch: int = 1024
+    max_batch: int = MAX_BATCH
     header_timeout_s: float = HEADER_TIMEOUT_S
     read_timeout_s: float = READ_TIMEOUT_S
-    keep_alive_s: float = 5.0
-    write_timeout_s: float = 30.0
-    max_connections: int = 2048
+    keep_alive_s: float = KEEP_ALIVE_S
+    write_timeout_s: float = WRITE_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
     max_pipelined: int = 16
     max_header_bytes: int = 16 * 1024
     expect_artifact_id: str | None = None
