@@ -17,7 +17,8 @@ summed the same way, per block after its predecessor's form (see :mod:`.costs` f
 not capture).
 
 Choosing a form per block to minimise the summed fidelity cost under that bound (among equals,
-the least machinery: :func:`penalty`) is a multiple-choice knapsack whose item weights depend on
+the least extra step time where steps were timed, then the least machinery: :func:`tie_break`) is a
+multiple-choice knapsack whose item weights depend on
 the previous choice. It is solved exactly by dynamic programming over (bytes, previous block's
 form), bytes rounded up to a stated granularity (so a plan it accepts is predicted to fit in exact
 bytes too; it can miss a plan that fits only within the rounding, at most one granule per block),
@@ -57,6 +58,7 @@ class BlockChoice:
         rerun_bytes: what a recomputed block's rerun stores in backward (0 otherwise).
         fidelity: its fidelity cost (:class:`~edgetorch.activations.costs.FormCost`).
         why: why this form, in words.
+        seconds: its share of the form's extra step time over dense (None: not timed).
     """
 
     block: str
@@ -65,6 +67,7 @@ class BlockChoice:
     rerun_bytes: int
     fidelity: float
     why: str
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class BlockPlan:
         fidelity: the plan's summed fidelity cost.
         granularity: bytes were rounded up to multiples of this.
         reason: one sentence on the choice.
+        predicted_seconds: the dense step's time plus each block's extra time in its form
+            (None where steps were not timed).
     """
 
     policy: PerBlock
@@ -91,6 +96,7 @@ class BlockPlan:
     fidelity: float
     granularity: int
     reason: str
+    predicted_seconds: float | None = None
 
 
 def choose(options: Sequence[Sequence[Sequence[tuple[int, float, int]]]], capacity: int) -> list[int] | None:
@@ -152,13 +158,20 @@ def choose(options: Sequence[Sequence[Sequence[tuple[int, float, int]]]], capaci
 
 
 def penalty(form: object) -> int:
-    """The extra machinery of a form, the tie-break between forms of equal fidelity cost until step
-    times are measured per form: 0 for ``Dense()`` (nothing encoded, though inside a plan its
+    """The extra machinery of a form: 0 for ``Dense()`` (nothing encoded, though inside a plan its
     tensors still pass through the engine, which records and deduplicates them), 1 for a form
     that encodes, 2 for recomputation (a second forward of the block)."""
     if isinstance(form, Recompute):
         return 2
     return 0 if isinstance(form, Dense) else 1
+
+
+def tie_break(cost: FormCost) -> int:
+    """What decides between options of equal fidelity cost, as a non-negative int (smaller first):
+    the measured extra step time in microseconds where steps were timed, then :func:`penalty`
+    (which alone decides where they were not, or where the times are equal)."""
+    machinery = penalty(cost.form)
+    return machinery if cost.seconds is None else round(cost.seconds * 1e6) * 3 + machinery
 
 
 def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
@@ -195,12 +208,12 @@ def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
         capacity = (room - cap) // step
         # a negative byte count (a block whose exact copies replace more than it adds) is
         # rounded up to 0: the prediction stays exact, the knapsack errs towards fitting
-        allowed = [[[(math.ceil(max(c.stored_bytes, 0) / step), c.fidelity, penalty(c.form)) if c.rerun_bytes <= cap
+        allowed = [[[(math.ceil(max(c.stored_bytes, 0) / step), c.fidelity, tie_break(c)) if c.rerun_bytes <= cap
                      else (capacity + 1, 0.0, 0) for c in row] for row in g] for g in groups]
         picked = choose(allowed, capacity)
         if picked is not None:
             chosen = _along(groups, picked)
-            key = (sum(c.fidelity for c in chosen), sum(penalty(c.form) for c in chosen), _predicted(chosen, fixed))
+            key = (sum(c.fidelity for c in chosen), sum(tie_break(c) for c in chosen), _predicted(chosen, fixed))
             if found is None or key < found[0]:
                 found = (key, chosen, picked)
     fits = found is not None
@@ -208,18 +221,22 @@ def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
     chosen = _along(groups, picked)
     predicted = _predicted(chosen, fixed)
     rows = tuple(BlockChoice(c.block, c.form.spec(), c.stored_bytes, c.rerun_bytes, c.fidelity,
-                             _why(c, g[picked[i - 1] if i else 0], fits))
+                             _why(c, g[picked[i - 1] if i else 0], fits), c.seconds)
                  for i, (c, g) in enumerate(zip(chosen, groups)))
     fidelity = sum(c.fidelity for c in chosen)
+    timed = costs.dense_seconds is not None and all(c.seconds is not None for c in chosen)
+    seconds = costs.dense_seconds + sum(c.seconds for c in chosen) if timed else None
     mib = 2**20
     if fits:
+        step_time = (f"; a step predicted at {seconds * 1e3:,.1f} ms against dense's {costs.dense_seconds * 1e3:,.1f}"
+                     if timed else "")
         reason = (f"least summed fidelity cost ({fidelity:.3g}) of the plans predicted to fit {budget_bytes / mib:,.1f} "
-                  f"MiB: predicted {predicted / mib:,.1f} MiB ({fixed / mib:,.1f} outside the blocks)")
+                  f"MiB: predicted {predicted / mib:,.1f} MiB ({fixed / mib:,.1f} outside the blocks){step_time}")
     else:
         reason = (f"no plan fits {budget_bytes / mib:,.1f} MiB: the least predicted peak is {predicted / mib:,.1f} MiB "
                   f"({fixed / mib:,.1f} outside the blocks); raise the budget, offer smaller forms or a smaller batch")
     return BlockPlan(PerBlock(tuple((c.block, c.form) for c in chosen), costs.default), rows, fits, predicted,
-                     budget_bytes, fidelity, step, reason)
+                     budget_bytes, fidelity, step, reason, seconds)
 
 
 def _along(groups: Sequence[Sequence[Sequence[FormCost]]], picked: Sequence[int]) -> list[FormCost]:
@@ -244,9 +261,10 @@ def _predicted(chosen: Sequence[FormCost], fixed: int) -> int:
 def _why(chosen: FormCost, options: Sequence[FormCost], fits: bool) -> str:
     if not fits:
         return "its smallest form (nothing fits)"
-    best = min(options, key=lambda c: (c.fidelity, penalty(c.form), c.stored_bytes))
+    best = min(options, key=lambda c: (c.fidelity, tie_break(c), c.stored_bytes))
     if chosen is best:
-        return "least fidelity cost of its forms, with the least machinery"
+        return ("least fidelity cost of its forms, the fastest of those" if chosen.seconds is not None
+                else "least fidelity cost of its forms, with the least machinery")
     saved = (best.stored_bytes - chosen.stored_bytes) / 1024
     if chosen.fidelity == best.fidelity:
         return f"as exact as {best.form.spec()}, and stores {saved:,.0f} KiB less: the budget needs the bytes"

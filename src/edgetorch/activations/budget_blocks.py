@@ -45,11 +45,17 @@ class BlockFit:
 
 
 def scaled(costs: BlockCosts, factor: float) -> BlockCosts:
-    """``costs`` with every byte count times ``factor`` (another batch size: bytes are per sample)."""
+    """``costs`` at another batch, ``factor`` times the one measured: every byte count times
+    ``factor`` (bytes are per sample), and every time too (an estimate: small batches take more
+    than their share of a step's time)."""
+    def times(t: float | None) -> float | None:
+        return None if t is None else t * factor
+
     return dataclasses.replace(
-        costs, outside_bytes=round(costs.outside_bytes * factor),
+        costs, outside_bytes=round(costs.outside_bytes * factor), dense_seconds=times(costs.dense_seconds),
         costs=tuple(dataclasses.replace(c, stored_bytes=round(c.stored_bytes * factor),
-                                        rerun_bytes=round(c.rerun_bytes * factor)) for c in costs.costs))
+                                        rerun_bytes=round(c.rerun_bytes * factor), seconds=times(c.seconds))
+                    for c in costs.costs))
 
 
 def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int], budget_bytes: int, margin: float,

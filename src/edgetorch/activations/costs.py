@@ -39,6 +39,13 @@ is lossless, or save no output). Parameters whose reference gradient is negligib
 one: zero in exact arithmetic, the batch norm cancels it, so its relative error is rounding
 noise over rounding noise and would rank every form by that noise).
 
+Time, from timed steps (``time_rounds``): a whole training step with every block in one form,
+for each form, against every block ``Dense()``, interleaved round by round, the least of each
+(contention only adds time). A form's extra time over dense is shared among the blocks in
+proportion to the bytes each saves under ``Dense()``: what a codec reads, and roughly what a
+recomputed block's forward computes. An estimate, not a measurement per block: the solver breaks
+ties between equally faithful forms by it and the plan's table shows it.
+
 Example:
     >>> costs = measure_block_costs(model.train(), (x, y))  # doctest: +SKIP
     >>> costs.cost("layer4.1", Quantized(8), after=Dense()).fidelity  # doctest: +SKIP
@@ -57,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..measure import SavedTensorLedger
+from ..measure.timing import interleave, wall_time
 from .blocks import PerBlock, Recompute, find_blocks
 from .fidelity import NEGLIGIBLE, GradientFidelity, gradient_fidelities
 from .policies import BackRazor, Bitmap, Dense, Policy, Quantized
@@ -98,9 +106,10 @@ class FormCost:
             (0 for a form whose gradients are bit-identical to plain PyTorch's).
         after: the previous block's form; None for the first block, or for a cost that holds
             whatever the previous block's form is.
-
-    Time is not yet a cost: no step time is measured per form, so the solver breaks ties between
-    equally faithful forms by their machinery (:func:`~edgetorch.activations.blockplan.penalty`).
+        seconds: the block's share of the form's extra step time over ``Dense()`` (see the
+            module docstring); None where steps were not timed (``time_rounds=0``), and then the
+            solver breaks ties between equally faithful forms by their machinery
+            (:func:`~edgetorch.activations.blockplan.penalty`).
     """
 
     block: str
@@ -109,6 +118,7 @@ class FormCost:
     rerun_bytes: int
     fidelity: float
     after: Form | None = None
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,7 @@ class BlockCosts:
             (``after``): costs with ``after`` None hold after any previous form.
         default: the policy of the tensors saved outside every block.
         outside_bytes: what those tensors hold (under ``default``).
+        dense_seconds: a training step's time with every block ``Dense()`` (None: not timed).
     """
 
     blocks: tuple[str, ...]
@@ -129,6 +140,7 @@ class BlockCosts:
     costs: tuple[FormCost, ...]
     default: Policy
     outside_bytes: int
+    dense_seconds: float | None = None
 
     def options(self, block: str, after: Form | None = None) -> list[FormCost]:
         """The costs of ``block``'s forms after the previous block in ``after``, in the order of
@@ -158,12 +170,13 @@ class BlockCosts:
 def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                         forms: Sequence[Form] = DEFAULT_FORMS, *, blocks: Sequence[str] | None = None,
                         default: Policy = Bitmap(), negligible: float = NEGLIGIBLE,
-                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> BlockCosts:
-    """Measure the bytes and the fidelity cost of every block in every form after every form.
+                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                        time_rounds: int = 3) -> BlockCosts:
+    """Measure the bytes, the fidelity cost and the time of every block in every form after every form.
 
     Runs ``len(forms) ** 2`` ledger steps and, per block, one gradient step per form and one more
     per lossy form and one at :data:`LENDS_NOTHING` (see the module docstring), plus one
-    reference step, all on ``batch``. The
+    reference step, and ``time_rounds`` timed steps per form and of dense, all on ``batch``. The
     model's weights, buffers, gradients and RNG state are as they were when this returns. Use it
     in the mode it trains in (``model.train()``, or batch norm frozen).
 
@@ -177,13 +190,14 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
         negligible: leave out parameters whose reference gradient norm is at most this fraction
             of the largest (as :func:`~edgetorch.activations.fidelity.gradient_fidelity` does).
         loss_fn: ``loss_fn(outputs, targets)``; default cross-entropy.
+        time_rounds: rounds of timed steps (the least of each form's is kept); 0 times nothing.
 
     Returns:
         A :class:`BlockCosts`.
 
     Raises:
         ValueError: no blocks, no forms, a form given twice, blocks that do not run once each in
-            the order given, or a ``negligible`` outside [0, 1).
+            the order given, a ``negligible`` outside [0, 1), or a negative ``time_rounds``.
 
     Example:
         >>> costs = measure_block_costs(model.train(), (x, y), [Bitmap(), Quantized(8)])  # doctest: +SKIP
@@ -195,6 +209,8 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
                          "modules with parameters); name them with blocks=")
     if not forms or len(set(forms)) != len(forms):
         raise ValueError(f"give at least one form, each once; got {[f.spec() for f in forms]}")
+    if isinstance(time_rounds, bool) or not isinstance(time_rounds, int) or time_rounds < 0:
+        raise ValueError(f"time_rounds must be an int >= 0 (0: no timed steps), got {time_rounds!r}")
     loss_fn = loss_fn or F.cross_entropy
     x, y = batch
     stored: dict[tuple[int, Form | None, Form], int] = {}  # (block index, previous form, form) -> bytes
@@ -208,14 +224,45 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
             if i in step.rerun:
                 rerun[(i, form)] = step.rerun[i]
     fidelity = _fidelities(model, (x, y), blocks, forms, loss_fn, negligible)
+    seconds, dense_seconds = {}, None
+    if time_rounds:
+        extra, dense_seconds = _extra_seconds(model, x, y, blocks, forms, default, loss_fn, time_rounds)
+        dense = _measure_step(model, x, y, blocks, (Dense(),) * len(blocks), default, loss_fn).stored
+        weights = [max(b, 0) for b in dense]
+        seconds = {(i, form): extra[form] * w / (sum(weights) or 1) for form in forms for i, w in enumerate(weights)}
     costs = []
     for i, block in enumerate(blocks):
         for after in (None,) if i == 0 else forms:
             # a previous block that holds its output exactly lends it to this block's first ops
             lends = i == 0 or (not isinstance(after, Recompute) and lossless(after))
             costs.extend(FormCost(block, form, stored[(i, after, form)], rerun.get((i, form), 0),
-                                  fidelity[(i, form, lends)], after) for form in forms)
-    return BlockCosts(blocks, forms, tuple(costs), default, outside)
+                                  fidelity[(i, form, lends)], after, seconds.get((i, form))) for form in forms)
+    return BlockCosts(blocks, forms, tuple(costs), default, outside, dense_seconds)
+
+
+def _extra_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, blocks: tuple[str, ...],
+                   forms: tuple[Form, ...], default: Policy, loss_fn: Callable,
+                   rounds: int) -> tuple[dict[Form, float], float]:
+    """Each form's extra step time over every block ``Dense()`` (at least 0), and the dense step's
+    time: the least of ``rounds`` interleaved timed steps each, after one untimed step each (the
+    first step of a configuration watches its ops; later ones replay them)."""
+    configurations = [Dense(), *(form for form in forms if form != Dense())]
+
+    def step(form: Form) -> Callable[[], None]:
+        how = TrainingPolicy(PerBlock(tuple((b, form) for b in blocks), default))
+
+        def run() -> None:
+            with restored(model):
+                forward_backward(model, x, y, how, loss_fn)
+        return run
+
+    steps = [(str(k), step(form)) for k, form in enumerate(configurations)]
+    for _, run in steps:
+        run()
+    times = interleave(steps, rounds, rotate=True, measure=lambda fn: wall_time(fn, x.device))
+    least = [min(times[str(k)]) for k in range(len(configurations))]
+    extra = {form: max(0.0, t - least[0]) for form, t in zip(configurations, least)}
+    return extra, least[0]
 
 
 def _assignments(forms: tuple[Form, ...], n: int) -> list[tuple[Form, ...]]:
