@@ -180,7 +180,8 @@ def test_cli_finetunes_a_folder_into_weights_torchvision_loads(folder, imagenet_
 
     again, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
                         "--size", 32, "--epochs", 2, "--batch", 8, "--lr", 0.05, "--out", out])
-    assert again.exit_code == 0 and "resumed after epoch 2" in text
+    assert again.exit_code == 0 and "had finished its 2 epochs: nothing was trained" in text
+    assert f"measured peak {summary['peak_bytes'] / 2**20:,.1f} MiB" in text  # the run's own, not 0.0
 
 
 def test_cli_memory_budget_plans_then_stays_within(folder, imagenet_weights, tmp_path):
@@ -194,6 +195,12 @@ def test_cli_memory_budget_plans_then_stays_within(folder, imagenet_weights, tmp
     plan = summary["plan"]
     assert plan["within_budget"] and plan["chosen"]["policy"] == "dense"
     assert {c["policy"] for c in plan["candidates"]} >= {"bitmap+checkpoint", "backrazor:sparsity=0.97"}
+
+    # Again, finished: it used to divide by the 0 bytes the no epochs it trained measured
+    again, text = _run([*args, "--memory-budget", "16GiB"])
+    assert again.exit_code == 0 and "had finished its 1 epochs" in text and "within the budget" in text, text
+    rerun = json.loads((tmp_path / "run.json").read_text())
+    assert rerun["peak_bytes"] == summary["peak_bytes"] and -1 < rerun["plan"]["prediction_error"] < 1
 
     result, text = _run([*args, "--memory-budget", "1MiB", "--policy", "dense", "--policy", "bitmap"])
     assert result.exit_code == 1 and "nothing fits 1 MiB with 5% headroom" in text

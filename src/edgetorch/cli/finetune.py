@@ -109,12 +109,15 @@ def finetune(
         measured += f", {mib(result.process_peak_bytes)} MiB over the whole process"
     if plan is not None:
         predicted, within = plan.chosen.predicted_peak_bytes, run.within_budget
+        error = "" if run.prediction_error is None else f" ({run.prediction_error:+.1%})"
         console.print(f"{measured}, {'within' if within else 'OVER'} the budget of {mib(plan.budget_bytes)} MiB; "
-                      f"predicted {mib(predicted)} MiB ({run.prediction_error:+.1%})",
-                      style=None if within else "red")
+                      f"predicted {mib(predicted)} MiB{error}", style=None if within else "red")
     else:
         console.print(measured)
-    if result.resumed_from:
+    if result.resumed_from == run.config.epochs:
+        console.print(f"{out} had finished its {result.resumed_from} epochs: nothing was trained, the peak and accuracy "
+                      "are the run's own (train more: a larger --epochs with another --out)")
+    elif result.resumed_from:
         console.print(f"resumed after epoch {result.resumed_from} from {out / 'checkpoint'}")
     console.print(f"validation accuracy {result.val_accuracy:.4f}; wrote {result.weights} and {out / 'model.json'} "
                   f"(a state_dict of {model} with num_classes={len(run.data.classes)})")

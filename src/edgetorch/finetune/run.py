@@ -191,7 +191,9 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     run = train_epochs(model, train, loop, step, optimizer, schedule, watch=watch, label="finetune",
                        checkpoint=None if out is None else Checkpointing(out / "checkpoint", identity))  # fmt: skip
     result = FinetuneResult(history=run.history, resumed_from=run.resumed_from, peak_kind=peak_kind(device))
-    result.peak_bytes = max((r["peak_bytes"] for r in run.history[run.resumed_from:]), default=0)
+    # A run resumed after its last epoch trains nothing: its peak is what its epochs recorded.
+    trained = run.history[run.resumed_from:] or run.history
+    result.peak_bytes = max((r["peak_bytes"] for r in trained), default=0)
     result.val_accuracy = run.history[-1]["val_accuracy"] if run.history else float("nan")
     if out is not None:
         result.weights = out / "model.safetensors"

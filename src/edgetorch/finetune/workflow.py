@@ -191,7 +191,7 @@ class FinetuneRun:
     @property
     def prediction_error(self) -> float | None:
         """The chosen candidate's predicted peak over the measured one, minus 1; None without a plan."""
-        if self.plan is None or self.result is None:
+        if self.plan is None or self.result is None or not self.result.peak_bytes:
             return None
         return self.plan.chosen.predicted_peak_bytes / self.result.peak_bytes - 1
 
