@@ -183,6 +183,12 @@ def test_cli_finetunes_a_folder_into_weights_torchvision_loads(folder, imagenet_
     assert again.exit_code == 0 and "had finished its 2 epochs: nothing was trained" in text
     assert f"measured peak {summary['peak_bytes'] / 2**20:,.1f} MiB" in text  # the run's own, not 0.0
 
+    # Another size is another run: refused, not resumed and recorded as trained at 40 px
+    other, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
+                        "--size", 40, "--epochs", 2, "--batch", 8, "--lr", 0.05, "--out", out])
+    assert other.exit_code == 1 and "image_size: 32 -> 40" in text, text
+    assert json.loads((out / "model.json").read_text())["image_size"] == 32
+
 
 def test_cli_memory_budget_plans_then_stays_within(folder, imagenet_weights, tmp_path):
     args = ["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder, "--size", 32,

@@ -179,8 +179,11 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
                 if config.schedule == "cosine" else None)
     out = Path(out) if out is not None else None
     # What a checkpoint must match to be resumed: the config, and the model and data it trains.
+    # The input geometry and normalisation too: weights trained at one size must not resume at
+    # another and be recorded as trained there.
     identity = {**dataclasses.asdict(config), "train_samples": len(train),
-                **{k: (metadata or {}).get(k) for k in ("model", "weights", "data")}}
+                **{k: (metadata or {}).get(k) for k in ("model", "weights", "data", "image_size", "channels",
+                                                        "normalize")}}
     meta = {**(metadata or {}), "config": dataclasses.asdict(config)}
     watch = _Epochs(model, val, config.batch_size, device, out, meta, on_progress)
 
