@@ -110,3 +110,18 @@ def test_hugging_face_trainer_callback(tmp_path):
     assert callback.step.steps == 3 and callback.step.ledger.total().count > 0
     razor = CompressActivations(et.BackRazor(0.9))
     assert not same_weights(copy.deepcopy(fit([])), fit([razor]))
+
+
+@pytest.mark.parametrize("module, frameworks, hint", [
+    ("huggingface", ["transformers"], "pip install transformers"),
+    ("lightning", ["pytorch_lightning", "lightning", "lightning.pytorch"], "pip install lightning"),
+])
+def test_an_integration_without_its_framework_says_how_to_install_it(monkeypatch, module, frameworks, hint):
+    import importlib
+    import sys
+
+    for name in frameworks:
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    monkeypatch.delitem(sys.modules, f"edgetorch.integrations.{module}", raising=False)
+    with pytest.raises(ImportError, match=hint):
+        importlib.import_module(f"edgetorch.integrations.{module}")

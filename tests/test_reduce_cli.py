@@ -185,3 +185,19 @@ def test_a_reduce_job_refuses_what_cannot_run(fields, match):
 
     with pytest.raises(ValueError, match=match):
         ReduceJob(model="zoo:mlp", alpha=0.5, **fields)
+
+
+def test_reduce_without_torch_pruning_prints_the_install_hint_whole(tmp_path, monkeypatch):
+    """A residual network needs Torch-Pruning; the hint names the extra in brackets, which rich
+    markup would swallow (issue 28: it printed pip install 'edgetorch')."""
+    import sys
+
+    import torchvision
+
+    monkeypatch.setitem(sys.modules, "torch_pruning", None)
+    save_weights(torchvision.models.resnet18(num_classes=10), tmp_path / "r18.safetensors")
+    result = CliRunner().invoke(app, ["reduce", "--model", "torchvision:resnet18", "--weights", str(tmp_path / "r18.safetensors"),
+                                      "--dataset", "digits", "--size", "32", "--calibration", "8", "--no-accuracy",
+                                      "--alpha", "0.5"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "pip install 'edgetorch[reduce]'" in text, text

@@ -756,3 +756,17 @@ def test_split_serve_defaults_are_the_servers():
             options["max_connections"], options["max_batch"]) == (
         config.header_timeout_s, config.read_timeout_s, config.keep_alive_s, config.write_timeout_s,
         config.max_connections, config.max_batch)
+
+
+def test_split_serve_ray_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from edgetorch.cli import app
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    result = CliRunner().invoke(app, ["split", "serve", str(tmp_path), "--ray"])
+    text = " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 2 and "pip install 'edgetorch[ray]'" in text, text

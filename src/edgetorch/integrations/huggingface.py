@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError as error:
+    raise ImportError(f"edgetorch.integrations.huggingface is a callback for Hugging Face Transformers' Trainer, "
+                      f"which is not installed ({error}): pip install transformers  (or: pip install 'edgetorch[hf]')"
+                      ) from error
 
 from ..activations import Policy
 from .step import StepCompression

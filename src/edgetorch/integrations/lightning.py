@@ -5,7 +5,12 @@ from __future__ import annotations
 try:
     from pytorch_lightning import Callback
 except ImportError:  # the unified `lightning` package ships the same class
-    from lightning.pytorch import Callback
+    try:
+        from lightning.pytorch import Callback
+    except ImportError as error:
+        raise ImportError(f"edgetorch.integrations.lightning is a callback for PyTorch Lightning's Trainer, which is "
+                          f"not installed ({error}): pip install lightning  (or: pip install pytorch-lightning)"
+                          ) from error
 
 from ..activations import Policy
 from .step import StepCompression

@@ -152,9 +152,8 @@ def run(artifact_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, rep
 
     What ``edgetorch split serve --ray --replicas N`` calls. Arguments as for :func:`start`.
     """
+    serve = _import_serve()  # first: without Ray it says how to install it
     import ray
-
-    serve = _import_serve()
 
     def stop(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
