@@ -99,3 +99,14 @@ def test_the_cli_prints_the_refusal_without_a_traceback(tmp_path):
 def test_a_deflated_file_is_refused_by_read_weights_too(tmp_path):
     with pytest.raises(CheckpointError, match="torch.save writes them uncompressed"):
         read_weights(_deflated(tmp_path / "w.pt"))
+
+
+def test_a_pickled_whole_model_is_refused_in_a_sentence_that_says_what_to_save(tmp_path):
+    """torch's refusal runs to 20 lines of advice to unpickle; the message names the class and the fix."""
+    path = tmp_path / "whole.pt"
+    torch.save(torch.nn.Sequential(torch.nn.Linear(2, 2)), path)
+    with pytest.raises(CheckpointError) as refused:
+        read_weights(path)
+    message = str(refused.value)
+    assert "a pickled torch.nn.modules.container.Sequential object" in message
+    assert "torch.save(model.state_dict(), path)" in message and "\n" not in message and "\x1b" not in message

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -198,4 +199,18 @@ def read_torch(path: str | Path, limit: int, *, error: type[InputFileError] = In
             return torch.load(f, map_location="cpu", weights_only=True)
         # torch.load raises many types here (UnpicklingError, RuntimeError, EOFError, ...).
         except Exception as exc:
-            raise error(f"{path}: not loadable with torch.load(weights_only=True) ({exc})") from None
+            raise error(_unloadable(path, exc)) from None
+
+
+def _unloadable(path: Path, exc: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused ``path``, in one or two lines: torch's own
+    message runs to 20 lines with advice to unpickle (which nothing here does), and may carry
+    terminal escapes."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+    if found:
+        return (f"{path}: a pickled {found.group(1)} object, not a state dict of tensors; edgetorch never unpickles "
+                "objects from files (that can run code). Save the weights instead: "
+                "torch.save(model.state_dict(), path), or safetensors.torch.save_file(model.state_dict(), path)")
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    first = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", first)[:300]
+    return f"{path}: not loadable with torch.load(weights_only=True) ({first})"
