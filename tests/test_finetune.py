@@ -407,9 +407,9 @@ def test_run_finetune_plans_trains_and_refuses_a_budget_nothing_fits():
     assert summary["plan"]["within_budget"] is run.within_budget is True and summary["weights_file"] is None
     assert json.loads(json.dumps(summary))["config"]["batch_size"] == run.plan.chosen.batch == 16
 
-    with pytest.raises(NothingFits, match="nothing fits 1 MiB") as refused:
+    with pytest.raises(NothingFits, match="nothing fits 1 MiB .* already holds") as refused:
         run_finetune(dataclasses.replace(job, memory_budget="1MiB"))
-    assert refused.value.plan.chosen is None and len(refused.value.plan.candidates) >= 2
+    assert refused.value.plan.chosen is None and refused.value.plan.candidates == []  # refused before measuring
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -447,3 +447,12 @@ def test_a_job_and_the_cli_refuse_a_cuda_device_this_machine_lacks(monkeypatch):
 def test_a_job_takes_one_policy_given_as_a_string_as_one_spec():
     job = FinetuneJob(model="zoo:mlp", data="digits", policy="bitmap")
     assert job.policy == ("bitmap",) and job.config.policy == "bitmap"
+
+
+def test_a_budget_below_what_the_process_holds_is_refused_before_measuring_anything():
+    """A unitless --memory-budget 1 is one byte: refused at once (it measured every candidate for
+    71 s, then said nothing fits 0 MiB), saying that budgets without a unit are bytes."""
+    job = FinetuneJob(model="zoo:mlp", data="digits", limit=64, epochs=1, batch=16, memory_budget=1)
+    with pytest.raises(NothingFits, match="nothing fits 1 bytes .* already holds .* unless it carries a unit") as refused:
+        run_finetune(job)
+    assert refused.value.plan.candidates == []

@@ -243,6 +243,9 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, None)  # warm-up: pools, first calls
         release_freed()
         held = held_bytes(device)
+        if held + state_bytes >= limit:  # nothing can fit: say so now, not after measuring every policy
+            return MemoryPlan(budget_bytes, [], None, _below_held(budget_bytes, held, state_bytes, margin),
+                              held + state_bytes, {}, peak_kind(device))
         # One step creates the optimizer's state, so the measured steps hold it as training does
         # (it is added below from the parameter count, exactly).
         _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, step)
@@ -361,6 +364,13 @@ def _risk(how: TrainingPolicy) -> tuple:
     if isinstance(policy, BackRazor):
         return (2, policy.sparsity, policy.exact is not None)
     return (1, getattr(policy, "threshold", 0.0), False)
+
+
+def _below_held(budget: int, held: int, state_bytes: int, margin: float) -> str:
+    shown = f"{budget / 2**20:,.0f} MiB" if budget >= 2**20 else f"{budget:,} bytes"
+    return (f"nothing fits {shown} with {margin:.0%} headroom: before training this process already holds "
+            f"{held / 2**20:,.0f} MiB (interpreter, torch, model, data), and the optimizer's state adds "
+            f"{state_bytes / 2**20:,.1f} MiB; a budget is in bytes unless it carries a unit (e.g. 600MiB, 1GiB)")
 
 
 def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, requested: int, margin: float) -> str:

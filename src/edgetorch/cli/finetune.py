@@ -164,6 +164,9 @@ class _Display:
 
 
 def _print_plan(plan: MemoryPlan) -> None:
+    if not plan.candidates:  # refused before any was measured
+        console.print(f"why: {plan.reason}")
+        return
     table = Table(title=f"candidates for a {mib(plan.budget_bytes)} MiB budget ({plan.memory_kind}), "
                         "in order of preference")
     for col in ("policy", "batch", "predicted peak MiB", "measured MiB (one step)", "fits", "step time vs dense",
