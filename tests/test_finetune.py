@@ -201,6 +201,8 @@ def test_cli_memory_budget_plans_then_stays_within(folder, imagenet_weights, tmp
     plan = summary["plan"]
     assert plan["within_budget"] and plan["chosen"]["policy"] == "dense"
     assert {c["policy"] for c in plan["candidates"]} >= {"bitmap+checkpoint", "backrazor:sparsity=0.97"}
+    for spec in {c["policy"] for c in plan["candidates"]}:  # each policy's row shows its spec whole
+        assert f" {spec} " in text, spec
 
     # Again, finished: it used to divide by the 0 bytes the no epochs it trained measured
     again, text = _run([*args, "--memory-budget", "16GiB"])

@@ -39,7 +39,8 @@ def _visible(text: str) -> str:
                    for c in text)
 
 
-console = _Terminal(width=130, markup=False, emoji=False)
+# A terminal's own width; piped or captured output (CI logs, files) at 130 columns, not rich's 80.
+console = _Terminal(width=None if sys.stdout.isatty() else 130, markup=False, emoji=False)
 
 
 def _print_version(value: bool) -> None:

@@ -169,9 +169,6 @@ def _print_plan(plan: MemoryPlan) -> None:
         return
     table = Table(title=f"candidates for a {mib(plan.budget_bytes)} MiB budget ({plan.memory_kind}), "
                         "in order of preference")
-    for col in ("policy", "batch", "predicted peak MiB", "measured MiB (one step)", "fits", "step time vs dense",
-                "saved act. MiB (ledger)"):
-        table.add_column(col, justify="right")
     # One row per policy: its largest batch that fits (or, if none does, its smallest), so the
     # table answers "what does each policy allow" without listing every halving; and every
     # candidate that was run at its own batch before choosing.
@@ -180,6 +177,13 @@ def _print_plan(plan: MemoryPlan) -> None:
         if c.policy not in rows or (not rows[c.policy].fits and (c.fits or c.batch < rows[c.policy].batch)):
             rows[c.policy] = c
     shown = {id(c) for c in rows.values()} | {id(c) for c in plan.candidates if c.measured_peak_bytes is not None}
+    # The policy spec whole (six Back Razor rows were cut to the same "backrazor:sparsity=..."):
+    # the narrower columns wrap their headers instead.
+    table.add_column("policy", justify="right", no_wrap=True,
+                     min_width=max(len(c.policy) for c in plan.candidates if id(c) in shown))
+    for col in ("batch", "predicted peak MiB", "measured MiB (one step)", "fits", "step time vs dense",
+                "saved act. MiB (ledger)"):
+        table.add_column(col, justify="right")
     for c in (c for c in plan.candidates if id(c) in shown):
         mark = Text("chosen", style="green") if c == plan.chosen else ("yes" if c.fits else "no")
         table.add_row(c.policy, str(c.batch), mib(c.predicted_peak_bytes), mib(c.measured_peak_bytes), mark,
