@@ -458,3 +458,29 @@ def test_a_budget_below_what_the_process_holds_is_refused_before_measuring_anyth
     with pytest.raises(NothingFits, match="nothing fits 1 bytes .* already holds .* unless it carries a unit") as refused:
         run_finetune(job)
     assert refused.value.plan.candidates == []
+
+
+def test_ctrl_c_says_how_to_resume(folder, tmp_path, monkeypatch):
+    import edgetorch.finetune as finetune_package
+
+    def interrupted(job, **hooks):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(finetune_package, "run_finetune", interrupted)
+    result, text = _run(["--model", "zoo:cnn", "--data", folder, "--out", tmp_path / "run"])
+    assert result.exit_code == 130 and "interrupted; every finished epoch is saved under" in text
+    assert "run the same command again to resume" in text and "Traceback" not in text
+
+
+def test_commands_print_warnings_as_one_line_without_source(capsys):
+    import warnings
+
+    from edgetorch.cli import _app
+
+    with warnings.catch_warnings():
+        assert CliRunner().invoke(app, ["split", "--help"]).exit_code == 0
+        assert warnings.showwarning is _app.show_warning
+        warnings.simplefilter("always")
+        warnings.warn("the C extension is not built", RuntimeWarning)
+    err = capsys.readouterr().err
+    assert err.strip() == "warning: the C extension is not built", err

@@ -51,12 +51,25 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+_warnings = _Terminal(stderr=True, width=None if sys.stderr.isatty() else 130, markup=False, emoji=False)
+
+
+def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: object = None, line: str | None = None) -> None:
+    """The commands' ``warnings.showwarning``: one line on stderr, ``warning: <message>``, without
+    Python's file name and source line (a user of the command has no use for them)."""
+    _warnings.print(f"warning: {message}", style="yellow")
+
+
 @app.callback()
 def main(
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
                                  help="print the version and exit"),
 ) -> None:
     """edgetorch command line."""
+    import warnings
+
+    warnings.showwarning = show_warning
 
 
 def output_file(path: Path | None) -> Path | None:

@@ -94,6 +94,11 @@ def finetune(
                                on_progress=display.update, status=console.status)
     except NothingFits:  # the table's "why" line said what to change
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        resume = (f"every finished epoch is saved under {out / 'checkpoint'}: run the same command again to resume "
+                  "from the last one" if out is not None else "nothing was saved (no --out)")
+        console.print(f"interrupted; {resume}", style="yellow")
+        raise typer.Exit(130) from None
     except (EdgetorchError, ValueError, TypeError, ImportError) as err:
         if not loaded:
             raise typer.BadParameter(str(err)) from None
