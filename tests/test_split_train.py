@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from typer.testing import CliRunner
 
+from edgetorch import InputFileError
 from edgetorch.cli import app
 from edgetorch.split.bottleneck import inject_autoencoder, inject_bottleneck
 from edgetorch.split.losses import ghnd_loss, kd_loss
@@ -565,3 +566,21 @@ def test_split_train_stops_at_a_truncated_image_or_leaves_it_out(teacher_file, p
     record = json.loads((tmp_path / "out" / "student.json").read_text())
     assert len(record["skipped_images"]) == 1 and "cut.jpg: not a readable image" in record["skipped_images"][0]
     assert record["evaluation"]["val_images"] == 9  # the 36 readable images, split as before
+
+
+def test_split_plan_reads_the_accuracies_split_train_wrote(trained, tmp_path) -> None:
+    """`split train --json` feeds `split plan --accuracy` (it said the file held neither accuracy)."""
+    from edgetorch.split import student
+    from edgetorch.split.plan import STUDENT_RECORD, load_accuracy
+
+    out, _ = trained
+    assert STUDENT_RECORD == student.RECORD_FORMAT
+    evaluation = json.loads((out.parent / "log.json").read_text())["evaluation"]
+    accuracy = load_accuracy(out.parent / "log.json")
+    assert accuracy.teacher == evaluation["teacher_accuracy"]
+    assert accuracy.jpeg == evaluation["offload"]["jpeg90"]["accuracy"]
+    assert accuracy.split == {2: evaluation["student"]["quantized_accuracy"]}  # C = 2
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"format": STUDENT_RECORD, "evaluation": {}}))
+    with pytest.raises(InputFileError, match="not an accuracy file"):
+        load_accuracy(broken)

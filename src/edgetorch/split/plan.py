@@ -297,7 +297,10 @@ class Accuracy:
 
 
 def load_accuracy(path: str | Path) -> Accuracy:
-    """Read accuracies from ``{"teacher": a, "jpeg": a (optional), "split": {"C": a, ...}}``.
+    """Read accuracies from ``{"teacher": a, "jpeg": a (optional), "split": {"C": a, ...}}``, or
+    from the record ``edgetorch split train --json`` writes (``student.json``: the teacher on the
+    validation images, on their JPEG q90 files where scored, and the student through its 8-bit
+    payload at its C).
 
     Args:
         path: the JSON file (e.g. written from the training benchmark's results).
@@ -310,18 +313,32 @@ def load_accuracy(path: str | Path) -> Accuracy:
     """
     raw = read_json(path)
     try:
+        if isinstance(raw, dict) and raw.get("format") == STUDENT_RECORD:
+            raw = _student_accuracy(raw)
         if not isinstance(raw, dict):  # other keys are allowed: a results file holds more than these
             raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
         check_json_fields(Accuracy, {k: v for k, v in raw.items() if k != "source"}, "accuracy file")
         split = {int(c): float(a) for c, a in raw.get("split", {}).items()}
         result = Accuracy(_fraction(raw.get("teacher")), _fraction(raw.get("jpeg")), split, str(path))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError, IndexError) as exc:
         raise InputFileError(f"{path}: not an accuracy file {{'teacher', 'jpeg', 'split': {{C: acc}}}} ({exc})") from None
     if result.teacher is None and not split:
         raise InputFileError(f"{path}: holds neither a 'teacher' nor a 'split' accuracy")
     if any(not 0 <= a <= 1 for a in split.values()) or any(c < 1 for c in split):
         raise InputFileError(f"{path}: accuracies are fractions in [0, 1], per channel count C >= 1")
     return result
+
+
+STUDENT_RECORD = "edgetorch-split-student"  # edgetorch.split.student.RECORD_FORMAT (that module loads weights)
+
+
+def _student_accuracy(record: dict) -> dict:
+    """A ``split train`` record's accuracies in the accuracy file's keys."""
+    evaluation = record["evaluation"]
+    student = evaluation["student"]
+    jpeg = (evaluation.get("offload") or {}).get("jpeg90")
+    return {"teacher": evaluation["teacher_accuracy"], "jpeg": None if jpeg is None else jpeg["accuracy"],
+            "split": {str(student["bottleneck_shape"][0]): student["quantized_accuracy"]}}
 
 
 def _fraction(value: object) -> float | None:
