@@ -44,12 +44,12 @@ def instances(draw):
         for after in (None,) if b == 0 else forms:  # a block's bytes and fidelity depend on its predecessor's form
             for form in forms:
                 # few whole-number costs: every sum is exact, and ties (broken by penalty) are common
-                seconds = draw(st.integers(0, 3)) * 1e-6 if timed else None
                 costs.append(FormCost(f"b{b}", form, draw(st.integers(0, 50)), reruns[form],
-                                      float(draw(st.integers(0, 4))), after, seconds))
+                                      float(draw(st.integers(0, 4))), after))
     outside = draw(st.integers(0, 20))
+    seconds = {(f"b{b}", form): draw(st.integers(0, 3)) * 1e-6 for b in range(blocks) for form in forms} if timed else None
     return BlockCosts(tuple(f"b{b}" for b in range(blocks)), forms, tuple(costs), edgetorch.Bitmap(), outside,
-                      0.01 if timed else None), draw(st.integers(1, 240))
+                      0.01 if timed else None, seconds), draw(st.integers(1, 240))
 
 
 @settings(max_examples=300, deadline=None)
@@ -66,11 +66,15 @@ def test_the_solver_finds_brute_forces_optimum(instance):
         least = min(_predicted(c, costs.outside_bytes) for c in plans)
         assert plan.predicted_bytes >= least and "no plan fits" in plan.reason
         return
-    best = min((sum(o.fidelity for o in c), sum(tie_break(o) for o in c)) for c in fitting)
+    def tie(o):
+        return tie_break(o.form, costs.seconds_of(o.block, o.form))
+
+    best = min((sum(o.fidelity for o in c), sum(tie(o) for o in c)) for c in fitting)
     assert plan.predicted_bytes == _predicted(chosen, costs.outside_bytes) <= budget
-    assert (plan.fidelity, sum(tie_break(c) for c in chosen)) == best
+    assert (plan.fidelity, sum(tie(c) for c in chosen)) == best
     if costs.dense_seconds is not None:
-        assert plan.predicted_seconds == pytest.approx(costs.dense_seconds + sum(c.seconds for c in chosen))
+        assert plan.predicted_seconds == pytest.approx(costs.dense_seconds + sum(costs.seconds[(c.block, c.form)]
+                                                                                 for c in chosen))
     else:
         assert plan.predicted_seconds is None
     assert [r.block for r in plan.rows] == list(costs.blocks)
@@ -232,12 +236,9 @@ def test_reruns_are_told_from_the_forward_by_when_not_by_name():
 
 def test_steps_are_timed_per_form_and_shared_among_blocks_by_their_dense_bytes(measured):
     _, _, costs = measured
-    assert costs.dense_seconds > 0
-    for form in costs.forms:
-        shares = {c.block: c.seconds for c in costs.costs if c.form == form}  # the same after any previous form
-        assert all(s >= 0 for s in shares.values()) and len(shares) == len(costs.blocks)
-        if form == edgetorch.Dense():
-            assert set(shares.values()) == {0.0}  # the baseline itself: no extra time, by construction
+    assert costs.dense_seconds > 0 and len(costs.seconds) == len(costs.blocks) * len(costs.forms)
+    assert all(s >= 0 for s in costs.seconds.values())
+    assert {costs.seconds_of(b, edgetorch.Dense()) for b in costs.blocks} == {0.0}  # the baseline: none, by construction
     plan = plan_blocks(costs, 10**12)
     assert plan.predicted_seconds >= costs.dense_seconds and "a step predicted at" in plan.reason
     assert all(r.seconds is not None for r in plan.rows)
@@ -250,7 +251,7 @@ def test_untimed_costs_break_ties_by_machinery():
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
     costs = measure_block_costs(model, (x, y), (edgetorch.Bitmap(), edgetorch.Dense()), blocks=("0", "2"),
                                 time_rounds=0)
-    assert costs.dense_seconds is None and {c.seconds for c in costs.costs} == {None}
+    assert costs.dense_seconds is None and costs.seconds is None and costs.seconds_of("0", edgetorch.Dense()) is None
     plan = plan_blocks(costs, 10**9)
     assert plan.predicted_seconds is None and [r.form for r in plan.rows] == ["dense", "dense"]
     with pytest.raises(ValueError, match="time_rounds must be an int >= 0"):
@@ -259,8 +260,8 @@ def test_untimed_costs_break_ties_by_machinery():
 
 def test_a_faster_form_wins_a_tie_in_fidelity_whatever_its_machinery():
     fast, slow = Recompute(), edgetorch.Bitmap()  # recomputation measured faster here: time decides, not penalty
-    costs = BlockCosts(("b",), (slow, fast), (FormCost("b", slow, 10, 0, 0.0, None, 2e-3),
-                                              FormCost("b", fast, 10, 5, 0.0, None, 1e-3)), edgetorch.Dense(), 0, 0.01)
+    costs = BlockCosts(("b",), (slow, fast), (FormCost("b", slow, 10, 0, 0.0), FormCost("b", fast, 10, 5, 0.0)),
+                       edgetorch.Dense(), 0, 0.01, {("b", slow): 2e-3, ("b", fast): 1e-3})
     plan = plan_blocks(costs, 100, granularity=1)
     assert plan.rows[0].form == fast.spec() and plan.predicted_seconds == pytest.approx(0.011)
     assert plan.rows[0].why == "least fidelity cost of its forms, the fastest of those"

@@ -33,7 +33,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,8 +57,8 @@ class BlockChoice:
         stored_bytes: what it stores in that form (a recomputed block: its input).
         rerun_bytes: what a recomputed block's rerun stores in backward (0 otherwise).
         fidelity: its fidelity cost (:class:`~edgetorch.activations.costs.FormCost`).
-        why: why this form, in words.
         seconds: its share of the form's extra step time over dense (None: not timed).
+        why: why this form, in words.
     """
 
     block: str
@@ -66,8 +66,8 @@ class BlockChoice:
     stored_bytes: int
     rerun_bytes: int
     fidelity: float
+    seconds: float | None
     why: str
-    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -166,12 +166,12 @@ def penalty(form: object) -> int:
     return 0 if isinstance(form, Dense) else 1
 
 
-def tie_break(cost: FormCost) -> int:
+def tie_break(form: object, seconds: float | None) -> int:
     """What decides between options of equal fidelity cost, as a non-negative int (smaller first):
-    the measured extra step time in microseconds where steps were timed, then :func:`penalty`
-    (which alone decides where they were not, or where the times are equal)."""
-    machinery = penalty(cost.form)
-    return machinery if cost.seconds is None else round(cost.seconds * 1e6) * 3 + machinery
+    the measured extra step time (``seconds``) in microseconds where steps were timed, then
+    :func:`penalty` (which alone decides where they were not, or where the times are equal)."""
+    machinery = penalty(form)
+    return machinery if seconds is None else round(seconds * 1e6) * 3 + machinery
 
 
 def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
@@ -199,6 +199,10 @@ def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     fixed = base_bytes + costs.outside_bytes
     room = budget_bytes - fixed
+
+    def tie(c: FormCost) -> int:
+        return tie_break(c.form, costs.seconds_of(c.block, c.form))
+
     step = granularity or max(1, math.ceil(room / STEPS))
     # groups[i][p]: block i's options after option p of block i - 1 (the first block: one row)
     groups = [[costs.options(block, after) for after in ((None,) if i == 0 else costs.forms)]
@@ -208,24 +212,24 @@ def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
         capacity = (room - cap) // step
         # a negative byte count (a block whose exact copies replace more than it adds) is
         # rounded up to 0: the prediction stays exact, the knapsack errs towards fitting
-        allowed = [[[(math.ceil(max(c.stored_bytes, 0) / step), c.fidelity, tie_break(c)) if c.rerun_bytes <= cap
+        allowed = [[[(math.ceil(max(c.stored_bytes, 0) / step), c.fidelity, tie(c)) if c.rerun_bytes <= cap
                      else (capacity + 1, 0.0, 0) for c in row] for row in g] for g in groups]
         picked = choose(allowed, capacity)
         if picked is not None:
             chosen = _along(groups, picked)
-            key = (sum(c.fidelity for c in chosen), sum(tie_break(c) for c in chosen), _predicted(chosen, fixed))
+            key = (sum(c.fidelity for c in chosen), sum(tie(c) for c in chosen), _predicted(chosen, fixed))
             if found is None or key < found[0]:
                 found = (key, chosen, picked)
     fits = found is not None
     picked = found[2] if fits else _smallest(groups)
     chosen = _along(groups, picked)
     predicted = _predicted(chosen, fixed)
+    timed = costs.dense_seconds is not None and costs.seconds is not None
     rows = tuple(BlockChoice(c.block, c.form.spec(), c.stored_bytes, c.rerun_bytes, c.fidelity,
-                             _why(c, g[picked[i - 1] if i else 0], fits), c.seconds)
+                             costs.seconds_of(c.block, c.form), _why(c, g[picked[i - 1] if i else 0], fits, tie, timed))
                  for i, (c, g) in enumerate(zip(chosen, groups)))
     fidelity = sum(c.fidelity for c in chosen)
-    timed = costs.dense_seconds is not None and all(c.seconds is not None for c in chosen)
-    seconds = costs.dense_seconds + sum(c.seconds for c in chosen) if timed else None
+    seconds = costs.dense_seconds + sum(costs.seconds_of(c.block, c.form) for c in chosen) if timed else None
     mib = 2**20
     if fits:
         step_time = (f"; a step predicted at {seconds * 1e3:,.1f} ms against dense's {costs.dense_seconds * 1e3:,.1f}"
@@ -258,12 +262,13 @@ def _predicted(chosen: Sequence[FormCost], fixed: int) -> int:
     return fixed + sum(c.stored_bytes for c in chosen) + max((c.rerun_bytes for c in chosen), default=0)
 
 
-def _why(chosen: FormCost, options: Sequence[FormCost], fits: bool) -> str:
+def _why(chosen: FormCost, options: Sequence[FormCost], fits: bool, tie: Callable[[FormCost], int],
+         timed: bool) -> str:
     if not fits:
         return "its smallest form (nothing fits)"
-    best = min(options, key=lambda c: (c.fidelity, tie_break(c), c.stored_bytes))
+    best = min(options, key=lambda c: (c.fidelity, tie(c), c.stored_bytes))
     if chosen is best:
-        return ("least fidelity cost of its forms, the fastest of those" if chosen.seconds is not None
+        return ("least fidelity cost of its forms, the fastest of those" if timed
                 else "least fidelity cost of its forms, with the least machinery")
     saved = (best.stored_bytes - chosen.stored_bytes) / 1024
     if chosen.fidelity == best.fidelity:

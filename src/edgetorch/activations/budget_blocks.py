@@ -48,14 +48,12 @@ def scaled(costs: BlockCosts, factor: float) -> BlockCosts:
     """``costs`` at another batch, ``factor`` times the one measured: every byte count times
     ``factor`` (bytes are per sample), and every time too (an estimate: small batches take more
     than their share of a step's time)."""
-    def times(t: float | None) -> float | None:
-        return None if t is None else t * factor
-
     return dataclasses.replace(
-        costs, outside_bytes=round(costs.outside_bytes * factor), dense_seconds=times(costs.dense_seconds),
+        costs, outside_bytes=round(costs.outside_bytes * factor),
+        dense_seconds=None if costs.dense_seconds is None else costs.dense_seconds * factor,
+        seconds=None if costs.seconds is None else {key: t * factor for key, t in costs.seconds.items()},
         costs=tuple(dataclasses.replace(c, stored_bytes=round(c.stored_bytes * factor),
-                                        rerun_bytes=round(c.rerun_bytes * factor), seconds=times(c.seconds))
-                    for c in costs.costs))
+                                        rerun_bytes=round(c.rerun_bytes * factor)) for c in costs.costs))
 
 
 def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int], budget_bytes: int, margin: float,

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,10 +106,6 @@ class FormCost:
             (0 for a form whose gradients are bit-identical to plain PyTorch's).
         after: the previous block's form; None for the first block, or for a cost that holds
             whatever the previous block's form is.
-        seconds: the block's share of the form's extra step time over ``Dense()`` (see the
-            module docstring); None where steps were not timed (``time_rounds=0``), and then the
-            solver breaks ties between equally faithful forms by their machinery
-            (:func:`~edgetorch.activations.blockplan.penalty`).
     """
 
     block: str
@@ -118,7 +114,6 @@ class FormCost:
     rerun_bytes: int
     fidelity: float
     after: Form | None = None
-    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +128,10 @@ class BlockCosts:
         default: the policy of the tensors saved outside every block.
         outside_bytes: what those tensors hold (under ``default``).
         dense_seconds: a training step's time with every block ``Dense()`` (None: not timed).
+        seconds: ``(block, form)`` -> the block's share of the form's extra step time over
+            ``Dense()``, whatever the previous block's form (see the module docstring); None where
+            steps were not timed (``time_rounds=0``), and then the solver breaks ties between
+            equally faithful forms by their machinery (:func:`~edgetorch.activations.blockplan.penalty`).
     """
 
     blocks: tuple[str, ...]
@@ -141,6 +140,7 @@ class BlockCosts:
     default: Policy
     outside_bytes: int
     dense_seconds: float | None = None
+    seconds: Mapping[tuple[str, Form], float] | None = None
 
     def options(self, block: str, after: Form | None = None) -> list[FormCost]:
         """The costs of ``block``'s forms after the previous block in ``after``, in the order of
@@ -159,6 +159,10 @@ class BlockCosts:
             raise KeyError(f"no cost measured for block {block!r} in {form!r} after {after!r}; measured blocks: "
                            f"{list(self.blocks)}, forms: {[f.spec() for f in self.forms]}")
         return found
+
+    def seconds_of(self, block: str, form: Form) -> float | None:
+        """``block``'s extra step time in ``form`` (see :attr:`seconds`); None where not timed."""
+        return None if self.seconds is None else self.seconds[(block, form)]
 
     def _index(self) -> dict[tuple, FormCost]:
         # Built on first use: the solver looks up every (block, previous form, form).
@@ -224,20 +228,21 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
             if i in step.rerun:
                 rerun[(i, form)] = step.rerun[i]
     fidelity = _fidelities(model, (x, y), blocks, forms, loss_fn, negligible)
-    seconds, dense_seconds = {}, None
+    seconds, dense_seconds = None, None
     if time_rounds:
         extra, dense_seconds = _extra_seconds(model, x, y, blocks, forms, default, loss_fn, time_rounds)
         dense = _measure_step(model, x, y, blocks, (Dense(),) * len(blocks), default, loss_fn).stored
         weights = [max(b, 0) for b in dense]
-        seconds = {(i, form): extra[form] * w / (sum(weights) or 1) for form in forms for i, w in enumerate(weights)}
+        seconds = {(block, form): extra[form] * w / (sum(weights) or 1) for form in forms
+                   for block, w in zip(blocks, weights)}
     costs = []
     for i, block in enumerate(blocks):
         for after in (None,) if i == 0 else forms:
             # a previous block that holds its output exactly lends it to this block's first ops
             lends = i == 0 or (not isinstance(after, Recompute) and lossless(after))
             costs.extend(FormCost(block, form, stored[(i, after, form)], rerun.get((i, form), 0),
-                                  fidelity[(i, form, lends)], after, seconds.get((i, form))) for form in forms)
-    return BlockCosts(blocks, forms, tuple(costs), default, outside, dense_seconds)
+                                  fidelity[(i, form, lends)], after) for form in forms)
+    return BlockCosts(blocks, forms, tuple(costs), default, outside, dense_seconds, seconds)
 
 
 def _extra_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, blocks: tuple[str, ...],
