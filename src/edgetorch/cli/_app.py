@@ -51,14 +51,13 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-_warnings = _Terminal(stderr=True, width=None if sys.stderr.isatty() else 130, markup=False, emoji=False)
-
-
-def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                 file: object = None, line: str | None = None) -> None:
-    """The commands' ``warnings.showwarning``: one line on stderr, ``warning: <message>``, without
-    Python's file name and source line (a user of the command has no use for them)."""
-    _warnings.print(f"warning: {message}", style="yellow")
+def format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                   line: str | None = None) -> str:
+    """The commands' ``warnings.formatwarning``: ``warning: <message>`` on one line, without
+    Python's file name and source line (a user of the command has no use for them). Formatting,
+    not showing, is replaced: ``warnings.catch_warnings(record=True)`` (``pytest.warns``) still
+    records what a command warns."""
+    return f"warning: {message}\n"
 
 
 @app.callback()
@@ -69,7 +68,7 @@ def main(
     """edgetorch command line."""
     import warnings
 
-    warnings.showwarning = show_warning
+    warnings.formatwarning = format_warning
 
 
 def output_file(path: Path | None) -> Path | None:
