@@ -496,6 +496,13 @@ static int parse_ints(const char *fname, PyObject *const *args, Py_ssize_t nargs
 
 #define PTR(v) ((void *)(uintptr_t)(v))
 
+/* The start of every entry point below: its `count` integer arguments (the Python wrappers pass
+ * addresses, sizes and flags as ints) parsed into a[], or NULL returned with the error set. */
+#define INT_ARGS(count)                                                                            \
+    long long a[count];                                                                            \
+    (void)self;                                                                                    \
+    if (parse_ints(__func__, args, nargs, count, a) < 0) return NULL
+
 static int check_width(long long width) {
     if (width_index(width) < 0) {
         PyErr_Format(PyExc_ValueError, "element width must be 2, 4 or 8 bytes, got %lld", width);
@@ -559,16 +566,9 @@ static int check_counts(int64_t nbytes, long long counts) {
     return 0;
 }
 
-PyDoc_STRVAR(pack_build_doc,
-             "pack_build(x, n, width, limit, bitmap, counts, threads) -> kept\n\n"
-             "Bitmap of n elements of `width` bytes at address x (keep iff (bits & absmask) > limit)\n"
-             "into `bitmap` ((n + 7) // 8 bytes); each chunk's kept count into int64 `counts`\n"
-             "(needed when n > CHUNK_ELEMS, else 0). Returns the number kept.");
-
 static PyObject *pack_build(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[7];
-    if (parse_ints("pack_build", args, nargs, 7, a) < 0 || check_width(a[2]) < 0) return NULL;
+    INT_ARGS(7);
+    if (check_width(a[2]) < 0) return NULL;
     int64_t n = a[1], nbytes = (n + 7) / 8, one = 0, st[3] = {0, a[3], a[3]};
     if (check_counts(nbytes, a[5]) < 0) return NULL;
     build_ctx ctx = {&ops->w[width_index(a[2])], (const char *)PTR(a[0]), n, 1, n, st, 1,
@@ -601,15 +601,9 @@ static void select_task(void *p, int64_t r) {
         __atomic_store_n(&ctx->failed, 1, __ATOMIC_RELAXED);
 }
 
-PyDoc_STRVAR(topk_build_doc,
-             "topk_build(x, rows, rowlen, width, keep, bitmap, counts, threads) -> kept\n\n"
-             "Like pack_build for rows x rowlen elements, keeping per row the `keep` largest non-zero\n"
-             "magnitudes (NaN largest, ties by position, zeros never).");
-
 static PyObject *topk_build(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[8];
-    if (parse_ints("topk_build", args, nargs, 8, a) < 0 || check_width(a[3]) < 0) return NULL;
+    INT_ARGS(8);
+    if (check_width(a[3]) < 0) return NULL;
     int64_t rows = a[1], rowlen = a[2], keep = a[4], n = rows * rowlen, nbytes = (n + 7) / 8, one = 0;
     if (rows < 0 || rowlen < 0 || keep < 0) {
         PyErr_SetString(PyExc_ValueError, "rows, rowlen and keep must be >= 0");
@@ -662,15 +656,9 @@ static void compact_task(void *p, int64_t c) {
     if (count) ctx->w->compact(ctx->x, ctx->bm, b0, b1, ctx->n, ctx->out + o * ctx->wsize, count);
 }
 
-PyDoc_STRVAR(pack_compact_doc,
-             "pack_compact(x, n, width, bitmap, counts, out, nvals, threads)\n\n"
-             "The elements of x whose bit is set, in order, into `out` (nvals elements). `counts` is\n"
-             "what pack_build or topk_build wrote (it is overwritten), or 0 for one chunk.");
-
 static PyObject *pack_compact(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[8];
-    if (parse_ints("pack_compact", args, nargs, 8, a) < 0 || check_width(a[2]) < 0) return NULL;
+    INT_ARGS(8);
+    if (check_width(a[2]) < 0) return NULL;
     int64_t n = a[1], nbytes = (n + 7) / 8, nvals = a[6], nchunks = n_chunks_of(nbytes);
     if (check_counts(nbytes, a[4]) < 0) return NULL;
     if (nvals == 0) Py_RETURN_NONE;
@@ -725,15 +713,9 @@ static void scatter_task(void *p, int64_t c) {
     ctx->w->scatter(ctx->bm, b0, b1, ctx->n, ctx->vals, ctx->offsets[c], ctx->nvals, ctx->out);
 }
 
-PyDoc_STRVAR(unpack_doc,
-             "unpack(bitmap, bitmap_len, vals, nvals, width, out, n, threads)\n\n"
-             "n elements into `out`: the values in order where a bit is set, 0 elsewhere. Raises\n"
-             "ValueError unless the bitmap has (n + 7) // 8 bytes and n bits set per value.");
-
 static PyObject *unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[8];
-    if (parse_ints("unpack", args, nargs, 8, a) < 0 || check_width(a[4]) < 0) return NULL;
+    INT_ARGS(8);
+    if (check_width(a[4]) < 0) return NULL;
     int64_t n = a[6], nbytes = (n + 7) / 8, nvals = a[3], nchunks = n_chunks_of(nbytes);
     if (n < 0 || a[1] != nbytes)
         return PyErr_Format(PyExc_ValueError, "a bitmap of %lld elements has %lld bytes, got %lld",
@@ -840,31 +822,17 @@ static void run_range(range_ctx *ctx, long long threads) {
     dispatch_tasks(ctx->n, n_chunks_of(ctx->nbytes), threads, range_task, ctx);
 }
 
-PyDoc_STRVAR(mask_pack_doc,
-             "mask_pack(x, n, width, lo_key, hi_key, bitmap, threads)\n\n"
-             "Bit i set iff lo_key < key(x[i]) < hi_key, key = +|v| or -|v| of the float bits as a\n"
-             "signed integer of the same width (NaN is never inside).");
-
 static PyObject *mask_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[7];
-    if (parse_ints("mask_pack", args, nargs, 7, a) < 0 || check_width(a[2]) < 0) return NULL;
+    INT_ARGS(7);
+    if (check_width(a[2]) < 0) return NULL;
     range_ctx ctx = {K_MASK_PACK, &ops->w[width_index(a[2])], (const char *)PTR(a[0]), (char *)PTR(a[5]),
                      a[1], (a[1] + 7) / 8, a[2], a[3], a[4], 0, NULL};
     run_range(&ctx, a[6]);
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(mask_unpack_doc,
-             "mask_unpack(bitmap, bitmap_len, n, width, inside_bits, outside_bits, out, threads)\n\n"
-             "n elements of `width` bytes (1: bool) into `out`: inside_bits where the bit is set,\n"
-             "outside_bits elsewhere (width 1 writes 1 and 0). Raises ValueError if the bitmap has\n"
-             "fewer than (n + 7) // 8 bytes.");
-
 static PyObject *mask_unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[8];
-    if (parse_ints("mask_unpack", args, nargs, 8, a) < 0) return NULL;
+    INT_ARGS(8);
     if (a[3] != 1 && check_width(a[3]) < 0) return NULL;
     if (a[2] < 0 || a[1] < (a[2] + 7) / 8)
         return PyErr_Format(PyExc_ValueError, "%lld elements need a bitmap of %lld bytes, got %lld", a[2],
@@ -876,25 +844,17 @@ static PyObject *mask_unpack(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(bits_pack_doc, "bits_pack(src, n, bitmap, threads)\n\nn bool bytes as bits.");
-
 static PyObject *bits_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[4];
-    if (parse_ints("bits_pack", args, nargs, 4, a) < 0) return NULL;
+    INT_ARGS(4);
     range_ctx ctx = {K_BITS_PACK, NULL, (const char *)PTR(a[0]), (char *)PTR(a[2]), a[1], (a[1] + 7) / 8, 1,
                      0, 0, 0, NULL};
     run_range(&ctx, a[3]);
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(minmax_doc,
-             "minmax(x, n, width, threads) -> (min, max)\n\nOf n > 0 signed integers of `width` bytes, in one pass.");
-
 static PyObject *minmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[4];
-    if (parse_ints("minmax", args, nargs, 4, a) < 0 || check_width(a[2]) < 0) return NULL;
+    INT_ARGS(4);
+    if (check_width(a[2]) < 0) return NULL;
     if (a[1] <= 0) {
         PyErr_SetString(PyExc_ValueError, "minmax of no elements");
         return NULL;
@@ -914,15 +874,8 @@ static PyObject *minmax(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(LL)", (long long)lo, (long long)hi);
 }
 
-PyDoc_STRVAR(convert_doc,
-             "convert(x, n, width, out, out_width, threads)\n\n"
-             "n signed integers of `width` bytes (1, 2, 4, 8) into `out` as `out_width` bytes each;\n"
-             "narrowing assumes every value fits (minmax first).");
-
 static PyObject *convert(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[6];
-    if (parse_ints("convert", args, nargs, 6, a) < 0) return NULL;
+    INT_ARGS(6);
     if ((a[2] != 1 && check_width(a[2]) < 0) || (a[4] != 1 && check_width(a[4]) < 0)) return NULL;
     range_ctx ctx = {K_CONVERT, a[2] == 1 ? NULL : &ops->w[width_index(a[2])], (const char *)PTR(a[0]),
                      (char *)PTR(a[3]), a[1],
@@ -959,6 +912,7 @@ static void dequantize_task(void *p, int64_t t) {
 
 /* Checks the layout arguments and fills the shape fields of ctx->q; -1 with an exception set. */
 static int quant_layout(quant_ctx *ctx, long long rows, long long n, long long bits, long long group, long long width) {
+    memset(ctx, 0, sizeof(*ctx));
     if (check_width(width) < 0) return -1;
     if (rows < 0 || n < 0 || !(bits == 8 || bits == 4 || bits == 2) || group < 8 || group % 8) {
         PyErr_Format(PyExc_ValueError,
@@ -984,19 +938,9 @@ static void run_quant(quant_ctx *ctx, task_fn fn, long long threads) {
     dispatch_tasks(ctx->elems, (ctx->total + ctx->per_task - 1) / ctx->per_task, threads, fn, ctx);
 }
 
-PyDoc_STRVAR(quantize_doc,
-             "quantize(x, rows, n, width, bf16, bits, group, seed, codes, lo, scale, threads)\n\n"
-             "The quantized codec's bytes of the row-major [rows, n] float tensor at x (width 2: float16,\n"
-             "or bfloat16 if bf16; 4: float32; 8: float64, read as float32): codes (uint8, ceil(n * bits\n"
-             "/ 8) bytes a row), lo and scale (float32, ceil(n / group) a row). seed -1 rounds to\n"
-             "nearest, 0 <= seed < 2**32 stochastically.");
-
 static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[12];
-    if (parse_ints("quantize", args, nargs, 12, a) < 0) return NULL;
+    INT_ARGS(12);
     quant_ctx ctx;
-    memset(&ctx, 0, sizeof(ctx));
     if (quant_layout(&ctx, a[1], a[2], a[5], a[6], a[3]) < 0) return NULL;
     if (a[7] < -1 || a[7] > 0xFFFFFFFFLL)
         return PyErr_Format(PyExc_ValueError, "seed must be -1 (nearest) or in [0, 2**32); got %lld", a[7]);
@@ -1013,20 +957,9 @@ static PyObject *quantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(dequantize_doc,
-             "dequantize(codes, codes_len, lo, lo_len, scale, scale_len, rows, n, bits, group, out, width,\n"
-             "           bf16, nan16, threads)\n\n"
-             "out = lo + code * scale in float32, as [rows, n] elements of `width` bytes (2: float16, or\n"
-             "bfloat16 if bf16, rounded to nearest even, NaN written as nan16; 4: float32; 8: float64).\n"
-             "Raises ValueError unless codes has rows * ceil(n * bits / 8) bytes and lo and scale have\n"
-             "rows * ceil(n / group) elements.");
-
 static PyObject *dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    long long a[15];
-    if (parse_ints("dequantize", args, nargs, 15, a) < 0) return NULL;
+    INT_ARGS(15);
     quant_ctx ctx;
-    memset(&ctx, 0, sizeof(ctx));
     if (quant_layout(&ctx, a[6], a[7], a[8], a[9], a[11]) < 0) return NULL;
     if (a[1] != a[6] * ctx.q.row_bytes || a[3] != ctx.total || a[5] != ctx.total)
         return PyErr_Format(PyExc_ValueError,
@@ -1140,6 +1073,64 @@ static PyObject *build_info(PyObject *self, PyObject *unused) {
     return Py_BuildValue("{s:i,s:s,s:s,s:s,s:i}", "abi", NATIVE_ABI, "compiler", compiler, "isa", ops->name,
                          "built", __DATE__ " " __TIME__, "chunk_elements", CHUNK_ELEMS);
 }
+
+/* The entry points' docstrings, beside the table that names them. */
+PyDoc_STRVAR(pack_build_doc,
+             "pack_build(x, n, width, limit, bitmap, counts, threads) -> kept\n\n"
+             "Bitmap of n elements of `width` bytes at address x (keep iff (bits & absmask) > limit)\n"
+             "into `bitmap` ((n + 7) // 8 bytes); each chunk's kept count into int64 `counts`\n"
+             "(needed when n > CHUNK_ELEMS, else 0). Returns the number kept.");
+
+PyDoc_STRVAR(topk_build_doc,
+             "topk_build(x, rows, rowlen, width, keep, bitmap, counts, threads) -> kept\n\n"
+             "Like pack_build for rows x rowlen elements, keeping per row the `keep` largest non-zero\n"
+             "magnitudes (NaN largest, ties by position, zeros never).");
+
+PyDoc_STRVAR(pack_compact_doc,
+             "pack_compact(x, n, width, bitmap, counts, out, nvals, threads)\n\n"
+             "The elements of x whose bit is set, in order, into `out` (nvals elements). `counts` is\n"
+             "what pack_build or topk_build wrote (it is overwritten), or 0 for one chunk.");
+
+PyDoc_STRVAR(unpack_doc,
+             "unpack(bitmap, bitmap_len, vals, nvals, width, out, n, threads)\n\n"
+             "n elements into `out`: the values in order where a bit is set, 0 elsewhere. Raises\n"
+             "ValueError unless the bitmap has (n + 7) // 8 bytes and n bits set per value.");
+
+PyDoc_STRVAR(mask_pack_doc,
+             "mask_pack(x, n, width, lo_key, hi_key, bitmap, threads)\n\n"
+             "Bit i set iff lo_key < key(x[i]) < hi_key, key = +|v| or -|v| of the float bits as a\n"
+             "signed integer of the same width (NaN is never inside).");
+
+PyDoc_STRVAR(mask_unpack_doc,
+             "mask_unpack(bitmap, bitmap_len, n, width, inside_bits, outside_bits, out, threads)\n\n"
+             "n elements of `width` bytes (1: bool) into `out`: inside_bits where the bit is set,\n"
+             "outside_bits elsewhere (width 1 writes 1 and 0). Raises ValueError if the bitmap has\n"
+             "fewer than (n + 7) // 8 bytes.");
+
+PyDoc_STRVAR(bits_pack_doc, "bits_pack(src, n, bitmap, threads)\n\nn bool bytes as bits.");
+
+PyDoc_STRVAR(minmax_doc,
+             "minmax(x, n, width, threads) -> (min, max)\n\nOf n > 0 signed integers of `width` bytes, in one pass.");
+
+PyDoc_STRVAR(convert_doc,
+             "convert(x, n, width, out, out_width, threads)\n\n"
+             "n signed integers of `width` bytes (1, 2, 4, 8) into `out` as `out_width` bytes each;\n"
+             "narrowing assumes every value fits (minmax first).");
+
+PyDoc_STRVAR(quantize_doc,
+             "quantize(x, rows, n, width, bf16, bits, group, seed, codes, lo, scale, threads)\n\n"
+             "The quantized codec's bytes of the row-major [rows, n] float tensor at x (width 2: float16,\n"
+             "or bfloat16 if bf16; 4: float32; 8: float64, read as float32): codes (uint8, ceil(n * bits\n"
+             "/ 8) bytes a row), lo and scale (float32, ceil(n / group) a row). seed -1 rounds to\n"
+             "nearest, 0 <= seed < 2**32 stochastically.");
+
+PyDoc_STRVAR(dequantize_doc,
+             "dequantize(codes, codes_len, lo, lo_len, scale, scale_len, rows, n, bits, group, out, width,\n"
+             "           bf16, nan16, threads)\n\n"
+             "out = lo + code * scale in float32, as [rows, n] elements of `width` bytes (2: float16, or\n"
+             "bfloat16 if bf16, rounded to nearest even, NaN written as nan16; 4: float32; 8: float64).\n"
+             "Raises ValueError unless codes has rows * ceil(n * bits / 8) bytes and lo and scale have\n"
+             "rows * ceil(n / group) elements.");
 
 static PyMethodDef methods[] = {
     {"pack_build", (PyCFunction)(void (*)(void))pack_build, METH_FASTCALL, pack_build_doc},
