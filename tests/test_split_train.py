@@ -570,17 +570,16 @@ def test_split_train_stops_at_a_truncated_image_or_leaves_it_out(teacher_file, p
 
 def test_split_plan_reads_the_accuracies_split_train_wrote(trained, tmp_path) -> None:
     """`split train --json` feeds `split plan --accuracy` (it said the file held neither accuracy)."""
-    from edgetorch.split import student
-    from edgetorch.split.plan import STUDENT_RECORD, load_accuracy
+    from edgetorch.split.plan import load_accuracy
+    from edgetorch.split.student import RECORD_FORMAT
 
     out, _ = trained
-    assert STUDENT_RECORD == student.RECORD_FORMAT
     evaluation = json.loads((out.parent / "log.json").read_text())["evaluation"]
     accuracy = load_accuracy(out.parent / "log.json")
     assert accuracy.teacher == evaluation["teacher_accuracy"]
     assert accuracy.jpeg == evaluation["offload"]["jpeg90"]["accuracy"]
     assert accuracy.split == {2: evaluation["student"]["quantized_accuracy"]}  # C = 2
     broken = tmp_path / "broken.json"
-    broken.write_text(json.dumps({"format": STUDENT_RECORD, "evaluation": {}}))
+    broken.write_text(json.dumps({"format": RECORD_FORMAT, "evaluation": {}}))
     with pytest.raises(InputFileError, match="not an accuracy file"):
         load_accuracy(broken)

@@ -48,6 +48,7 @@ from .power import (
     MeasuredTimes,
     ServerProfile,
 )
+from .student import RECORD_FORMAT
 
 # The random weights and inputs the planner times (a dense CNN's time does not depend on them).
 TIMING_SEED = 0
@@ -313,7 +314,7 @@ def load_accuracy(path: str | Path) -> Accuracy:
     """
     raw = read_json(path)
     try:
-        if isinstance(raw, dict) and raw.get("format") == STUDENT_RECORD:
+        if isinstance(raw, dict) and raw.get("format") == RECORD_FORMAT:
             raw = _student_accuracy(raw)
         if not isinstance(raw, dict):  # other keys are allowed: a results file holds more than these
             raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
@@ -327,9 +328,6 @@ def load_accuracy(path: str | Path) -> Accuracy:
     if any(not 0 <= a <= 1 for a in split.values()) or any(c < 1 for c in split):
         raise InputFileError(f"{path}: accuracies are fractions in [0, 1], per channel count C >= 1")
     return result
-
-
-STUDENT_RECORD = "edgetorch-split-student"  # edgetorch.split.student.RECORD_FORMAT (that module loads weights)
 
 
 def _student_accuracy(record: dict) -> dict:
