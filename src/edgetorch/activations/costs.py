@@ -231,7 +231,9 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     seconds, dense_seconds = None, None
     if time_rounds:
         extra, dense_seconds = _extra_seconds(model, x, y, blocks, forms, default, loss_fn, time_rounds)
-        dense = _measure_step(model, x, y, blocks, (Dense(),) * len(blocks), default, loss_fn).stored
+        # each block's bytes under Dense(): the all-dense ledger step already ran when Dense() is offered
+        dense = ([stored[(i, Dense() if i else None, Dense())] for i in range(len(blocks))] if Dense() in forms
+                 else _measure_step(model, x, y, blocks, (Dense(),) * len(blocks), default, loss_fn).stored)
         weights = [max(b, 0) for b in dense]
         seconds = {(block, form): extra[form] * w / (sum(weights) or 1) for form in forms
                    for block, w in zip(blocks, weights)}
