@@ -209,19 +209,6 @@ def test_a_plans_spec_parses_back_to_the_plan(blocks, default):
     assert parse_training_policy(plan.spec()) == TrainingPolicy(plan)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("per-block", "written per-block\\(BLOCK=POLICY"),
-    ("per-block(layer1.0 bitmap)", "bad item 'layer1.0 bitmap'"),
-    ("per-block(layer1.0=)", "bad item 'layer1.0='"),
-    ("per-block(layer1.0=zip)", "unknown policy 'zip'"),
-    ("per-block(layer1.0=bitmap; default=recompute(bitmap))", "Recompute\\(policy\\) for a block"),
-    ("per-block(layer1.0=per-block(layer1.1=dense))", "not a PerBlock"),
-])
-def test_a_malformed_plan_spec_says_how_to_write_one(text, message):
-    with pytest.raises(ValueError, match=message):
-        edgetorch.parse_policy(text)
-
-
 def test_a_plan_does_not_combine_with_stage_checkpointing():
     plan = PerBlock((("layer2.0", Recompute()),))
     with pytest.raises(ValueError, match="give the blocks to recompute Recompute"):

@@ -226,6 +226,13 @@ def test_spec_words():
     ("backrazor:values=fp8", "values must be None or one of"),
     ("backrazor:values=int8,value_dtype=float16", "not both"),
     ("quantised", "accepted: dense, bitmap, quantized, backrazor"),
+    # per-block plans (edgetorch.activations.blocks.PerBlock.spec)
+    ("per-block", "written per-block\\(BLOCK=POLICY"),
+    ("per-block(layer1.0 bitmap)", "bad item 'layer1.0 bitmap'"),
+    ("per-block(layer1.0=)", "bad item 'layer1.0='"),
+    ("per-block(layer1.0=zip)", "unknown policy 'zip'"),
+    ("per-block(layer1.0=bitmap; default=recompute(bitmap))", "Recompute\\(policy\\) for a block"),
+    ("per-block(layer1.0=per-block(layer1.1=dense))", "not a PerBlock"),
 ])
 def test_bad_specs_say_what_is_accepted(spec, message):
     with pytest.raises(ValueError, match=message):
