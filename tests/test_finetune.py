@@ -483,5 +483,7 @@ def test_commands_print_warnings_as_one_line_without_source(monkeypatch):
     shown = warnings.formatwarning(RuntimeWarning("the C extension is not built"), RuntimeWarning,
                                    "/site-packages/edgetorch/codecs/_cpu_kernels.py", 62, "    warnings.warn(...)")
     assert shown == "warning: the C extension is not built\n"
+    assert warnings.formatwarning(UserWarning("left out a\x1b[31mb.png"), UserWarning, "x.py", 1) == \
+        "warning: left out a\\x1b[31mb.png\n"  # a file name's escape sequence is shown, not sent
     with pytest.warns(RuntimeWarning, match="still recorded"):  # what tests (and callers) catch is unchanged
         warnings.warn("still recorded", RuntimeWarning)

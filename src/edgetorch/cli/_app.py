@@ -56,8 +56,9 @@ def format_warning(message: Warning | str, category: type[Warning], filename: st
     """The commands' ``warnings.formatwarning``: ``warning: <message>`` on one line, without
     Python's file name and source line (a user of the command has no use for them). Formatting,
     not showing, is replaced: ``warnings.catch_warnings(record=True)`` (``pytest.warns``) still
-    records what a command warns."""
-    return f"warning: {message}\n"
+    records what a command warns. Control characters are shown escaped, as the console shows them:
+    a warning may quote a file name."""
+    return f"warning: {_visible(str(message))}\n"
 
 
 @app.callback()
