@@ -24,8 +24,10 @@ data:
 	  echo "warning: could not install dataset-fashion-mnist; Fashion-MNIST runs need --data-root"; \
 	fi
 
+# One worker per core (at most 4), each test file in one worker so its module fixtures are built once:
+# the tests are mostly single-threaded Python (the serial suite used ~1.0 of 2 cores).
 test: $(BIN)/.installed data
-	$(BIN)/python -m pytest -m "not cluster"
+	$(BIN)/python -m pytest -m "not cluster" -n auto --maxprocesses 4 --dist loadfile
 
 # The Ray Serve cluster test: Ray's own start-up deadlines fail on a busy machine (see pyproject's markers).
 test-cluster: $(BIN)/.installed data

@@ -24,6 +24,11 @@ import pytest
 # then), and inherited by the child processes the tests start. A value set by the caller is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Typer lays out its error panels by COLUMNS, so a message a test matches wraps inside the panel's
+# borders at a narrow width: the tests' output does not depend on the caller's terminal. (The
+# pytest-xdist workers of make test start with COLUMNS=80 and LINES=24 whatever the terminal.)
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
