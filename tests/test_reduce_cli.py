@@ -201,3 +201,23 @@ def test_reduce_without_torch_pruning_prints_the_install_hint_whole(tmp_path, mo
                                       "--alpha", "0.5"])
     text = " ".join(result.output.split())
     assert result.exit_code == 1 and "pip install 'edgetorch[reduce]'" in text, text
+
+
+def test_first_use_pretraining_is_announced_with_its_time_left_then_loads_quietly(tmp_path, monkeypatch):
+    """Issue 28, item 7: pretraining a zoo model on first use ran minutes without a word (plaincnn
+    on Fashion-MNIST: 6 min). The command now says what it trains and where it caches it, then the
+    time left as measured; a second run loads the cached model and says nothing of it."""
+    monkeypatch.setenv("EDGETORCH_CACHE", str(tmp_path / "cache"))
+    command = ["reduce", "--model", "zoo:mlp", "--dataset", "digits", "--size", "28", "--alpha", "0.3",
+               "--calibration", "64", "--latency-batch", "4", "--output", str(tmp_path / "small.safetensors")]
+    first = CliRunner().invoke(app, command)
+    assert first.exit_code == 0, first.output
+    lines = first.output.splitlines()
+    announced = [line for line in lines if line.startswith("pretraining mlp on digits once")]
+    assert len(announced) == 1 and "20 epoch(s) over 1,438 images at 28 px" in announced[0], first.output
+    assert str(tmp_path / "cache" / "zoo") in "".join(first.output.split()), first.output  # wrapped at 130 columns
+    left = [line for line in lines if line.startswith("pretraining mlp on digits: step ")]
+    assert 5 <= len(left) <= 10 and all(" left" in line for line in left), left  # about every tenth
+    second = CliRunner().invoke(app, command)
+    assert second.exit_code == 0, second.output
+    assert not [line for line in second.output.splitlines() if line.startswith("pretraining")], second.output

@@ -9,3 +9,7 @@ from typing import Any
 #: A context manager made from one line of text, entered around a long step (the CLI passes a
 #: spinner; the workflows' default, ``contextlib.nullcontext``, shows nothing).
 Status = Callable[[str], AbstractContextManager[Any]]
+
+#: Prints one line that stays (the CLI's ``console.print``, shown on a terminal and in a pipe
+#: alike); the workflows' default, ``None``, prints nothing.
+Notice = Callable[[str], None]

@@ -91,7 +91,8 @@ def finetune(
     try:
         with _Display() as display:
             run = run_finetune(job, on_loaded=show_loaded, on_plan=_print_plan, on_training=show_training,
-                               on_progress=display.update, status=console.status)
+                               on_progress=display.update, status=console.status,
+                               notice=console.print)
     except NothingFits:  # the table's "why" line said what to change
         raise typer.Exit(1) from None
     except KeyboardInterrupt:

@@ -95,7 +95,7 @@ def reduce(
                     size=size, calibration=calibration, accuracy=accuracy, latency_batch=latency_batch, seed=seed,
                     prune_input=prune_input, finetune_epochs=finetune_epochs, finetune_lr=finetune_lr, distill=distill)
     try:
-        run = run_reduction(job, status=console.status)
+        run = run_reduction(job, status=console.status, notice=console.print)
     except (EdgetorchError, ValueError, TypeError) as err:
         raise typer.BadParameter(str(err)) from None
     except (ImportError, RuntimeError) as err:  # not a chain without Torch-Pruning; torch refusing the data

@@ -20,6 +20,7 @@ from pathlib import Path
 from torch import nn
 
 from .._checks import check_choice
+from .._status import Notice
 
 SCOPES = ("full", "last", "norm+last", "bias")
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
@@ -62,7 +63,8 @@ def replace_classifier(model: nn.Module, num_classes: int, *, new_task: bool = F
     return True
 
 
-def start_model(spec: str, num_classes: int | None, weights: str | Path | None = None) -> tuple[nn.Module, str]:
+def start_model(spec: str, num_classes: int | None, weights: str | Path | None = None, *,
+                notice: Notice | None = None) -> tuple[nn.Module, str]:
     """Build ``spec``, load its weights, and give it ``num_classes`` outputs.
 
     Args:
@@ -73,6 +75,7 @@ def start_model(spec: str, num_classes: int | None, weights: str | Path | None =
             torchvision's ImageNet weights, 1,000 outputs). ``None``: a zoo model starts from
             its weights pretrained on scikit-learn digits (seconds to train, then cached);
             any other spec starts from random weights.
+        notice: told when that pretraining runs (first use), and its time left.
 
     Returns:
         ``(model, origin)``: the model in train mode, and one line on where its weights came from.
@@ -99,7 +102,7 @@ def start_model(spec: str, num_classes: int | None, weights: str | Path | None =
         load_weights(model, weights, state)
         origin = f"weights from {weights}"
     elif prefix == "zoo" and name in ZOO_MODELS:
-        model = pretrained(name, dataset="digits")
+        model = pretrained(name, dataset="digits", notice=notice)
         origin = f"{spec} pretrained on scikit-learn digits (edgetorch's zoo recipe)"
     else:
         model = build_model(spec)

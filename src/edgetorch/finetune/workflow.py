@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .._checks import check_device, check_positive_int
-from .._status import Status
+from .._status import Notice, Status
 from ..activations import MemoryPlan, parse_bytes, parse_training_policy, plan_memory
 from ..activations.budget import DEFAULT_POLICIES
 from ..data import ImageData, image_data
@@ -219,7 +219,8 @@ RunHook = Callable[[FinetuneRun], None]
 
 def run_finetune(job: FinetuneJob, *, on_loaded: RunHook | None = None,
                  on_plan: Callable[[MemoryPlan], None] | None = None, on_training: RunHook | None = None,
-                 on_progress: ProgressFn | None = None, status: Status = contextlib.nullcontext) -> FinetuneRun:
+                 on_progress: ProgressFn | None = None, status: Status = contextlib.nullcontext,
+                 notice: Notice | None = None) -> FinetuneRun:
     """Run ``job``: build, load, plan (with a budget) and train (see the module docstring).
 
     torch's global RNG is seeded with ``job.seed`` for the run and restored afterwards: the
@@ -233,6 +234,7 @@ def run_finetune(job: FinetuneJob, *, on_loaded: RunHook | None = None,
         on_training: called just before training, with ``run.config`` final.
         on_progress: the loop's per-step and per-epoch events (see :func:`~edgetorch.finetune.finetune`).
         status: shows a line while the planner measures (the CLI's spinner; default: nothing).
+        notice: told when a zoo model is pretrained on first use, and its time left.
 
     Returns:
         A :class:`FinetuneRun`; its ``model`` is trained, its weights written under ``job.out``.
@@ -256,12 +258,13 @@ def run_finetune(job: FinetuneJob, *, on_loaded: RunHook | None = None,
     # classifier, the planner's first-batch loader, then dropout), so a job trains to the weights
     # the command did when it seeded the process's RNG.
     with seeded(job.seed, job.device):
-        return _run(job, on_loaded, on_plan, on_training, on_progress, status)
+        return _run(job, on_loaded, on_plan, on_training, on_progress, status, notice)
 
 
 def _run(job: FinetuneJob, on_loaded: RunHook | None, on_plan: Callable[[MemoryPlan], None] | None,
-         on_training: RunHook | None, on_progress: ProgressFn | None, status: Status) -> FinetuneRun:
-    net, origin = start_model(job.model, None, job.weights)
+         on_training: RunHook | None, on_progress: ProgressFn | None, status: Status,
+         notice: Notice | None) -> FinetuneRun:
+    net, origin = start_model(job.model, None, job.weights, notice=notice)
     size = job.image_size
     images = image_data(job.data, size=size, channels=input_channels(net), val_fraction=job.val_fraction,
                         seed=job.seed, limit=job.limit, skip_bad_images=job.skip_bad_images)

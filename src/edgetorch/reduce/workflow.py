@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .._status import Status
+from .._status import Notice, Status
 from .api import Reduction, reduce_model
 from .latency import LatencyComparison, compare_latency
 from .macs import count_macs
@@ -134,7 +134,8 @@ class ReduceRun:
         return out
 
 
-def load_for_reduction(model: str, weights: str | Path | None, dataset: str, size: int) -> nn.Module:
+def load_for_reduction(model: str, weights: str | Path | None, dataset: str, size: int, *,
+                       notice: Notice | None = None) -> nn.Module:
     """The network a :class:`ReduceJob` reduces, in eval mode.
 
     Raises:
@@ -155,18 +156,19 @@ def load_for_reduction(model: str, weights: str | Path | None, dataset: str, siz
         if size != trained_at:
             raise ValueError(f"{model} is pretrained on {trained_at}x{trained_at} images; use --size "
                              f"{trained_at}, or give --weights of a model built for {size}x{size}")
-        return pretrained(name, dataset=dataset).eval()
+        return pretrained(name, dataset=dataset, notice=notice).eval()
     sized = zoo and name in ZOO_MODELS and takes_image_size(name)
     return build_model(model, num_classes=dataset_info(dataset).num_classes, weights=weights,
                        **({"image_size": size} if sized else {})).eval()
 
 
-def run_reduction(job: ReduceJob, status: Status = contextlib.nullcontext) -> ReduceRun:
+def run_reduction(job: ReduceJob, status: Status = contextlib.nullcontext, notice: Notice | None = None) -> ReduceRun:
     """Run ``job``: load, reduce, count, evaluate, fine-tune and time (see the module docstring).
 
     Args:
         job: what to reduce and how.
         status: shows a line while each long step runs (the CLI's spinner; default: nothing).
+        notice: told when a model is pretrained on first use, and its time left.
 
     Returns:
         A :class:`ReduceRun`; ``run.reduction.model`` is the network to save.
@@ -179,17 +181,16 @@ def run_reduction(job: ReduceJob, status: Status = contextlib.nullcontext) -> Re
     # Building layers draws from torch's generator (their initial weights, then overwritten): the
     # caller's random stream is neither advanced nor reset by a reduction.
     with torch.random.fork_rng(devices=[]):
-        return _run(job, status)
+        return _run(job, status, notice)
 
 
-def _run(job: ReduceJob, status: Status) -> ReduceRun:
+def _run(job: ReduceJob, status: Status, notice: Notice | None) -> ReduceRun:
     from ..data import load_dataset
     from ..zoo import evaluate_accuracy, input_channels
     from ..zoo.registry import with_channels
 
-    with status(f"loading {job.model} (a zoo model without --weights is pretrained on first use: minutes on a "
-                "CPU, then cached)"):
-        full = load_for_reduction(job.model, job.weights, job.dataset, job.size)
+    with status(f"loading {job.model} and {job.dataset}"):
+        full = load_for_reduction(job.model, job.weights, job.dataset, job.size, notice=notice)
         channels = input_channels(full)
         train = load_dataset(job.dataset, "train", size=job.size)
         test = load_dataset(job.dataset, "test", size=job.size)

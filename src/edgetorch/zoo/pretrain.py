@@ -32,8 +32,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .._checks import check_choice, check_positive_int
+from .._status import Notice
 from ..data import dataset_info, load_dataset
-from ..training import Loop, evaluate_accuracy, one_cycle_adamw, supervised, train_epochs, seeded
+from ..training import Loop, Watch, evaluate_accuracy, one_cycle_adamw, supervised, train_epochs, seeded
 from ..training.cache import CachedModel, cached_model
 from ..weights import CheckpointError
 from .registry import ZOO_MODELS, build_model, input_channels, takes_image_size, with_channels
@@ -171,8 +172,31 @@ def checkpoint_paths(config: PretrainConfig, cache: str | Path | None = None) ->
     return entry.weights, entry.record
 
 
+class _TimeLeft(Watch):
+    """Says, about every tenth of a pretraining run's steps, how long it has left: measured on this
+    machine as it trains, since a recipe's time differs tenfold between machines (resnet18's took
+    632 s on one loaded core; the digits ones take seconds)."""
+
+    def __init__(self, label: str, epochs: int, notice: Notice) -> None:
+        self.label, self.epochs, self.notice = label, epochs, notice
+        self.start, self.next_tenth = time.perf_counter(), 1
+
+    def step_done(self, epoch: int, step: int, steps: int, loss: float, images_per_second: float) -> None:
+        done, total = (epoch - 1) * steps + step, self.epochs * steps  # full batches only: steps is fixed
+        if done * 10 < self.next_tenth * total or done == total:
+            return
+        self.next_tenth = done * 10 // total + 1
+        left = (time.perf_counter() - self.start) / done * (total - done)
+        self.notice(f"pretraining {self.label}: step {done:,} of {total:,}, about {_minutes(left)} left")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def pretrain(
-    config: PretrainConfig, cache: str | Path | None = None, data_root: str | Path | None = None
+    config: PretrainConfig, cache: str | Path | None = None, data_root: str | Path | None = None,
+    *, notice: Notice | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train a zoo model per ``config``, evaluate it, and write it to the cache (overwriting).
 
@@ -180,6 +204,8 @@ def pretrain(
         config: the recipe.
         cache: cache root; ``None`` means :func:`edgetorch.data.cache_dir`.
         data_root: Fashion-MNIST location (see :func:`edgetorch.data.load_dataset`).
+        notice: called with a line as training starts (what it trains on, where it is cached)
+            and about every tenth of its steps (the time left, as measured so far).
 
     Returns:
         ``(model, metadata)``: the trained model in eval mode and the record written as JSON.
@@ -192,6 +218,10 @@ def pretrain(
         config.dataset, "train", root=data_root, size=config.image_size, limit=config.train_limit
     )
     test = load_dataset(config.dataset, "test", root=data_root, size=config.image_size)
+    label = f"{config.model} on {config.dataset}"
+    if notice is not None:
+        notice(f"pretraining {label} once ({config.epochs} epoch(s) over {len(train):,} images at "
+               f"{config.image_size} px; later runs load it from {_cache_entry(config, cache).weights.parent})")
     # The seed fixes the model init; the caller's RNG is left as it was.
     with seeded(config.seed):
         model = build_zoo_model(config)
@@ -202,8 +232,8 @@ def pretrain(
         loop = Loop(config.epochs, config.batch_size, config.seed)
         optimizer, schedule = one_cycle_adamw(model, loop, len(train), config.lr, config.weight_decay)
         model.train()
-        run = train_epochs(model, train, loop, supervised(model), optimizer, schedule,
-                           label=f"{config.model}/{config.dataset}")  # fmt: skip
+        watch = Watch() if notice is None else _TimeLeft(label, config.epochs, notice)
+        run = train_epochs(model, train, loop, supervised(model), optimizer, schedule, watch=watch, label=label)
         final_loss = run.losses[-1]
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     accuracy = evaluate_accuracy(model, test)
@@ -262,6 +292,8 @@ def pretrained(
     cache: str | Path | None = None,
     data_root: str | Path | None = None,
     retrain: bool = False,
+    *,
+    notice: Notice | None = None,
 ) -> nn.Module:
     """A pretrained zoo model, from the cache or trained now (then cached).
 
@@ -273,6 +305,8 @@ def pretrained(
         cache: cache root; ``None`` means ``$EDGETORCH_CACHE`` or ``~/.cache/edgetorch``.
         data_root: Fashion-MNIST location, used only when training.
         retrain: train even when a cached checkpoint exists (and overwrite it).
+        notice: told when training starts and how long it has left (see :func:`pretrain`);
+            a cached model loads without a word.
 
     Returns:
         The model in eval mode.
@@ -291,4 +325,4 @@ def pretrained(
         cached = load_pretrained(config, cache)
         if cached is not None:
             return cached[0]
-    return pretrain(config, cache, data_root)[0]
+    return pretrain(config, cache, data_root, notice=notice)[0]
