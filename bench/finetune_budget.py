@@ -103,7 +103,7 @@ def main() -> None:
         torch.manual_seed(0)
         save_weights(torchvision.models.resnet18(), tmp / "resnet18.safetensors")
         for spec, size, batch, needs_weights in MODELS:
-            base = ["--model", spec, "--data", str(tmp / "images"), "--size", str(size), "--batch", str(batch),
+            base = ["--model", spec, "--data", str(tmp / "images"), "--size", str(size), "--batch-size", str(batch),
                     "--epochs", str(EPOCHS), "--optimizer", "adam", "--lr", "0.001"]
             if needs_weights:
                 base += ["--weights", str(tmp / "resnet18.safetensors")]

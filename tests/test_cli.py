@@ -81,3 +81,46 @@ def test_the_console_prints_names_from_files_literally(text, shown):
     with console.capture() as captured:
         console.print(f"photo.png: {text} 97.0%")
     assert captured.get().strip() == f"photo.png: {shown} 97.0%"
+
+
+COMMANDS = [["finetune"], ["reduce"], ["profile"], ["split", "train"], ["split", "export"], ["split", "plan"],
+            ["split", "measure-server"], ["split", "serve"], ["split", "infer"], ["split", "probe"]]
+
+
+def test_one_option_vocabulary_across_the_commands_with_flags_shown_as_flags():
+    """Issue 28, item 9: --batch/--batch-size, --size/--resolution, --data/--dataset, --out/--output
+    and --limit/--train-limit named the same thing in different commands, and boolean flags showed
+    a <bool> value. Help now shows one spelling of each, and no flag asks for a value."""
+    from typer.testing import CliRunner
+
+    from edgetorch.cli import app
+    from edgetorch.cli._app import RENAMED_OPTIONS
+
+    runner = CliRunner()
+    for command in COMMANDS:
+        shown = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+        assert shown.exit_code == 0, shown.output
+        options = set(re.findall(r"--[a-z][a-z0-9-]*", shown.output))
+        assert not options & set(RENAMED_OPTIONS), (command, options & set(RENAMED_OPTIONS))
+        flags = [line for line in shown.output.splitlines() if "<bool>" in line and "--help" not in line]
+        assert not flags, (command, flags)
+
+
+@pytest.mark.parametrize("old, new, command, value, refused", [
+    ("--batch", "--batch-size", ["profile", "--model", "zoo:cnn"], "0", "'--batch-size'"),
+    ("--resolution", "--size", ["split", "plan", "--link", "wifi:5"], "0", "'--size'"),
+    ("--dataset", "--data", ["reduce", "--alpha", "0.5"], "no-such-data", "unknown dataset 'no-such-data'"),
+    ("--output", "--out", ["reduce", "--alpha", "0.5"], "nothing/here.safetensors", "'--out'"),
+    ("--limit", "--train-limit", ["finetune", "--model", "zoo:cnn", "--data", "digits"], "0", "'--train-limit'"),
+])
+def test_an_old_spelling_still_works_for_one_release_with_a_warning(old, new, command, value, refused):
+    # A value the option refuses shows that the old spelling reached it, without running a job.
+    from typer.testing import CliRunner
+
+    from edgetorch.cli import app
+
+    for spelling in ([old, value], [f"{old}={value}"]):
+        result = CliRunner().invoke(app, [*command, *spelling])
+        said = " ".join(result.output.split())
+        assert f"warning: {old} is now {new} (the old spelling works until edgetorch 0.3)" in said, said
+        assert result.exit_code == 2 and refused in said and "No such option" not in said, said

@@ -12,7 +12,7 @@ runner = CliRunner()
 def test_profile_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     result = runner.invoke(app, [
-        "profile", "--model", "zoo:cnn", "--batch", "8", "--resolution", "28",
+        "profile", "--model", "zoo:cnn", "--batch-size", "8", "--size", "28",
         "--policy", "dense", "--policy", "bitmap", "--policy", "bitmap:threshold=0.05",
         "--json", str(out), "--plot", str(png),
     ])
@@ -35,7 +35,7 @@ def test_profile_writes_json_and_plot(tmp_path):
 def test_profile_accepts_a_python_path_factory_and_checkpointing(tmp_path):
     out = tmp_path / "p.json"
     result = runner.invoke(app, [
-        "profile", "--model", "torchvision.models:resnet18", "--batch", "2", "--resolution", "32",
+        "profile", "--model", "torchvision.models:resnet18", "--batch-size", "2", "--size", "32",
         "--policy", "bitmap", "--policy", "bitmap+checkpoint", "--json", str(out),
     ])
     assert result.exit_code == 0, result.output
@@ -88,7 +88,7 @@ def test_profile_json_keeps_its_format(tmp_path):
     """ProfileResult.to_json writes `--json` key for key as the untyped result did (benches and
     committed results read it)."""
     out = tmp_path / "p.json"
-    result = runner.invoke(app, ["profile", "--model", "zoo:cnn", "--batch", "4", "--resolution", "28",
+    result = runner.invoke(app, ["profile", "--model", "zoo:cnn", "--batch-size", "4", "--size", "28",
                                  "--policy", "bitmap", "--fidelity", "--json", str(out)])
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())

@@ -214,7 +214,7 @@ def test_measure_says_where_it_moved_without_importing_activations():
 def test_profile_fidelity_adds_the_numbers_to_the_table_and_json(tmp_path):
     out = tmp_path / "p.json"
     result = CliRunner().invoke(app, [
-        "profile", "--model", "zoo:cnn", "--batch", "8", "--resolution", "28",
+        "profile", "--model", "zoo:cnn", "--batch-size", "8", "--size", "28",
         "--policy", "backrazor:sparsity=0.9", "--fidelity", "--json", str(out),
     ])
     assert result.exit_code == 0, result.output

@@ -164,7 +164,7 @@ def _run(args):
 def test_cli_finetunes_a_folder_into_weights_torchvision_loads(folder, imagenet_weights, tmp_path):
     out = tmp_path / "run"
     result, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
-                         "--size", 32, "--epochs", 2, "--batch", 8, "--lr", 0.05, "--out", out,
+                         "--size", 32, "--epochs", 2, "--batch-size", 8, "--lr", 0.05, "--out", out,
                          "--json", tmp_path / "run.json", "--plot", tmp_path / "run.png"])
     assert result.exit_code == 0, text
     assert "epoch 2: loss" in text and "validation accuracy" in text and "measured peak" in text
@@ -179,20 +179,20 @@ def test_cli_finetunes_a_folder_into_weights_torchvision_loads(folder, imagenet_
     assert len(log["epochs"]) == 2 and log["config"]["policy"] == "dense"
 
     again, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
-                        "--size", 32, "--epochs", 2, "--batch", 8, "--lr", 0.05, "--out", out])
+                        "--size", 32, "--epochs", 2, "--batch-size", 8, "--lr", 0.05, "--out", out])
     assert again.exit_code == 0 and "had finished its 2 epochs: nothing was trained" in text
     assert f"measured peak {summary['peak_bytes'] / 2**20:,.1f} MiB" in text  # the run's own, not 0.0
 
     # Another size is another run: refused, not resumed and recorded as trained at 40 px
     other, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
-                        "--size", 40, "--epochs", 2, "--batch", 8, "--lr", 0.05, "--out", out])
+                        "--size", 40, "--epochs", 2, "--batch-size", 8, "--lr", 0.05, "--out", out])
     assert other.exit_code == 1 and "image_size: 32 -> 40" in text, text
     assert json.loads((out / "model.json").read_text())["image_size"] == 32
 
 
 def test_cli_memory_budget_plans_then_stays_within(folder, imagenet_weights, tmp_path):
     args = ["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder, "--size", 32,
-            "--epochs", 1, "--batch", 8, "--out", tmp_path / "run", "--json", tmp_path / "run.json"]
+            "--epochs", 1, "--batch-size", 8, "--out", tmp_path / "run", "--json", tmp_path / "run.json"]
     result, text = _run([*args, "--memory-budget", "16GiB"])
     assert result.exit_code == 0, text
     assert "candidates for a" in text and "why: dense at batch 8: an exact policy" in text
@@ -269,7 +269,7 @@ def _with_truncated_image(folder, tmp_path):
 
 def test_cli_stops_at_a_truncated_image_with_its_name(folder, imagenet_weights, tmp_path):
     result, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--size", 32,
-                         "--data", _with_truncated_image(folder, tmp_path), "--epochs", 1, "--batch", 8,
+                         "--data", _with_truncated_image(folder, tmp_path), "--epochs", 1, "--batch-size", 8,
                          "--out", tmp_path / "run"])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), text  # no traceback
     assert "cut.jpg:notareadableimage(imagefileistruncated" in text.replace(" ", "")
@@ -280,7 +280,7 @@ def test_cli_skip_bad_images_trains_on_the_rest_and_lists_what_it_left_out(folde
     out = tmp_path / "run"
     with pytest.warns(UserWarning, match="left out 1 of 31 images that cannot be read"):  # the library's report
         result, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--size", 32,
-                             "--data", _with_truncated_image(folder, tmp_path), "--epochs", 1, "--batch", 8,
+                             "--data", _with_truncated_image(folder, tmp_path), "--epochs", 1, "--batch-size", 8,
                              "--out", out, "--skip-bad-images"])
     assert result.exit_code == 0, text
     assert "24 train, 6 val images, 3 classes, 1 unreadable left out" in text

@@ -54,8 +54,8 @@ def test_reduce_command_writes_a_model_within_budget(mlp_weights, tmp_path):
     out, summary_json, plot = tmp_path / "reduced.safetensors", tmp_path / "summary.json", tmp_path / "factors.png"
     result = CliRunner().invoke(app, [
         "reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8", "--alpha", "0.6",
-        "--method", "lowrank", "--allocation", "optimal", "--dataset", "digits", "--calibration", "50",
-        "--latency-batch", "4", "--output", str(out), "--json", str(summary_json), "--plot", str(plot)])
+        "--method", "lowrank", "--allocation", "optimal", "--data", "digits", "--calibration", "50",
+        "--latency-batch", "4", "--out", str(out), "--json", str(summary_json), "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert "ratio" in result.output and "measured" in result.output
@@ -75,7 +75,7 @@ def test_reduce_command_writes_a_model_within_budget(mlp_weights, tmp_path):
     (["--allocation", "exact"], "unknown allocation 'exact'; accepted: optimal, pso, uniform"),
     (["--alpha", "1.5"], "alpha"),
     (["--size", "10"], "shape mismatch"),
-    (["--output", "small.pt"], "must end in .safetensors"),
+    (["--out", "small.pt"], "must end in .safetensors"),
     (["--plot", "factors.txt"], "give a .png, .pdf, .svg file"),
     (["--json", "missing/summary.json"], "does not exist"),
     (["--finetune-epochs", "-1"], "Input should be greater than or equal to 0"),
@@ -99,7 +99,7 @@ def test_reduce_command_exits_1_when_it_cannot_write(mlp_weights, tmp_path, monk
     _, weights = mlp_weights
     result = CliRunner().invoke(app, [
         "reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8", "--alpha", "0.5",
-        "--method", "lowrank", "--no-accuracy", "--latency-batch", "2", "--output", str(tmp_path / "small.safetensors")])
+        "--method", "lowrank", "--no-accuracy", "--latency-batch", "2", "--out", str(tmp_path / "small.safetensors")])
     assert result.exit_code == 1, result.output
     assert "could not write its outputs" in result.output and "No space left" in result.output
     assert not isinstance(result.exception, OSError)  # handled, not raised
@@ -112,8 +112,8 @@ def test_reduce_command_prunes_the_zoo_plain_cnn(tmp_path):
     save_weights(full, weights)
     result = CliRunner().invoke(app, [
         "reduce", "--model", "zoo:plaincnn", "--weights", str(weights), "--size", "16", "--alpha", "0.5",
-        "--method", "prune-ls", "--dataset", "digits", "--calibration", "100", "--latency-batch", "4",
-        "--output", str(out)])
+        "--method", "prune-ls", "--data", "digits", "--calibration", "100", "--latency-batch", "4",
+        "--out", str(out)])
     assert result.exit_code == 0, result.output
     reduced, record = load(out)
     x = load_dataset("digits", "test", size=16).tensors[0][:3]
@@ -132,8 +132,8 @@ def test_reduce_command_finetunes_an_over_pruned_model_and_saves_the_fine_tuned_
     save_weights(full, weights)
     result = CliRunner().invoke(app, [
         "reduce", "--model", "zoo:mlp", "--weights", str(weights), "--size", "8", "--alpha", "0.95",
-        "--method", "prune", "--dataset", "digits", "--calibration", "500", "--latency-batch", "4",
-        "--finetune-epochs", "3", "--finetune-lr", "3e-3", "--distill", "--output", str(out),
+        "--method", "prune", "--data", "digits", "--calibration", "500", "--latency-batch", "4",
+        "--finetune-epochs", "3", "--finetune-lr", "3e-3", "--distill", "--out", str(out),
         "--json", str(summary_json)])
     assert result.exit_code == 0, result.output
     summary = json.loads(summary_json.read_text())
@@ -197,7 +197,7 @@ def test_reduce_without_torch_pruning_prints_the_install_hint_whole(tmp_path, mo
     monkeypatch.setitem(sys.modules, "torch_pruning", None)
     save_weights(torchvision.models.resnet18(num_classes=10), tmp_path / "r18.safetensors")
     result = CliRunner().invoke(app, ["reduce", "--model", "torchvision:resnet18", "--weights", str(tmp_path / "r18.safetensors"),
-                                      "--dataset", "digits", "--size", "32", "--calibration", "8", "--no-accuracy",
+                                      "--data", "digits", "--size", "32", "--calibration", "8", "--no-accuracy",
                                       "--alpha", "0.5"])
     text = " ".join(result.output.split())
     assert result.exit_code == 1 and "pip install 'edgetorch[reduce]'" in text, text
@@ -208,8 +208,8 @@ def test_first_use_pretraining_is_announced_with_its_time_left_then_loads_quietl
     on Fashion-MNIST: 6 min). The command now says what it trains and where it caches it, then the
     time left as measured; a second run loads the cached model and says nothing of it."""
     monkeypatch.setenv("EDGETORCH_CACHE", str(tmp_path / "cache"))
-    command = ["reduce", "--model", "zoo:mlp", "--dataset", "digits", "--size", "28", "--alpha", "0.3",
-               "--calibration", "64", "--latency-batch", "4", "--output", str(tmp_path / "small.safetensors")]
+    command = ["reduce", "--model", "zoo:mlp", "--data", "digits", "--size", "28", "--alpha", "0.3",
+               "--calibration", "64", "--latency-batch", "4", "--out", str(tmp_path / "small.safetensors")]
     first = CliRunner().invoke(app, command)
     assert first.exit_code == 0, first.output
     lines = first.output.splitlines()

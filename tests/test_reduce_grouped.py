@@ -283,8 +283,8 @@ def test_reduce_command_prunes_a_torchvision_resnet_by_channel_groups(tmp_path):
     weights, out, summary = tmp_path / "r18.safetensors", tmp_path / "small.safetensors", tmp_path / "report.json"
     save_weights(model, weights)
     result = CliRunner().invoke(app, [
-        "reduce", "--model", "torchvision:resnet18", "--weights", str(weights), "--dataset", "digits", "--size", "32",
-        "--alpha", "0.5", "--calibration", "32", "--latency-batch", "2", "--output", str(out), "--json", str(summary)])
+        "reduce", "--model", "torchvision:resnet18", "--weights", str(weights), "--data", "digits", "--size", "32",
+        "--alpha", "0.5", "--calibration", "32", "--latency-batch", "2", "--out", str(out), "--json", str(summary)])
     assert result.exit_code == 0, result.output
     assert "12 channel groups found" in result.output and "layer4.0.downsample.0" in result.output
     report = json.loads(summary.read_text())

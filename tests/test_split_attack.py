@@ -861,7 +861,7 @@ def test_the_cli_prints_the_id_and_refuses_another_artifact(artifact, tmp_path):
     runner = CliRunner()
     out = tmp_path / "exported"
     exported = runner.invoke(app, ["split", "export", "--model", "torchvision:resnet18", "--channels", "2",
-                                   "--num-classes", "5", "--resolution", "32", "--random-init", "--out", str(out)])
+                                   "--num-classes", "5", "--size", "32", "--random-init", "--out", str(out)])
     assert exported.exit_code == 0, exported.output
     assert f"artifact id {read_manifest(out).artifact_id}" in exported.output
     for command in (["split", "serve", str(artifact)], ["split", "infer", str(artifact), "x.png", "--server",

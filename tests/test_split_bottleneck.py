@@ -396,7 +396,7 @@ def test_split_train_and_export_carry_the_architecture(tmp_path) -> None:
     assert exported.exit_code == 0, exported.output
     assert read_manifest(tmp_path / "artifact").model["architecture"] == "released"
     fresh = runner.invoke(app, ["split", "export", "--model", "torchvision:resnet18", "--channels", "2",
-                                "--architecture", "released", "--random-init", "--resolution", "32",
+                                "--architecture", "released", "--random-init", "--size", "32",
                                 "--out", str(tmp_path / "random")])  # fmt: skip
     assert fresh.exit_code == 0, fresh.output
     assert read_manifest(tmp_path / "random").model["architecture"] == "released"

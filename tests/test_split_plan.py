@@ -225,7 +225,7 @@ def test_cli_plan_prints_every_option_and_writes_json(tmp_path):
     accuracy.write_text(json.dumps({"teacher": 0.9, "split": {"3": 0.87}}))
     out = tmp_path / "plan.json"
     result = run("split", "plan", "--link", "wifi:5", "--link", "lora:sf=6,bw=500", "--device", str(device),
-                 "--server", "this-machine", "--resolution", "32", "--channels", "3", "--channels", "12",
+                 "--server", "this-machine", "--size", "32", "--channels", "3", "--channels", "12",
                  "--accuracy", str(accuracy), "--json", str(out))
     assert result.exit_code == 0, result.output
     for option in ("local", "offload png", "offload jpeg", "split C=3", "split C=12"):
@@ -241,7 +241,7 @@ def test_cli_plan_prints_every_option_and_writes_json(tmp_path):
     assert bad.exit_code != 0 and "unknown link kind" in bad.output
     (tmp_path / "empty").mkdir()
     no_images = run("split", "plan", "--link", "wifi:5", "--device", str(device), "--server", "this-machine",
-                    "--resolution", "32", "--channels", "3", "--images", str(tmp_path / "empty"))
+                    "--size", "32", "--channels", "3", "--images", str(tmp_path / "empty"))
     assert no_images.exit_code == 2 and "images found" in _flat(no_images.output)
 
 
@@ -261,7 +261,7 @@ def test_cli_plan_reads_nothing_from_the_current_directory_and_leaves_the_rng_al
     expected = torch.rand(4)
     torch.manual_seed(7)
     result = _cli()("split", "plan", "--link", "wifi:5", "--device", str(device), "--server", "this-machine",
-                    "--resolution", "32", "--channels", "3", "--json", "plan.json")
+                    "--size", "32", "--channels", "3", "--json", "plan.json")
     assert result.exit_code == 0, result.output
     assert torch.equal(torch.rand(4), expected)
     assert "accuracy: none given: pass --accuracy FILE" in _flat(result.output)
@@ -403,7 +403,7 @@ def test_default_server_is_an_edge_gpu_not_this_machine():
 def test_cli_measure_server_then_plan_with_it(tmp_path):
     run = _cli()
     server = tmp_path / "server.json"
-    result = run("split", "measure-server", "--out", str(server), "--resolution", "32", "--channels", "3",
+    result = run("split", "measure-server", "--out", str(server), "--size", "32", "--channels", "3",
                  "--name", "edge-box")
     assert result.exit_code == 0, result.output
     assert load_server(str(server)).measured.tail_s.keys() == {3}
@@ -411,7 +411,7 @@ def test_cli_measure_server_then_plan_with_it(tmp_path):
     device.write_text(profile_json(DeviceProfile("board", "torchvision:resnet18", 32, 0.5, 3.0, 1.5, 1.0, "ASSUMPTION: test")))
     out = tmp_path / "plan.json"
     result = run("split", "plan", "--link", "wifi:5", "--device", str(device), "--server", str(server),
-                 "--resolution", "32", "--channels", "3", "--json", str(out))
+                 "--size", "32", "--channels", "3", "--json", str(out))
     assert result.exit_code == 0, result.output
     assert "server: edge-box (MEASURED on" in _flat(result.output)
     record = json.loads(out.read_text())[0]
@@ -423,7 +423,7 @@ def test_cli_measure_server_then_plan_with_it(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["plan", "--link", "wifi:5", "--server", "gpu"], "unknown server 'gpu'; accepted: quadro-p600, this-machine or a .json"),
     (["plan", "--link", "wifi:5", "--server-speedup", "4"], "No such option: --server-speedup"),
-    (["plan", "--link", "wifi:5", "--server", "this-machine", "--model", "torchvision:vgg11", "--resolution", "32",
+    (["plan", "--link", "wifi:5", "--server", "this-machine", "--model", "torchvision:vgg11", "--size", "32",
       "--channels", "3"], "cannot inject a bottleneck into VGG"),
     (["measure-server", "--out", "server.json", "--channels", "0"], "--channels must be positive"),
     (["measure-server", "--out", "server.json", "--split-point", "sp9"], "unknown split point 'sp9'; accepted: sp1, sp2"),

@@ -377,7 +377,7 @@ def test_cli_export_then_infer_over_loopback(tmp_path):
 
     runner = CliRunner()
     out = tmp_path / "r18"
-    args = ["split", "export", "--model", "torchvision:resnet18", "--channels", "3", "--resolution", "32",
+    args = ["split", "export", "--model", "torchvision:resnet18", "--channels", "3", "--size", "32",
             "--num-classes", "5", "--out", str(out)]
     refused = runner.invoke(app, args)
     assert refused.exit_code != 0 and "exactly one of --checkpoint" in _said(refused)

@@ -538,9 +538,9 @@ def test_split_export_trained_refuses_an_unfinished_run_and_conflicting_options(
     (tmp_path / "unfinished").mkdir()
     missing = runner.invoke(app, ["split", "export", "--trained", str(tmp_path / "unfinished"), "--out", str(tmp_path / "a")])
     assert missing.exit_code == 2 and "has no student.json" in _said(missing)
-    both = runner.invoke(app, ["split", "export", "--trained", str(trained[0]), "--channels", "3", "--resolution", "64",
+    both = runner.invoke(app, ["split", "export", "--trained", str(trained[0]), "--channels", "3", "--size", "64",
                                "--out", str(tmp_path / "a")])  # fmt: skip
-    assert both.exit_code == 2 and "drop --channels, --resolution" in _said(both)
+    assert both.exit_code == 2 and "drop --channels, --size" in _said(both)
     neither = runner.invoke(app, ["split", "export", "--random-init", "--out", str(tmp_path / "a")])
     assert neither.exit_code == 2 and "--model and --channels are required" in _said(neither)
 

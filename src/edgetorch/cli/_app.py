@@ -6,7 +6,9 @@ import os
 import sys
 from pathlib import Path
 
+import click
 import typer
+import typer.core
 import typer.rich_utils
 from rich.console import Console
 
@@ -17,7 +19,31 @@ from .._checks import check_device
 if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty() and "COLUMNS" not in os.environ:
     typer.rich_utils.MAX_WIDTH = 120
 
-app = typer.Typer(help="edgetorch: memory-efficient training and deployment on edge devices.",
+#: Option spellings of edgetorch 0.1 that became one vocabulary across the commands, old -> new.
+#: The old ones still work, with a warning, until 0.3; help shows only the new ones.
+RENAMED_OPTIONS = {"--batch": "--batch-size", "--resolution": "--size", "--dataset": "--data",
+                   "--output": "--out", "--limit": "--train-limit"}
+
+
+class _Commands(typer.core.TyperGroup):
+    """The root group: before any command parses its options, an old spelling becomes the new one
+    (``--batch 8`` and ``--batch=8`` alike; nothing after a bare ``--``)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        end = args.index("--") if "--" in args else len(args)
+        renamed = []
+        for i, arg in enumerate(args[:end]):
+            name, equals, value = arg.partition("=")
+            if name in RENAMED_OPTIONS:
+                args[i] = RENAMED_OPTIONS[name] + equals + value
+                renamed.append(name)
+        for name in dict.fromkeys(renamed):
+            click.echo(f"warning: {name} is now {RENAMED_OPTIONS[name]} (the old spelling works until edgetorch 0.3)",
+                       err=True)
+        return super().parse_args(ctx, args)
+
+
+app = typer.Typer(cls=_Commands, help="edgetorch: memory-efficient training and deployment on edge devices.",
                   no_args_is_help=True, add_completion=False)
 class _Terminal(Console):
     """A console that prints text from files as text.
@@ -63,7 +89,7 @@ def format_warning(message: Warning | str, category: type[Warning], filename: st
 
 @app.callback()
 def main(
-    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+    version: bool = typer.Option(False, "--version", metavar="", is_eager=True, callback=_print_version,
                                  help="print the version and exit"),
 ) -> None:
     """edgetorch command line."""

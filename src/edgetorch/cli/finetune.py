@@ -37,10 +37,10 @@ def finetune(
     memory_budget: str = typer.Option(None, help="e.g. 600MiB: measure every candidate policy and batch size "
                                                  "first, and train with the safest one whose predicted peak fits"),
     scope: str = typer.Option("full", help="what trains: full, last, norm+last, bias (BitFit)"),
-    freeze_batchnorm: bool = typer.Option(False, "--freeze-batchnorm", "--freeze-bn", help="batch norm frozen: running statistics, no affine "
+    freeze_batchnorm: bool = typer.Option(False, "--freeze-batchnorm", "--freeze-bn", metavar="", help="batch norm frozen: running statistics, no affine "
                                                              "training (the Back Razor paper's transfer setting)"),
     epochs: int = typer.Option(3, min=1, help="passes over the training images"),
-    batch: int = typer.Option(32, min=1, help="batch size (with --memory-budget: the largest tried)"),
+    batch_size: int = typer.Option(32, min=1, help="batch size (with --memory-budget: the largest tried)"),
     min_batch: int = typer.Option(8, min=1, help="with --memory-budget: the smallest batch tried (smaller batches "
                                                  "risk more accuracy than Back Razor does)"),
     optimizer: str = typer.Option("sgd", help="sgd (momentum 0.9), adam, adamw"),
@@ -50,8 +50,8 @@ def finetune(
     seed: int = typer.Option(0, help="batch order, validation split and new classifier"),
     size: int = typer.Option(None, min=1, help="image height and width (default: 28 for zoo models, else 224)"),
     val_fraction: float = typer.Option(0.2, help="a folder's share of each class held out for validation"),
-    limit: int = typer.Option(None, min=1, help="built-in datasets: use the first N training (and test) images"),
-    skip_bad_images: bool = typer.Option(False, "--skip-bad-images",
+    train_limit: int = typer.Option(None, min=1, help="built-in datasets: use the first N training (and test) images"),
+    skip_bad_images: bool = typer.Option(False, "--skip-bad-images", metavar="",
                                          help="a folder: decode every image before training and leave out (and "
                                               "list) the unreadable ones; default: an unreadable image is an error "
                                               "that names it"),
@@ -68,8 +68,8 @@ def finetune(
     try:
         job = FinetuneJob(model=model, data=data, weights=weights, out=out, policy=tuple(policy or ()),
                           memory_budget=memory_budget, scope=scope, freeze_batchnorm=freeze_batchnorm, epochs=epochs,
-                          batch=batch, min_batch=min_batch, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
-                          schedule=schedule, seed=seed, size=size, val_fraction=val_fraction, limit=limit,
+                          batch=batch_size, min_batch=min_batch, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+                          schedule=schedule, seed=seed, size=size, val_fraction=val_fraction, limit=train_limit,
                           skip_bad_images=skip_bad_images, device=device)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None

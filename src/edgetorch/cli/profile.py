@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
 @app.command()
 def profile(
     model: str = typer.Option(..., help="torchvision:NAME, zoo:NAME or pkg.module:factory (imports that module: runs its code)"),
-    batch: int = typer.Option(16, min=1, help="batch size"),
-    resolution: int = typer.Option(224, min=1, help="input height and width"),
+    batch_size: int = typer.Option(16, min=1, help="batch size"),
+    size: int = typer.Option(224, min=1, help="input height and width"),
     policy: list[str] = typer.Option(
         ["dense", "bitmap"],
         help="repeatable: dense, bitmap[:threshold=0.01,value_dtype=float16], quantized[:bits=8], "
@@ -29,8 +29,8 @@ def profile(
     channels: int = typer.Option(None, help="input channels (default: the first conv's)"),
     num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
     device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
-    freeze_batchnorm: bool = typer.Option(False, "--freeze-batchnorm", "--freeze-bn", help="freeze batch norm first (the Back Razor paper's choice)"),
-    fidelity: bool = typer.Option(False, "--fidelity",
+    freeze_batchnorm: bool = typer.Option(False, "--freeze-batchnorm", "--freeze-bn", metavar="", help="freeze batch norm first (the Back Razor paper's choice)"),
+    fidelity: bool = typer.Option(False, "--fidelity", metavar="",
                                   help="also compare each policy's gradients with plain PyTorch's on the same batch"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the results as JSON here"),
     plot: Path = typer.Option(None, callback=plot_file, help="write the memory breakdown per policy here (.png, .pdf, .svg)"),
@@ -55,11 +55,11 @@ def profile(
             status.update(f"profiled {len(done)}/{len(policy)} policies")
 
         status.update(f"profiling {policy[0]} (a fresh process per policy)")
-        result = profile_policies(model, batch, resolution, policy, channels=channels,
+        result = profile_policies(model, batch_size, size, policy, channels=channels,
                                   num_classes=num_classes, device=device, freeze_batchnorm=freeze_batchnorm,
                                   fidelity=fidelity, on_result=progress)
 
-    table = Table(title=f"{model}  batch {batch}  {resolution}px  ({device})")
+    table = Table(title=f"{model}  batch {batch_size}  {size}px  ({device})")
     table.add_column("policy", no_wrap=True)
     for col in ("saved act. MiB\n(ledger)", "dense act. MiB\n(ledger)", "vs dense", "sparsity",
                 "forward incr. MiB\n(measured)", "step incr. MiB\n(measured)",

@@ -48,28 +48,28 @@ def _print_layers(result: Reduction, title: str) -> None:
 @app.command()
 def reduce(
     model: str = typer.Option("zoo:mlp", help="zoo:NAME, torchvision:resnet18 or torchvision:mobilenet_v2 (pretrained "
-                              "on --dataset unless --weights), or any spec with --weights (torchvision:NAME: any "
+                              "on --data unless --weights), or any spec with --weights (torchvision:NAME: any "
                               "CNN, pruned by channel groups; pkg.module:factory imports that module: runs its code)"),
     weights: Path = typer.Option(None, help="safetensors/state-dict weights of --model"),
     alpha: float = typer.Option(..., help="total reduction factor in [0, 1): share of multiplications removed"),
     method: str = typer.Option("prune", help="prune (the paper's), prune-ls (correlation-aware), lowrank"),
     allocation: str = typer.Option("optimal", help="optimal (exact), pso (the paper's), uniform"),
-    dataset: str = typer.Option("digits", help="calibration samples from its train split, accuracy on its test split"),
+    data: str = typer.Option("digits", help="calibration samples from its train split, accuracy on its test split"),
     size: int = typer.Option(28, min=1, help="image size the model takes"),
     calibration: int = typer.Option(1000, min=2, help="unlabeled calibration samples (pruning)"),
-    accuracy: bool = typer.Option(True, help="evaluate full and reduced accuracy on the test labels"),
+    accuracy: bool = typer.Option(True, metavar="", help="evaluate full and reduced accuracy on the test labels"),
     latency_batch: int = typer.Option(64, min=1, help="batch size of the CPU latency comparison"),
     seed: int = typer.Option(0, help="PSO seed (and the fine-tune's batch order)"),
-    prune_input: bool = typer.Option(False, help="pruning a chain, also drop input features of its first layer "
+    prune_input: bool = typer.Option(False, metavar="", help="pruning a chain, also drop input features of its first layer "
                                      "(the paper's setting; by default the input is kept whole, which measured "
                                      "as accurate and faster: docs/results/reduce_input_selection.md)"),
     finetune_epochs: int = typer.Option(0, min=0, help="fine-tune the reduced model this many epochs on the "
                                         "dataset's training split (0: no fine-tuning, the paper's setting)"),
     finetune_lr: float = typer.Option(1e-3, help="peak learning rate of the fine-tune "
                                       "(AdamW, one-cycle)"),
-    distill: bool = typer.Option(False, help="fine-tune against the full model's outputs too (knowledge "
+    distill: bool = typer.Option(False, metavar="", help="fine-tune against the full model's outputs too (knowledge "
                                  "distillation, teacher = the unreduced model); needs --finetune-epochs"),
-    output: Path = typer.Option(None, callback=output_file, help="write the reduced network here (.safetensors + .json)"),
+    out: Path = typer.Option(None, callback=output_file, help="write the reduced network here (.safetensors + .json)"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write the summary, per-layer factors included, as JSON here"),
     plot: Path = typer.Option(None, callback=plot_file, help="write a bar chart of the per-layer factors alpha_l here (.png, .pdf, .svg)"),
 ) -> None:
@@ -89,9 +89,9 @@ def reduce(
     if distill and finetune_epochs == 0:
         raise typer.BadParameter("--distill fine-tunes from the full model: give --finetune-epochs 1 or more",
                                  param_hint="'--distill'")
-    if output is not None and output.suffix != ".safetensors":
-        raise typer.BadParameter(f"{output} must end in .safetensors", param_hint="'--output'")
-    job = ReduceJob(model=model, alpha=alpha, weights=weights, method=method, allocation=allocation, dataset=dataset,
+    if out is not None and out.suffix != ".safetensors":
+        raise typer.BadParameter(f"{out} must end in .safetensors", param_hint="'--out'")
+    job = ReduceJob(model=model, alpha=alpha, weights=weights, method=method, allocation=allocation, dataset=data,
                     size=size, calibration=calibration, accuracy=accuracy, latency_batch=latency_batch, seed=seed,
                     prune_input=prune_input, finetune_epochs=finetune_epochs, finetune_lr=finetune_lr, distill=distill)
     try:
@@ -103,7 +103,7 @@ def reduce(
         raise typer.Exit(1) from None
 
     result, a = run.reduction, run.reduction.allocation
-    title = f"{model} on {dataset}: {method}, {allocation} allocation, alpha >= {alpha}"
+    title = f"{model} on {data}: {method}, {allocation} allocation, alpha >= {alpha}"
     if result.groups:
         console.print(f"{len(result.groups)} groups found (each block's attention heads, and its MLP hidden units)"
                       if is_transformer(run.full) else
@@ -131,8 +131,8 @@ def reduce(
     summary = run.summary()
     console.print_json(json.dumps({k: v for k, v in summary.items() if k not in ("layers", "groups")}))  # tabled
     try:
-        if output is not None:  # a grouped model is rebuilt from --model's constructor
-            console.print(f"wrote {output} and {save(result.model, output, {'reduction': summary}, source=model)}")
+        if out is not None:  # a grouped model is rebuilt from --model's constructor
+            console.print(f"wrote {out} and {save(result.model, out, {'reduction': summary}, source=model)}")
         write_json(json_path, summary)
         if plot is not None:
             from ..reduce.plots import plot_layer_factors

@@ -35,7 +35,7 @@ def _secret(env: str | None, what: str) -> str | None:
 
 
 # Options that `split export --trained DIR` takes from the training record instead.
-_FROM_TRAINING = ("model", "channels", "split_point", "downsample", "architecture", "resolution", "num_classes",
+_FROM_TRAINING = ("model", "channels", "split_point", "downsample", "architecture", "size", "num_classes",
                   "class_names", "color", "normalize")
 _ARCHITECTURE_HELP = "bottleneck design: paper (the paper's text) or released (the authors' code: 2x2 convs, heavier decoder)"
 
@@ -49,10 +49,10 @@ def train(
     size: int = typer.Option(224, min=8, help="input height = width (images are resized to it, as `split infer` does)"),
     channels: int = typer.Option(12, min=1, help="bottleneck channels C"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
-    downsample: bool = typer.Option(False, help="halve the bottleneck's height and width once more"),
+    downsample: bool = typer.Option(False, metavar="", help="halve the bottleneck's height and width once more"),
     architecture: str = typer.Option("paper", help=_ARCHITECTURE_HELP),
     stage2: str = typer.Option("ft", help="after GHND: ft (fine-tune with cross entropy) or kd (knowledge distillation)"),
-    freeze_encoder: bool = typer.Option(False, "--freeze-encoder", help="stage 2 trains only the tail (the paper's FE)"),
+    freeze_encoder: bool = typer.Option(False, "--freeze-encoder", metavar="", help="stage 2 trains only the tail (the paper's FE)"),
     epochs: int = typer.Option(10, min=1, help="epochs per stage (paper: 10); the learning rate drops x0.1 after the first half"),
     batch_size: int = typer.Option(32, min=1, help="images per step"),
     lr: float = typer.Option(1e-3, help="learning rate of both stages (paper: 1e-3)"),
@@ -61,12 +61,12 @@ def train(
     val_fraction: float = typer.Option(None, help="folder: share of each class held out for the evaluation (default 0.2)"),
     train_limit: int = typer.Option(None, min=1, help="built-ins: train on the first N training images"),
     val_limit: int = typer.Option(None, min=1, help="built-ins: evaluate on the first N test images"),
-    skip_bad_images: bool = typer.Option(False, "--skip-bad-images", help="folder: leave out the images that cannot be decoded (listed in student.json); default: one is an error that names it"),
+    skip_bad_images: bool = typer.Option(False, "--skip-bad-images", metavar="", help="folder: leave out the images that cannot be decoded (listed in student.json); default: one is an error that names it"),
     seed: int = typer.Option(0, help="seeds the new layers, the batch order and a folder's validation split"),
     device: str = typer.Option("cpu", callback=device_option, help="cpu, cuda or cuda:N"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="also write the training record (student.json) here"),
     plot: Path = typer.Option(None, callback=plot_file, help="write the loss curves of both stages here (.png, .pdf, .svg)"),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="show progress bars"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", metavar="", help="show progress bars"),
 ) -> None:
     """Train a BottleFit student from a teacher: GHND, then FT or KD; evaluate it through the 8-bit payload."""
     from ..split.bottlefit import BottleFitConfig
@@ -124,17 +124,17 @@ def export(
     out: Path = typer.Option(..., callback=output_dir, help="artifact directory to write"),
     checkpoint: Path = typer.Option(None, help="trained BottleneckModel state dict (.safetensors), loaded strictly"),
     trained: Path = typer.Option(None, help="a `split train --out` directory: the student, its architecture, resolution, classes and preprocessing all come from it"),
-    random_init: bool = typer.Option(False, "--random-init", help="export untrained weights (timing, smoke tests)"),
+    random_init: bool = typer.Option(False, "--random-init", metavar="", help="export untrained weights (timing, smoke tests)"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
-    downsample: bool = typer.Option(False, help="halve the bottleneck's height and width once more"),
+    downsample: bool = typer.Option(False, metavar="", help="halve the bottleneck's height and width once more"),
     architecture: str = typer.Option("paper", help=_ARCHITECTURE_HELP),
-    resolution: int = typer.Option(224, min=8, help="input height = width the head is exported for"),
+    size: int = typer.Option(224, min=8, help="input height = width the head is exported for"),
     num_classes: int = typer.Option(10, min=1, help="classifier outputs"),
     class_names: str = typer.Option(None, help="comma-separated class names, in label order, for `split infer` to print"),
     color: str = typer.Option("gray", help="images the client sends: gray (Fashion-MNIST teachers) or rgb"),
     normalize: str = typer.Option("none", help="pixel normalisation after scaling to [0, 1]: none or imagenet"),
     key_env: str = typer.Option(None, help="sign the manifest with HMAC-SHA256, the key (>= 16 bytes) read from this environment variable"),
-    onnx: bool = typer.Option(False, "--onnx", help="also write head.onnx for devices that run onnxruntime (needs edgetorch[onnx])"),
+    onnx: bool = typer.Option(False, "--onnx", metavar="", help="also write head.onnx for devices that run onnxruntime (needs edgetorch[onnx])"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write what was exported (shapes, files, SHA-256) here"),
 ) -> None:
     """Write head.safetensors, tail.safetensors and manifest.json for a bottleneck-injected model."""
@@ -162,14 +162,14 @@ def export(
     try:
         if trained is not None:
             run = load_trained(trained)
-            student, resolution, preprocess, names = run.model, run.resolution, run.preprocess, list(run.class_names)
+            student, size, preprocess, names = run.model, run.resolution, run.preprocess, list(run.class_names)
         else:
             student = inject_bottleneck(build_model(model, num_classes=num_classes), channels, split_point,
                                         downsample=downsample, architecture=architecture)
             if checkpoint is not None:
                 load_weights(student, checkpoint)
-            preprocess = Preprocess((resolution, resolution), color, *NORMALISATIONS[normalize])
-        manifest = save(student, out, resolution, preprocess, class_names=names, key=key, onnx=onnx)
+            preprocess = Preprocess((size, size), color, *NORMALISATIONS[normalize])
+        manifest = save(student, out, size, preprocess, class_names=names, key=key, onnx=onnx)
     except (EdgetorchError, ValueError, TypeError, ImportError) as err:
         raise typer.BadParameter(str(err)) from None
     source = trained or checkpoint or "random init"
@@ -199,7 +199,7 @@ def serve(
     token_env: str = typer.Option(None, help="require `Authorization: Bearer <token>`, the token read from this environment variable"),
     key_env: str = typer.Option(None, help="refuse the artifact unless signed with the HMAC key in this environment variable"),
     expect_id: str = typer.Option(None, "--expect-id", help="refuse any artifact but the one with this id (export prints it), even one signed with the same key"),
-    ray: bool = typer.Option(False, "--ray", help="serve behind Ray Serve's proxy (needs edgetorch[ray]); see docs/split_ray.md"),
+    ray: bool = typer.Option(False, "--ray", metavar="", help="serve behind Ray Serve's proxy (needs edgetorch[ray]); see docs/split_ray.md"),
     replicas: int = typer.Option(1, min=1, help="with --ray: tail replicas, each loading and verifying the artifact"),
     num_cpus_per_replica: float = typer.Option(1.0, min=0.0, help="with --ray: CPUs Ray reserves per replica"),
 ) -> None:
@@ -277,7 +277,7 @@ def probe(
     token_env: str = typer.Option(None, help="send the bearer token read from this environment variable"),
     clients: int = typer.Option(4, min=1, help="load: concurrent keep-alive clients"),
     requests: int = typer.Option(25, min=1, help="load: batch-1 requests per client, back to back"),
-    hostile: bool = typer.Option(False, "--hostile", help="also open stalled connections and send fuzzed requests"),
+    hostile: bool = typer.Option(False, "--hostile", metavar="", help="also open stalled connections and send fuzzed requests"),
     stalled: int = typer.Option(100, min=1, help="with --hostile: connections that stop halfway through a request"),
     fuzz: int = typer.Option(500, min=1, help="with --hostile: seeded malformed requests, 32 at a time"),
     header_deadline: float = typer.Option(None, min=0.1, help="with --hostile: the seconds the server gives a request line and headers (its --header-timeout; default: a default server's); a connection stalled in its headers must be closed within this + 1 s"),
@@ -389,7 +389,7 @@ def plan(
     model: str = typer.Option(PLAN_MODEL, help="teacher architecture"),
     channels: list[int] = typer.Option(PLAN_CHANNELS, help="repeatable: bottleneck channels to compare"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
-    resolution: int = typer.Option(PLAN_RESOLUTION, min=8, help="input height = width"),
+    size: int = typer.Option(PLAN_RESOLUTION, min=8, help="input height = width"),
     accuracy: Path = typer.Option(None, help="accuracy JSON {teacher, jpeg, split: {C: acc}}, e.g. the training benchmark's docs/results/split_training.json (default: none, the plan shows no accuracy)"),
     server: str = typer.Option("quadro-p600", help="quadro-p600 (the paper's edge server, speed assumed), this-machine, or a .json (e.g. from `split measure-server` run on the server)"),
     images: Path = typer.Option(None, help="offload file sizes from your own images under this folder (default: Fashion-MNIST test images)"),
@@ -410,12 +410,12 @@ def plan(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     try:  # before the timing, so a bad --images folder is reported at once
-        files = image_file_bytes(resolution, images_dir=images)
+        files = image_file_bytes(size, images_dir=images)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     with console.status("timing the head/tail per C and the profiles' reference models on this machine"):
         try:
-            times = measure_host_times(model, sorted(set(channels)), resolution, profile, split_point,
+            times = measure_host_times(model, sorted(set(channels)), size, profile, split_point,
                                        server=server_profile)
         except ValueError as err:  # a model or split point inject_bottleneck does not accept
             raise typer.BadParameter(str(err)) from None
@@ -424,14 +424,14 @@ def plan(
     console.print(f"server: {server_profile.name} ({server_profile.source}); its times: "
                   f"{server_times(times, profile, server_profile).basis}")
     console.print(f"accuracy: {known.source if known else NO_ACCURACY}; offload files: "
-                  f"{images or 'Fashion-MNIST test images'} at {resolution}px (PNG {files['png']:,.0f} B, "
+                  f"{images or 'Fashion-MNIST test images'} at {size}px (PNG {files['png']:,.0f} B, "
                   f"JPEG {files['jpeg']:,.0f} B; device-side encoding is counted)")
     records = []
     for one in links:
         rows = compare_deployments(times, files, one, profile, known, server=server_profile)
         record = plan_record(rows, one, profile, times, known, server_profile)
         records.append(record)
-        table = Table(title=f"{model} {resolution}px on {profile.name} over {one.name}, server {server_profile.name}")
+        table = Table(title=f"{model} {size}px on {profile.name} over {one.name}, server {server_profile.name}")
         for col in ("option", "bytes sent", "D_head ms", "D_net ms (p95)", "D_tail ms", "D_e2e ms",
                     "energy mJ", "power W", "accuracy"):
             table.add_column(col, justify="left" if col == "option" else "right")
@@ -453,7 +453,7 @@ def measure_server(
     model: str = typer.Option(PLAN_MODEL, help="teacher architecture (as `split plan --model`)"),
     channels: list[int] = typer.Option(PLAN_CHANNELS, help="repeatable: bottleneck channels whose tails to time"),
     split_point: str = typer.Option("sp2", help="sp1 or sp2"),
-    resolution: int = typer.Option(PLAN_RESOLUTION, min=8, help="input height = width"),
+    size: int = typer.Option(PLAN_RESOLUTION, min=8, help="input height = width"),
     device: str = typer.Option("cpu", callback=device_option, help="where the server runs the tail: cpu, cuda or cuda:N"),
     name: str = typer.Option(None, help="the profile's name (default: this machine's host name and --device)"),
 ) -> None:
@@ -464,7 +464,7 @@ def measure_server(
     _check_channels(channels)
     with console.status(f"timing the full model, the tails and the reference model on {device}"):
         try:
-            profile = measure(model, sorted(set(channels)), resolution, split_point, device, name)
+            profile = measure(model, sorted(set(channels)), size, split_point, device, name)
         except ValueError as err:  # a model or split point inject_bottleneck does not accept
             raise typer.BadParameter(str(err)) from None
     out.write_text(profile_json(profile))

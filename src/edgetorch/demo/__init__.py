@@ -34,7 +34,7 @@ WHAT_NEXT = """\
   # see what one training step saves and holds, per policy
   edgetorch profile --model torchvision:resnet18 --policy dense --policy bitmap --policy backrazor
   # shrink a trained network to a multiplication budget
-  edgetorch reduce --model zoo:plaincnn --dataset fashion-mnist --alpha 0.5 --output small.safetensors
+  edgetorch reduce --model zoo:plaincnn --data fashion-mnist --alpha 0.5 --out small.safetensors
   # train a BottleFit student from your teacher, then export and serve it
   edgetorch split train --help
 README.md has each in full; docs/results/ has every measured number."""
