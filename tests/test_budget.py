@@ -72,6 +72,20 @@ def test_the_choice_follows_exactness_then_sparsity_then_batch(small):
     assert none.chosen is None and "nothing fits 1 MiB" in none.reason
 
 
+def test_nothing_fits_names_the_commands_option_and_the_python_parameter(small, monkeypatch):
+    """Issue 28, item 6: the hint named only plan_memory's min_batch; a command's user sets --min-batch.
+    The process is taken to hold nothing before training, so a budget just above the optimizer's
+    state reaches the candidates' comparison (not the early refusal of a budget below what the
+    process holds)."""
+    import edgetorch.activations.budget as budget
+
+    model, batch = small
+    monkeypatch.setattr(budget, "held_bytes", lambda device: 0)
+    none = plan_memory(model, batch, "46MiB", policies=["dense"])  # the state: 42.6 MiB
+    assert none.chosen is None and none.reason.startswith("nothing fits"), none.reason
+    assert "allow smaller batches (the command's --min-batch, plan_memory's min_batch)" in none.reason
+
+
 def test_checkpointed_candidates_are_measured_and_ranked_after_their_plain_policy(small):
     model, batch = small
     plan = plan_memory(model, batch, "100GiB")  # the defaults include +checkpoint for a model with stages

@@ -180,7 +180,7 @@ def test_cli_finetunes_a_folder_into_weights_torchvision_loads(folder, imagenet_
 
     again, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
                         "--size", 32, "--epochs", 2, "--batch-size", 8, "--lr", 0.05, "--out", out])
-    assert again.exit_code == 0 and "had finished its 2 epochs: nothing was trained" in text
+    assert again.exit_code == 0 and "had finished its 2 epoch(s): nothing was trained" in text
     assert f"measured peak {summary['peak_bytes'] / 2**20:,.1f} MiB" in text  # the run's own, not 0.0
 
     # Another size is another run: refused, not resumed and recorded as trained at 40 px
@@ -206,7 +206,7 @@ def test_cli_memory_budget_plans_then_stays_within(folder, imagenet_weights, tmp
 
     # Again, finished: it used to divide by the 0 bytes the no epochs it trained measured
     again, text = _run([*args, "--memory-budget", "16GiB"])
-    assert again.exit_code == 0 and "had finished its 1 epochs" in text and "within the budget" in text, text
+    assert again.exit_code == 0 and "had finished its 1 epoch(s)" in text and "within the budget" in text, text
     rerun = json.loads((tmp_path / "run.json").read_text())
     assert rerun["peak_bytes"] == summary["peak_bytes"] and -1 < rerun["plan"]["prediction_error"] < 1
 
@@ -455,7 +455,7 @@ def test_a_budget_below_what_the_process_holds_is_refused_before_measuring_anyth
     """A unitless --memory-budget 1 is one byte: refused at once (it measured every candidate for
     71 s, then said nothing fits 0 MiB), saying that budgets without a unit are bytes."""
     job = FinetuneJob(model="zoo:mlp", data="digits", limit=64, epochs=1, batch=16, memory_budget=1)
-    with pytest.raises(NothingFits, match="nothing fits 1 bytes .* already holds .* unless it carries a unit") as refused:
+    with pytest.raises(NothingFits, match="nothing fits 1 byte with .* already holds .* unless it carries a unit") as refused:
         run_finetune(job)
     assert refused.value.plan.candidates == []
 

@@ -367,7 +367,7 @@ def _risk(how: TrainingPolicy) -> tuple:
 
 
 def _below_held(budget: int, held: int, state_bytes: int, margin: float) -> str:
-    shown = f"{budget / 2**20:,.0f} MiB" if budget >= 2**20 else f"{budget:,} bytes"
+    shown = f"{budget / 2**20:,.0f} MiB" if budget >= 2**20 else f"{budget:,} byte{'' if budget == 1 else 's'}"
     return (f"nothing fits {shown} with {margin:.0%} headroom: before training this process already holds "
             f"{held / 2**20:,.0f} MiB (interpreter, torch, model, data), and the optimizer's state adds "
             f"{state_bytes / 2**20:,.1f} MiB; a budget is in bytes unless it carries a unit (e.g. 600MiB, 1GiB)")
@@ -389,7 +389,8 @@ def _reason(chosen: Candidate | None, candidates: list[Candidate], budget: int, 
         return (f"nothing fits {budget / mib:,.0f} MiB with {margin:.0%} headroom: the smallest {what} is "
                 f"{least.policy} at batch {least.batch}, "
                 f"{(least.measured_peak_bytes or least.predicted_peak_bytes) / mib:,.0f} MiB; raise "
-                "the budget, train fewer parameters, use a smaller input size, or allow smaller batches (min_batch)")
+                "the budget, train fewer parameters, use a smaller input size, or allow smaller batches (the command's "
+                "--min-batch, plan_memory's min_batch)")
     why = "an exact policy" if chosen.exact else (
         f"no exact policy fits at any batch, and {chosen.policy} is the least lossy that does (8-bit, then 4-bit "
         "quantized, then Back Razor by sparsity)")

@@ -121,7 +121,7 @@ def finetune(
     else:
         console.print(measured)
     if result.resumed_from == run.config.epochs:
-        console.print(f"{out} had finished its {result.resumed_from} epochs: nothing was trained, the peak and accuracy "
+        console.print(f"{out} had finished its {result.resumed_from} epoch(s): nothing was trained, the peak and accuracy "
                       "are the run's own (train more: a larger --epochs with another --out)")
     elif result.resumed_from:
         console.print(f"resumed after epoch {result.resumed_from} from {out / 'checkpoint'}")
