@@ -13,6 +13,7 @@ import typer.rich_utils
 from rich.console import Console
 
 from .._checks import check_device
+from .._extras import EXTRAS, install_hint
 
 # Piped or captured help (a pager, a file, CI logs) would be laid out at rich's 80 columns, which
 # truncates long option help with an ellipsis; a terminal keeps its own width.
@@ -41,6 +42,16 @@ class _Commands(typer.core.TyperGroup):
             click.echo(f"warning: {name} is now {RENAMED_OPTIONS[name]} (the old spelling works until edgetorch 0.3)",
                        err=True)
         return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> object:
+        # An optional package a command needs and the install left out: say which extra brings it.
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as err:
+            if (err.name or "").split(".")[0] not in EXTRAS:
+                raise
+            console.print(install_hint(err), style="red")
+            raise typer.Exit(1) from None
 
 
 app = typer.Typer(cls=_Commands, help="edgetorch: memory-efficient training and deployment on edge devices.",
@@ -118,6 +129,10 @@ def plot_file(path: Path | None) -> Path | None:
     path = output_file(path)
     if path is not None and path.suffix.lower() not in PLOT_SUFFIXES:
         raise typer.BadParameter(f"{path}: give a {', '.join(PLOT_SUFFIXES)} file")
+    import importlib.util
+
+    if path is not None and importlib.util.find_spec("matplotlib") is None:  # said now, not after the run
+        raise typer.BadParameter(install_hint(ModuleNotFoundError(name="matplotlib")))
     return path
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import EdgetorchError
+from .._extras import install_hint
 from ._app import app, console, device_option, mib, output_dir, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
@@ -72,7 +73,7 @@ def finetune(
                           schedule=schedule, seed=seed, size=size, val_fraction=val_fraction, limit=train_limit,
                           skip_bad_images=skip_bad_images, device=device)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(install_hint(err)) from None
     loaded = []  # an error before the model and data are ready is a usage error (exit 2), after it a failure (1)
 
     def show_loaded(run: FinetuneRun) -> None:
@@ -102,7 +103,7 @@ def finetune(
         raise typer.Exit(130) from None
     except (EdgetorchError, ValueError, TypeError, ImportError) as err:
         if not loaded:
-            raise typer.BadParameter(str(err)) from None
+            raise typer.BadParameter(install_hint(err)) from None
         # ImageFolderError: a damaged image found when decoded; TrainingDiverged: the loss became NaN.
         if not isinstance(err, (CheckpointError, ImageFolderError, TrainingDiverged)):
             raise

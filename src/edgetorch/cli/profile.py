@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
+from .._extras import install_hint
 from ._app import app, console, device_option, mib, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
@@ -45,7 +46,7 @@ def profile(
             parse_training_policy(spec)
         build_model(model, num_classes=num_classes)  # fail fast on unknown names
     except (ValueError, TypeError, ImportError) as err:
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(install_hint(err)) from None
 
     with console.status("") as status:
         done = []

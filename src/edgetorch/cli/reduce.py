@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from ..errors import EdgetorchError
+from .._extras import install_hint
 from ._app import app, console, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
@@ -99,7 +100,7 @@ def reduce(
     except (EdgetorchError, ValueError, TypeError) as err:
         raise typer.BadParameter(str(err)) from None
     except (ImportError, RuntimeError) as err:  # not a chain without Torch-Pruning; torch refusing the data
-        console.print(f"reduce failed: {err}", style="red")
+        console.print(f"reduce failed: {install_hint(err)}", style="red")
         raise typer.Exit(1) from None
 
     result, a = run.reduction, run.reduction.allocation

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..errors import EdgetorchError
 from ..tail_defaults import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_BATCH, MAX_CONNECTIONS, READ_TIMEOUT_S, WRITE_TIMEOUT_S
+from .._extras import install_hint
 from ._app import app, console, device_option, output_dir, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the commands import torch-backed modules only when they run
@@ -82,7 +83,7 @@ def train(
                                                         batch_size=batch_size, lr=lr, seed=seed))  # fmt: skip
         run = train_student(config, out, device=device, progress=progress, log=console.print)
     except ValueError as err:  # bad input, found before training starts (ImageFolderError, CheckpointError)
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(install_hint(err)) from None
     except KeyboardInterrupt:
         console.print(f"interrupted: finished epochs are checkpointed under {out}; run the same command "
                       "again to resume", style="yellow")
@@ -171,7 +172,7 @@ def export(
             preprocess = Preprocess((size, size), color, *NORMALISATIONS[normalize])
         manifest = save(student, out, size, preprocess, class_names=names, key=key, onnx=onnx)
     except (EdgetorchError, ValueError, TypeError, ImportError) as err:
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(install_hint(err)) from None
     source = trained or checkpoint or "random init"
     console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
                   f"{manifest.num_classes} logits ({source}{', signed' if key else ''}{', with head.onnx' if onnx else ''})")
@@ -226,7 +227,7 @@ def serve(
             return
         server = app_from_dir(artifact_dir, config, key)
     except (EdgetorchError, ValueError, ImportError) as err:
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(install_hint(err)) from None
     import uvicorn
 
     uvicorn.Server(uvicorn_config(server, host, port)).run()
@@ -257,7 +258,7 @@ def infer(
                                   runtime=runtime) as client:
             result = client.infer_files(images)
     except (SplitArtifactError, ValueError, ImportError) as err:
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(install_hint(err)) from None
     except (SplitClientError, httpx.HTTPError) as err:
         console.print(f"request failed: {err}", style="red")
         raise typer.Exit(1) from None
@@ -312,7 +313,7 @@ def probe(
     try:
         target = Target.from_url(url, _secret(token_env, "bearer token"))
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(install_hint(err)) from None
     try:
         status, body = get(target, "/")
         if status != 200:
@@ -408,17 +409,17 @@ def plan(
         server_profile = load_server(server)
         known = None if accuracy is None else load_accuracy(accuracy)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(install_hint(err)) from None
     try:  # before the timing, so a bad --images folder is reported at once
         files = image_file_bytes(size, images_dir=images)
     except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
+        raise typer.BadParameter(install_hint(err)) from None
     with console.status("timing the head/tail per C and the profiles' reference models on this machine"):
         try:
             times = measure_host_times(model, sorted(set(channels)), size, profile, split_point,
                                        server=server_profile)
         except ValueError as err:  # a model or split point inject_bottleneck does not accept
-            raise typer.BadParameter(str(err)) from None
+            raise typer.BadParameter(install_hint(err)) from None
     console.print(f"device: {profile.name} ({profile.source}); device/host speed ratio "
                   f"{profile.reference_seconds / times.reference_s:.3g}")
     console.print(f"server: {server_profile.name} ({server_profile.source}); its times: "
@@ -466,7 +467,7 @@ def measure_server(
         try:
             profile = measure(model, sorted(set(channels)), size, split_point, device, name)
         except ValueError as err:  # a model or split point inject_bottleneck does not accept
-            raise typer.BadParameter(str(err)) from None
+            raise typer.BadParameter(install_hint(err)) from None
     out.write_text(profile_json(profile))
     tails = ", ".join(f"C={c} {s * 1e3:.1f}" for c, s in profile.measured.tail_s.items())
     console.print(f"{profile.name}: full model {profile.measured.full_s * 1e3:.1f} ms, tails (ms) {tails}, "
