@@ -221,3 +221,84 @@ def test_first_use_pretraining_is_announced_with_its_time_left_then_loads_quietl
     second = CliRunner().invoke(app, command)
     assert second.exit_code == 0, second.output
     assert not [line for line in second.output.splitlines() if line.startswith("pretraining")], second.output
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory):
+    """A folder of three classes, and zoo:mlp fine-tuned on it by `edgetorch finetune` (its record beside)."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("finetuned")
+    digits = load_dataset("digits", "train", size=28)
+    for label, name in enumerate(("one", "three", "two")):
+        (root / "photos" / name).mkdir(parents=True)
+        images = digits.tensors[0][digits.tensors[1] == (1, 3, 2)[label]][:10]
+        for i, image in enumerate(images):
+            Image.fromarray((image[0] * 255).round().byte().numpy()).save(root / "photos" / name / f"{i}.png")
+    weights = root / "base.safetensors"
+    save_weights(MLP(num_classes=10), weights)
+    tuned = CliRunner().invoke(app, ["finetune", "--model", "zoo:mlp", "--weights", str(weights), "--data",
+                                     str(root / "photos"), "--size", "28", "--epochs", "3", "--batch-size", "8",
+                                     "--seed", "3", "--out", str(root / "run")])
+    assert tuned.exit_code == 0, tuned.output
+    return root
+
+
+def test_reduce_takes_a_fine_tuned_model_and_its_folder(fine_tuned, tmp_path):
+    """Issue 28, item 4: `reduce --data photos/` answered "accepted: digits, fashion-mnist", and a
+    3-class model.safetensors failed on its classifier's shape. Now the model finetune wrote and
+    its folder reduce end to end: accuracy on the images fine-tuning held out (its record's seed),
+    and the reduced model's record says its classes, size and normalisation."""
+    run = fine_tuned / "run"
+    record = json.loads((run / "model.json").read_text())
+    out, summary_file = tmp_path / "small.safetensors", tmp_path / "small.json.summary"
+    result = CliRunner().invoke(app, ["reduce", "--model", "zoo:mlp", "--weights", str(run / "model.safetensors"),
+                                      "--data", str(fine_tuned / "photos"), "--size", "28", "--alpha", "0.5",
+                                      "--calibration", "16", "--latency-batch", "2", "--out", str(out),
+                                      "--json", str(summary_file)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(summary_file.read_text())
+    assert summary["classes"] == record["classes"] == ["one", "three", "two"]
+    assert summary["image_size"] == 28 and summary["normalize"] is None
+    held_out = int(record["data"].split(", ")[1].split()[0])  # "photos: 24 train, 6 val images, 3 classes"
+    assert summary["test_samples"] == held_out == 6
+    assert summary["accuracy_full"] == pytest.approx(record["val_accuracy"])  # the same images, the same model
+    reduced, saved = load(out)
+    assert saved["reduction"]["classes"] == record["classes"] and reduced(torch.rand(2, 1, 28, 28)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--size": "32"}, "was fine-tuned on 28x28 images"),
+    ({"--weights": None}, "needs --weights: the model fine-tuned on them"),
+    ({"--data": "other"}, "was fine-tuned on ['one', 'three', 'two']"),
+])
+def test_reduce_refuses_a_folder_that_does_not_match_the_fine_tuned_model(fine_tuned, change, message):
+    other = fine_tuned / "other"
+    if not other.exists():
+        for name in ("a", "b", "c"):
+            (other / name).mkdir(parents=True)
+            for i in range(3):
+                (other / name / f"{i}.png").write_bytes((fine_tuned / "photos" / "one" / f"{i}.png").read_bytes())
+    options = {"--model": "zoo:mlp", "--weights": str(fine_tuned / "run" / "model.safetensors"),
+               "--data": str(fine_tuned / "photos"), "--size": "28", "--alpha": "0.5"}
+    options |= {k: (str(other) if v == "other" else v) for k, v in change.items()}
+    args = ["reduce", *(x for k, v in options.items() if v is not None for x in (k, v))]
+    result = CliRunner().invoke(app, args)
+    said = " ".join(result.output.replace("│", " ").split())  # the error panel's borders out
+    assert result.exit_code == 2 and message in said, result.output
+
+
+@pytest.mark.parametrize("field, value", [("image_size", "28"), ("classes", {"a": 1}), ("val_fraction", 7),
+                                          ("config", {"seed": "x"}), (None, [1, 2])])
+def test_reduce_refuses_a_tampered_finetune_record_with_a_message(fine_tuned, tmp_path, field, value):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(fine_tuned / "run", run)
+    record = json.loads((run / "model.json").read_text())
+    (run / "model.json").write_text(json.dumps(value if field is None else {**record, field: value}))
+    result = CliRunner().invoke(app, ["reduce", "--model", "zoo:mlp", "--weights", str(run / "model.safetensors"),
+                                      "--data", str(fine_tuned / "photos"), "--size", "28", "--alpha", "0.5"])
+    said = " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 2 and "Traceback" not in said, said
+    assert ("is not a finetune record" if field is None else f"{field} ") in said and "model.json" in said, said

@@ -55,7 +55,9 @@ def reduce(
     alpha: float = typer.Option(..., help="total reduction factor in [0, 1): share of multiplications removed"),
     method: str = typer.Option("prune", help="prune (the paper's), prune-ls (correlation-aware), lowrank"),
     allocation: str = typer.Option("optimal", help="optimal (exact), pso (the paper's), uniform"),
-    data: str = typer.Option("digits", help="calibration samples from its train split, accuracy on its test split"),
+    data: str = typer.Option("digits", help="digits or fashion-mnist (calibration from the train split, accuracy on "
+                             "the test split), or an image folder with --weights fine-tuned on it (a finetune run's "
+                             "model.safetensors: accuracy on the images it held out)"),
     size: int = typer.Option(28, min=1, help="image size the model takes"),
     calibration: int = typer.Option(1000, min=2, help="unlabeled calibration samples (pruning)"),
     accuracy: bool = typer.Option(True, metavar="", help="evaluate full and reduced accuracy on the test labels"),

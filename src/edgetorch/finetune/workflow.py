@@ -178,7 +178,8 @@ class FinetuneRun:
         return {"model": job.model, "weights": str(job.weights) if job.weights else None, "origin": self.origin,
                 "data": data.description, "classes": data.classes, "num_classes": len(data.classes),
                 "image_size": self.image_size, "channels": self.channels, "normalize": data.normalize,
-                "skipped_images": [why for _, why in data.skipped]}
+                # The folder's split (with config's seed): `reduce` measures accuracy on the same held-out images.
+                "val_fraction": job.val_fraction, "skipped_images": [why for _, why in data.skipped]}
 
     @property
     def within_budget(self) -> bool | None:

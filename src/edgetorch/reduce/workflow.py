@@ -26,6 +26,7 @@ from torch.utils.data import TensorDataset
 
 from .._status import Notice, Status
 from .api import Reduction, reduce_model
+from .finetuned import load_finetuned
 from .latency import LatencyComparison, compare_latency
 from .macs import count_macs
 from .recover import RecoverConfig, RecoverHistory, recover
@@ -45,7 +46,10 @@ class ReduceJob:
         weights: safetensors / state-dict weights of ``model``.
         method: ``prune`` (the paper's), ``prune-ls`` (correlation-aware) or ``lowrank``.
         allocation: ``optimal`` (exact), ``pso`` (the paper's) or ``uniform``.
-        dataset: calibration samples from its train split, accuracy on its test split.
+        dataset: ``digits`` or ``fashion-mnist`` (calibration samples from the train split,
+            accuracy on the test split), or an image folder with ``weights`` fine-tuned on it
+            (:func:`~edgetorch.reduce.finetuned.load_finetuned`: accuracy on the share
+            fine-tuning held out).
         size: image size the model takes.
         calibration: unlabeled calibration samples (pruning).
         accuracy: evaluate full and reduced accuracy on the test labels.
@@ -94,6 +98,8 @@ class ReduceRun:
         accuracy_full, accuracy_reduced: test accuracy before fine-tuning (None: not evaluated).
         finetune, finetune_config: the fine-tune's history and settings (None: no fine-tuning).
         finetune_samples: training samples the fine-tune saw; test_samples: the accuracy's.
+        classes, normalize: an image folder's class names in label order, and the normalisation
+            its images went through (None for a built-in dataset).
         latency: the measured CPU latency comparison, on ``latency_batch`` test images.
     """
 
@@ -110,12 +116,14 @@ class ReduceRun:
     finetune_config: RecoverConfig | None = None
     finetune_samples: int = 0
     test_samples: int = 0
+    classes: list[str] | None = None
+    normalize: str | None = None
 
     def summary(self) -> dict[str, Any]:
         """The JSON summary ``edgetorch reduce --json`` writes (per-layer factors included)."""
         a, job = self.reduction.allocation, self.job
         out: dict[str, Any] = {
-            "model": job.model, "dataset": job.dataset, "method": job.method, "allocation": job.allocation,
+            "model": job.model, "dataset": str(job.dataset), "method": job.method, "allocation": job.allocation,
             "alpha": job.alpha, "achieved_alpha": a.alpha, "objective_J": a.objective,
             "solver_seconds": a.seconds, "proven_gap": a.proven_gap, "macs_full": self.macs_full,
             "macs_reduced": self.macs_reduced,
@@ -129,6 +137,9 @@ class ReduceRun:
                                "accuracy": history.accuracy}
             if self.accuracy_full is not None:
                 out["accuracy_finetuned"] = history.accuracy[-1]
+        if self.classes is not None:  # what the reduced model's user needs to feed it and read it
+            out |= {"classes": self.classes, "image_size": job.size, "normalize": self.normalize,
+                    "test_samples": self.test_samples}
         out |= {"latency_batch": self.latency_batch, "latency_full_s": self.latency.full_seconds,
                 "latency_reduced_s": self.latency.reduced_seconds, "latency_ratio": self.latency.ratio}
         return out
@@ -185,16 +196,21 @@ def run_reduction(job: ReduceJob, status: Status = contextlib.nullcontext, notic
 
 
 def _run(job: ReduceJob, status: Status, notice: Notice | None) -> ReduceRun:
-    from ..data import load_dataset
+    from ..data import DATASETS, load_dataset
     from ..zoo import evaluate_accuracy, input_channels
     from ..zoo.registry import with_channels
 
     with status(f"loading {job.model} and {job.dataset}"):
-        full = load_for_reduction(job.model, job.weights, job.dataset, job.size, notice=notice)
-        channels = input_channels(full)
-        train = load_dataset(job.dataset, "train", size=job.size)
-        test = load_dataset(job.dataset, "test", size=job.size)
-        train, test = (TensorDataset(with_channels(d.tensors[0], channels), d.tensors[1]) for d in (train, test))
+        if str(job.dataset).lower().replace("_", "-") in DATASETS:
+            full = load_for_reduction(job.model, job.weights, job.dataset, job.size, notice=notice)
+            channels = input_channels(full)
+            train = load_dataset(job.dataset, "train", size=job.size)
+            test = load_dataset(job.dataset, "test", size=job.size)
+            train, test = (TensorDataset(with_channels(d.tensors[0], channels), d.tensors[1]) for d in (train, test))
+            folder = None
+        else:  # an image folder, and the model fine-tuned on it
+            folder = load_finetuned(job.model, job.weights, job.dataset, job.size)
+            full, train, test = folder.model, folder.train, folder.test
     calibration = train.tensors[0][: min(job.calibration, len(train))]
     with status(f"measuring each layer's error curve on {len(calibration)} samples, then the {job.allocation} "
                 "allocation"):
@@ -220,4 +236,6 @@ def _run(job: ReduceJob, status: Status, notice: Notice | None) -> ReduceRun:
     return ReduceRun(job=job, full=full, reduction=reduction, macs_full=macs_full, macs_reduced=macs_reduced,
                      latency=latency, latency_batch=len(batch), accuracy_full=accuracy_full,
                      accuracy_reduced=accuracy_reduced, finetune=history, finetune_config=config,
-                     finetune_samples=len(train), test_samples=len(test))
+                     finetune_samples=len(train), test_samples=len(test),
+                     classes=None if folder is None else folder.classes,
+                     normalize=None if folder is None else folder.normalize)
