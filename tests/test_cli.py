@@ -109,7 +109,7 @@ def test_one_option_vocabulary_across_the_commands_with_flags_shown_as_flags():
 @pytest.mark.parametrize("old, new, command, value, refused", [
     ("--batch", "--batch-size", ["profile", "--model", "zoo:cnn"], "0", "'--batch-size'"),
     ("--resolution", "--size", ["split", "plan", "--link", "wifi:5"], "0", "'--size'"),
-    ("--dataset", "--data", ["reduce", "--alpha", "0.5"], "no-such-data", "unknown dataset 'no-such-data'"),
+    ("--dataset", "--data", ["reduce", "--alpha", "0.5"], "no-such-data", "'no-such-data' is neither a built-in dataset"),
     ("--output", "--out", ["reduce", "--alpha", "0.5"], "nothing/here.safetensors", "'--out'"),
     ("--limit", "--train-limit", ["finetune", "--model", "zoo:cnn", "--data", "digits"], "0", "'--train-limit'"),
 ])

@@ -68,6 +68,11 @@ def load_finetuned(model: str, weights: str | Path | None, folder: str | Path, s
     from ..finetune import classifier_name, start_model
     from ..zoo import input_channels
 
+    from ..data import DATASETS
+
+    if not Path(folder).exists():
+        raise ValueError(f"data {str(folder)!r} is neither a built-in dataset ({', '.join(DATASETS)}) nor an existing "
+                         "folder or .csv file")
     if weights is None:
         raise ValueError(f"reducing for the images of {folder} needs --weights: the model fine-tuned on them "
                          "(e.g. `edgetorch finetune --out DIR` wrote DIR/model.safetensors)")
