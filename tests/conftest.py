@@ -1,5 +1,6 @@
 """Shared by several test modules: a small MLP and a small plain CNN with trained-looking batch
-norms (the reduce tests), and a decompression-bomb image file (every reader of user images)."""
+norms (the reduce tests), a decompression-bomb image file (every reader of user images), and a
+folder with a model `edgetorch finetune` trained on it (the reduce and predict tests)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,29 @@ def interrupted_after_a_checkpoint(monkeypatch) -> Callable[[Callable[[], object
             monkeypatch.setattr(checkpoints, "save", real_save)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory) -> Path:
+    """A folder of three classes, and zoo:mlp fine-tuned on it by `edgetorch finetune` (its record beside)."""
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from edgetorch.cli import app
+    from edgetorch.data import load_dataset
+    from edgetorch.zoo import save_weights
+
+    root = tmp_path_factory.mktemp("finetuned")
+    digits = load_dataset("digits", "train", size=28)
+    for label, name in enumerate(("one", "three", "two")):
+        (root / "photos" / name).mkdir(parents=True)
+        images = digits.tensors[0][digits.tensors[1] == (1, 3, 2)[label]][:10]
+        for i, image in enumerate(images):
+            Image.fromarray((image[0] * 255).round().byte().numpy()).save(root / "photos" / name / f"{i}.png")
+    weights = root / "base.safetensors"
+    save_weights(MLP(num_classes=10), weights)
+    tuned = CliRunner().invoke(app, ["finetune", "--model", "zoo:mlp", "--weights", str(weights), "--data",
+                                     str(root / "photos"), "--size", "28", "--epochs", "3", "--batch-size", "8",
+                                     "--seed", "3", "--out", str(root / "run")])
+    assert tuned.exit_code == 0, tuned.output
+    return root

@@ -223,27 +223,6 @@ def test_first_use_pretraining_is_announced_with_its_time_left_then_loads_quietl
     assert not [line for line in second.output.splitlines() if line.startswith("pretraining")], second.output
 
 
-@pytest.fixture(scope="module")
-def fine_tuned(tmp_path_factory):
-    """A folder of three classes, and zoo:mlp fine-tuned on it by `edgetorch finetune` (its record beside)."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("finetuned")
-    digits = load_dataset("digits", "train", size=28)
-    for label, name in enumerate(("one", "three", "two")):
-        (root / "photos" / name).mkdir(parents=True)
-        images = digits.tensors[0][digits.tensors[1] == (1, 3, 2)[label]][:10]
-        for i, image in enumerate(images):
-            Image.fromarray((image[0] * 255).round().byte().numpy()).save(root / "photos" / name / f"{i}.png")
-    weights = root / "base.safetensors"
-    save_weights(MLP(num_classes=10), weights)
-    tuned = CliRunner().invoke(app, ["finetune", "--model", "zoo:mlp", "--weights", str(weights), "--data",
-                                     str(root / "photos"), "--size", "28", "--epochs", "3", "--batch-size", "8",
-                                     "--seed", "3", "--out", str(root / "run")])
-    assert tuned.exit_code == 0, tuned.output
-    return root
-
-
 def test_reduce_takes_a_fine_tuned_model_and_its_folder(fine_tuned, tmp_path):
     """Issue 28, item 4: `reduce --data photos/` answered "accepted: digits, fashion-mnist", and a
     3-class model.safetensors failed on its classifier's shape. Now the model finetune wrote and

@@ -3,7 +3,7 @@
 Heavy imports (torch, models) happen inside the commands, so ``edgetorch --help`` stays fast.
 """
 
-from . import finetune, profile, reduce, split  # noqa: F401  (each registers its commands)
+from . import finetune, predict, profile, reduce, split  # noqa: F401  (each registers its commands)
 from ._app import app
 
 __all__ = ["app"]

@@ -4,7 +4,7 @@ the user's own image folders (:func:`image_folder`)."""
 from .cache import CACHE_ENV, cache_dir
 from .datasets import DATASETS, DatasetInfo, dataset_info, load_dataset
 from .digits import load_digits_arrays
-from .folder import ImageFolderDataset, ImageFolderError, image_folder, image_folder_splits
+from .folder import ImageFolderDataset, ImageFolderError, image_files, image_folder, image_folder_splits
 from .sources import ImageData, image_data
 from .fashion_mnist import (
     DEBIAN_FASHION_MNIST_DIR,
@@ -27,6 +27,7 @@ __all__ = [
     "cache_dir",
     "dataset_info",
     "image_data",
+    "image_files",
     "image_folder",
     "image_folder_splits",
     "load_dataset",

@@ -29,6 +29,7 @@ import io
 import os
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +138,40 @@ def image_folder(root: str | Path, size: int = 224, split: str = "train", *, val
     """
     return image_folder_splits(root, size, (split,), val_fraction=val_fraction, seed=seed, color=color,
                                normalize=normalize, augment=augment, skip_bad_images=skip_bad_images)[split]
+
+
+def image_files(paths: Sequence[str | Path], size: int, *, color: str = "rgb",
+                normalize: str | None = "imagenet") -> ImageFolderDataset:
+    """Images to classify, preprocessed as a folder's validation split is (resize, centre crop,
+    normalisation): what a trained model saw of its held-out images.
+
+    Args:
+        paths: image files, or folders whose images (recursively, in sorted order) are taken.
+        size: output height = width.
+        color: ``"rgb"`` or ``"gray"``.
+        normalize: ``"imagenet"`` or ``None``.
+
+    Returns:
+        An :class:`ImageFolderDataset` with no classes; every label is -1.
+
+    Raises:
+        ImageFolderError: a path that does not exist, or no image among them.
+
+    Example:
+        >>> images = image_files(["photos/cat/1.jpg", "more/"], 224)  # doctest: +SKIP
+    """
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += list_images([path], error=ImageFolderError)[0][0]
+        elif path.exists() or path.is_symlink():
+            files.append(path)
+        else:
+            raise ImageFolderError(f"{path}: no such file or folder")
+    if not files:
+        raise ImageFolderError(f"no image files among {', '.join(map(str, paths))}; accepted: {ACCEPTED}")
+    return ImageFolderDataset([(f, -1) for f in files], [], _transform(size, color, normalize, False), size, color,
+                              Counter(), [])
 
 
 def image_folder_splits(root: str | Path, size: int = 224, splits: tuple[str, ...] = ("train", "val"), *,

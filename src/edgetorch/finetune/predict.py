@@ -1,0 +1,197 @@
+"""Use a trained classifier on images: ``edgetorch predict`` (top-k per image) and ``edgetorch val`` (accuracy).
+
+A classifier is a finetune run directory (``model.safetensors`` and ``model.json``) or a model
+``edgetorch reduce`` wrote for an image folder (``small.safetensors`` and ``small.json``). Their
+records name the classes in label order and the preprocessing the model was trained with (size,
+colour, normalisation); images go through exactly that (:func:`edgetorch.data.image_files`, a
+folder's validation transform), so a prediction here is what the model scored in training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+#: Images per forward pass.
+BATCH = 32
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A trained classifier and what its inputs must be.
+
+    Attributes:
+        model: the network, in eval mode.
+        classes: class names; output ``i`` is ``classes[i]``.
+        image_size: input height = width.
+        color: ``"rgb"`` or ``"gray"``.
+        normalize: ``"imagenet"`` or ``None`` (pixels in [0, 1]).
+        source: the file or directory it was loaded from.
+    """
+
+    model: nn.Module
+    classes: list[str]
+    image_size: int
+    color: str
+    normalize: str | None
+    source: Path
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One image's top classes.
+
+    Attributes:
+        path: the image file.
+        top: ``(class, probability)`` pairs, most likely first.
+    """
+
+    path: Path
+    top: list[tuple[str, float]]
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A classifier's accuracy on labelled images.
+
+    Attributes:
+        images: how many were classified.
+        top1: share whose most likely class is the label.
+        topk: share whose label is among the ``k`` most likely.
+        k: the ``k`` of ``topk``.
+        per_class: each class's top-1 accuracy (over its images; classes without images left out).
+    """
+
+    images: int
+    top1: float
+    topk: float
+    k: int
+    per_class: dict[str, float]
+
+
+def load_classifier(path: str | Path) -> Classifier:
+    """Load a finetune run directory, or a model ``edgetorch reduce`` wrote for an image folder.
+
+    Args:
+        path: a directory holding ``model.safetensors`` and ``model.json``, or a reduced model's
+            ``.safetensors`` with its ``.json`` record beside it.
+
+    Returns:
+        A :class:`Classifier`.
+
+    Raises:
+        ValueError: a path that is neither, or a reduced model whose record names no classes (one
+            reduced on a built-in dataset); InputFileError, CheckpointError: damaged files.
+
+    Example:
+        >>> classifier = load_classifier("runs/photos")  # doctest: +SKIP
+    """
+    from .._files import read_json
+    from ..reduce import load
+    from ..zoo import input_channels
+    from .model import start_model
+
+    source = Path(path)
+    if source.is_dir():
+        weights, record_path = source / "model.safetensors", source / "model.json"
+        if not (weights.is_file() and record_path.is_file()):
+            raise ValueError(f"{source} is not a finetune run: it lacks model.safetensors or model.json "
+                             "(`edgetorch finetune --out DIR` writes both once the first epoch ends)")
+        record = _fields(read_json(record_path), record_path, ("model", "classes", "image_size", "channels"))
+        model, _ = start_model(record["model"], None, weights)
+        color = "rgb" if record["channels"] == 3 else "gray"
+        return Classifier(model.eval(), record["classes"], record["image_size"], color, record.get("normalize"),
+                          source)
+    if source.suffix not in (".safetensors", ".json") or not source.exists():
+        raise ValueError(f"{source}: give a finetune run directory or a reduced model's .safetensors "
+                         "(`edgetorch reduce --out FILE`)")
+    model, record = load(source)
+    reduction = record.get("reduction") if isinstance(record.get("reduction"), dict) else {}
+    if "classes" not in reduction:
+        raise ValueError(f"{source} was reduced on a built-in dataset and records no classes or preprocessing; "
+                         "predict takes a model reduced on an image folder (reduce --data FOLDER --weights ...)")
+    fields = _fields(reduction, source.with_suffix(".json"), ("classes", "image_size"))
+    color = "rgb" if input_channels(model) == 3 else "gray"
+    return Classifier(model.eval(), fields["classes"], fields["image_size"], color, fields.get("normalize"), source)
+
+
+def predict(classifier: Classifier, images: list[str | Path], top_k: int = 3) -> list[Prediction]:
+    """The ``top_k`` most likely classes of each image.
+
+    Args:
+        classifier: from :func:`load_classifier`.
+        images: image files, or folders whose images (recursively) are all classified.
+        top_k: classes per image (at most the classifier's class count).
+
+    Returns:
+        One :class:`Prediction` per image, in the order listed.
+
+    Raises:
+        ImageFolderError: a missing path, no image, or an unreadable image (the message names it).
+    """
+    from ..data import image_files
+
+    data = image_files(images, classifier.image_size, color=classifier.color, normalize=classifier.normalize)
+    k = min(top_k, len(classifier.classes))
+    probabilities = _probabilities(classifier.model, data)
+    values, indices = probabilities.topk(k, dim=1)
+    return [Prediction(path, [(classifier.classes[i], p) for p, i in zip(v.tolist(), ix.tolist())])
+            for (path, _), v, ix in zip(data.samples, values, indices)]
+
+
+def validate(classifier: Classifier, data: str | Path, k: int = 5) -> Validation:
+    """Accuracy on a labelled image folder (one subfolder per class) or ``path,label`` CSV, all of it.
+
+    Args:
+        classifier: from :func:`load_classifier`.
+        data: the folder or CSV; its classes must be the classifier's, in the same order.
+        k: also count a label among the ``k`` most likely (at most the class count).
+
+    Returns:
+        A :class:`Validation`.
+
+    Raises:
+        ValueError: the folder's classes differ from the classifier's (the message lists both);
+        ImageFolderError: an unusable folder or image.
+    """
+    from ..data import image_folder
+
+    images = image_folder(data, classifier.image_size, "all", color=classifier.color,
+                          normalize=classifier.normalize, augment=False)
+    if images.classes != classifier.classes:
+        raise ValueError(f"{data} has the classes {images.classes}; {classifier.source} classifies into "
+                         f"{classifier.classes}: give a folder with the same class subfolders")
+    probabilities, labels = _probabilities(classifier.model, images), images.labels
+    k = min(k, len(classifier.classes))
+    hit = probabilities.argmax(1) == labels
+    within = (probabilities.topk(k, dim=1).indices == labels[:, None]).any(1)
+    per_class = {name: hit[labels == i].float().mean().item() for i, name in enumerate(classifier.classes)
+                 if (labels == i).any()}
+    return Validation(len(labels), hit.float().mean().item(), within.float().mean().item(), k, per_class)
+
+
+def _probabilities(model: nn.Module, data: Dataset) -> torch.Tensor:
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        return torch.cat([model(x.to(device)).softmax(1).cpu() for x, _ in DataLoader(data, batch_size=BATCH)])
+
+
+def _fields(record: object, path: Path, required: tuple[str, ...]) -> dict:
+    # Records are files from elsewhere: the fields used here are checked before they are used.
+    from .._files import InputFileError
+
+    checks = {"model": lambda v: type(v) is str, "image_size": lambda v: type(v) is int and 0 < v <= 4096,
+              "channels": lambda v: v in (1, 3),
+              "classes": lambda v: isinstance(v, list) and 0 < len(v) and all(type(c) is str for c in v),
+              "normalize": lambda v: v in ("imagenet", None)}
+    if not isinstance(record, dict):
+        raise InputFileError(f"{path} is not an edgetorch record (a JSON object)")
+    for name, valid in checks.items():
+        if (name in required and name not in record) or (name in record and not valid(record[name])):
+            raise InputFileError(f"{path}: {name} {str(record.get(name))[:80]!r} is missing or not what edgetorch "
+                                 "writes there")
+    return record

@@ -1,0 +1,102 @@
+"""`edgetorch predict` and `edgetorch val` (issue 28): a fine-tuned or reduced model on images,
+preprocessed as it was trained, and the pipeline finetune -> reduce -> predict on one folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from edgetorch.cli import app
+from edgetorch.data import image_folder
+from edgetorch.finetune.predict import load_classifier, predict, validate
+
+
+def _said(result) -> str:
+    return " ".join(result.output.replace("│", " ").split())
+
+
+def test_predict_shows_each_images_top_classes_as_the_model_scores_them(fine_tuned, tmp_path):
+    run, photos = fine_tuned / "run", fine_tuned / "photos"
+    out = tmp_path / "predictions.json"
+    result = CliRunner().invoke(app, ["predict", str(run), str(photos / "two"), str(photos / "one" / "0.png"),
+                                      "--top-k", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    written = json.loads(out.read_text())["predictions"]
+    assert [p["path"] for p in written] == [*(str(photos / "two" / f"{i}.png") for i in range(10)),
+                                            str(photos / "one" / "0.png")]
+    # The same numbers as the model on the validation transform of the folder (what training scored).
+    model = load_classifier(run).model
+    images = image_folder(photos, 28, "all", color="gray", normalize=None)
+    with torch.inference_mode():
+        expected = model(torch.stack([images[i][0] for i in range(len(images))])).softmax(1)
+    index = {str(path): i for i, (path, _) in enumerate(images.samples)}
+    classes = json.loads((run / "model.json").read_text())["classes"]
+    for p in written:
+        row = expected[index[p["path"]]]
+        top = row.topk(2)
+        assert [t["class"] for t in p["top"]] == [classes[i] for i in top.indices.tolist()]
+        assert [t["probability"] for t in p["top"]] == pytest.approx(top.values.tolist(), abs=1e-6)
+        assert f"{p['path']}: {p['top'][0]['class']} {p['top'][0]['probability']:.1%}" in result.output
+
+
+def test_val_reports_top1_topk_and_per_class_accuracy(fine_tuned, tmp_path):
+    run, photos = fine_tuned / "run", fine_tuned / "photos"
+    out = tmp_path / "val.json"
+    result = CliRunner().invoke(app, ["val", str(run), "--data", str(photos), "--top-k", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    predictions = predict(load_classifier(run), [photos], top_k=3)
+    labels = [p.path.parent.name for p in predictions]
+    top1 = sum(p.top[0][0] == label for p, label in zip(predictions, labels)) / len(labels)
+    top2 = sum(label in (p.top[0][0], p.top[1][0]) for p, label in zip(predictions, labels)) / len(labels)
+    assert record["images"] == 30 and record["top1"] == pytest.approx(top1) and record["top2"] == pytest.approx(top2)
+    assert set(record["per_class"]) == {"one", "three", "two"}
+    assert f"top-1 {top1:.4f}, top-2 {top2:.4f}" in result.output
+
+
+def test_finetune_reduce_predict_on_one_folder(fine_tuned, tmp_path):
+    """The pipeline: the model finetune wrote is reduced on its folder, and the reduced model
+    predicts and validates with the classes and preprocessing its record carries."""
+    small = tmp_path / "small.safetensors"
+    reduced = CliRunner().invoke(app, ["reduce", "--model", "zoo:mlp", "--weights",
+                                       str(fine_tuned / "run" / "model.safetensors"), "--data",
+                                       str(fine_tuned / "photos"), "--size", "28", "--alpha", "0.3",
+                                       "--calibration", "16", "--latency-batch", "2", "--out", str(small)])
+    assert reduced.exit_code == 0, reduced.output
+    classifier = load_classifier(small)
+    assert classifier.classes == ["one", "three", "two"] and (classifier.image_size, classifier.color) == (28, "gray")
+    shown = CliRunner().invoke(app, ["predict", str(small), str(fine_tuned / "photos" / "three" / "1.png")])
+    assert shown.exit_code == 0 and "1.png: " in shown.output, shown.output
+    assert 0 <= validate(classifier, fine_tuned / "photos").top1 <= 1
+
+
+def test_predict_and_val_refuse_what_they_cannot_use_with_a_message(fine_tuned, tmp_path):
+    runner = CliRunner()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["predict", str(empty), "x.png"], "is not a finetune run: it lacks model.safetensors or model.json"),
+        (["predict", str(fine_tuned / "run"), str(tmp_path / "none.png")], "none.png: no such file or folder"),
+        (["predict", str(fine_tuned / "run"), str(empty)], "no image files among"),
+        (["predict", str(tmp_path / "model.pt"), "x.png"], "give a finetune run directory or a reduced model's"),
+    ]
+    other = tmp_path / "other"
+    for name in ("a", "b"):
+        (other / name).mkdir(parents=True)
+        shutil.copy(fine_tuned / "photos" / "one" / "0.png", other / name / "0.png")
+        shutil.copy(fine_tuned / "photos" / "one" / "1.png", other / name / "1.png")
+    cases.append((["val", str(fine_tuned / "run"), "--data", str(other)], "has the classes ['a', 'b']"))
+    tampered = tmp_path / "tampered"
+    shutil.copytree(fine_tuned / "run", tampered)
+    record = json.loads((tampered / "model.json").read_text())
+    edits = [({"image_size": 10**9}, ["predict", str(tampered), str(fine_tuned / "photos")], "image_size '1000000000' is missing or not what"),
+             ({"classes": "one"}, ["val", str(tampered), "--data", str(fine_tuned / "photos")], "classes 'one'")]
+    for edit, args, message in [({}, args, message) for args, message in cases] + edits:
+        (tampered / "model.json").write_text(json.dumps({**record, **edit}))
+        result = runner.invoke(app, args)
+        said = _said(result)
+        assert result.exit_code == 2 and message in said and "Traceback" not in said, (args, said)
