@@ -7,22 +7,16 @@ needs lives in extras, imported only inside the features that use them.
 
 from __future__ import annotations
 
-#: Top-level module -> (the package it comes from, the edgetorch extra that brings it, what
-#: ``pip install`` takes without the extra).
-EXTRAS: dict[str, tuple[str, str, str]] = {
-    "matplotlib": ("matplotlib", "plot", "matplotlib"),
-    "sklearn": ("scikit-learn", "data", "scikit-learn"),
-    "scipy": ("scipy", "reduce", "scipy"),
-    "torch_pruning": ("torch-pruning", "reduce", "'torch-pruning>=1.6'"),
-    "fastapi": ("fastapi", "server", "fastapi uvicorn"),
-    "starlette": ("fastapi", "server", "fastapi uvicorn"),
-    "uvicorn": ("uvicorn", "server", "fastapi uvicorn"),
-    "onnx": ("onnx", "onnx", "onnx onnxscript onnxruntime"),
-    "onnxscript": ("onnxscript", "onnx", "onnx onnxscript onnxruntime"),
-    "onnxruntime": ("onnxruntime", "onnx", "onnxruntime"),
-    "ray": ("ray", "ray", "'ray[serve]'"),
-    "transformers": ("transformers", "hf", "transformers"),
+#: Each extra: the top-level modules it brings, and what ``pip install`` takes without the extra.
+_EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
+    "plot": (("matplotlib",), "matplotlib"), "data": (("sklearn",), "scikit-learn"),
+    "reduce": (("scipy", "torch_pruning"), "scipy 'torch-pruning>=1.6'"),
+    "server": (("fastapi", "starlette", "uvicorn"), "fastapi uvicorn"),
+    "onnx": (("onnx", "onnxscript", "onnxruntime"), "onnx onnxscript onnxruntime"),
+    "ray": (("ray",), "'ray[serve]'"), "hf": (("transformers",), "transformers"),
 }
+#: Top-level module -> the edgetorch extra that brings it.
+EXTRAS: dict[str, str] = {module: extra for extra, (modules, _) in _EXTRAS.items() for module in modules}
 
 
 def install_hint(err: BaseException) -> str:
@@ -32,15 +26,14 @@ def install_hint(err: BaseException) -> str:
         err: any exception; only a ``ModuleNotFoundError`` for a module of :data:`EXTRAS` is reworded.
 
     Returns:
-        One line, e.g. ``"scipy is not installed: pip install 'edgetorch[reduce]'"``.
+        One line, e.g. ``"sklearn is not installed: pip install 'edgetorch[data]'  (or: pip install scikit-learn)"``.
 
     Example:
         >>> install_hint(ModuleNotFoundError("No module named 'scipy'", name="scipy"))
-        "scipy is not installed: pip install 'edgetorch[reduce]'  (or: pip install scipy)"
+        "scipy is not installed: pip install 'edgetorch[reduce]'  (or: pip install scipy 'torch-pruning>=1.6')"
     """
-    name = getattr(err, "name", None) if isinstance(err, ModuleNotFoundError) else None
-    known = EXTRAS.get((name or "").split(".")[0])
-    if known is None:
+    name = (getattr(err, "name", None) or "").split(".")[0] if isinstance(err, ModuleNotFoundError) else ""
+    if name not in EXTRAS:
         return str(err)
-    package, extra, pip = known
-    return f"{package} is not installed: pip install 'edgetorch[{extra}]'  (or: pip install {pip})"
+    extra = EXTRAS[name]
+    return f"{name} is not installed: pip install 'edgetorch[{extra}]'  (or: pip install {_EXTRAS[extra][1]})"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -14,61 +16,61 @@ _MODEL_HELP = ("a finetune run directory (model.safetensors + model.json) or a m
                "(.safetensors + .json)")
 
 
-def _load(model: Path):
+@contextlib.contextmanager
+def _usage_error(param: str) -> Iterator[None]:
+    # What a model, image or folder given on the command line cannot be: a usage error naming it.
     from ..errors import EdgetorchError
-    from ..finetune.predict import load_classifier
 
     try:
-        return load_classifier(model)
+        yield
     except (EdgetorchError, ValueError, ImportError) as err:
-        raise typer.BadParameter(install_hint(err), param_hint="MODEL") from None
+        raise typer.BadParameter(install_hint(err), param_hint=param) from None
+
+
+def _classifier(model: Path) -> object:  # a Classifier; typer reads this hint, and naming it would import torch
+    from ..finetune.predict import load_classifier
+
+    with _usage_error("MODEL"):
+        return load_classifier(model)
 
 
 @app.command()
 def predict(
-    model: Path = typer.Argument(..., help=_MODEL_HELP),
+    classifier: Path = typer.Argument(..., metavar="MODEL", help=_MODEL_HELP, callback=_classifier),
     images: list[Path] = typer.Argument(..., help="image files, or folders whose images (recursively) are classified"),
     top_k: int = typer.Option(3, min=1, help="classes shown per image"),
     json: Path = typer.Option(None, callback=output_file, help="write every image's top classes here"),
 ) -> None:
     """Classify images with a fine-tuned or reduced model, preprocessed as it was trained."""
-    from ..errors import EdgetorchError
     from ..finetune.predict import predict as classify
 
-    classifier = _load(model)
-    try:
+    with _usage_error("IMAGES"):
         predictions = classify(classifier, images, top_k)
-    except (EdgetorchError, ValueError) as err:
-        raise typer.BadParameter(str(err), param_hint="IMAGES") from None
     for p in predictions:
         console.print(f"{p.path}: " + ", ".join(f"{name} {probability:.1%}" for name, probability in p.top))
-    write_json(json, {"model": str(model), "predictions": [
+    write_json(json, {"model": str(classifier.source), "predictions": [
         {"path": str(p.path), "top": [{"class": name, "probability": probability} for name, probability in p.top]}
         for p in predictions]})
 
 
 @app.command()
 def val(
-    model: Path = typer.Argument(..., help=_MODEL_HELP),
+    classifier: Path = typer.Argument(..., metavar="MODEL", help=_MODEL_HELP, callback=_classifier),
     data: Path = typer.Option(..., help="labelled images: one subfolder per class, or a path,label .csv; all are used"),
     top_k: int = typer.Option(5, min=1, help="also count a label among the k most likely classes"),
     json: Path = typer.Option(None, callback=output_file, help="write the accuracies here"),
 ) -> None:
     """Accuracy of a fine-tuned or reduced model on labelled images (top-1, top-k, per class)."""
-    from ..errors import EdgetorchError
     from ..finetune.predict import validate
 
-    classifier = _load(model)
-    try:
+    with _usage_error("'--data'"):
         result = validate(classifier, data, top_k)
-    except (EdgetorchError, ValueError) as err:
-        raise typer.BadParameter(str(err), param_hint="'--data'") from None
-    table = Table(title=f"{model} on {data}: {result.images:,} images")
+    table = Table(title=f"{classifier.source} on {data}: {result.images:,} images")
     for column in ("class", "top-1 accuracy"):
         table.add_column(column, justify="right" if column != "class" else "left")
     for name, accuracy in result.per_class.items():
         table.add_row(name, f"{accuracy:.4f}")
     console.print(table)
     console.print(f"top-1 {result.top1:.4f}, top-{result.k} {result.topk:.4f}")
-    write_json(json, {"model": str(model), "data": str(data), "images": result.images, "top1": result.top1,
+    write_json(json, {"model": str(classifier.source), "data": str(data), "images": result.images, "top1": result.top1,
                       f"top{result.k}": result.topk, "per_class": result.per_class})
