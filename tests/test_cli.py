@@ -84,7 +84,7 @@ def test_the_console_prints_names_from_files_literally(text, shown):
 
 
 COMMANDS = [["finetune"], ["reduce"], ["profile"], ["split", "train"], ["split", "export"], ["split", "plan"],
-            ["split", "measure-server"], ["split", "serve"], ["split", "infer"], ["split", "probe"], ["predict"], ["val"]]
+            ["split", "measure-server"], ["split", "serve"], ["split", "infer"], ["split", "probe"], ["predict"], ["val"], ["export"]]
 
 
 def test_one_option_vocabulary_across_the_commands_with_flags_shown_as_flags():

@@ -1,5 +1,5 @@
-"""`edgetorch predict` and `edgetorch val` (issue 28): a fine-tuned or reduced model on images,
-preprocessed as it was trained, and the pipeline finetune -> reduce -> predict on one folder."""
+"""`edgetorch predict`, `val` and `export` (issue 28): a fine-tuned or reduced model on images,
+preprocessed as it was trained, and the pipeline finetune -> reduce -> predict -> export on one folder."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_val_reports_top1_topk_and_per_class_accuracy(fine_tuned, tmp_path):
     assert f"top-1 {top1:.4f}, top-2 {top2:.4f}" in result.output
 
 
-def test_finetune_reduce_predict_on_one_folder(fine_tuned, tmp_path):
+def test_finetune_reduce_predict_export_on_one_folder(fine_tuned, tmp_path):
     """The pipeline: the model finetune wrote is reduced on its folder, and the reduced model
     predicts and validates with the classes and preprocessing its record carries."""
     small = tmp_path / "small.safetensors"
@@ -72,6 +72,30 @@ def test_finetune_reduce_predict_on_one_folder(fine_tuned, tmp_path):
     shown = CliRunner().invoke(app, ["predict", str(small), str(fine_tuned / "photos" / "three" / "1.png")])
     assert shown.exit_code == 0 and "1.png: " in shown.output, shown.output
     assert 0 <= validate(classifier, fine_tuned / "photos").top1 <= 1
+
+    # ... and exported for onnxruntime: the same logits as PyTorch on the folder's real images.
+    onnxruntime = pytest.importorskip("onnxruntime")
+    exported = CliRunner().invoke(app, ["export", str(small), "--format", "onnx", "--out", str(tmp_path / "small.onnx")])
+    assert exported.exit_code == 0 and "onnxruntime's logits within" in exported.output, exported.output
+    record = json.loads((tmp_path / "small.onnx.json").read_text())
+    assert record["classes"] == classifier.classes and (record["image_size"], record["color"]) == (28, "gray")
+    images = image_folder(fine_tuned / "photos", 28, "all", color="gray", normalize=None)
+    x = torch.stack([images[i][0] for i in range(len(images))])
+    session = onnxruntime.InferenceSession(str(tmp_path / "small.onnx"), providers=["CPUExecutionProvider"])
+    with torch.inference_mode():
+        expected = classifier.model(x)
+    got = torch.from_numpy(session.run(None, {"image": x.numpy()})[0])
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_export_refuses_what_it_cannot_write(fine_tuned, tmp_path):
+    runner = CliRunner()
+    run = str(fine_tuned / "run")
+    for args, message in ((["--format", "executorch", "--out", str(tmp_path / "m.onnx")], "accepted: onnx"),
+                          (["--out", str(tmp_path / "m.pt")], "give a file name ending in .onnx")):
+        result = runner.invoke(app, ["export", run, *args])
+        assert result.exit_code == 2 and message in _said(result), _said(result)
+    assert not list(tmp_path.iterdir())
 
 
 def test_predict_and_val_refuse_what_they_cannot_use_with_a_message(fine_tuned, tmp_path):

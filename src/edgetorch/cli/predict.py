@@ -74,3 +74,20 @@ def val(
     console.print(f"top-1 {result.top1:.4f}, top-{result.k} {result.topk:.4f}")
     write_json(json, {"model": str(classifier.source), "data": str(data), "images": result.images, "top1": result.top1,
                       f"top{result.k}": result.topk, "per_class": result.per_class})
+
+
+@app.command()
+def export(
+    classifier: Path = typer.Argument(..., metavar="MODEL", help=_MODEL_HELP, callback=_classifier),
+    out: Path = typer.Option(..., callback=output_file, help="the .onnx file to write (its record: OUT.json)"),
+    runtime: str = typer.Option("onnx", "--format", help="onnx (onnxruntime); a split head exports with `split export --onnx`"),
+) -> None:
+    """Export a fine-tuned or reduced model for a device runtime, checked against PyTorch."""
+    from ..finetune.export import export_onnx
+
+    if runtime != "onnx":
+        raise typer.BadParameter(f"{runtime!r}: accepted: onnx (ExecuTorch is not supported yet)", param_hint="'--format'")
+    with _usage_error("MODEL"):
+        done = export_onnx(classifier, out)
+    console.print(f"wrote {done.model} and {done.record}: onnxruntime's logits within {done.max_abs_difference:.1e} "
+                  f"of PyTorch's on {done.checked_inputs} images")

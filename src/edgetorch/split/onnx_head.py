@@ -24,7 +24,20 @@ from .manifest import MAX_BATCH, ONNX, SplitArtifactError, SplitManifest
 _ONNX_TOLERANCE = 1e-3
 
 
-def onnx_bytes(head: nn.Module, example: torch.Tensor) -> bytes:
+def onnx_bytes(head: nn.Module, example: torch.Tensor, output_name: str = "bottleneck") -> bytes:
+    """``head`` as a serialized ONNX model with a dynamic batch dimension (torch.onnx's exporter).
+
+    Args:
+        head: the module to export (in eval mode).
+        example: an input batch; every dim but the batch is fixed to its size.
+        output_name: the graph output's name (``"bottleneck"`` for a split head).
+
+    Returns:
+        The ModelProto's bytes.
+
+    Raises:
+        ImportError: onnxscript is not installed (the message says which extra brings it).
+    """
     import importlib.util
 
     if importlib.util.find_spec("onnxscript") is None:  # torch.onnx's exporter needs it: fail with the fix
@@ -32,7 +45,7 @@ def onnx_bytes(head: nn.Module, example: torch.Tensor) -> bytes:
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its progress
         program = torch.onnx.export(head, (example,), dynamic_shapes=({0: batch},), dynamo=True,
-                                    input_names=["image"], output_names=["bottleneck"], verbose=False)
+                                    input_names=["image"], output_names=[output_name], verbose=False)
     return program.model_proto.SerializeToString()
 
 
