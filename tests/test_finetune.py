@@ -487,3 +487,28 @@ def test_commands_print_warnings_as_one_line_without_source(monkeypatch):
         "warning: left out a\\x1b[31mb.png\n"  # a file name's escape sequence is shown, not sent
     with pytest.warns(RuntimeWarning, match="still recorded"):  # what tests (and callers) catch is unchanged
         warnings.warn("still recorded", RuntimeWarning)
+
+
+def test_a_run_keeps_its_best_and_last_weights_and_a_metrics_table(fine_tuned):
+    """Issue 28 (run management): a run kept only its last weights and a JSON log. Now
+    metrics.csv holds every epoch's record, best.safetensors the weights of the epoch with the
+    highest validation accuracy (the earliest among equals), and model.json names that epoch."""
+    import csv
+
+    from edgetorch.finetune.run import best_epoch
+    from edgetorch.weights import read_weights
+
+    run = fine_tuned / "run"
+    log = json.loads((run / "log.json").read_text())["epochs"]
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert [float(r["val_accuracy"]) for r in rows] == [e["val_accuracy"] for e in log]
+    assert [float(r["train_loss"]) for r in rows] == [e["train_loss"] for e in log]
+    accuracies = [e["val_accuracy"] for e in log]
+    best = json.loads((run / "model.json").read_text())["best"]
+    assert best == {"epoch": accuracies.index(max(accuracies)) + 1, "val_accuracy": max(accuracies),
+                    "weights": "best.safetensors"}
+    best_weights, last = read_weights(run / "best.safetensors"), read_weights(run / "model.safetensors")
+    assert all(torch.equal(best_weights[k], last[k]) for k in last) == (best["epoch"] == 3)
+    assert best_epoch([{"epoch": 1, "val_accuracy": 0.5}, {"epoch": 2, "val_accuracy": 0.7},
+                       {"epoch": 3, "val_accuracy": 0.7}]) == 2

@@ -42,13 +42,21 @@ class InputFileError(EdgetorchError, ValueError):
 def write_json_atomically(path: str | Path, data: Any) -> None:
     """Write ``data`` as indented JSON to ``path`` (parent folders created), atomically.
 
-    The temporary name carries the process id, so concurrent writers never interleave bytes;
-    values JSON cannot hold (paths, dtypes) are written as their ``str``.
+    Values JSON cannot hold (paths, dtypes) are written as their ``str``.
+    """
+    write_text_atomically(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` (parent folders created) through a temporary file and a rename.
+
+    The temporary name carries the process id, so concurrent writers never interleave bytes, and a
+    reader sees the old file or the new one, never a part.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

@@ -14,7 +14,9 @@ Files under ``out`` (all written atomically; nothing here is ever unpickled):
 * ``model.safetensors``: the final ``state_dict`` under the architecture's own names, and
   ``model.json``: what a user needs to use it (classes, input size, channels, normalisation).
 * ``log.json``: the config and one record per epoch (loss, validation accuracy, throughput,
-  measured peak), rewritten after every epoch.
+  measured peak), rewritten after every epoch; ``metrics.csv``: the same records as a table.
+* ``best.safetensors``: the weights after the epoch with the highest validation accuracy so far
+  (the earliest among equals); ``model.json`` names that epoch. ``model.safetensors`` is the last.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .._checks import check_choice, check_positive_int
-from .._files import write_json_atomically
+from .._files import write_json_atomically, write_text_atomically
 from ..activations import freeze_batchnorm, parse_training_policy
 from ..activations.step import forward_backward
 from ..measure.process import peak_bytes, peak_kind, process_peak_rss_bytes, reset_peak
@@ -201,10 +203,18 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     if out is not None:
         result.weights = out / "model.safetensors"
         save_weights(model, result.weights)
-        write_json_atomically(out / "model.json", {**meta, "val_accuracy": result.val_accuracy})
+        best = best_epoch(run.history)
+        write_json_atomically(out / "model.json", {
+            **meta, "val_accuracy": result.val_accuracy,
+            "best": {"epoch": best, "val_accuracy": run.history[best - 1]["val_accuracy"], "weights": "best.safetensors"}})
     if device.type != "cuda":
         result.process_peak_bytes = process_peak_rss_bytes()
     return result
+
+
+def best_epoch(history: list[dict[str, Any]]) -> int:
+    """The epoch (1-based) with the highest validation accuracy, the earliest among equals."""
+    return max(history, key=lambda r: (r["val_accuracy"], -r["epoch"]))["epoch"]
 
 
 class _Epochs(Watch):
@@ -232,6 +242,11 @@ class _Epochs(Watch):
     def epoch_done(self, history: list[dict[str, Any]]) -> None:
         if self.out is not None:
             write_json_atomically(self.out / "log.json", {**self.meta, "epochs": history})
+            columns = list(history[-1])
+            write_text_atomically(self.out / "metrics.csv", "\n".join(
+                [",".join(columns), *(",".join(str(r[c]) for c in columns) for r in history)]) + "\n")
+            if best_epoch(history) == history[-1]["epoch"]:
+                save_weights(self.model, self.out / "best.safetensors")
         if self.on_progress is not None:  # after the checkpoint: an interrupted display loses no epoch
             self.on_progress({"event": "epoch", **history[-1]})
 
