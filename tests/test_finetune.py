@@ -25,8 +25,8 @@ COLORS = {"red": (200, 30, 30), "green": (30, 180, 40), "blue": (40, 50, 210)}
 # The keys, in order, of what `edgetorch finetune --json` wrote before the command became a call
 # of run_finetune (read from its output at 8641608): scripts that read the summary keep working.
 SUMMARY_KEYS = ["model", "weights", "origin", "data", "classes", "num_classes", "image_size", "channels", "normalize",
-                "val_fraction", "skipped_images", "config", "history", "val_accuracy", "peak_bytes", "peak_kind",
-                "process_peak_bytes", "resumed_from_epoch", "weights_file"]
+                "val_fraction", "preprocessing", "skipped_images", "config", "history", "val_accuracy", "peak_bytes",
+                "peak_kind", "process_peak_bytes", "resumed_from_epoch", "weights_file"]
 PLAN_KEYS = ["budget_bytes", "chosen", "reason", "held_bytes", "memory_kind", "calibration_batches", "candidates",
              "measured_peak_bytes", "within_budget", "prediction_error"]
 

@@ -124,3 +124,53 @@ def test_predict_and_val_refuse_what_they_cannot_use_with_a_message(fine_tuned, 
         result = runner.invoke(app, args)
         said = _said(result)
         assert result.exit_code == 2 and message in said and "Traceback" not in said, (args, said)
+
+
+@pytest.mark.parametrize("color, normalize", [("rgb", "imagenet"), ("gray", None), ("gray", "imagenet")])
+def test_the_preprocessing_record_reproduces_what_the_model_saw(tmp_path, color, normalize):
+    """Issue 28, item 3: model.json said only the size and "imagenet", and torchvision's
+    Resize(64)+CenterCrop(64) differed from what training saw by up to 4.5. The record now spells
+    out every step; followed here with Pillow and numpy alone, it gives exactly the tensors the
+    model was trained and validated on."""
+    import numpy as np
+    from PIL import Image
+
+    from edgetorch.data import image_files
+    from edgetorch.data.folder import preprocessing_record
+
+    rng = np.random.default_rng(1)
+    path = tmp_path / "photo.png"
+    Image.fromarray(rng.integers(0, 256, (75, 103, 3), dtype=np.uint8)).save(path)
+    record = json.loads(json.dumps(preprocessing_record(48, color, normalize)))  # as read back from model.json
+    assert record["version"] == 1 and record["center_crop"] == [48, 48] and record["resize_short_side"] == 55
+    image = Image.open(path).convert(record["mode"])
+    width, height = image.size  # 103 x 75: the height is the short side
+    short = record["resize_short_side"]
+    image = image.resize((int(short * width / height), short), Image.Resampling.BILINEAR)
+    crop_h, crop_w = record["center_crop"]
+    top, left = round((image.height - crop_h) / 2), round((image.width - crop_w) / 2)
+    pixels = np.asarray(image.crop((left, top, left + crop_w, top + crop_h)), dtype=np.float32) * record["scale"]
+    pixels = pixels.reshape(crop_h, crop_w, -1).transpose(2, 0, 1)
+    if record["mean"]:
+        pixels = (pixels - np.array(record["mean"], np.float32)[:, None, None]) / np.array(record["std"],
+                                                                                           np.float32)[:, None, None]
+    seen = image_files([path], 48, color=color, normalize=normalize)[0][0]
+    assert tuple(seen.shape) == pixels.shape and (seen - torch.from_numpy(pixels)).abs().max().item() < 1e-5
+
+
+def test_each_record_carries_the_preprocessing(fine_tuned, tmp_path):
+    from edgetorch.data.folder import preprocessing_record
+
+    expected = preprocessing_record(28, "gray", None)
+    assert json.loads((fine_tuned / "run" / "model.json").read_text())["preprocessing"] == expected
+    small = tmp_path / "small.safetensors"
+    reduced = CliRunner().invoke(app, ["reduce", "--model", "zoo:mlp", "--weights",
+                                       str(fine_tuned / "run" / "model.safetensors"), "--data",
+                                       str(fine_tuned / "photos"), "--alpha", "0.3", "--calibration", "16",
+                                       "--latency-batch", "2", "--out", str(small)])
+    assert reduced.exit_code == 0, reduced.output
+    assert load_classifier(small).preprocessing == expected
+    pytest.importorskip("onnxruntime")
+    exported = CliRunner().invoke(app, ["export", str(fine_tuned / "run"), "--out", str(tmp_path / "m.onnx")])
+    assert exported.exit_code == 0, exported.output
+    assert json.loads((tmp_path / "m.onnx.json").read_text())["preprocessing"] == expected

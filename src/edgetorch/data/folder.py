@@ -44,6 +44,8 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # Eval transform: resize the short side to size * 256/224, then centre-crop (the torchvision
 # reference recipe), so a model sees the same framing at every size.
 _RESIZE_RATIO = 256 / 224
+#: The version of :func:`preprocessing_record`'s fields (a change to them makes a new version).
+PREPROCESSING_VERSION = 1
 MAX_CSV_BYTES = 256 << 20  # MAX_LISTED rows of ~130 characters each
 # The end of every "cannot be read" message: what to do about it.
 SKIP_HINT = ("or pass skip_bad_images=True (edgetorch finetune / split train: --skip-bad-images) to leave out "
@@ -344,13 +346,46 @@ def _validation_indices(labels: list[int], fraction: float, seed: int) -> set[in
     return chosen
 
 
+def preprocessing_record(size: int, color: str, normalize: str | None) -> dict:
+    """A folder's evaluation transform (a validation split, :func:`image_files`) as data, complete
+    enough to reproduce it exactly elsewhere (a deployment, another framework).
+
+    Args:
+        size: output height = width.
+        color: ``"rgb"`` or ``"gray"``.
+        normalize: ``"imagenet"`` or ``None``.
+
+    Returns:
+        ``{"version": 1, "mode", "resize_short_side", "resize", "center_crop", "crop_offset",
+        "scale", "mean", "std"}``: decode and convert to PIL ``mode``; resize the 8-bit image with
+        Pillow's bilinear filter so its short side is ``resize_short_side`` and its long side
+        ``int(resize_short_side * long / short)``; crop ``center_crop`` = [height, width] at
+        ``round((side - crop) / 2)`` from the top and left; multiply the 8-bit pixels by ``scale``;
+        subtract ``mean`` and divide by ``std`` per channel (none: empty).
+    """
+    mean, std = _normalisation(color, normalize)
+    # torchvision's v2 Resize and CenterCrop act on the PIL image here (ToImage comes after them):
+    # Pillow's filter on 8-bit pixels, which differs from torch's antialiased resize of a float
+    # tensor by up to 4.5/255.
+    return {"version": PREPROCESSING_VERSION, "mode": "RGB" if color == "rgb" else "L",
+            "resize_short_side": round(size * _RESIZE_RATIO), "resize": "Pillow Image.resize, BILINEAR, 8-bit",
+            "center_crop": [size, size], "crop_offset": "round((side - crop) / 2)", "scale": 1 / 255,
+            "mean": list(mean), "std": list(std)}
+
+
+def _normalisation(color: str, normalize: str | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    if normalize != "imagenet":
+        return (), ()
+    return (IMAGENET_MEAN, IMAGENET_STD) if color == "rgb" else ((0.449,), (0.226,))
+
+
 def _transform(size: int, color: str, normalize: str | None, augment: bool):
     from torchvision.transforms import v2
 
     steps = ([v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip()]
              if augment else [v2.Resize(round(size * _RESIZE_RATIO), antialias=True), v2.CenterCrop(size)])
     steps += [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
-    if normalize == "imagenet":
-        mean, std = (IMAGENET_MEAN, IMAGENET_STD) if color == "rgb" else ((0.449,), (0.226,))
+    mean, std = _normalisation(color, normalize)
+    if mean:
         steps.append(v2.Normalize(mean, std))
     return v2.Compose(steps)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from .datasets import DATASETS, dataset_info, load_dataset
-from .folder import IMAGENET_MEAN, IMAGENET_STD, image_folder_splits
+from .folder import IMAGENET_MEAN, IMAGENET_STD, PREPROCESSING_VERSION, image_folder_splits, preprocessing_record
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class ImageData:
             inputs must go through.
         description: one line for logs, e.g. ``"photos/: 240 train, 60 val, 3 classes"``.
         skipped: ``(path, why)`` of each unreadable image a folder left out (``skip_bad_images``).
+        preprocessing: the validation images' transform as data
+            (:func:`~edgetorch.data.folder.preprocessing_record` for a folder).
     """
 
     train: Dataset
@@ -43,6 +45,7 @@ class ImageData:
     normalize: str | None
     description: str
     skipped: list[tuple[Path, str]] = field(default_factory=list)
+    preprocessing: dict = field(default_factory=dict)
 
 
 class _Prepared(Dataset):
@@ -107,9 +110,15 @@ def image_data(source: str | Path, *, size: int, channels: int, val_fraction: fl
         test = load_dataset(info.name, "test")
         if limit is not None:
             test = TensorDataset(*(t[:limit] for t in test.tensors))
+        # A built-in's arrays (gray, [0, 1]) resized whole, as _Prepared does.
+        mean, std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ((), ())
+        record = {"version": PREPROCESSING_VERSION, "source": f"{info.name} arrays, gray in [0, 1]",
+                  "resize": [size, size], "interpolation": "bilinear", "antialias": "when shrinking",
+                  "repeat_channels": channels, "mean": list(mean), "std": list(std)}
         return ImageData(_Prepared(train, size, channels), _Prepared(test, size, channels), list(info.class_names),
                          "imagenet" if channels == 3 else None,
-                         f"{info.name}: {len(train)} train, {len(test)} test images, {info.num_classes} classes")
+                         f"{info.name}: {len(train)} train, {len(test)} test images, {info.num_classes} classes",
+                         preprocessing=record)
     path = Path(source)
     if not path.exists():
         raise ValueError(f"data {text!r} is neither a built-in dataset ({', '.join(DATASETS)}) nor an existing "
@@ -126,4 +135,4 @@ def image_data(source: str | Path, *, size: int, channels: int, val_fraction: fl
     skipped = f", {len(train.skipped)} unreadable left out" if train.skipped else ""
     return ImageData(train, val, train.classes, normalize,
                      f"{path}: {len(train)} train, {len(val)} val images, {train.num_classes} classes{skipped}",
-                     train.skipped)
+                     train.skipped, preprocessing_record(size, color, normalize))

@@ -86,6 +86,7 @@ def export_onnx(classifier: Classifier, out: str | Path, examples: torch.Tensor 
     record.write_text(json.dumps({"format": RECORD_FORMAT, "source": str(classifier.source),
                                   "classes": classifier.classes, "image_size": classifier.image_size,
                                   "color": classifier.color, "normalize": classifier.normalize,
+                                  "preprocessing": classifier.preprocessing,
                                   "input": "image [N, C, H, W], preprocessed", "output": "logits [N, classes]",
                                   "max_abs_difference": difference}, indent=2) + "\n")
     return OnnxExport(out, record, difference, len(examples))

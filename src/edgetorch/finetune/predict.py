@@ -31,6 +31,7 @@ class Classifier:
         color: ``"rgb"`` or ``"gray"``.
         normalize: ``"imagenet"`` or ``None`` (pixels in [0, 1]).
         source: the file or directory it was loaded from.
+        preprocessing: the record's whole transform as data (empty where an older record has none).
     """
 
     model: nn.Module
@@ -39,6 +40,7 @@ class Classifier:
     color: str
     normalize: str | None
     source: Path
+    preprocessing: dict
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def load_classifier(path: str | Path) -> Classifier:
         model, _ = start_model(record["model"], None, weights)
         color = "rgb" if record["channels"] == 3 else "gray"
         return Classifier(model.eval(), record["classes"], record["image_size"], color, record.get("normalize"),
-                          source)
+                          source, _preprocessing(record))
     if source.suffix not in (".safetensors", ".json") or not source.exists():
         raise ValueError(f"{source}: give a finetune run directory or a reduced model's .safetensors "
                          "(`edgetorch reduce --out FILE`)")
@@ -116,7 +118,8 @@ def load_classifier(path: str | Path) -> Classifier:
                          "predict takes a model reduced on an image folder (reduce --data FOLDER --weights ...)")
     fields = _fields(reduction, source.with_suffix(".json"), ("classes", "image_size"))
     color = "rgb" if input_channels(model) == 3 else "gray"
-    return Classifier(model.eval(), fields["classes"], fields["image_size"], color, fields.get("normalize"), source)
+    return Classifier(model.eval(), fields["classes"], fields["image_size"], color, fields.get("normalize"), source,
+                      _preprocessing(fields))
 
 
 def predict(classifier: Classifier, images: list[str | Path], top_k: int = 3) -> list[Prediction]:
@@ -178,6 +181,12 @@ def _probabilities(model: nn.Module, data: Dataset) -> torch.Tensor:
     device = next(model.parameters()).device
     with torch.inference_mode():
         return torch.cat([model(x.to(device)).softmax(1).cpu() for x, _ in DataLoader(data, batch_size=BATCH)])
+
+
+def _preprocessing(record: dict) -> dict:
+    # Carried from a record into the next (export): only when it is a JSON object.
+    value = record.get("preprocessing")
+    return value if isinstance(value, dict) else {}
 
 
 def _fields(record: object, path: Path, required: tuple[str, ...]) -> dict:

@@ -179,7 +179,8 @@ class FinetuneRun:
                 "data": data.description, "classes": data.classes, "num_classes": len(data.classes),
                 "image_size": self.image_size, "channels": self.channels, "normalize": data.normalize,
                 # The folder's split (with config's seed): `reduce` measures accuracy on the same held-out images.
-                "val_fraction": job.val_fraction, "skipped_images": [why for _, why in data.skipped]}
+                "val_fraction": job.val_fraction, "preprocessing": data.preprocessing,
+                "skipped_images": [why for _, why in data.skipped]}
 
     @property
     def within_budget(self) -> bool | None:

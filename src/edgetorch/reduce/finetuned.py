@@ -31,6 +31,7 @@ class FolderReduction:
         test: the share fine-tuning held out (every accuracy is measured on it).
         classes: class names in label order.
         normalize: ``"imagenet"`` or ``None``: what the reduced model's inputs must go through.
+        preprocessing: the whole transform as data (:func:`edgetorch.data.folder.preprocessing_record`).
     """
 
     model: nn.Module
@@ -38,6 +39,7 @@ class FolderReduction:
     test: TensorDataset
     classes: list[str]
     normalize: str | None
+    preprocessing: dict
 
 
 def load_finetuned(model: str, weights: str | Path | None, folder: str | Path, size: int) -> FolderReduction:
@@ -94,7 +96,8 @@ def load_finetuned(model: str, weights: str | Path | None, folder: str | Path, s
     if outputs != len(data.classes):
         raise ValueError(f"{weights} classifies into {outputs} classes; {folder} has {len(data.classes)} "
                          f"({', '.join(data.classes)}): give the weights fine-tuned on this folder")
-    return FolderReduction(network.eval(), _tensors(data.train), _tensors(data.val), data.classes, data.normalize)
+    return FolderReduction(network.eval(), _tensors(data.train), _tensors(data.val), data.classes, data.normalize,
+                           data.preprocessing)
 
 
 def _checked(record: object, path: Path) -> dict:

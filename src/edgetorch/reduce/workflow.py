@@ -98,8 +98,9 @@ class ReduceRun:
         accuracy_full, accuracy_reduced: test accuracy before fine-tuning (None: not evaluated).
         finetune, finetune_config: the fine-tune's history and settings (None: no fine-tuning).
         finetune_samples: training samples the fine-tune saw; test_samples: the accuracy's.
-        classes, normalize: an image folder's class names in label order, and the normalisation
-            its images went through (None for a built-in dataset).
+        classes, normalize, preprocessing: an image folder's class names in label order, the
+            normalisation its images went through, and the whole transform as data (None for a
+            built-in dataset).
         latency: the measured CPU latency comparison, on ``latency_batch`` test images.
     """
 
@@ -118,6 +119,7 @@ class ReduceRun:
     test_samples: int = 0
     classes: list[str] | None = None
     normalize: str | None = None
+    preprocessing: dict | None = None
 
     def summary(self) -> dict[str, Any]:
         """The JSON summary ``edgetorch reduce --json`` writes (per-layer factors included)."""
@@ -139,7 +141,7 @@ class ReduceRun:
                 out["accuracy_finetuned"] = history.accuracy[-1]
         if self.classes is not None:  # what the reduced model's user needs to feed it and read it
             out |= {"classes": self.classes, "image_size": job.size, "normalize": self.normalize,
-                    "test_samples": self.test_samples}
+                    "preprocessing": self.preprocessing, "test_samples": self.test_samples}
         out |= {"latency_batch": self.latency_batch, "latency_full_s": self.latency.full_seconds,
                 "latency_reduced_s": self.latency.reduced_seconds, "latency_ratio": self.latency.ratio}
         return out
@@ -238,4 +240,5 @@ def _run(job: ReduceJob, status: Status, notice: Notice | None) -> ReduceRun:
                      accuracy_reduced=accuracy_reduced, finetune=history, finetune_config=config,
                      finetune_samples=len(train), test_samples=len(test),
                      classes=None if folder is None else folder.classes,
-                     normalize=None if folder is None else folder.normalize)
+                     normalize=None if folder is None else folder.normalize,
+                     preprocessing=None if folder is None else folder.preprocessing)
