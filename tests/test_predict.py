@@ -87,12 +87,23 @@ def test_finetune_reduce_predict_export_on_one_folder(fine_tuned, tmp_path):
     got = torch.from_numpy(session.run(None, {"image": x.numpy()})[0])
     assert (got - expected).abs().max().item() <= 1e-4
 
+    # ... and for ExecuTorch (XNNPACK), a program for batches of 5: its runtime on real images.
+    runtime = pytest.importorskip("executorch.runtime")
+    exported = CliRunner().invoke(app, ["export", str(small), "--format", "executorch", "--batch-size", "5",
+                                        "--out", str(tmp_path / "small.pte")])
+    assert exported.exit_code == 0 and "ExecuTorch's logits within" in exported.output, exported.output
+    assert json.loads((tmp_path / "small.pte.json").read_text())["batch"] == 5
+    method = runtime.Runtime.get().load_program(tmp_path / "small.pte").load_method("forward")
+    for start in range(0, 30, 5):
+        assert (method.execute([x[start:start + 5]])[0] - expected[start:start + 5]).abs().max().item() <= 1e-4
+
 
 def test_export_refuses_what_it_cannot_write(fine_tuned, tmp_path):
     runner = CliRunner()
     run = str(fine_tuned / "run")
-    for args, message in ((["--format", "executorch", "--out", str(tmp_path / "m.onnx")], "accepted: onnx"),
-                          (["--out", str(tmp_path / "m.pt")], "give a file name ending in .onnx")):
+    for args, message in ((["--format", "tflite", "--out", str(tmp_path / "m.onnx")], "accepted: onnx, executorch"),
+                          (["--out", str(tmp_path / "m.pt")], "give a file name ending in .onnx"),
+                          (["--format", "executorch", "--out", str(tmp_path / "m.onnx")], "ending in .pte")):
         result = runner.invoke(app, ["export", run, *args])
         assert result.exit_code == 2 and message in _said(result), _said(result)
     assert not list(tmp_path.iterdir())

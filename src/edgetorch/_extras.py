@@ -13,7 +13,8 @@ _EXTRAS: dict[str, tuple[tuple[str, ...], str]] = {
     "reduce": (("scipy", "torch_pruning"), "scipy 'torch-pruning>=1.6'"),
     "server": (("fastapi", "starlette", "uvicorn"), "fastapi uvicorn"),
     "onnx": (("onnx", "onnxscript", "onnxruntime"), "onnx onnxscript onnxruntime"),
-    "ray": (("ray",), "'ray[serve]'"), "hf": (("transformers",), "transformers"),
+    "executorch": (("executorch",), "executorch"), "ray": (("ray",), "'ray[serve]'"),
+    "hf": (("transformers",), "transformers"),
 }
 #: Top-level module -> the edgetorch extra that brings it.
 EXTRAS: dict[str, str] = {module: extra for extra, (modules, _) in _EXTRAS.items() for module in modules}

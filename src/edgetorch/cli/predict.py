@@ -79,15 +79,21 @@ def val(
 @app.command()
 def export(
     classifier: Path = typer.Argument(..., metavar="MODEL", help=_MODEL_HELP, callback=_classifier),
-    out: Path = typer.Option(..., callback=output_file, help="the .onnx file to write (its record: OUT.json)"),
-    runtime: str = typer.Option("onnx", "--format", help="onnx (onnxruntime); a split head exports with `split export --onnx`"),
+    out: Path = typer.Option(..., callback=output_file, help="the file to write: .onnx or .pte (its record: OUT.json)"),
+    runtime: str = typer.Option("onnx", "--format", help="onnx (onnxruntime) or executorch (XNNPACK); a split head "
+                                "exports with `split export --onnx`"),
+    batch_size: int = typer.Option(4, min=1, help="images per call of an ExecuTorch program (ONNX takes any)"),
 ) -> None:
     """Export a fine-tuned or reduced model for a device runtime, checked against PyTorch."""
-    from ..finetune.export import export_onnx
+    import torch
 
-    if runtime != "onnx":
-        raise typer.BadParameter(f"{runtime!r}: accepted: onnx (ExecuTorch is not supported yet)", param_hint="'--format'")
-    with _usage_error("MODEL"):
-        done = export_onnx(classifier, out)
-    console.print(f"wrote {done.model} and {done.record}: onnxruntime's logits within {done.max_abs_difference:.1e} "
+    from ..finetune.export import export_classifier
+
+    channels = 3 if classifier.color == "rgb" else 1
+    examples = torch.rand(batch_size, channels, classifier.image_size, classifier.image_size,
+                          generator=torch.Generator().manual_seed(0))
+    with _usage_error("'--format'"):
+        done = export_classifier(classifier, out, runtime, examples)
+    runner = {"onnx": "onnxruntime", "executorch": "ExecuTorch"}[runtime]
+    console.print(f"wrote {done.model} and {done.record}: {runner}'s logits within {done.max_abs_difference:.1e} "
                   f"of PyTorch's on {done.checked_inputs} images")
