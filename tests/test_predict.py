@@ -129,7 +129,10 @@ def test_predict_and_val_refuse_what_they_cannot_use_with_a_message(fine_tuned, 
     shutil.copytree(fine_tuned / "run", tampered)
     record = json.loads((tampered / "model.json").read_text())
     edits = [({"image_size": 10**9}, ["predict", str(tampered), str(fine_tuned / "photos")], "image_size '1000000000' is missing or not what"),
-             ({"classes": "one"}, ["val", str(tampered), "--data", str(fine_tuned / "photos")], "classes 'one'")]
+             ({"classes": "one"}, ["val", str(tampered), "--data", str(fine_tuned / "photos")], "classes 'one'"),
+             # A record naming a factory would import its module when the model is built: refused first.
+             ({"model": "shutil:rmtree"}, ["predict", str(tampered), str(fine_tuned / "photos")],
+              "may name only zoo:NAME or torchvision:NAME models")]
     for edit, args, message in [({}, args, message) for args, message in cases] + edits:
         (tampered / "model.json").write_text(json.dumps({**record, **edit}))
         result = runner.invoke(app, args)

@@ -92,10 +92,10 @@ def load_classifier(path: str | Path) -> Classifier:
     Example:
         >>> classifier = load_classifier("runs/photos")  # doctest: +SKIP
     """
-    from .._files import read_json
     from ..reduce import load
     from ..zoo import input_channels
     from .model import start_model
+    from .record import check_record, read_record
 
     source = Path(path)
     if source.is_dir():
@@ -103,7 +103,7 @@ def load_classifier(path: str | Path) -> Classifier:
         if not (weights.is_file() and record_path.is_file()):
             raise ValueError(f"{source} is not a finetune run: it lacks model.safetensors or model.json "
                              "(`edgetorch finetune --out DIR` writes both once the first epoch ends)")
-        record = _fields(read_json(record_path), record_path, ("model", "classes", "image_size", "channels"))
+        record = read_record(record_path, ("model", "classes", "image_size", "channels"))
         model, _ = start_model(record["model"], None, weights)
         color = "rgb" if record["channels"] == 3 else "gray"
         return Classifier(model.eval(), record["classes"], record["image_size"], color, record.get("normalize"),
@@ -116,7 +116,7 @@ def load_classifier(path: str | Path) -> Classifier:
     if "classes" not in reduction:
         raise ValueError(f"{source} was reduced on a built-in dataset and records no classes or preprocessing; "
                          "predict takes a model reduced on an image folder (reduce --data FOLDER --weights ...)")
-    fields = _fields(reduction, source.with_suffix(".json"), ("classes", "image_size"))
+    fields = check_record(reduction, source.with_suffix(".json"), ("classes", "image_size"))
     color = "rgb" if input_channels(model) == 3 else "gray"
     return Classifier(model.eval(), fields["classes"], fields["image_size"], color, fields.get("normalize"), source,
                       _preprocessing(fields))
@@ -187,20 +187,3 @@ def _preprocessing(record: dict) -> dict:
     # Carried from a record into the next (export): only when it is a JSON object.
     value = record.get("preprocessing")
     return value if isinstance(value, dict) else {}
-
-
-def _fields(record: object, path: Path, required: tuple[str, ...]) -> dict:
-    # Records are files from elsewhere: the fields used here are checked before they are used.
-    from .._files import InputFileError
-
-    checks = {"model": lambda v: type(v) is str, "image_size": lambda v: type(v) is int and 0 < v <= 4096,
-              "channels": lambda v: v in (1, 3),
-              "classes": lambda v: isinstance(v, list) and 0 < len(v) and all(type(c) is str for c in v),
-              "normalize": lambda v: v in ("imagenet", None)}
-    if not isinstance(record, dict):
-        raise InputFileError(f"{path} is not an edgetorch record (a JSON object)")
-    for name, valid in checks.items():
-        if (name in required and name not in record) or (name in record and not valid(record[name])):
-            raise InputFileError(f"{path}: {name} {str(record.get(name))[:80]!r} is missing or not what edgetorch "
-                                 "writes there")
-    return record

@@ -17,10 +17,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-#: What finetune's model.json holds when an older run did not record it.
-DEFAULT_VAL_FRACTION, DEFAULT_SEED = 0.2, 0
-
-
 @dataclass(frozen=True)
 class FolderReduction:
     """The network and images a reduction of a fine-tuned model works on.
@@ -65,9 +61,9 @@ def load_finetuned(model: str, weights: str | Path | None, folder: str | Path, s
         >>> data.classes  # doctest: +SKIP
         ['cat', 'dog']
     """
-    from .._files import read_json
     from ..data import image_data
-    from ..finetune import classifier_name, start_model
+    from ..finetune import FinetuneJob, classifier_name, start_model
+    from ..finetune.record import read_record
     from ..zoo import input_channels
 
     from ..data import DATASETS
@@ -79,15 +75,15 @@ def load_finetuned(model: str, weights: str | Path | None, folder: str | Path, s
         raise ValueError(f"reducing for the images of {folder} needs --weights: the model fine-tuned on them "
                          "(e.g. `edgetorch finetune --out DIR` wrote DIR/model.safetensors)")
     record_path = Path(weights).with_name("model.json")
-    record = _checked(read_json(record_path), record_path) if record_path.is_file() else {}
+    record = read_record(record_path) if record_path.is_file() else {}
     trained_at = record.get("image_size")
     if trained_at is not None and trained_at != size:
         raise ValueError(f"{weights} was fine-tuned on {trained_at}x{trained_at} images ({record_path}); "
                          f"give --size {trained_at}")
     network, _ = start_model(model, None, weights)  # the file's own classifier, as finetune saved it
     data = image_data(folder, size=size, channels=input_channels(network),
-                      val_fraction=record.get("val_fraction", DEFAULT_VAL_FRACTION),
-                      seed=record.get("config", {}).get("seed", DEFAULT_SEED))
+                      val_fraction=record.get("val_fraction", FinetuneJob.val_fraction),  # older records: the default
+                      seed=record.get("config", {}).get("seed", FinetuneJob.seed))
     recorded = record.get("classes")
     if recorded is not None and recorded != data.classes:
         raise ValueError(f"{folder} has the classes {data.classes}; {weights} was fine-tuned on {recorded} "
@@ -98,25 +94,6 @@ def load_finetuned(model: str, weights: str | Path | None, folder: str | Path, s
                          f"({', '.join(data.classes)}): give the weights fine-tuned on this folder")
     return FolderReduction(network.eval(), _tensors(data.train), _tensors(data.val), data.classes, data.normalize,
                            data.preprocessing)
-
-
-def _checked(record: object, path: Path) -> dict:
-    # The record is a file from elsewhere: each field read here is checked before it is used.
-    from .._files import InputFileError
-
-    def whole(value: object) -> bool:
-        return type(value) is int and value > 0
-
-    fields = {"image_size": whole, "classes": lambda v: isinstance(v, list) and all(type(c) is str for c in v),
-              "val_fraction": lambda v: type(v) in (int, float) and 0 < v < 1,
-              "config": lambda v: isinstance(v, dict) and type(v.get("seed", 0)) is int}
-    if not isinstance(record, dict):
-        raise InputFileError(f"{path} is not a finetune record (a JSON object with classes and image_size)")
-    for name, valid in fields.items():
-        if name in record and not valid(record[name]):
-            raise InputFileError(f"{path}: {name} {str(record[name])[:80]!r} is not what edgetorch finetune writes; "
-                                 "give the model.json of its run, or move it away to skip its checks")
-    return record
 
 
 def _tensors(samples: Dataset) -> TensorDataset:
