@@ -85,15 +85,10 @@ def export(
     batch_size: int = typer.Option(4, min=1, help="images per call of an ExecuTorch program (ONNX takes any)"),
 ) -> None:
     """Export a fine-tuned or reduced model for a device runtime, checked against PyTorch."""
-    import torch
-
     from ..finetune.export import export_classifier
 
-    channels = 3 if classifier.color == "rgb" else 1
-    examples = torch.rand(batch_size, channels, classifier.image_size, classifier.image_size,
-                          generator=torch.Generator().manual_seed(0))
     with _usage_error("'--format'"):
-        done = export_classifier(classifier, out, runtime, examples)
+        done = export_classifier(classifier, out, runtime, batch_size)
     runner = {"onnx": "onnxruntime", "executorch": "ExecuTorch"}[runtime]
     console.print(f"wrote {done.model} and {done.record}: {runner}'s logits within {done.max_abs_difference:.1e} "
                   f"of PyTorch's on {done.checked_inputs} images")

@@ -50,7 +50,7 @@ class ClassifierExport:
 
 
 def export_classifier(classifier: Classifier, out: str | Path, runtime: str = "onnx",
-                      examples: torch.Tensor | None = None) -> ClassifierExport:
+                      batch_size: int = 4) -> ClassifierExport:
     """Write ``classifier`` for ``runtime`` and check it there against PyTorch.
 
     Args:
@@ -58,8 +58,8 @@ def export_classifier(classifier: Classifier, out: str | Path, runtime: str = "o
         out: the file to write (``.onnx`` or ``.pte``, as :data:`SUFFIXES` says; its record goes
             to ``out`` + ``.json``).
         runtime: ``"onnx"`` or ``"executorch"``.
-        examples: preprocessed images to compare on (default: 4 random images of the input shape);
-            an ExecuTorch program takes batches of exactly this many.
+        batch_size: random images of the input shape compared on; an ExecuTorch program takes
+            batches of exactly this many (ONNX: any).
 
     Returns:
         A :class:`ClassifierExport`.
@@ -68,7 +68,7 @@ def export_classifier(classifier: Classifier, out: str | Path, runtime: str = "o
         ImportError: the runtime's packages are not installed (``edgetorch[onnx]``,
             ``edgetorch[executorch]``).
         ValueError: an unknown runtime, a suffix other than its own, or logits that differ from
-            PyTorch's by more than :data:`TOLERANCE` (nothing is left written).
+            PyTorch's by more than :data:`TOLERANCE` (nothing is written).
 
     Example:
         >>> export_classifier(load_classifier("runs/photos"), "photos.onnx").max_abs_difference  # doctest: +SKIP
@@ -80,9 +80,8 @@ def export_classifier(classifier: Classifier, out: str | Path, runtime: str = "o
     if out.suffix != SUFFIXES[runtime]:
         raise ValueError(f"{out}: give a file name ending in {SUFFIXES[runtime]} for {runtime}")
     channels = 3 if classifier.color == "rgb" else 1
-    if examples is None:
-        examples = torch.rand(4, channels, classifier.image_size, classifier.image_size,
-                              generator=torch.Generator().manual_seed(0))
+    examples = torch.rand(batch_size, channels, classifier.image_size, classifier.image_size,
+                          generator=torch.Generator().manual_seed(0))
     model = classifier.model.eval()
     data, run = (_onnx if runtime == "onnx" else _executorch)(model, examples)
     with torch.inference_mode():
