@@ -295,7 +295,7 @@ MANIFEST_ATTACKS = {
     "unknown split point": (lambda d: edit_manifest(d, lambda m: m["model"].update(split_point="sp9")), "cannot be built"),
     "unknown architecture": (lambda d: edit_manifest(d, lambda m: m["model"].update(architecture="x")), "cannot be built"),
     "another format": (lambda d: edit_manifest(d, lambda m: m.update(format="torch-export")), "is not supported"),
-    "version 3": (lambda d: edit_manifest(d, lambda m: m.update(manifest_version=3)), "version 3 is not supported"),
+    "version 4": (lambda d: edit_manifest(d, lambda m: m.update(manifest_version=4)), "version 4 is not supported"),
     # 2.0 == 2 and True == 1 in Python: a float or bool version used to be taken for 2 (or 1).
     "version 2.0 (was accepted)": (lambda d: edit_manifest(d, lambda m: m.update(manifest_version=2.0)), "version 2.0 is not"),
     "version true": (lambda d: edit_manifest(d, lambda m: m.update(manifest_version=True)), "version True is not"),

@@ -133,7 +133,7 @@ def _symlinked_tail(d: Path) -> None:
     (lambda d: (d / "manifest.json").write_text("{not json"), "not JSON"),
     (lambda d: (d / "manifest.json").unlink(), "manifest.json is missing"),
     (lambda d: _edit_manifest(d, manifest_version=1), "no longer read. Export again"),
-    (lambda d: _edit_manifest(d, manifest_version=3), "version 3 is not supported"),
+    (lambda d: _edit_manifest(d, manifest_version=4), "version 4 is not supported"),
     (lambda d: _edit_manifest(d, extra=1), r"\['extra'\] are missing or unknown"),
     (lambda d: edit_manifest(d, lambda m: m["model"].update(channels=-1)), "cannot be built"),
     (lambda d: edit_manifest(d, lambda m: m["model"].update(arch="os:system")), "unknown arch 'os:system'"),
@@ -217,6 +217,36 @@ def test_a_signed_artifact_loads_only_with_its_key(signed, artifact, tmp_path):
         load(tampered, key=KEY)
     with pytest.raises(ValueError, match="at least 16 bytes"):
         load(signed, key="short")
+
+
+def test_a_version_2_artifact_loads_as_it_was_signed_and_stretches_images(signed, tmp_path):
+    """Manifest version 3 added preprocess.resize. A version 2 artifact (written by 0.1/0.2, its
+    HMAC over the version 2 body) still loads with its key and the same artifact id, and its
+    images are stretched, the only resize it knew."""
+    import hashlib
+    import hmac
+
+    old = shutil.copytree(signed, tmp_path / "v2")
+    raw = json.loads((old / "manifest.json").read_text())
+    assert raw["manifest_version"] == 3 and raw["preprocess"].pop("resize") == "stretch"
+    raw["manifest_version"] = 2
+    body = json.dumps({k: v for k, v in raw.items() if k != "signature"}, sort_keys=True, separators=(",", ":"))
+    raw["signature"] = hmac.new(KEY.encode(), body.encode(), hashlib.sha256).hexdigest()
+    (old / "manifest.json").write_text(json.dumps(raw))
+    manifest = read_manifest(old, key=KEY)
+    assert (manifest.manifest_version, manifest.preprocess.resize) == (2, "stretch")
+    assert manifest.artifact_id == hashlib.sha256(body.encode()).hexdigest()
+    load(old, key=KEY)
+    edit_manifest(old, lambda m: m["preprocess"].update(resize="stretch"))  # not a field of version 2
+    with pytest.raises(SplitArtifactError, match="preprocess needs exactly size, color, mean, std"):
+        read_manifest(old)
+    current = shutil.copytree(signed, tmp_path / "v3")
+    edit_manifest(current, lambda m: m["preprocess"].pop("resize"))
+    with pytest.raises(SplitArtifactError, match="preprocess needs exactly size, color, mean, std, resize"):
+        read_manifest(current)
+    edit_manifest(current, lambda m: m["preprocess"].update(resize="fill"))
+    with pytest.raises(SplitArtifactError, match="resize must be one of center-crop, stretch, got 'fill'"):
+        read_manifest(current)
 
 
 def test_export_refuses_what_it_cannot_write_faithfully(model, tmp_path):

@@ -411,11 +411,13 @@ def _skeleton(value):
 _STAGE_RECORD = {"name": None, "config": dict.fromkeys(["loss", "trainable", "epochs", "optimizer", "lr", "momentum",
                                                         "weight_decay", "lr_step", "batch_size", "alpha", "tau", "seed"]),
                  "loss_history": [None], "seconds": None, "seconds_this_run": None}
-# student.json as `split train` wrote it before StudentRun (at cacdc18): keys, order and nesting.
+# student.json as `split train` wrote it before StudentRun (at cacdc18): keys, order and nesting;
+# preprocess.resize added with manifest version 3 (a record without it was trained stretched).
 STUDENT_RECORD = {
     "format": None, "version": None, "weights": {"path": None, "sha256": None},
     "model": dict.fromkeys(["arch", "channels", "split_point", "downsample", "num_classes", "architecture"]),
-    "resolution": None, "preprocess": {"color": None, "mean": [None], "std": [None]}, "class_names": [None],
+    "resolution": None, "preprocess": {"color": None, "mean": [None], "std": [None], "resize": None},
+    "class_names": [None],
     "recipe": {**dict.fromkeys(["teacher", "data", "teacher_weights", "size", "color", "normalize", "val_fraction",
                                 "train_limit", "val_limit", "skip_bad_images"]),
                "bottlefit": dict.fromkeys(["channels", "split_point", "downsample", "architecture", "stage2",
@@ -441,8 +443,48 @@ def test_student_record_keeps_its_format(trained) -> None:
                                                                                 "student.safetensors")
     assert record["resolution"] == record["recipe"]["size"] == 32 and record["class_names"] == list(CLASSES)
     assert record["preprocess"] == {"color": "rgb", "mean": list(NORMALISATIONS["imagenet"][0]),
-                                    "std": list(NORMALISATIONS["imagenet"][1])}
+                                    "std": list(NORMALISATIONS["imagenet"][1]), "resize": "center-crop"}
     assert load_trained(out).record == record
+    assert load_trained(out).preprocess.resize == "center-crop"
+
+
+def test_a_student_record_from_before_resize_loads_as_stretched(trained, tmp_path) -> None:
+    import shutil
+
+    from edgetorch.split.student import load_trained
+
+    old = shutil.copytree(trained[0], tmp_path / "old")
+    record = json.loads((old / "student.json").read_text())
+    del record["preprocess"]["resize"]
+    (old / "student.json").write_text(json.dumps(record))
+    assert load_trained(old).preprocess.resize == "stretch"
+    record["preprocess"]["resize"] = 3
+    (old / "student.json").write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match="resize"):
+        load_trained(old)
+
+
+def test_split_sees_a_folder_as_finetune_does(photos, teacher_file, trained) -> None:
+    """One preprocessing: `split train` and `split infer` feed a folder's images to the model exactly
+    as `finetune` validates them (short side resized on the 8-bit image, centre crop), so a
+    teacher scores the same in both (it scored 80.0% in finetune and 67.5% in split train
+    when split stretched whole images)."""
+    from edgetorch.data import image_folder, image_files
+    from edgetorch.split.client import preprocess_images
+    from edgetorch.split.manifest import Preprocess
+
+    paths = sorted(photos.glob("*/*"))
+    assert {Image.open(p).size[0] == Image.open(p).size[1] for p in paths} == {False}  # framing matters
+    crop = Preprocess((32, 32), "rgb", *NORMALISATIONS["imagenet"], resize="center-crop")
+    finetune = image_files(paths, 32)
+    assert torch.equal(preprocess_images(paths, crop, 3), torch.stack([finetune[i][0] for i in range(len(paths))]))
+    stretched = preprocess_images(paths, dataclasses.replace(crop, resize="stretch"), 3)
+    assert (stretched - preprocess_images(paths, crop, 3)).abs().max() > 0.5
+
+    val = image_folder(photos, 32, "val", val_fraction=0.25, seed=0)
+    teacher = build_model("torchvision:resnet18", num_classes=len(CLASSES), weights=teacher_file).eval()
+    record = json.loads((trained[0] / "student.json").read_text())
+    assert record["evaluation"]["teacher_accuracy"] == pytest.approx(evaluate_accuracy(teacher, val))
 
 
 def test_train_student_returns_the_run_it_records(teacher_file, photos, tmp_path) -> None:

@@ -379,6 +379,17 @@ def _normalisation(color: str, normalize: str | None) -> tuple[tuple[float, ...]
     return (IMAGENET_MEAN, IMAGENET_STD) if color == "rgb" else ((0.449,), (0.226,))
 
 
+def evaluation_transform(size: int, color: str, normalize: str | None):
+    """The transform a validation split applies to a PIL image (what :func:`preprocessing_record`
+    describes): to a float32 ``[C, size, size]`` tensor. ``split`` artifacts with
+    ``resize="center-crop"`` use it on the device.
+
+    Example:
+        >>> pixels = evaluation_transform(96, "rgb", "imagenet")(read_image("cat.jpg").convert("RGB"))  # doctest: +SKIP
+    """
+    return _transform(size, color, normalize, False)
+
+
 def _transform(size: int, color: str, normalize: str | None, augment: bool):
     from torchvision.transforms import v2
 

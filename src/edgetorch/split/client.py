@@ -63,7 +63,7 @@ def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_ch
 
     Args:
         paths: image files.
-        preprocess: the manifest's preprocessing (size, color, normalisation).
+        preprocess: the manifest's preprocessing (size, resize, color, normalisation).
         in_channels: the head's input channels (gray images are repeated to fill them).
 
     Returns:
@@ -75,15 +75,13 @@ def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_ch
         ValueError: a color mode that cannot fill ``in_channels``.
     """
     mode = "L" if preprocess.color == "gray" else "RGB"
-    images = []
-    for path in paths:
-        array = np.asarray(read_image(path).convert(mode), dtype=np.float32) / 255.0
-        pixels = torch.from_numpy(array.reshape(*array.shape[:2], -1)).permute(2, 0, 1)[None]
-        # The same resize load_dataset applies to training images (bilinear, antialiased when shrinking).
-        shrinking = pixels.shape[-1] > preprocess.size[1] or pixels.shape[-2] > preprocess.size[0]
-        pixels = F.interpolate(pixels, size=tuple(preprocess.size), mode="bilinear",
-                               align_corners=False, antialias=shrinking).clamp_(0.0, 1.0)
-        images.append(pixels[0])
+    if preprocess.resize == "center-crop":  # finetune's evaluation transform, on the 8-bit image
+        from ..data.folder import evaluation_transform
+
+        transform = evaluation_transform(preprocess.size[0], preprocess.color, None)
+        images = [transform(read_image(path).convert(mode)) for path in paths]
+    else:
+        images = [_stretched(read_image(path).convert(mode), preprocess.size) for path in paths]
     batch = torch.stack(images)
     if batch.shape[1] != in_channels:
         if batch.shape[1] != 1:
@@ -92,6 +90,16 @@ def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_ch
     mean = torch.tensor(preprocess.mean).view(1, -1, 1, 1)
     std = torch.tensor(preprocess.std).view(1, -1, 1, 1)
     return ((batch - mean) / std).contiguous()
+
+
+def _stretched(image, size: tuple[int, int]) -> torch.Tensor:
+    """The whole image resized to ``size``: the resize load_dataset gives training images
+    (bilinear on [0, 1] floats, antialiased when shrinking)."""
+    array = np.asarray(image, dtype=np.float32) / 255.0
+    pixels = torch.from_numpy(array.reshape(*array.shape[:2], -1)).permute(2, 0, 1)[None]
+    shrinking = pixels.shape[-1] > size[1] or pixels.shape[-2] > size[0]
+    return F.interpolate(pixels, size=tuple(size), mode="bilinear", align_corners=False,
+                         antialias=shrinking).clamp_(0.0, 1.0)[0]
 
 
 class SplitClient:

@@ -22,7 +22,10 @@ from .._files import InputFileError
 from . import payload
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
+# Version 2 is read as version 3 with preprocess.resize "stretch", the only resize it had (its
+# signature and artifact id keep covering the version 2 body it was signed as).
+_READABLE_VERSIONS = (2, MANIFEST_VERSION)
 FORMAT = "edgetorch-split"
 MAX_BATCH = 1024  # the ONNX head's declared batch range (the eager modules take any batch)
 MAX_RESOLUTION = 4096  # input height/width a manifest may declare (the head is run on it to check shapes)
@@ -38,6 +41,9 @@ FILE_NAMES = {"head": "head.safetensors", "tail": "tail.safetensors", ONNX: "hea
 FORMATS = {"head": "safetensors", "tail": "safetensors", ONNX: "onnx"}
 
 
+RESIZES = ("center-crop", "stretch")
+
+
 class SplitArtifactError(InputFileError):
     """An artifact directory is incomplete, malformed, tampered with, or fails a check."""
 
@@ -47,22 +53,35 @@ class Preprocess:
     """How the device turns an image file into the head's input.
 
     Attributes:
-        size: (height, width) the image is resized to (bilinear, antialiased when shrinking).
+        size: (height, width) of the input.
         color: ``"gray"`` (converted to one channel, then repeated to the model's input channels,
             as the Fashion-MNIST teachers are trained) or ``"rgb"``.
         mean, std: per-channel normalisation applied after scaling pixels to [0, 1]
             (one value, or one per input channel).
+        resize: one of :data:`RESIZES`. ``"center-crop"``: what ``edgetorch finetune`` evaluates
+            with and records in ``model.json`` (:func:`edgetorch.data.preprocessing_record`:
+            Pillow's bilinear resize of the 8-bit image to a short side of ``size * 256/224``,
+            then a centre crop; square sizes only), so a fine-tuned teacher sees the same pixels in
+            ``split train`` and on the device; image folders train with it. ``"stretch"``: the
+            whole image resized to ``size`` (torch bilinear, antialiased when shrinking), for the
+            built-in datasets, whose images are already square and framed, and what every
+            manifest before version 3 meant.
     """
 
     size: tuple[int, int]
     color: str = "gray"
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
+    resize: str = "stretch"
 
     def check(self, channels: int) -> None:
         """Raise ``ValueError`` unless this preprocessing can feed ``channels`` input channels."""
         if self.color not in ("gray", "rgb"):
             raise ValueError(f"preprocess.color must be 'gray' or 'rgb', got {self.color!r}")
+        if self.resize not in RESIZES:
+            raise ValueError(f"preprocess.resize must be one of {', '.join(RESIZES)}, got {self.resize!r}")
+        if self.resize == "center-crop" and self.size[0] != self.size[1]:
+            raise ValueError(f"preprocess.resize center-crop makes square inputs, got size {list(self.size)}")
         for name, values in (("mean", self.mean), ("std", self.std)):
             if len(values) not in (1, channels):
                 raise ValueError(f"preprocess.{name} needs 1 or {channels} values, got {len(values)}")
@@ -136,6 +155,8 @@ class SplitManifest:
         """The bytes an HMAC covers: every field but the signature, as canonical JSON."""
         body = asdict(self)
         body.pop("signature")
+        if self.manifest_version == 2:  # signed before resize existed (it can only be stretch)
+            del body["preprocess"]["resize"]
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -159,17 +180,18 @@ class SplitManifest:
                 f"{MANIFEST_NAME}: version 1 artifacts hold torch.export programs, whose loader "
                 "unpickles and can run code; they are no longer read. Export again with "
                 "`edgetorch split export` (same checkpoint) to get safetensors weights")
-        if not integer or version != MANIFEST_VERSION or raw.get("format") != FORMAT:
+        if not integer or version not in _READABLE_VERSIONS or raw.get("format") != FORMAT:
             raise SplitArtifactError(f"{MANIFEST_NAME}: format {raw.get('format')!r} version {version!r} is not "
-                                     f"supported (expected {FORMAT!r} version {MANIFEST_VERSION})")
+                                     f"supported (expected {FORMAT!r} version 2 or {MANIFEST_VERSION})")
         expected = {f.name for f in cls.__dataclass_fields__.values()}
         if set(raw) != expected:
             raise SplitArtifactError(f"{MANIFEST_NAME}: fields {sorted(set(raw) ^ expected)} are missing or "
                                      f"unknown (expected exactly {sorted(expected)})")
         try:
             prep = raw["preprocess"]
-            if not isinstance(prep, dict) or set(prep) != {"size", "color", "mean", "std"}:
-                raise ValueError("preprocess needs exactly size, color, mean, std")
+            keys = ["size", "color", "mean", "std", *(["resize"] if version > 2 else [])]
+            if not isinstance(prep, dict) or set(prep) != set(keys):
+                raise ValueError(f"preprocess needs exactly {', '.join(keys)}")
             files = raw["files"]
             if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
                 raise ValueError("files must map each part to {path, sha256, format}")
@@ -179,13 +201,15 @@ class SplitManifest:
                 bottleneck_shape=_shape(raw["bottleneck_shape"], 3),
                 num_classes=_positive(raw["num_classes"]),
                 preprocess=Preprocess(size=_shape(prep["size"], 2), color=_text(prep["color"]),
-                                      mean=_floats(prep["mean"]), std=_floats(prep["std"])),
+                                      mean=_floats(prep["mean"]), std=_floats(prep["std"]),
+                                      resize=_text(prep.get("resize", "stretch"))),
                 files={str(k): {"path": _text(v["path"]), "sha256": _text(v["sha256"]),
                                 "format": _text(v["format"])} for k, v in files.items()},
                 payload_format=_plain_dict(raw["payload_format"]),
                 torch_version=_text(raw["torch_version"]), edgetorch_version=_text(raw["edgetorch_version"]),
                 class_names=None if raw["class_names"] is None else _texts(raw["class_names"]),
                 signature=None if raw["signature"] is None else _text(raw["signature"]),
+                manifest_version=version,
             )
             check_class_names(manifest.class_names, manifest.num_classes)
             manifest.preprocess.check(manifest.input_shape[0])

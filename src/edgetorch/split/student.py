@@ -88,14 +88,14 @@ class StudentRun:
         Returns:
             ``format``, ``version``, ``weights`` (``path``, ``sha256``), ``model`` (the student's
             spec, :meth:`BottleneckModel.spec`), ``resolution``, ``preprocess`` (``color``,
-            ``mean``, ``std``), ``class_names``, ``recipe``, ``skipped_images``, ``stages``
+            ``mean``, ``std``, ``resize``; a record without ``resize`` was trained stretched), ``class_names``, ``recipe``, ``skipped_images``, ``stages``
             (:meth:`StageRun.to_json`), ``evaluation`` and ``torch_version``, as plain JSON data.
         """
         return {"format": RECORD_FORMAT, "version": RECORD_VERSION,
                 "weights": {"path": WEIGHTS_NAME, "sha256": self.weights_sha256},
                 "model": self.model.spec(), "resolution": self.resolution,
                 "preprocess": {"color": self.preprocess.color, "mean": list(self.preprocess.mean),
-                               "std": list(self.preprocess.std)},
+                               "std": list(self.preprocess.std), "resize": self.preprocess.resize},
                 "class_names": list(self.class_names), "recipe": dataclasses.asdict(self.recipe),
                 "skipped_images": list(self.skipped_images), "stages": [stage.to_json() for stage in self.stages],
                 "evaluation": dataclasses.asdict(self.evaluation), "torch_version": self.torch_version}  # fmt: skip
@@ -159,7 +159,8 @@ def load_trained(directory: str | Path) -> TrainedStudent:
         if isinstance(resolution, bool) or not isinstance(resolution, int) or not 0 < resolution <= MAX_RESOLUTION:
             raise ValueError(f"resolution must be an int in [1, {MAX_RESOLUTION}], got {resolution!r}")
         check_json_fields(Preprocess, {k: v for k, v in prep.items() if k != "size"}, "preprocess")
-        preprocess = Preprocess((resolution, resolution), prep["color"], tuple(prep["mean"]), tuple(prep["std"]))
+        preprocess = Preprocess((resolution, resolution), prep["color"], tuple(prep["mean"]), tuple(prep["std"]),
+                                prep.get("resize", "stretch"))
         preprocess.check(3)
         if not isinstance(class_names, list) or not all(isinstance(name, str) for name in class_names):
             raise ValueError("class_names must be a list of strings")
