@@ -1,5 +1,6 @@
 """`edgetorch predict`, `val` and `export` (issue 28): a fine-tuned or reduced model on images,
-preprocessed as it was trained, and the pipeline finetune -> reduce -> predict -> export on one folder."""
+preprocessed as it was trained, and the pipeline finetune -> reduce -> predict -> export on one folder.
+(A split artifact's: tests/test_split_train.py, beside the run that makes one.)"""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_finetune_reduce_predict_export_on_one_folder(fine_tuned, tmp_path):
     # ... and exported for onnxruntime: the same logits as PyTorch on the folder's real images.
     onnxruntime = pytest.importorskip("onnxruntime")
     exported = CliRunner().invoke(app, ["export", str(small), "--format", "onnx", "--out", str(tmp_path / "small.onnx")])
-    assert exported.exit_code == 0 and "onnxruntime's logits within" in exported.output, exported.output
+    assert exported.exit_code == 0 and "onnxruntime's outputs within" in exported.output, exported.output
     record = json.loads((tmp_path / "small.onnx.json").read_text())
     assert record["classes"] == classifier.classes and (record["image_size"], record["color"]) == (28, "gray")
     images = image_folder(fine_tuned / "photos", 28, "all", color="gray", normalize=None)
@@ -91,7 +92,7 @@ def test_finetune_reduce_predict_export_on_one_folder(fine_tuned, tmp_path):
     runtime = pytest.importorskip("executorch.runtime")
     exported = CliRunner().invoke(app, ["export", str(small), "--format", "executorch", "--batch-size", "5",
                                         "--out", str(tmp_path / "small.pte")])
-    assert exported.exit_code == 0 and "ExecuTorch's logits within" in exported.output, exported.output
+    assert exported.exit_code == 0 and "ExecuTorch's outputs within" in exported.output, exported.output
     assert json.loads((tmp_path / "small.pte.json").read_text())["batch"] == 5
     method = runtime.Runtime.get().load_program(tmp_path / "small.pte").load_method("forward")
     for start in range(0, 30, 5):
@@ -114,7 +115,7 @@ def test_predict_and_val_refuse_what_they_cannot_use_with_a_message(fine_tuned, 
     empty = tmp_path / "empty"
     empty.mkdir()
     cases = [
-        (["predict", str(empty), "x.png"], "is not a finetune run: it lacks model.safetensors or model.json"),
+        (["predict", str(empty), "x.png"], "is neither a finetune run (model.safetensors + model.json"),
         (["predict", str(fine_tuned / "run"), str(tmp_path / "none.png")], "none.png: no such file or folder"),
         (["predict", str(fine_tuned / "run"), str(empty)], "no image files among"),
         (["predict", str(tmp_path / "model.pt"), "x.png"], "give a finetune run directory or a reduced model's"),

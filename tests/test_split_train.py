@@ -399,6 +399,53 @@ def test_split_train_then_export_serve_and_infer_a_real_image(trained, photos, t
     assert record["images"][0]["top"][0]["class"] == predicted.group(1) and record["payload_bytes"] > 0
 
 
+def test_a_split_artifact_predicts_validates_and_exports_its_head(trained, photos, tmp_path) -> None:
+    """predict/val run the head and tail here through the 8-bit payload, on the manifest's
+    preprocessing: the same numbers as the two sides by hand; export writes the head (the device's
+    part) for onnxruntime and ExecuTorch, checked against PyTorch."""
+    from edgetorch.split.artifact import load
+    from edgetorch.split.client import preprocess_images
+    from edgetorch.split.manifest import Preprocess
+
+    runner = CliRunner()
+    artifact = tmp_path / "artifact"
+    exported = runner.invoke(app, ["split", "export", "--trained", str(trained[0]), "--out", str(artifact)])
+    assert exported.exit_code == 0, exported.output
+    images = sorted(photos.glob("*/*"))
+    shown = runner.invoke(app, ["predict", str(artifact), *map(str, images), "--top-k", "1", "--json",
+                                str(tmp_path / "p.json")])
+    assert shown.exit_code == 0, shown.output
+    head, tail = load(artifact)
+    x = preprocess_images(images, Preprocess((32, 32), "rgb", *NORMALISATIONS["imagenet"], resize="center-crop"), 3)
+    with torch.inference_mode():
+        probabilities = tail(decode(encode(head(x)))).softmax(1)
+    written = json.loads((tmp_path / "p.json").read_text())["predictions"]
+    assert [p["top"][0]["class"] for p in written] == [CLASSES[i] for i in probabilities.argmax(1).tolist()]
+    assert [p["top"][0]["probability"] for p in written] == pytest.approx(probabilities.max(1).values.tolist(),
+                                                                           abs=1e-6)
+    checked = runner.invoke(app, ["val", str(artifact), "--data", str(photos), "--json", str(tmp_path / "v.json")])
+    assert checked.exit_code == 0, checked.output
+    labels = torch.tensor([CLASSES.index(p.parent.name) for p in images])
+    assert json.loads((tmp_path / "v.json").read_text())["top1"] == pytest.approx(
+        (probabilities.argmax(1) == labels).float().mean().item())
+
+    onnxruntime = pytest.importorskip("onnxruntime")
+    with torch.inference_mode():
+        bottleneck = head(x)
+    done = runner.invoke(app, ["export", str(artifact), "--format", "onnx", "--out", str(tmp_path / "head.onnx")])
+    assert done.exit_code == 0, done.output
+    record = json.loads((tmp_path / "head.onnx.json").read_text())
+    assert record["output"].startswith("bottleneck [N, 2, 4, 4]") and len(record["artifact_id"]) == 64
+    session = onnxruntime.InferenceSession(str(tmp_path / "head.onnx"), providers=["CPUExecutionProvider"])
+    assert (torch.from_numpy(session.run(None, {"image": x.numpy()})[0]) - bottleneck).abs().max() <= 1e-4
+    runtime = pytest.importorskip("executorch.runtime")
+    done = runner.invoke(app, ["export", str(artifact), "--format", "executorch", "--batch-size", "4",
+                               "--out", str(tmp_path / "head.pte")])
+    assert done.exit_code == 0 and "ExecuTorch's outputs within" in done.output, done.output
+    method = runtime.Runtime.get().load_program(tmp_path / "head.pte").load_method("forward")
+    assert (method.execute([x[:4]])[0] - bottleneck[:4]).abs().max() <= 1e-4
+
+
 def _skeleton(value):
     """A JSON value's keys, in order, with every leaf None and a list as its first item's skeleton."""
     if isinstance(value, dict):

@@ -12,8 +12,8 @@ from rich.table import Table
 from .._extras import install_hint
 from ._app import app, console, output_file, write_json
 
-_MODEL_HELP = ("a finetune run directory (model.safetensors + model.json) or a model reduce wrote for an image folder "
-               "(.safetensors + .json)")
+_MODEL_HELP = ("a finetune run directory (model.safetensors + model.json), a model reduce wrote for an image folder "
+               "(.safetensors + .json), or a split export directory (head and tail run here, through the 8-bit payload)")
 
 
 @contextlib.contextmanager
@@ -41,7 +41,7 @@ def predict(
     top_k: int = typer.Option(3, min=1, help="classes shown per image"),
     json: Path = typer.Option(None, callback=output_file, help="write every image's top classes here"),
 ) -> None:
-    """Classify images with a fine-tuned or reduced model, preprocessed as it was trained."""
+    """Classify images with a fine-tuned, reduced or split model, preprocessed as it was trained."""
     from ..finetune.predict import predict as classify
 
     with _usage_error("IMAGES"):
@@ -60,7 +60,7 @@ def val(
     top_k: int = typer.Option(5, min=1, help="also count a label among the k most likely classes"),
     json: Path = typer.Option(None, callback=output_file, help="write the accuracies here"),
 ) -> None:
-    """Accuracy of a fine-tuned or reduced model on labelled images (top-1, top-k, per class)."""
+    """Accuracy of a fine-tuned, reduced or split model on labelled images (top-1, top-k, per class)."""
     from ..finetune.predict import validate
 
     with _usage_error("'--data'"):
@@ -80,15 +80,15 @@ def val(
 def export(
     classifier: Path = typer.Argument(..., metavar="MODEL", help=_MODEL_HELP, callback=_classifier),
     out: Path = typer.Option(..., callback=output_file, help="the file to write: .onnx or .pte (its record: OUT.json)"),
-    runtime: str = typer.Option("onnx", "--format", help="onnx (onnxruntime) or executorch (XNNPACK); a split head "
-                                "exports with `split export --onnx`"),
+    runtime: str = typer.Option("onnx", "--format", help="onnx (onnxruntime) or executorch (XNNPACK); of a split "
+                                "artifact, its head is written"),
     batch_size: int = typer.Option(4, min=1, help="images per call of an ExecuTorch program (ONNX takes any)"),
 ) -> None:
-    """Export a fine-tuned or reduced model for a device runtime, checked against PyTorch."""
+    """Export a fine-tuned or reduced model, or a split head, for a device runtime, checked against PyTorch."""
     from ..finetune.export import export_classifier
 
     with _usage_error("'--format'"):
         done = export_classifier(classifier, out, runtime, batch_size)
     runner = {"onnx": "onnxruntime", "executorch": "ExecuTorch"}[runtime]
-    console.print(f"wrote {done.model} and {done.record}: {runner}'s logits within {done.max_abs_difference:.1e} "
+    console.print(f"wrote {done.model} and {done.record}: {runner}'s outputs within {done.max_abs_difference:.1e} "
                   f"of PyTorch's on {done.checked_inputs} images")

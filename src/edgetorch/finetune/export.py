@@ -1,9 +1,9 @@
-"""A fine-tuned or reduced classifier for the runtimes devices run (``edgetorch export``).
+"""A fine-tuned or reduced classifier, or a split artifact's head, for the runtimes devices run (``edgetorch export``).
 
 Two formats: ONNX (``.onnx``, for onnxruntime) and ExecuTorch (``.pte``, lowered to XNNPACK for
 CPUs; ``executorch`` 1.5 installs beside torch 2.14 and its runtime ran the exported programs here).
 The graph takes preprocessed images ``[N, C, H, W]`` (ONNX: any N; ExecuTorch: the N it was
-exported for) and gives logits; beside it, ``FILE.json`` records what its user must do first and
+exported for) and gives logits (a split head: its bottleneck, for the 8-bit payload); beside it, ``FILE.json`` records what its user must do first and
 how to read the output: classes in label order, size, colour, normalisation and the whole
 preprocessing (the finetune run's own record). Every export is checked: the runtime runs it on
 the example inputs and its logits must match PyTorch's within :data:`TOLERANCE`, or nothing is
@@ -51,7 +51,7 @@ class ClassifierExport:
 
 def export_classifier(classifier: Classifier, out: str | Path, runtime: str = "onnx",
                       batch_size: int = 4) -> ClassifierExport:
-    """Write ``classifier`` for ``runtime`` and check it there against PyTorch.
+    """Write ``classifier`` (a split artifact: its head) for ``runtime`` and check it there against PyTorch.
 
     Args:
         classifier: from :func:`~edgetorch.finetune.predict.load_classifier`.
@@ -79,16 +79,21 @@ def export_classifier(classifier: Classifier, out: str | Path, runtime: str = "o
     out = Path(out)
     if out.suffix != SUFFIXES[runtime]:
         raise ValueError(f"{out}: give a file name ending in {SUFFIXES[runtime]} for {runtime}")
-    channels = 3 if classifier.color == "rgb" else 1
-    examples = torch.rand(batch_size, channels, classifier.image_size, classifier.image_size,
-                          generator=torch.Generator().manual_seed(0))
-    model = classifier.model.eval()
-    data, run = (_onnx if runtime == "onnx" else _executorch)(model, examples)
+    if classifier.split is None:
+        shape = (3 if classifier.color == "rgb" else 1, classifier.image_size, classifier.image_size)
+        model, output, extra = classifier.model.eval(), "logits [N, classes]", {}
+    else:  # the device's side only: its output goes to the tail server as the 8-bit payload
+        shape, model = classifier.split.input_shape, classifier.model.head.eval()
+        output = (f"bottleneck [N, {', '.join(map(str, classifier.split.bottleneck_shape))}]: encode it with "
+                  "edgetorch.split.payload.encode and send it to `edgetorch split serve` of this artifact")
+        extra = {"artifact_id": classifier.split.artifact_id}
+    examples = torch.rand(batch_size, *shape, generator=torch.Generator().manual_seed(0))
+    data, run = _onnx(model, examples, output.split()[0]) if runtime == "onnx" else _executorch(model, examples)
     with torch.inference_mode():
         expected = model(examples)
     difference = (run(examples) - expected).abs().max().item()
     if not difference <= TOLERANCE:
-        raise ValueError(f"{runtime}'s logits differ from PyTorch's by up to {difference:.2e} (tolerance "
+        raise ValueError(f"{runtime}'s outputs differ from PyTorch's by up to {difference:.2e} (tolerance "
                          f"{TOLERANCE:.0e}): the model uses an operator the exporter does not reproduce; nothing written")
     out.write_bytes(data)
     record = out.with_name(out.name + ".json")
@@ -96,7 +101,7 @@ def export_classifier(classifier: Classifier, out: str | Path, runtime: str = "o
         "format": RECORD_FORMAT, "runtime": runtime, "source": str(classifier.source), "classes": classifier.classes,
         "image_size": classifier.image_size, "color": classifier.color, "normalize": classifier.normalize,
         "preprocessing": classifier.preprocessing, "batch": None if runtime == "onnx" else len(examples),
-        "input": "image [N, C, H, W], preprocessed", "output": "logits [N, classes]",
+        "input": "image [N, C, H, W], preprocessed", "output": output, **extra,
         "max_abs_difference": difference}, indent=2) + "\n")
     return ClassifierExport(out, record, difference, len(examples))
 
@@ -104,12 +109,12 @@ def export_classifier(classifier: Classifier, out: str | Path, runtime: str = "o
 Runner = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _onnx(model: nn.Module, examples: torch.Tensor) -> tuple[bytes, Runner]:
+def _onnx(model: nn.Module, examples: torch.Tensor, output_name: str) -> tuple[bytes, Runner]:
     import onnxruntime
 
     from ..split.onnx_head import onnx_bytes
 
-    data = onnx_bytes(model, examples[:2], output_name="logits")
+    data = onnx_bytes(model, examples[:2], output_name=output_name)
     session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
 
     def run(x: torch.Tensor) -> torch.Tensor:

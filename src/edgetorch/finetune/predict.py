@@ -1,20 +1,27 @@
 """Use a trained classifier on images: ``edgetorch predict`` (top-k per image) and ``edgetorch val`` (accuracy).
 
-A classifier is a finetune run directory (``model.safetensors`` and ``model.json``) or a model
-``edgetorch reduce`` wrote for an image folder (``small.safetensors`` and ``small.json``). Their
-records name the classes in label order and the preprocessing the model was trained with (size,
-colour, normalisation); images go through exactly that (:func:`edgetorch.data.image_files`, a
-folder's validation transform), so a prediction here is what the model scored in training.
+A classifier is a finetune run directory (``model.safetensors`` and ``model.json``), a model
+``edgetorch reduce`` wrote for an image folder (``small.safetensors`` and ``small.json``), or a
+split artifact directory (``edgetorch split export``: the head and tail run here, joined through
+the 8-bit payload the device would send). Their records name the classes in label order and the
+preprocessing the model was trained with; images go through exactly that (a folder's validation
+transform, :func:`edgetorch.data.image_files`, or the manifest's, which for a folder-trained
+student is the same), so a prediction here is what the model scored in training.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+
+if TYPE_CHECKING:
+    from ..split.manifest import SplitManifest
 
 #: Images per forward pass.
 BATCH = 32
@@ -31,7 +38,10 @@ class Classifier:
         color: ``"rgb"`` or ``"gray"``.
         normalize: ``"imagenet"`` or ``None`` (pixels in [0, 1]).
         source: the file or directory it was loaded from.
-        preprocessing: the record's whole transform as data (empty where an older record has none).
+        preprocessing: the record's whole transform as data (empty where an older record has none;
+            a split artifact's is its manifest's ``preprocess``).
+        split: a split artifact's manifest (``model`` is then a
+            :class:`~edgetorch.split.artifact.DeployedSplit`), else None.
     """
 
     model: nn.Module
@@ -41,6 +51,22 @@ class Classifier:
     normalize: str | None
     source: Path
     preprocessing: dict
+    split: SplitManifest | None = None
+
+    def inputs(self, paths: Sequence[Path]) -> torch.Tensor:
+        """Image files as this model takes them: float32 ``[N, C, H, W]``, preprocessed as it was trained.
+
+        Raises:
+            InputFileError: (a ``ValueError``) an unreadable image; the message names it.
+        """
+        if self.split is not None:
+            from ..split.client import preprocess_images
+
+            return preprocess_images(paths, self.split.preprocess, self.split.input_shape[0])
+        from ..data import image_files
+
+        data = image_files(paths, self.image_size, color=self.color, normalize=self.normalize)
+        return torch.stack([data[i][0] for i in range(len(data))])
 
 
 @dataclass(frozen=True)
@@ -76,18 +102,20 @@ class Validation:
 
 
 def load_classifier(path: str | Path) -> Classifier:
-    """Load a finetune run directory, or a model ``edgetorch reduce`` wrote for an image folder.
+    """Load a finetune run directory, a model ``edgetorch reduce`` wrote for an image folder, or a split artifact.
 
     Args:
-        path: a directory holding ``model.safetensors`` and ``model.json``, or a reduced model's
-            ``.safetensors`` with its ``.json`` record beside it.
+        path: a directory holding ``model.safetensors`` and ``model.json``, a reduced model's
+            ``.safetensors`` with its ``.json`` record beside it, or a directory ``edgetorch split
+            export`` wrote (its files' hashes are checked; a signature is not, as no key is given).
 
     Returns:
         A :class:`Classifier`.
 
     Raises:
-        ValueError: a path that is neither, or a reduced model whose record names no classes (one
-            reduced on a built-in dataset); InputFileError, CheckpointError: damaged files.
+        ValueError: a path that is none of these, or a reduced model whose record names no
+            classes (one reduced on a built-in dataset); InputFileError, CheckpointError,
+            SplitArtifactError: damaged files.
 
     Example:
         >>> classifier = load_classifier("runs/photos")  # doctest: +SKIP
@@ -98,11 +126,14 @@ def load_classifier(path: str | Path) -> Classifier:
     from .record import check_record, read_record
 
     source = Path(path)
+    if source.is_dir() and (source / "manifest.json").exists():
+        return _split_classifier(source)
     if source.is_dir():
         weights, record_path = source / "model.safetensors", source / "model.json"
         if not (weights.is_file() and record_path.is_file()):
-            raise ValueError(f"{source} is not a finetune run: it lacks model.safetensors or model.json "
-                             "(`edgetorch finetune --out DIR` writes both once the first epoch ends)")
+            raise ValueError(f"{source} is neither a finetune run (model.safetensors + model.json: `edgetorch finetune "
+                         "--out DIR` writes both once the first epoch ends) nor a split artifact (manifest.json: "
+                         "`edgetorch split export --out DIR`)")
         record = read_record(record_path, ("model", "classes", "image_size", "channels"))
         model, _ = start_model(record["model"], None, weights)
         color = "rgb" if record["channels"] == 3 else "gray"
@@ -122,6 +153,15 @@ def load_classifier(path: str | Path) -> Classifier:
                       _preprocessing(fields))
 
 
+def _split_classifier(source: Path) -> Classifier:
+    from ..split.artifact import load_deployed
+
+    model, manifest = load_deployed(source)
+    classes = list(manifest.class_names or map(str, range(manifest.num_classes)))
+    return Classifier(model, classes, manifest.input_shape[1], manifest.preprocess.color, None, source,
+                      dataclasses.asdict(manifest.preprocess), manifest)
+
+
 def predict(classifier: Classifier, images: list[str | Path], top_k: int = 3) -> list[Prediction]:
     """The ``top_k`` most likely classes of each image.
 
@@ -138,12 +178,11 @@ def predict(classifier: Classifier, images: list[str | Path], top_k: int = 3) ->
     """
     from ..data import image_files
 
-    data = image_files(images, classifier.image_size, color=classifier.color, normalize=classifier.normalize)
+    paths = [path for path, _ in image_files(images, classifier.image_size).samples]  # folders listed, paths checked
     k = min(top_k, len(classifier.classes))
-    probabilities = _probabilities(classifier.model, data)
-    values, indices = probabilities.topk(k, dim=1)
+    values, indices = _probabilities(classifier, paths).topk(k, dim=1)
     return [Prediction(path, [(classifier.classes[i], p) for p, i in zip(v.tolist(), ix.tolist())])
-            for (path, _), v, ix in zip(data.samples, values, indices)]
+            for path, v, ix in zip(paths, values, indices)]
 
 
 def validate(classifier: Classifier, data: str | Path, k: int = 5) -> Validation:
@@ -168,7 +207,7 @@ def validate(classifier: Classifier, data: str | Path, k: int = 5) -> Validation
     if images.classes != classifier.classes:
         raise ValueError(f"{data} has the classes {images.classes}; {classifier.source} classifies into "
                          f"{classifier.classes}: give a folder with the same class subfolders")
-    probabilities, labels = _probabilities(classifier.model, images), images.labels
+    probabilities, labels = _probabilities(classifier, [path for path, _ in images.samples]), images.labels
     k = min(k, len(classifier.classes))
     hit = probabilities.argmax(1) == labels
     within = (probabilities.topk(k, dim=1).indices == labels[:, None]).any(1)
@@ -177,10 +216,11 @@ def validate(classifier: Classifier, data: str | Path, k: int = 5) -> Validation
     return Validation(len(labels), hit.float().mean().item(), within.float().mean().item(), k, per_class)
 
 
-def _probabilities(model: nn.Module, data: Dataset) -> torch.Tensor:
-    device = next(model.parameters()).device
+def _probabilities(classifier: Classifier, paths: list[Path]) -> torch.Tensor:
+    device = next(classifier.model.parameters()).device
     with torch.inference_mode():
-        return torch.cat([model(x.to(device)).softmax(1).cpu() for x, _ in DataLoader(data, batch_size=BATCH)])
+        return torch.cat([classifier.model(classifier.inputs(paths[i : i + BATCH]).to(device)).softmax(1).cpu()
+                          for i in range(0, len(paths), BATCH)])
 
 
 def _preprocessing(record: dict) -> dict:

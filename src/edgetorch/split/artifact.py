@@ -230,7 +230,49 @@ def load(artifact_dir: str | Path, key: bytes | str | None = None, *,
         >>> head, tail = load("artifacts")  # doctest: +SKIP
         >>> logits = tail(head(images))  # doctest: +SKIP
     """
-    manifest = signed_manifest(Path(artifact_dir), key, expect_id)
-    model = skeleton(manifest)
+    deployed, _ = load_deployed(artifact_dir, key, expect_id=expect_id)
+    return deployed.head, deployed.tail
+
+
+class DeployedSplit(nn.Module):
+    """A head and its tail joined through the 8-bit payload: the logits a device gets back from
+    the tail server (``split infer``), computed in one process.
+
+    Attributes:
+        head, tail: the artifact's two sides.
+    """
+
+    def __init__(self, head: nn.Module, tail: nn.Module):
+        super().__init__()
+        self.head, self.tail = head, tail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .payload import decode, encode
+
+        return self.tail(decode(encode(self.head(x))).to(x.device))
+
+
+def load_deployed(artifact_dir: str | Path, key: bytes | str | None = None, *,
+                  expect_id: str | None = None) -> tuple[DeployedSplit, SplitManifest]:
+    """Load a verified artifact as one classifier that runs the deployed path (see :class:`DeployedSplit`).
+
+    Args:
+        artifact_dir: a directory written by :func:`save` / ``edgetorch split export``.
+        key: the HMAC key, if the artifact was signed (see :func:`read_manifest`).
+        expect_id: the artifact id this must be (see :func:`read_manifest`).
+
+    Returns:
+        ``(model, manifest)``: the model in eval mode on the CPU.
+
+    Raises:
+        SplitArtifactError: see :func:`read_manifest`, or weights that do not fit the manifest.
+
+    Example:
+        >>> model, manifest = load_deployed("artifacts")  # doctest: +SKIP
+        >>> logits = model(images)  # doctest: +SKIP
+    """
     root = Path(artifact_dir)
-    return _load_weights(root, manifest, model, "head"), _load_weights(root, manifest, model, "tail")
+    manifest = signed_manifest(root, key, expect_id)
+    model = skeleton(manifest)
+    return DeployedSplit(_load_weights(root, manifest, model, "head"),
+                         _load_weights(root, manifest, model, "tail")).eval(), manifest
