@@ -156,6 +156,36 @@ def test_an_interrupted_run_resumes_to_the_same_weights(folder, imagenet_weights
         finetune(model, data.train, data.val, config, tmp_path / "split")
 
 
+def test_a_finished_run_is_extended_by_a_larger_epochs(folder, imagenet_weights, tmp_path):
+    """Extending trains on from the checkpoint with the batch order of the longer run: with a
+    constant schedule it ends exactly where the longer run from the start does; a cosine schedule
+    starts again over the added epochs, and an extended run resumes and extends like any other."""
+    data = image_data(folder, size=32, channels=3)
+    weights = {}
+    for out, epochs in (("whole", [3]), ("extended", [1, 3])):
+        for count in epochs:
+            model, _ = _resnet(imagenet_weights)
+            torch.manual_seed(5)
+            config = FinetuneConfig(epochs=count, batch_size=8, optimizer="adam", lr=1e-3, schedule="constant")
+            result = finetune(model, data.train, data.val, config, tmp_path / out)
+        weights[out] = load_file(str(result.weights))
+    assert (result.resumed_from, result.restarts, len(result.history)) == (1, [1], 3)
+    assert all(torch.equal(value, weights["whole"][key]) for key, value in weights["extended"].items())
+
+    cosine = tmp_path / "cosine"
+    lrs = []
+    for count in (1, 2, 2, 3):  # the repeated 2 resumes the extended run: nothing left to train
+        model, _ = _resnet(imagenet_weights)
+        config = FinetuneConfig(epochs=count, batch_size=8, lr=0.05)
+        result = finetune(model, data.train, data.val, config, cosine,
+                          on_progress=lambda e: lrs.append(e["event"]) if e["event"] == "epoch" else None)
+    assert result.restarts == [1, 2] and [r["epoch"] for r in result.history] == [1, 2, 3] and len(lrs) == 3
+    assert json.loads((cosine / "model.json").read_text())["restarts"] == [1, 2]
+    with pytest.raises(CheckpointError, match="epochs"):  # fewer epochs than trained: not an extension
+        finetune(_resnet(imagenet_weights)[0], data.train, data.val, FinetuneConfig(epochs=2, batch_size=8, lr=0.05),
+                 cosine)
+
+
 def _run(args):
     result = CliRunner().invoke(app, ["finetune", *map(str, args)])
     return result, " ".join(result.output.replace("│", " ").split())
@@ -181,11 +211,19 @@ def test_cli_finetunes_a_folder_into_weights_torchvision_loads(folder, imagenet_
     again, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
                         "--size", 32, "--epochs", 2, "--batch-size", 8, "--lr", 0.05, "--out", out])
     assert again.exit_code == 0 and "had finished its 2 epoch(s): nothing was trained" in text
+    # The saved run's settings are shown before anything resumes.
+    assert (f"{out} holds 2 finished epoch(s) of a run with model torchvision:resnet18, data {folder}: 24 train, "
+            "6 val images, 3 classes, image_size 32, policy dense, scope full, batch_size 8, epochs 2, optimizer sgd, lr 0.05, "
+            "schedule cosine, seed 0") in text, text
     assert f"measured peak {summary['peak_bytes'] / 2**20:,.1f} MiB" in text  # the run's own, not 0.0
+    more, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
+                       "--size", 32, "--epochs", 3, "--batch-size", 8, "--lr", 0.05, "--out", out])
+    assert more.exit_code == 0 and "the cosine schedule starts again at lr 0.05 for epochs 3-3" in text, text
+    assert "extended" in text and "from 2 to 3 epochs" in text and "epoch 3: loss" in text, text
 
     # Another size is another run: refused, not resumed and recorded as trained at 40 px
     other, text = _run(["--model", "torchvision:resnet18", "--weights", imagenet_weights, "--data", folder,
-                        "--size", 40, "--epochs", 2, "--batch-size", 8, "--lr", 0.05, "--out", out])
+                        "--size", 40, "--epochs", 3, "--batch-size", 8, "--lr", 0.05, "--out", out])
     assert other.exit_code == 1 and "image_size: 32 -> 40" in text, text
     assert json.loads((out / "model.json").read_text())["image_size"] == 32
 

@@ -62,7 +62,7 @@ def finetune(
 ) -> None:
     """Fine-tune a model on your images: per-epoch validation accuracy, measured peak memory, resumable."""
     from ..data import ImageFolderError
-    from ..finetune import FinetuneJob, NothingFits, run_finetune
+    from ..finetune import FinetuneJob, NothingFits, run_finetune, saved_run
     from ..training import TrainingDiverged
     from ..zoo import CheckpointError
 
@@ -88,6 +88,14 @@ def finetune(
         config = run.config
         console.print(f"training: {config.policy}, scope {config.scope}, batch {config.batch_size}, {config.epochs} "
                       f"epoch(s), {config.optimizer} lr {config.lr} ({config.schedule})")
+        saved = saved_run(out) if out is not None else None
+        if saved is not None:  # what the checkpoint was made with: resuming checks it is this run
+            settings, finished = saved
+            shown = ", ".join(f"{k} {settings[k]}" for k in _SHOWN if settings.get(k) is not None)
+            console.print(f"{out} holds {finished} finished epoch(s) of a run with {shown}")
+            if finished == settings.get("epochs") < config.epochs and config.schedule == "cosine":
+                console.print(f"extending it to {config.epochs} epochs: the cosine schedule starts again at lr "
+                              f"{config.lr} for epochs {finished + 1}-{config.epochs}")
 
     try:
         with _Display() as display:
@@ -123,7 +131,9 @@ def finetune(
         console.print(measured)
     if result.resumed_from == run.config.epochs:
         console.print(f"{out} had finished its {result.resumed_from} epoch(s): nothing was trained, the peak and accuracy "
-                      "are the run's own (train more: a larger --epochs with another --out)")
+                      "are the run's own (train more: the same command with a larger --epochs extends it)")
+    elif result.restarts and result.resumed_from == result.restarts[-1]:
+        console.print(f"extended {out} from {result.resumed_from} to {run.config.epochs} epochs")
     elif result.resumed_from:
         console.print(f"resumed after epoch {result.resumed_from} from {out / 'checkpoint'}")
     console.print(f"validation accuracy {result.val_accuracy:.4f}; wrote {result.weights} and {out / 'model.json'} "
@@ -133,6 +143,11 @@ def finetune(
         from ..measure.plots import plot_training
 
         console.print(f"wrote {plot_training(result.history, plot, f'{model} on {run.data.description}')}")
+
+
+# A checkpoint's settings shown when a run resumes (the rest are in its state.json).
+_SHOWN = ("model", "data", "image_size", "policy", "scope", "batch_size", "epochs", "optimizer", "lr", "schedule",
+          "seed")
 
 
 class _Display:

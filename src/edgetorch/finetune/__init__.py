@@ -16,9 +16,9 @@ Or the whole command as one call (model, data, new classifier, memory plan, trai
 """
 
 from .model import SCOPES, classifier_name, replace_classifier, set_scope, start_model
-from .run import OPTIMIZERS, SCHEDULES, FinetuneConfig, FinetuneResult, finetune, prepare
+from .run import OPTIMIZERS, SCHEDULES, FinetuneConfig, FinetuneResult, finetune, prepare, saved_run
 from .workflow import FinetuneJob, FinetuneRun, NothingFits, run_finetune
 
 __all__ = ["OPTIMIZERS", "SCHEDULES", "SCOPES", "FinetuneConfig", "FinetuneJob", "FinetuneResult", "FinetuneRun",
-           "NothingFits", "classifier_name", "finetune", "prepare", "replace_classifier", "run_finetune", "set_scope",
-           "start_model"]
+           "NothingFits", "classifier_name", "finetune", "prepare", "replace_classifier", "run_finetune", "saved_run",
+           "set_scope", "start_model"]

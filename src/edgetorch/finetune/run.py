@@ -10,7 +10,8 @@ Files under ``out`` (all written atomically; nothing here is ever unpickled):
 * ``checkpoint/``: the training loop's checkpoint (:mod:`edgetorch.training.checkpoint`), after
   every epoch. Running again with the same ``out`` and config resumes after the last finished
   epoch and ends with the same weights as an uninterrupted run (the batch order is a function of
-  the seed; the RNG that drives augmentation and dropout is restored).
+  the seed; the RNG that drives augmentation and dropout is restored). Running a finished run
+  again with a larger ``epochs`` and nothing else changed extends it (:func:`finetune`).
 * ``model.safetensors``: the final ``state_dict`` under the architecture's own names, and
   ``model.json``: what a user needs to use it (classes, input size, channels, normalisation).
 * ``log.json``: the config and one record per epoch (loss, validation accuracy, throughput,
@@ -22,6 +23,7 @@ Files under ``out`` (all written atomically; nothing here is ever unpickled):
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,6 +118,8 @@ class FinetuneResult:
             (loading, any planning, every epoch, validation and checkpoints; what a memory
             limit sees); None on a GPU, where ``peak_bytes`` is the allocator's.
         resumed_from: the epoch a checkpoint was resumed after (0: a fresh run).
+        restarts: the epochs after which the schedule started again, each where a finished
+            run was extended (empty: never extended).
         weights: the final ``model.safetensors`` (None without ``out``).
     """
 
@@ -125,6 +129,7 @@ class FinetuneResult:
     peak_kind: str = "peak_rss"
     process_peak_bytes: int | None = None
     resumed_from: int = 0
+    restarts: list[int] = field(default_factory=list)
     weights: Path | None = None
 
 
@@ -155,7 +160,12 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
         val: validation samples.
         config: the run's :class:`FinetuneConfig`.
         out: a directory for checkpoints, the log and the final weights; a run with the same
-            ``out`` and config resumes. ``None``: nothing is written.
+            ``out`` and config resumes. A finished run there whose config differs only in fewer
+            ``epochs`` is extended: trained on from its checkpoint (optimizer state included)
+            with the batch order an uninterrupted run of ``epochs`` would have; a cosine schedule
+            starts again from ``lr`` over the added epochs (a warm restart, as in SGDR,
+            Loshchilov & Hutter 2017), so only a constant schedule ends where a run of
+            ``epochs`` from the start would. ``None``: nothing is written.
         metadata: extra fields for ``model.json`` and ``log.json`` (e.g. the model spec, classes).
         on_progress: called with ``{"event": "step", "epoch", "step", "steps", "loss",
             "images_per_second"}`` after each step and ``{"event": "epoch", **record}`` after
@@ -176,9 +186,6 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     params = prepare(model, config)
     optimizer = _optimizer(config, params)
     loop = Loop(config.epochs, config.batch_size, config.seed, last_batch=LastBatch.FILL)
-    total_steps = config.epochs * loop.steps_per_epoch(len(train))
-    schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-                if config.schedule == "cosine" else None)
     out = Path(out) if out is not None else None
     # What a checkpoint must match to be resumed: the config, and the model and data it trains.
     # The input geometry and normalisation too: weights trained at one size must not resume at
@@ -186,7 +193,13 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     identity = {**dataclasses.asdict(config), "train_samples": len(train),
                 **{k: (metadata or {}).get(k) for k in ("model", "weights", "data", "image_size", "channels",
                                                         "normalize")}}
-    meta = {**(metadata or {}), "config": dataclasses.asdict(config)}
+    identity, extends = _extension(out, identity) if out is not None else (identity, None)
+    restarts = identity.get("restarts", [])
+    # The cosine runs from the last restart (0: the start) to the last epoch.
+    steps = (config.epochs - (restarts[-1] if restarts else 0)) * loop.steps_per_epoch(len(train))
+    schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+                if config.schedule == "cosine" else None)
+    meta = {**(metadata or {}), "config": dataclasses.asdict(config), **({"restarts": restarts} if restarts else {})}
     watch = _Epochs(model, val, config.batch_size, device, out, meta, on_progress)
 
     def step(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -194,8 +207,9 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
 
     model.train()
     run = train_epochs(model, train, loop, step, optimizer, schedule, watch=watch, label="finetune",
-                       checkpoint=None if out is None else Checkpointing(out / "checkpoint", identity))  # fmt: skip
-    result = FinetuneResult(history=run.history, resumed_from=run.resumed_from, peak_kind=peak_kind(device))
+                       checkpoint=None if out is None else Checkpointing(out / "checkpoint", identity, extends))
+    result = FinetuneResult(history=run.history, resumed_from=run.resumed_from, restarts=restarts,
+                            peak_kind=peak_kind(device))
     # A run resumed after its last epoch trains nothing: its peak is what its epochs recorded.
     trained = run.history[run.resumed_from:] or run.history
     result.peak_bytes = max((r["peak_bytes"] for r in trained), default=0)
@@ -210,6 +224,49 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
     if device.type != "cuda":
         result.process_peak_bytes = process_peak_rss_bytes()
     return result
+
+
+def saved_run(out: str | Path) -> tuple[dict[str, Any], int] | None:
+    """The settings a run under ``out`` was checkpointed with and the epochs it finished, or ``None``.
+
+    Example:
+        >>> saved_run("runs/photos")  # doctest: +SKIP
+        ({'policy': 'dense', 'epochs': 3, ..., 'model': 'zoo:cnn', 'image_size': 96}, 2)
+    """
+    from ..training.checkpoint import recorded_run
+
+    found = recorded_run(Path(out) / "checkpoint")
+    if found is None or not isinstance(found[0], dict) or type(found[1]) is not int:
+        return None
+    return found
+
+
+def _extension(out: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """This run's identity given the checkpoint in ``out``, and the finished run it extends, if any.
+
+    A run extended once records the epochs its schedule restarted after (``restarts``), so that
+    the extended run resumes like any other; a finished run whose identity differs from this one
+    only in fewer ``epochs`` (and its restarts) is extended by this one.
+    """
+    found = saved_run(out)
+    if found is None:
+        return identity, None
+    recorded, finished = found
+    restarts = recorded.get("restarts", [])
+    if not (isinstance(restarts, list) and all(type(r) is int and r > 0 for r in restarts)
+            and restarts == sorted(restarts) and restarts[-1:] < [identity["epochs"]]):
+        return identity, None  # not what this version writes: resuming refuses it
+
+    def rest(run: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in run.items() if k not in ("epochs", "restarts")}
+
+    if rest(recorded) != json.loads(json.dumps(rest(identity))):
+        return identity, None  # another run: resuming refuses it and says what differs
+    mine = {**identity, **({"restarts": restarts} if restarts else {})}
+    epochs = recorded.get("epochs")
+    if isinstance(epochs, int) and finished == epochs < identity["epochs"]:
+        return {**identity, "restarts": [*restarts, epochs]}, recorded
+    return mine, None
 
 
 def best_epoch(history: list[dict[str, Any]]) -> int:

@@ -64,8 +64,19 @@ def save(directory: Path, identity: Mapping[str, Any], model: nn.Module, optimiz
                    "optimizer.safetensors": file_sha256(directory / "optimizer.safetensors")}})
 
 
+def recorded_run(directory: Path) -> tuple[Any, Any] | None:
+    """The ``run`` identity and finished ``epoch`` a checkpoint's ``state.json`` names, unchecked
+    (:func:`resume` checks them), or ``None`` when ``directory`` holds no checkpoint."""
+    state_path = directory / "state.json"
+    if not state_path.is_file():
+        return None
+    state = read_json(state_path, error=CheckpointError)
+    return (state.get("run"), state.get("epoch")) if isinstance(state, dict) else None
+
+
 def resume(directory: Path, identity: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-           schedule: torch.optim.lr_scheduler.LRScheduler, epochs: int, fields: tuple[str, ...]) -> Resumed | None:
+           schedule: torch.optim.lr_scheduler.LRScheduler, epochs: int, fields: tuple[str, ...],
+           extends: Mapping[str, Any] | None = None) -> Resumed | None:
     """Load the checkpoint in ``directory`` into ``model``, ``optimizer``, ``schedule`` and the RNGs.
 
     Args:
@@ -74,6 +85,9 @@ def resume(directory: Path, identity: Mapping[str, Any], model: nn.Module, optim
         model, optimizer, schedule: made for this run, not stepped yet.
         epochs: the run's epochs (a checkpoint of more is refused).
         fields: the fields of every epoch record.
+        extends: a finished run's identity that the checkpoint may name instead: this run trains
+            it for more epochs. The schedule is not restored but starts again (a fresh
+            ``schedule`` from the configured learning rate); everything else is.
 
     Returns:
         The :class:`Resumed` epochs, or ``None``.
@@ -93,13 +107,17 @@ def resume(directory: Path, identity: Mapping[str, Any], model: nn.Module, optim
         raise CheckpointError(f"{directory} holds a checkpoint of an earlier edgetorch (format "
                               f"{state.get('format', 1)}, another batch order); delete it to start over")
     try:
-        history = state_history(state, fields, epochs)
+        history = state_history(state, fields)
     except ValueError as exc:
         raise CheckpointError(f"{state_path}: not a checkpoint state this version wrote ({exc}); delete "
                               f"{directory} to start over") from None
     recorded = state["run"]
-    if recorded != identity:
+    extending = extends is not None and recorded == json.loads(json.dumps(dict(extends)))
+    if recorded != identity and not extending:
         raise CheckpointError(f"{directory} holds a checkpoint of another run ({_changes(recorded, identity)}); give "
+                              "another directory, or delete it to start over")
+    if len(history) > epochs:  # an identity that does not name the epochs
+        raise CheckpointError(f"{directory} holds {len(history)} epochs, more than this run's {epochs}; give "
                               "another directory, or delete it to start over")
     for name in _FILES:
         path = directory / name
@@ -118,7 +136,7 @@ def resume(directory: Path, identity: Mapping[str, Any], model: nn.Module, optim
         raise CheckpointError(f"{directory}: optimizer.safetensors is not what this version writes ({exc!r}); "
                               f"delete {directory} to start over") from None
     restore_training_state(optimizer, schedule, {"state": per_param, "param_groups": state["param_groups"]},
-                           state["schedule"], str(state_path))
+                           state["schedule"], str(state_path), restart_schedule=extending)
     torch.set_rng_state(rng_cpu)
     device = next(model.parameters()).device
     if device.type == "cuda" and rng_cuda is not None:  # a CPU run resumed on a GPU had no CUDA stream to keep
@@ -126,13 +144,12 @@ def resume(directory: Path, identity: Mapping[str, Any], model: nn.Module, optim
     return Resumed(state["epoch"], history)
 
 
-def state_history(state: object, fields: tuple[str, ...], epochs: int | None = None) -> list[dict[str, Any]]:
+def state_history(state: object, fields: tuple[str, ...]) -> list[dict[str, Any]]:
     """The per-epoch records of a checkpoint's ``state.json`` contents, checked.
 
     Args:
         state: the parsed ``state.json``.
         fields: the fields of every record.
-        epochs: the most epochs the run has (``None``: any number).
 
     Returns:
         The records.
@@ -145,8 +162,8 @@ def state_history(state: object, fields: tuple[str, ...], epochs: int | None = N
     epoch, history = state["epoch"], state["history"]
     if not isinstance(state["run"], dict) or not isinstance(state["sha256"], dict):
         raise ValueError("'run' and 'sha256' must be objects")
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= (epochs or epoch):
-        raise ValueError(f"epoch must be an int in [1, {epochs or 'the epochs run'}], got {epoch!r}")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+        raise ValueError(f"epoch must be a positive int, got {epoch!r}")
     if not isinstance(history, list) or len(history) != epoch:
         raise ValueError(f"history must be a list of {epoch} epoch records")
     for number, record in enumerate(history, 1):
@@ -174,7 +191,8 @@ _PROGRESS = frozenset({"lr", "betas", "momentum", "last_epoch", "_step_count", "
 
 
 def restore_training_state(optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LRScheduler,
-                           optimizer_state: object, schedule_state: object, where: str) -> None:
+                           optimizer_state: object, schedule_state: object, where: str, *,
+                           restart_schedule: bool = False) -> None:
     """Load an optimizer's and a schedule's saved state, checked against fresh ones first.
 
     A checkpoint's state file is not covered by a hash (it holds them). Loaded unchecked, an edited
@@ -186,6 +204,8 @@ def restore_training_state(optimizer: torch.optim.Optimizer, schedule: torch.opt
         optimizer_state: ``{"state": {index: {name: tensor}}, "param_groups": [...]}`` as saved.
         schedule_state: the schedule's saved ``state_dict()``.
         where: names the checkpoint in errors.
+        restart_schedule: leave ``schedule_state`` unread: the fresh ``schedule`` stays and the
+            learning rate goes back to where it starts (``initial_lr``).
 
     Raises:
         CheckpointError: anything that is not what this run's optimizer and schedule save.
@@ -194,7 +214,8 @@ def restore_training_state(optimizer: torch.optim.Optimizer, schedule: torch.opt
         if not isinstance(optimizer_state, Mapping) or set(optimizer_state) != {"state", "param_groups"}:
             raise ValueError("the optimizer state needs exactly 'state' and 'param_groups'")
         _check_like(optimizer_state["param_groups"], optimizer.state_dict()["param_groups"], "param_groups")
-        _check_like(schedule_state, schedule.state_dict(), "schedule")
+        if not restart_schedule:
+            _check_like(schedule_state, schedule.state_dict(), "schedule")
         params = [p for group in optimizer.param_groups for p in group["params"]]
         per_param = optimizer_state["state"]
         if not isinstance(per_param, Mapping):
@@ -209,7 +230,11 @@ def restore_training_state(optimizer: torch.optim.Optimizer, schedule: torch.opt
                     raise ValueError(f"optimizer state {name!r} of parameter {index} must be a finite tensor of "
                                      f"shape {list(params[index].shape)} (or a scalar)")
         optimizer.load_state_dict(optimizer_state)
-        schedule.load_state_dict(schedule_state)
+        if not restart_schedule:
+            schedule.load_state_dict(schedule_state)
+        else:
+            for group in optimizer.param_groups:
+                group["lr"] = group["initial_lr"]
     except (ValueError, TypeError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{where}: the optimizer state does not fit this run ({exc}); delete it to start "
                               "over") from None

@@ -152,10 +152,13 @@ class Checkpointing:
         directory: written after every epoch, resumed from when it holds a checkpoint.
         identity: JSON data that names the run (its config, data size, model); a checkpoint of
             another identity raises instead of resuming.
+        extends: the identity of a finished run of fewer epochs that this run continues
+            (its checkpoint is resumed, its schedule starts again: see ``checkpoints.resume``).
     """
 
     directory: Path
     identity: Mapping[str, Any]
+    extends: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -222,7 +225,7 @@ def train_epochs(model: nn.Module, data: Dataset, loop: Loop, step: Step, optimi
     run = TrainRun()
     if checkpoint is not None:
         state = checkpoints.resume(checkpoint.directory, checkpoint.identity, model, optimizer, schedule, loop.epochs,
-                                   (*RECORD_FIELDS, *watch.measures))
+                                   (*RECORD_FIELDS, *watch.measures), checkpoint.extends)
         if state is not None:
             run.resumed_from, run.history = state.epoch, state.history
     orders = epoch_orders(len(data), loop)
