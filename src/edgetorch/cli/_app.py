@@ -26,7 +26,33 @@ RENAMED_OPTIONS = {"--batch": "--batch-size", "--resolution": "--size", "--datas
                    "--output": "--out", "--limit": "--train-limit"}
 
 
-class _Commands(typer.core.TyperGroup):
+class _FlagHelp:
+    """Shows ``--help`` as the flag it is: Typer gives its own help option no metavar, so help
+    listed it as ``--help <bool>`` (edgetorch's boolean flags say ``metavar=""`` themselves)."""
+
+    def get_help_option(self, ctx: click.Context) -> click.Option | None:
+        option = super().get_help_option(ctx)  # type: ignore[misc]
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class Command(_FlagHelp, typer.core.TyperCommand):
+    """Every edgetorch command (see :class:`App`)."""
+
+
+class Group(_FlagHelp, typer.core.TyperGroup):
+    """A group of edgetorch commands, such as ``edgetorch split``."""
+
+
+class App(typer.Typer):
+    """A Typer app whose commands are :class:`Command` unless they name another class."""
+
+    def command(self, *args: object, cls: type[typer.core.TyperCommand] | None = None, **kwargs: object):
+        return super().command(*args, cls=cls or Command, **kwargs)
+
+
+class _Commands(Group):
     """The root group: before any command parses its options, an old spelling becomes the new one
     (``--batch 8`` and ``--batch=8`` alike; nothing after a bare ``--``)."""
 
@@ -54,7 +80,7 @@ class _Commands(typer.core.TyperGroup):
             raise typer.Exit(1) from None
 
 
-app = typer.Typer(cls=_Commands, help="edgetorch: memory-efficient training and deployment on edge devices.",
+app = App(cls=_Commands, help="edgetorch: memory-efficient training and deployment on edge devices.",
                   no_args_is_help=True, add_completion=False)
 class _Terminal(Console):
     """A console that prints text from files as text.

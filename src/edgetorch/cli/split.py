@@ -13,12 +13,12 @@ from rich.table import Table
 from ..errors import EdgetorchError
 from ..tail_defaults import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_BATCH, MAX_CONNECTIONS, READ_TIMEOUT_S, WRITE_TIMEOUT_S
 from .._extras import install_hint
-from ._app import app, console, device_option, output_dir, output_file, plot_file, write_json
+from ._app import App, Group, app, console, device_option, output_dir, output_file, plot_file, write_json
 
 if TYPE_CHECKING:  # the commands import torch-backed modules only when they run
     from ..split.student import StudentRun
 
-split_app = typer.Typer(help="BottleFit split computing: train, export, serve, infer, probe, plan (measure-server for the planner).", no_args_is_help=True)
+split_app = App(cls=Group, help="BottleFit split computing: train, export, serve, infer, probe, plan (measure-server for the planner).", no_args_is_help=True)
 app.add_typer(split_app, name="split")
 
 
