@@ -405,7 +405,10 @@ def test_split_train_and_export_carry_the_architecture(tmp_path) -> None:
 def test_a_run_directory_from_before_the_option_resumes_as_the_paper_design(tmp_path) -> None:
     from edgetorch.split.recipe import _claim
 
-    (tmp_path / "recipe.json").write_text(json.dumps({"channels": 2}))  # no "architecture" key
-    _claim(tmp_path, {"channels": 2, "architecture": "paper"})
+    (tmp_path / "recipe.json").write_text(json.dumps({"channels": 2}))  # no "architecture" or "resize" key
+    _claim(tmp_path, {"channels": 2, "architecture": "paper", "resize": "stretch"})
     with pytest.raises(CheckpointError, match="differs in architecture"):
-        _claim(tmp_path, {"channels": 2, "architecture": "released"})
+        _claim(tmp_path, {"channels": 2, "architecture": "released", "resize": "stretch"})
+    # Before resize was recorded every image was stretched: a folder run (now centre-cropped) starts over.
+    with pytest.raises(CheckpointError, match="differs in resize"):
+        _claim(tmp_path, {"channels": 2, "architecture": "paper", "resize": "center-crop"})
