@@ -202,16 +202,37 @@ def test_a_batch_the_model_cannot_train_at_is_ruled_out_not_raised(small, monkey
     assert plan.chosen is None and "nothing fits" in plan.reason and "at batch 1," not in plan.reason
 
 
-def test_a_per_block_plan_is_fitted_and_run_once(small):
+def test_a_per_block_plan_is_fitted_run_once_and_chosen_over_a_lossy_whole_model_policy(small, capsys):
+    """Given only 8-bit quantization whole-model, a per-block plan that fits at the same batch is
+    chosen: dense everywhere has room here (fidelity cost 0, the least machinery). dense's line is
+    measured for the per-block prediction, but it was not offered, so it is no candidate."""
+    from edgetorch.cli.finetune import _print_plan
+
     model, batch = small
-    roomy = plan_memory(model, batch, "100GiB", policies=["bitmap"], per_block=True)
-    assert "dense" in {c.policy for c in roomy.candidates}  # its line is the per-block prediction's start
+    roomy = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], per_block=True)
+    assert "dense" in roomy.calibration_batches and "dense" not in {c.policy for c in roomy.candidates}
     fit = roomy.blocks
     assert fit.fits and fit.batch == 8 and fit.measured_peak_bytes * 1.05 <= roomy.budget_bytes
     assert [r.block for r in fit.plan.rows] == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
     assert fit.plan.fidelity == 0.0 and {r.form for r in fit.plan.rows} == {"dense"}  # room: exact, least machinery
+    chosen = roomy.chosen
+    assert chosen is roomy.candidates[0] and chosen.policy == fit.plan.policy.spec() and chosen.exact
+    assert (chosen.batch, chosen.measured_peak_bytes, chosen.fits) == (8, fit.measured_peak_bytes, True)
+    assert roomy.reason.startswith("a plan of one form per block at batch 8: ")
+    assert "(the whole-model choice was quantized at batch 8)" in roomy.reason
+    from edgetorch.activations.step import parse_training_policy
+
+    assert parse_training_policy(chosen.policy).policy == fit.plan.policy
+    _print_plan(roomy)  # the CLI's table: the plan's rows, named, with the chosen row pointing at them
+    shown = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "per-block (below)" in shown and "per-block plan at batch 8" in shown and "layer4.1 dense" in shown
+    assert chosen.step_time_ratio == pytest.approx(1.0)  # dense everywhere: no extra time
+
     assert plan_memory(model, batch, "1MiB", policies=["dense"], per_block=True).blocks is None
     assert plan_memory(model, batch, "100GiB", policies=["dense"]).blocks is None  # only when asked
+    # An exact policy that fits at the batch asked for: no plan can do better, none is sought.
+    exact = plan_memory(model, batch, "100GiB", policies=["bitmap"], per_block=True)
+    assert exact.blocks is None and exact.chosen.policy == "bitmap" and exact.chosen.batch == 8
 
 
 def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter():

@@ -142,7 +142,9 @@ class MemoryPlan:
         memory_kind: ``"peak_rss"`` or ``"cuda_max_allocated"``.
         blocks: with ``per_block=True``, the per-block plan fitted to the budget
             (:class:`~edgetorch.activations.budget_blocks.BlockFit`: its table, batch, predicted and
-            measured peak), or None where none is predicted to fit; None without ``per_block``.
+            measured peak), or None where none is predicted to fit or none was sought (an exact
+            candidate fits at the requested batch); None without ``per_block``. Where it is used,
+            ``chosen`` is its candidate.
     """
 
     budget_bytes: int
@@ -186,8 +188,12 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         per_block: also fit a plan of one form per block (:mod:`.budget_blocks`; costs measured
             with :func:`~edgetorch.activations.costs.measure_block_costs`, solved exactly by
             :func:`~edgetorch.activations.blockplan.plan_blocks`, run once to check), returned as
-            :attr:`MemoryPlan.blocks`; ``chosen`` is still the whole-model choice. Needs the dense
-            line: ``dense`` is added to the candidates if missing.
+            :attr:`MemoryPlan.blocks`. Where it fits and no exact candidate fits at its batch or a
+            larger one, it is ``chosen`` (the first candidate: policy ``per-block(...)``). It is
+            not sought where an exact candidate fits at the requested batch: no plan does better
+            than exact gradients at the batch asked for, and its costs take ``len(forms) ** 2``
+            ledger steps. Its prediction starts from dense's line, which is measured for it even
+            where ``dense`` is not among ``policies`` (it is then not a candidate).
 
     Returns:
         A :class:`MemoryPlan`.
@@ -207,7 +213,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         parsed = [p for p in parsed if not p.checkpoint]
     if not parsed:
         raise ValueError("give at least one policy")
-    if per_block and not any(p.spec() == "dense" for p in parsed):
+    offered = {p.spec() for p in parsed}  # the candidates: dense's line alone may be added below
+    if per_block and "dense" not in offered:
         parsed.append(TrainingPolicy(Dense()))  # the per-block prediction starts from the dense line
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
@@ -274,13 +281,13 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             peak = held + state_bytes + max(0.0, intercept + slope * batch) + batch * sample_bytes
             return int(peak), peak * (1 + margin) <= budget_bytes
 
-        for policy in parsed:
+        for policy in (p for p in parsed if p.spec() in offered):
             slope, intercept, seconds, saved, _, second_batch = lines[policy.spec()]
             for batch in batches:
                 candidates.append(Candidate(policy.spec(), batch, *predict(slope, intercept, batch), _exact(policy),
                                             _sparsity(policy), seconds / dense_seconds,
                                             int(saved * batch / second_batch)))
-        how = {policy.spec(): policy for policy in parsed}
+        how = {policy.spec(): policy for policy in parsed if policy.spec() in offered}
         candidates.sort(key=lambda c: (not c.exact, _risk(how[c.policy]), -c.batch, how[c.policy].checkpoint,
                                        not isinstance(how[c.policy].policy, Dense), c.step_time_ratio))
         # The lines come from small batches, and what a bitmap saves depends on the data; so the
@@ -317,7 +324,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                                                                 predict(slope, intercept, o.batch))))
                               if o.policy == c.policy and o.measured_peak_bytes is None else o for o in candidates]
         fit = None
-        if per_block and find_blocks(model):
+        exact_as_asked = chosen is not None and chosen.exact and chosen.batch == requested
+        if per_block and find_blocks(model) and not exact_as_asked:
             slope, intercept, _, saved, _, dense_batch = lines["dense"]
 
             def rest(b: int) -> int:  # the step's predicted peak less what dense saves
@@ -332,8 +340,26 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                                  + _measure(model, *sample(b), how, loss_fn, None, step)[0] + b * sample_bytes,
                                  VERIFY_ATTEMPTS)
         del step  # its state goes with it
-    return MemoryPlan(budget_bytes, candidates, chosen, _reason(chosen, candidates, budget_bytes, requested, margin),
-                      held + state_bytes, {spec: line[4:] for spec, line in lines.items()}, peak_kind(device), fit)
+    reason = _reason(chosen, candidates, budget_bytes, requested, margin)
+    if fit is not None and fit.fits and not (chosen is not None and chosen.exact and chosen.batch >= fit.batch):
+        whole = "nothing whole-model fits" if chosen is None else f"the whole-model choice was {chosen.policy} at batch {chosen.batch}"
+        chosen = _block_candidate(fit)
+        candidates.insert(0, chosen)
+        reason = f"a plan of one form per block at batch {fit.batch}: {fit.plan.reason} ({whole})"
+    return MemoryPlan(budget_bytes, candidates, chosen, reason, held + state_bytes,
+                      {spec: line[4:] for spec, line in lines.items()}, peak_kind(device), fit)
+
+
+def _block_candidate(fit: BlockFit) -> Candidate:
+    """A fitted per-block plan as the candidate training runs with. Its step time against dense's
+    comes from the cost measurement's own timed steps (the rows' extra over dense), not from the
+    calibration lines, which timed other steps."""
+    forms = [form for _, form in fit.plan.policy.blocks] + [fit.plan.policy.default]
+    step, extra = fit.plan.predicted_seconds, sum(r.seconds or 0.0 for r in fit.plan.rows)
+    return Candidate(fit.plan.policy.spec(), fit.batch, fit.predicted_peak_bytes, True, all(map(lossless, forms)),
+                     max((float(f.sparsity) for f in forms if isinstance(f, BackRazor)), default=0.0),
+                     float("nan") if step is None else step / (step - extra),
+                     sum(r.stored_bytes + r.rerun_bytes for r in fit.plan.rows), fit.measured_peak_bytes)
 
 
 def _second_batch(first_batch: int, first_increase: int, wanted: int, room: float) -> int:

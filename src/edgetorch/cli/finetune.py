@@ -16,6 +16,7 @@ from ._app import app, console, device_option, mib, output_dir, output_file, plo
 
 if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
     from ..activations import MemoryPlan
+    from ..activations.budget_blocks import BlockFit
     from ..finetune import FinetuneRun
 
 _POLICY_HELP = ("repeatable: dense, bitmap[:threshold=..,value_dtype=..], backrazor[:sparsity=0.9], each optionally "
@@ -201,14 +202,31 @@ def _print_plan(plan: MemoryPlan) -> None:
     shown = {id(c) for c in rows.values()} | {id(c) for c in plan.candidates if c.measured_peak_bytes is not None}
     # The policy spec whole (six Back Razor rows were cut to the same "backrazor:sparsity=..."):
     # the narrower columns wrap their headers instead.
+    per_block = plan.blocks.plan.policy.spec() if plan.blocks is not None else None
+    name = {per_block: "per-block (below)"}.get  # its spec names every block: the table below shows it
     table.add_column("policy", justify="right", no_wrap=True,
-                     min_width=max(len(c.policy) for c in plan.candidates if id(c) in shown))
+                     min_width=max(len(name(c.policy, c.policy)) for c in plan.candidates if id(c) in shown))
     for col in ("batch", "predicted peak MiB", "measured MiB (one step)", "fits", "step time vs dense",
                 "saved act. MiB (ledger)"):
         table.add_column(col, justify="right")
     for c in (c for c in plan.candidates if id(c) in shown):
         mark = Text("chosen", style="green") if c == plan.chosen else ("yes" if c.fits else "no")
-        table.add_row(c.policy, str(c.batch), mib(c.predicted_peak_bytes), mib(c.measured_peak_bytes), mark,
-                      f"{c.step_time_ratio:.2f}", mib(c.saved_bytes))
+        table.add_row(name(c.policy, c.policy), str(c.batch), mib(c.predicted_peak_bytes), mib(c.measured_peak_bytes),
+                      mark, f"{c.step_time_ratio:.2f}", mib(c.saved_bytes))
     console.print(table)
+    if plan.blocks is not None:
+        _print_blocks(plan.blocks)
     console.print(f"why: {plan.reason}")
+
+
+def _print_blocks(fit: BlockFit) -> None:
+    """The per-block plan's table: each block's form, what it stores, its fidelity cost and time."""
+    measured = "not run" if fit.measured_peak_bytes is None else f"measured {mib(fit.measured_peak_bytes)} MiB"
+    table = Table(title=f"per-block plan at batch {fit.batch}: predicted {mib(fit.predicted_peak_bytes)} MiB, "
+                        f"{measured}, summed fidelity cost {fit.plan.fidelity:.3g}")
+    for col in ("block", "form", "stored MiB", "rerun MiB", "fidelity cost", "extra ms", "why"):
+        table.add_column(col, justify="left" if col in ("block", "form", "why") else "right")
+    for row in fit.plan.rows:
+        table.add_row(row.block, row.form, mib(row.stored_bytes), mib(row.rerun_bytes), f"{row.fidelity:.3g}",
+                      "-" if row.seconds is None else f"{row.seconds * 1e3:.1f}", row.why)
+    console.print(table)

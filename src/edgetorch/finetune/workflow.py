@@ -300,7 +300,9 @@ def _plan(run: FinetuneRun, status: Status) -> MemoryPlan:
     x, y = next(iter(torch.utils.data.DataLoader(run.data.train, batch_size=min(job.batch, len(run.data.train)))))
     policies = job.policy or DEFAULT_POLICIES
     with status(f"measuring {len(policies)} candidate policies (two small steps each) against {job.memory_budget}"):
+        # Given policies are the whole choice; by default a plan of one form per block is fitted
+        # too, where no exact policy fits at the batch asked for (plan_memory says when it is used).
         return plan_memory(run.model, (x.to(job.device), y.to(job.device)), parse_bytes(job.memory_budget),
                            policies=policies, optimizer=config.planner_optimizer, weight_decay=job.weight_decay,
-                           min_batch=job.min_batch)
+                           min_batch=job.min_batch, per_block=not job.policy)
 
