@@ -17,7 +17,7 @@ from torch.nn import functional as F
 import edgetorch
 from edgetorch.activations.blockplan import choose, penalty, plan_blocks, tie_break
 from edgetorch.activations.blocks import PerBlock, Recompute
-from edgetorch.activations.costs import BlockCosts, FormCost, _error, measure_block_costs
+from edgetorch.activations.costs import BlockCosts, FormCost, measure_block_costs
 from edgetorch.activations.fidelity import GradientComparison, GradientFidelity, gradient_fidelities
 from edgetorch.activations.step import TrainingPolicy, forward_backward
 
@@ -124,9 +124,9 @@ def test_negligible_reference_gradients_are_left_out_of_the_cost():
     rows = (GradientComparison("w", 0.9, 0.5, 1.0, 1.0), GradientComparison("b", 0.0, 1e3, 1.0, 1e-6, negligible=True),
             GradientComparison("v", 0.9, 0.1, 1.0, 1e-4))  # small but not flagged: counted, whatever its norm
     fidelity = GradientFidelity("x", rows, None, None, 0.0, 0.0)
-    assert _error(fidelity) == pytest.approx((0.25 + 0.01) / 2)  # w and v: (0.5)^2 and (0.1)^2
+    assert fidelity.mean_squared_relative_error == pytest.approx((0.25 + 0.01) / 2)  # w and v: (0.5)^2 and (0.1)^2
     nan = GradientFidelity("x", (GradientComparison("w", math.nan, math.nan, 1.0, 1.0),), None, None, 0.0, 0.0)
-    assert _error(nan) == math.inf
+    assert nan.mean_squared_relative_error == math.inf
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,8 @@ def test_a_mixed_plans_ledger_holds_what_the_costs_predict_to_the_byte(measured)
 def test_the_summed_fidelity_of_two_lossy_neighbours_is_near_what_they_do_together(measured):
     model, batch, costs = measured
     br = edgetorch.BackRazor(0.9, exact="int8")
-    together = _error(gradient_fidelities(model, batch, [PerBlock((("layer1.1", br), ("layer2.0", br)), edgetorch.Dense())])[0])
+    together = gradient_fidelities(model, batch, [PerBlock((("layer1.1", br), ("layer2.0", br)), edgetorch.Dense())])[0]
+    together = together.mean_squared_relative_error
     pairwise = costs.cost("layer1.1", br, edgetorch.Dense()).fidelity + costs.cost("layer2.0", br, br).fidelity
     independent = costs.cost("layer1.1", br, edgetorch.Dense()).fidelity + costs.cost("layer2.0", br, edgetorch.Dense()).fidelity
     assert abs(pairwise - together) < abs(independent - together) and 0.5 < pairwise / together < 2

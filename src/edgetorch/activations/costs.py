@@ -55,7 +55,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -66,7 +65,7 @@ from torch import nn
 from ..measure import SavedTensorLedger
 from ..measure.timing import interleave, wall_time
 from .blocks import PerBlock, Recompute, find_blocks
-from .fidelity import NEGLIGIBLE, GradientFidelity, gradient_fidelities
+from .fidelity import NEGLIGIBLE, gradient_fidelities
 from .policies import BackRazor, Bitmap, Dense, Policy, Quantized
 from .step import TrainingPolicy, forward_backward, restored, storing
 
@@ -374,8 +373,8 @@ def _fidelities(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bloc
         for form in forms:
             if not lossless(form):
                 plans[(i, form, False)] = PerBlock(((blocks[i - 1], LENDS_NOTHING), (blocks[i], form)), Dense())
-    measured = dict(zip(plans, map(_error, gradient_fidelities(model, batch, list(plans.values()), loss_fn=loss_fn,
-                                                               negligible=negligible))))
+    fidelities = gradient_fidelities(model, batch, list(plans.values()), loss_fn=loss_fn, negligible=negligible)
+    measured = {key: f.mean_squared_relative_error for key, f in zip(plans, fidelities)}
     costs = {key: measured[key] for key in keys}
     for i, form, lends in plans:
         if not lends:  # squared errors of independent perturbations add: take the neighbour's off
@@ -383,11 +382,3 @@ def _fidelities(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bloc
         elif lossless(form):  # a lossless form reads exact copies whoever holds them
             costs.setdefault((i, form, False), measured[(i, form, True)])
     return costs
-
-
-def _error(fidelity: GradientFidelity) -> float:
-    """Mean squared relative error over the parameters whose reference gradient is not negligible."""
-    counted = [r.relative_error for r in fidelity.parameters if not r.negligible]
-    if any(math.isnan(e) for e in counted):
-        return math.inf
-    return sum(e * e for e in counted) / len(counted) if counted else 0.0

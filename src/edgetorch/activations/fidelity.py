@@ -107,6 +107,16 @@ class GradientFidelity:
         return None if worst is None else worst.name
 
     @property
+    def mean_squared_relative_error(self) -> float:
+        """The mean squared relative error over the parameters that are not negligible (inf if one
+        is NaN; 0.0 if none is counted): the fidelity cost per-block plans minimise
+        (:mod:`~edgetorch.activations.costs`), comparable across whole plans."""
+        counted = [r.relative_error for r in self.parameters if not r.negligible]
+        if any(math.isnan(e) for e in counted):
+            return math.inf
+        return sum(e * e for e in counted) / len(counted) if counted else 0.0
+
+    @property
     def max_relative_error(self) -> float:
         """The largest relative error over the parameters that are not negligible (NaN if one is
         NaN; 0.0 if none is counted)."""
