@@ -94,9 +94,6 @@ def finetune(
             settings, finished = saved
             shown = ", ".join(f"{k} {settings[k]}" for k in _SHOWN if settings.get(k) is not None)
             console.print(f"{out} holds {finished} finished epoch(s) of a run with {shown}")
-            if finished == settings.get("epochs") < config.epochs and config.schedule == "cosine":
-                console.print(f"extending it to {config.epochs} epochs: the cosine schedule starts again at lr "
-                              f"{config.lr} for epochs {finished + 1}-{config.epochs}")
 
     try:
         with _Display() as display:
@@ -133,8 +130,10 @@ def finetune(
     if result.resumed_from == run.config.epochs:
         console.print(f"{out} had finished its {result.resumed_from} epoch(s): nothing was trained, the peak and accuracy "
                       "are the run's own (train more: the same command with a larger --epochs extends it)")
-    elif result.restarts and result.resumed_from == result.restarts[-1]:
-        console.print(f"extended {out} from {result.resumed_from} to {run.config.epochs} epochs")
+    elif result.restarts and result.resumed_from == result.restarts[-1]:  # what finetune decided, not a guess
+        restart = (f": the cosine schedule starts again at lr {run.config.lr} for epochs {result.resumed_from + 1}-"
+                   f"{run.config.epochs}" if run.config.schedule == "cosine" else "")
+        console.print(f"extended {out} from {result.resumed_from} to {run.config.epochs} epochs{restart}")
     elif result.resumed_from:
         console.print(f"resumed after epoch {result.resumed_from} from {out / 'checkpoint'}")
     console.print(f"validation accuracy {result.val_accuracy:.4f}; wrote {result.weights} and {out / 'model.json'} "
