@@ -436,6 +436,7 @@ def test_a_split_artifact_predicts_validates_and_exports_its_head(trained, photo
     assert done.exit_code == 0, done.output
     record = json.loads((tmp_path / "head.onnx.json").read_text())
     assert record["output"].startswith("bottleneck [N, 2, 4, 4]") and len(record["artifact_id"]) == 64
+    assert (record["normalize"], record["preprocessing"]["resize"]) == ("imagenet", "center-crop")
     session = onnxruntime.InferenceSession(str(tmp_path / "head.onnx"), providers=["CPUExecutionProvider"])
     assert (torch.from_numpy(session.run(None, {"image": x.numpy()})[0]) - bottleneck).abs().max() <= 1e-4
     runtime = pytest.importorskip("executorch.runtime")

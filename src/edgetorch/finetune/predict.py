@@ -36,7 +36,8 @@ class Classifier:
         classes: class names; output ``i`` is ``classes[i]``.
         image_size: input height = width.
         color: ``"rgb"`` or ``"gray"``.
-        normalize: ``"imagenet"`` or ``None`` (pixels in [0, 1]).
+        normalize: ``"imagenet"`` or ``None`` (pixels in [0, 1]); a split artifact normalised
+            otherwise says ``"custom"`` (its mean and std are in ``preprocessing``).
         source: the file or directory it was loaded from.
         preprocessing: the record's whole transform as data (empty where an older record has none;
             a split artifact's is its manifest's ``preprocess``).
@@ -156,10 +157,15 @@ def load_classifier(path: str | Path) -> Classifier:
 def _split_classifier(source: Path) -> Classifier:
     from ..split.artifact import load_deployed
 
+    from ..data.folder import IMAGENET_MEAN, IMAGENET_STD
+
     model, manifest = load_deployed(source)
     classes = list(manifest.class_names or map(str, range(manifest.num_classes)))
-    return Classifier(model, classes, manifest.input_shape[1], manifest.preprocess.color, None, source,
-                      dataclasses.asdict(manifest.preprocess), manifest)
+    prep = manifest.preprocess
+    # What an export record says of it: a record saying None for ImageNet's mean/std had a device skip them.
+    normalize = {(IMAGENET_MEAN, IMAGENET_STD): "imagenet", ((0.0,), (1.0,)): None}.get((prep.mean, prep.std), "custom")
+    return Classifier(model, classes, manifest.input_shape[1], prep.color, normalize, source, dataclasses.asdict(prep),
+                      manifest)
 
 
 def predict(classifier: Classifier, images: list[str | Path], top_k: int = 3) -> list[Prediction]:
