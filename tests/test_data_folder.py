@@ -228,3 +228,26 @@ def test_a_csv_that_is_not_path_label_text_is_an_error_with_its_line(tree, tmp_p
     monkeypatch.setattr(folder, "MAX_CSV_BYTES", 10)
     with pytest.raises(ImageFolderError, match=r"nul.csv is \d+ bytes, over the 10-byte limit for a path,label CSV"):
         image_folder(tmp_path / "nul.csv")
+
+
+def test_an_image_too_elongated_to_resize_is_refused_by_name_not_resized(tmp_path):
+    """The decode limit counts pixels, not shape: a 1 x 100,000 strip passes it, and the evaluation
+    resize (short side 32 at size 28) would have made 3.2 million pixels of it before cropping.
+    finetune/predict's transform and split's centre-crop preprocessing refuse it, naming the file."""
+    from PIL import Image
+
+    from edgetorch.data import image_files
+    from edgetorch.data.folder import ImageFolderError
+    from edgetorch.split.client import preprocess_images
+    from edgetorch.split.manifest import Preprocess
+    from edgetorch import InputFileError
+
+    strip = tmp_path / "strip.png"
+    Image.new("L", (100_000, 1)).save(strip)
+    with pytest.raises(ImageFolderError, match=r"strip\.png: its 100000 x 1 pixels .* accepted: a long side at most"):
+        image_files([strip], 28, color="gray")[0]
+    with pytest.raises(InputFileError, match=r"strip\.png: its 100000 x 1 pixels"):
+        preprocess_images([strip], Preprocess((28, 28), "gray", resize="center-crop"), 3)
+    wide = tmp_path / "wide.png"  # an ordinary panorama is still taken
+    Image.new("L", (3000, 300)).save(wide)
+    assert image_files([wide], 28, color="gray")[0][0].shape == (1, 28, 28)

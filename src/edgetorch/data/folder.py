@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .._files import InputFileError, read_bytes
-from .images import ACCEPTED, IMAGE_EXTENSIONS, MAX_LISTED, list_images, read_image
+from .images import ACCEPTED, IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, MAX_LISTED, list_images, read_image
 
 SPLITS = ("train", "val", "all")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -101,7 +101,10 @@ class ImageFolderDataset(Dataset):
         except ImageFolderError as exc:
             raise ImageFolderError(f"{exc}. Remove or replace it, {SKIP_HINT} (every image is then decoded "
                                    "once before training)") from None
-        return self._transform(image.convert("RGB" if self.color == "rgb" else "L")), label
+        try:
+            return self._transform(image.convert("RGB" if self.color == "rgb" else "L")), label
+        except ValueError as exc:  # _ShortSideLimit: the file's shape, not a bug
+            raise ImageFolderError(f"{path}: {exc}. Remove or replace it, {SKIP_HINT}") from None
 
 
 def image_folder(root: str | Path, size: int = 224, split: str = "train", *, val_fraction: float = 0.2,
@@ -393,10 +396,29 @@ def evaluation_transform(size: int, color: str, normalize: str | None):
 def _transform(size: int, color: str, normalize: str | None, augment: bool):
     from torchvision.transforms import v2
 
+    short = round(size * _RESIZE_RATIO)
     steps = ([v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip()]
-             if augment else [v2.Resize(round(size * _RESIZE_RATIO), antialias=True), v2.CenterCrop(size)])
+             if augment else [_ShortSideLimit(short), v2.Resize(short, antialias=True), v2.CenterCrop(size)])
     steps += [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
     mean, std = _normalisation(color, normalize)
     if mean:
         steps.append(v2.Normalize(mean, std))
     return v2.Compose(steps)
+
+
+class _ShortSideLimit:
+    """Refuses an image whose short side resized to ``short`` would exceed MAX_IMAGE_PIXELS: the
+    decode limit counts pixels, not shape, so a 1-pixel-high strip of 89 million pixels (a small
+    PNG) passes it and would be resized to 256 x 22.9 billion pixels at 224 px (~69 GB of 8-bit
+    RGB) before the centre crop kept 224 x 224 of it."""
+
+    def __init__(self, short: int):
+        self.short = short
+
+    def __call__(self, image):
+        width, height = image.size
+        if self.short * self.short * max(width, height) > MAX_IMAGE_PIXELS * min(width, height):
+            raise ValueError(f"its {width} x {height} pixels resized to a short side of {self.short} would be over "
+                             f"{MAX_IMAGE_PIXELS:,} pixels; accepted: a long side at most "
+                             f"{MAX_IMAGE_PIXELS // self.short**2:,} times the short side")
+        return image

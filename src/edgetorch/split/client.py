@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._files import InputFileError
 from ..data.images import read_image
 from ..errors import EdgetorchError
 from .artifact import load_part
@@ -79,7 +80,7 @@ def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_ch
         from ..data.folder import evaluation_transform
 
         transform = evaluation_transform(preprocess.size[0], preprocess.color, None)
-        images = [transform(read_image(path).convert(mode)) for path in paths]
+        images = [_transformed(transform, path, mode) for path in paths]
     else:
         images = [_stretched(read_image(path).convert(mode), preprocess.size) for path in paths]
     batch = torch.stack(images)
@@ -90,6 +91,15 @@ def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_ch
     mean = torch.tensor(preprocess.mean).view(1, -1, 1, 1)
     std = torch.tensor(preprocess.std).view(1, -1, 1, 1)
     return ((batch - mean) / std).contiguous()
+
+
+def _transformed(transform, path: str | Path, mode: str) -> torch.Tensor:
+    try:
+        return transform(read_image(path).convert(mode))
+    except InputFileError:
+        raise
+    except ValueError as exc:  # an image too elongated to resize (see edgetorch.data.folder)
+        raise InputFileError(f"{path}: {exc}") from None
 
 
 def _stretched(image, size: tuple[int, int]) -> torch.Tensor:
