@@ -1,4 +1,5 @@
-"""Per-block memory plans against the best whole-model policy at the same budget (issue 26).
+"""Per-block memory plans against the best whole-model policy, and against what a user would pick
+instead, at the same budgets (issue 26).
 
 For each model, three budgets are set between the smallest whole-model candidate's predicted peak
 and dense's, at the model's requested batch (a quarter, half and three quarters of the way). At
@@ -7,25 +8,42 @@ each budget:
 1. a fresh process plans with :func:`edgetorch.plan_memory` (``per_block=True``, the default
    candidates), as ``edgetorch finetune --memory-budget`` does (its choice is the per-block plan
    where one fits and no exact policy fits at its batch or a larger one, else the whole-model
-   candidate), trains ``STEPS`` SGD steps under its choice and reads its own peak resident memory
-   from start to end, against the budget; it does nothing else;
-2. another process measures the gradient fidelity cost
+   candidate), trains ``STEPS`` SGD steps under its choice and reads its own peak from start to
+   end (resident memory on a CPU, the CUDA allocator's on a GPU), against the budget; it does
+   nothing else;
+2. the peer a user would reach for first, ``torch.utils.checkpoint``, chosen by the same planner
+   from dense and dense+checkpoint alone (batch and whether to checkpoint), run the same way;
+3. another process measures the gradient fidelity cost
    (:attr:`GradientFidelity.mean_squared_relative_error`, the cost the per-block solver minimises)
-   of that choice and of the best whole-model candidate that fits, each on the batch it would
-   train at, and, at equal batches, their step times (interleaved, the least of each).
+   of the choice and of the best whole-model candidate that fits, each on the batch it would
+   train at, and the time per sample of every choice's step against plain PyTorch's at the
+   requested batch (interleaved, the least of each).
+
+Once per model, ``torch.compile`` under torch's ``activation_memory_budget`` at each of
+``COMPILE_RATIOS`` (it takes a ratio, not bytes): each ratio's step peak (the whole process's
+resident memory during a step on a CPU, compiled code included; the allocator's on a GPU) and time
+per step against eager PyTorch in the same process. Each budget's row shows the fastest ratio
+whose step peak fits.
 
 Whole-model fidelity is measured the same way as the plan's. Where the whole-model policy is one
 of the per-block forms (``costs.DEFAULT_FORMS``) its uniform plan is among the solver's options, so
 a chosen plan's predicted cost is at most its; the table shows the measured costs of both.
 
-Run: ``python bench/block_plan.py [--quick]`` (hours on 2 CPU cores; --quick: resnet18 at
-one low budget).
+On a GPU (``--device cuda``: resnet18 and vit_b_16) the runs share one process, one after another,
+each after freeing the last and restarting the allocator's peak (process start-up costs seconds per
+run there, and the allocator's peak, unlike resident memory, starts clean).
+
+Run: ``python bench/block_plan.py [--quick] [--device cuda] [--budget-s S]`` (hours on 2 CPU cores;
+--quick: resnet18 at one low budget; --budget-s: start nothing new after S seconds, results so far
+are written).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import gc
 import json
 import subprocess
 import sys
@@ -34,18 +52,25 @@ import time
 from _common import mib, table, write_results
 
 # model -> (spec, input resolution or sequence length, batch)
-# Sizes where saved activations are large against the planner's 5% headroom on a ~1 GiB process.
+# CPU: sizes where saved activations are large against the planner's 5% headroom on a ~1 GiB process.
 MODELS = {"resnet18": ("torchvision:resnet18", 128, 16), "mobilenet_v2": ("torchvision:mobilenet_v2", 128, 16),
           "deit_tiny": ("timm.models:deit_tiny_patch16_224", 224, 8), "minilm": ("minilm", 64, 8)}
+CUDA_MODELS = {"resnet18": ("torchvision:resnet18", 224, 64), "vit_b_16": ("torchvision:vit_b_16", 224, 32)}
 FRACTIONS = (0.25, 0.5, 0.75)
 STEPS = 3
 MARGIN = 0.05  # plan_memory's default headroom
 TIME_ROUNDS = 5
+CHECKPOINT_POLICIES = ("dense", "dense+checkpoint")
+COMPILE_RATIOS = (0.1, 0.5)  # torch._functorch.config.activation_memory_budget values tried
 
 
-def _workload(name: str):
-    """The model and batch; every module the worker uses is imported first, so that the bounds
-    process holds what the worker does before planning (without it, the worker predicted its
+def _models(device: str) -> dict:
+    return CUDA_MODELS if device == "cuda" else MODELS
+
+
+def _workload(name: str, device: str):
+    """The model and batch, on ``device``; every module the worker uses is imported first, so that the
+    bounds process holds what the worker does before planning (without it, the worker predicted its
     smallest candidate at batch 8 as high as the bounds process did at batch 16, and nothing fit)."""
     import torch
     import torch.nn.functional as F  # noqa: F401
@@ -55,39 +80,43 @@ def _workload(name: str):
     import edgetorch.measure.process  # noqa: F401
     from _workloads import minilm_batch, photo_batch, random_model, step_times  # noqa: F401
 
-    spec, size, batch = MODELS[name]
+    spec, size, batch = _models(device)[name]
     torch.manual_seed(0)
     if spec == "minilm":
         model, ids, labels = minilm_batch(size)
         index = torch.arange(batch) % len(ids)
-        return model, ids[index], labels[index]
-    return random_model(spec), photo_batch(batch, size), torch.arange(batch) % 10
+        model, x, y = model, ids[index], labels[index]
+    else:
+        model, x, y = random_model(spec), photo_batch(batch, size), torch.arange(batch) % 10
+    return model.to(device), x.to(device), y.to(device)
 
 
-def bounds(name: str) -> dict:
+def bounds(name: str, device: str) -> dict:
     """Dense's and the smallest whole-model candidate's predicted peaks at the requested batch."""
     from edgetorch import plan_memory
 
-    model, x, y = _workload(name)
+    model, x, y = _workload(name, device)
     plan = plan_memory(model, (x, y), "1000GiB")
     at_batch = [c for c in plan.candidates if c.batch == len(x)]
     dense = next(c for c in at_batch if c.policy == "dense").predicted_peak_bytes
     return {"dense": dense, "smallest": min(c.predicted_peak_bytes for c in at_batch)}
 
 
-def worker(name: str, budget: int) -> dict:
-    """Plan and train in this process, nothing else: its peak from start to end is what a user's
-    run would reach (a fidelity check runs plain PyTorch's step, which would raise it)."""
+def worker(name: str, device: str, budget: int, policies: list[str] | None = None) -> dict:
+    """Plan and train, nothing else: the peak from start to end is what a user's run would reach (a
+    fidelity check runs plain PyTorch's step, which would raise it). ``policies`` None: the default
+    candidates and the per-block plan, as finetune plans; else only those whole-model policies."""
     import torch
     import torch.nn.functional as F
 
     from edgetorch import plan_memory
     from edgetorch.activations.step import forward_backward, parse_training_policy
-    from edgetorch.measure.process import process_peak_rss_bytes
+    from edgetorch.measure.process import process_peak_bytes
 
-    model, x, y = _workload(name)
+    model, x, y = _workload(name, device)
     start = time.perf_counter()
-    plan = plan_memory(model, (x, y), budget, per_block=True)
+    options = {"per_block": True} if policies is None else {"policies": policies}
+    plan = plan_memory(model, (x, y), budget, **options)
     planning = time.perf_counter() - start
     whole = next((c for c in plan.candidates if c.fits and not c.policy.startswith("per-block")), None)
     result = {"model": name, "budget_bytes": budget, "planning_seconds": planning, "reason": plan.reason,
@@ -104,25 +133,97 @@ def worker(name: str, budget: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         forward_backward(model, x[:batch], y[:batch], how, F.cross_entropy)
         optimizer.step()
-    result["process_peak_bytes"] = process_peak_rss_bytes()
+    result["process_peak_bytes"] = process_peak_bytes(torch.device(device))
     return result
 
 
-def measure(name: str, specs: list[str], batches: list[int]) -> dict:
-    """Each policy's fidelity cost on the batch it trains at, and, where the batches are equal, their
-    step times (interleaved, the least of each)."""
-    from _workloads import step_times
-    from edgetorch.activations.fidelity import gradient_fidelity
+def measure(name: str, device: str, fidelity: list[list], timed: list[list]) -> dict:
+    """The fidelity cost of each ``[spec, batch]`` in ``fidelity`` on the batch it trains at, and the
+    time per sample of each ``[spec, batch]`` in ``timed`` over plain PyTorch's at the requested batch
+    (interleaved rounds, the least of each)."""
+    from functools import partial
 
-    model, x, y = _workload(name)
-    out = {}
-    for spec, batch in zip(specs, batches):
-        fidelity = gradient_fidelity(model, (x[:batch], y[:batch]), spec)
-        out[spec] = {"fidelity_cost": fidelity.mean_squared_relative_error, "worst_cosine": fidelity.worst_cosine}
-    if len(set(batches)) == 1 and len(set(specs)) == 2:
-        times = step_times(model, x[: batches[0]], y[: batches[0]], specs, TIME_ROUNDS)
-        out["step_time_ratio"] = times[specs[0]] / times[specs[1]]
+    import torch.nn.functional as F
+
+    from edgetorch.activations.fidelity import gradient_fidelity
+    from edgetorch.activations.step import forward_backward, parse_training_policy
+    from edgetorch.measure.timing import interleave, wall_time
+
+    model, x, y = _workload(name, device)
+    out = {"fidelity": {}, "time_per_sample_vs_plain": {}}
+    for spec, batch in fidelity:
+        f = gradient_fidelity(model, (x[:batch], y[:batch]), spec)
+        out["fidelity"][spec] = {"fidelity_cost": f.mean_squared_relative_error, "worst_cosine": f.worst_cosine}
+
+    def step(spec: str, batch: int) -> float:
+        model.zero_grad(set_to_none=True)  # outside the timed span
+        return wall_time(lambda: forward_backward(model, x[:batch], y[:batch], parse_training_policy(spec),
+                                                  F.cross_entropy), x.device)
+
+    variants = {f"{spec}@{batch}": partial(step, spec, batch) for spec, batch in [["dense", len(x)], *timed]}
+    for fn in variants.values():
+        fn()  # warm-up
+    times = {k: min(v) for k, v in interleave(variants, TIME_ROUNDS, rotate=True, measure=lambda fn: fn()).items()}
+    plain = times[f"dense@{len(x)}"] / len(x)
+    for spec, batch in timed:
+        out["time_per_sample_vs_plain"][f"{spec}@{batch}"] = times[f"{spec}@{batch}"] / batch / plain
     return out
+
+
+def compiled(name: str, device: str) -> dict:
+    """``torch.compile`` at each of ``COMPILE_RATIOS``: compile time, step peak and step time against
+    eager plain PyTorch (interleaved, the least of each), SGD with momentum as the worker trains."""
+    import torch
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    import torch.nn.functional as F
+
+    from edgetorch.measure.process import peak_bytes, reset_peak
+    from edgetorch.measure.timing import interleave, wall_time
+
+    base, x, y = _workload(name, device)
+    dev = torch.device(device)
+
+    def stepper(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return step
+
+    eager = stepper(base)
+    eager()
+    rows = []
+    for ratio in COMPILE_RATIOS:
+        torch._dynamo.reset()
+        net = copy.deepcopy(base)
+        step = stepper(torch.compile(net))
+        patch = {"activation_memory_budget": ratio}
+        if hasattr(functorch_config, "enable_autograd_cache"):
+            patch["enable_autograd_cache"] = False  # a cached partition must not serve another ratio
+        row = {"ratio": ratio}
+        try:
+            with functorch_config.patch(**patch):  # the partition is decided at the first forward+backward
+                start = time.perf_counter()
+                step()
+                step()
+                row["compile_seconds"] = wall_time(lambda: None, dev) + time.perf_counter() - start
+                reset_peak(dev)
+                step()
+                row["step_peak_bytes"] = peak_bytes(dev)
+                times = interleave({"eager": lambda: wall_time(eager, dev), "compiled": lambda: wall_time(step, dev)},
+                                   TIME_ROUNDS, rotate=True, measure=lambda fn: fn())
+                row["step_time_vs_eager"] = min(times["compiled"]) / min(times["eager"])
+        except Exception as e:  # noqa: BLE001 - a failed compile is a result of the peer, recorded
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        del step, net
+        gc.collect()
+    reset_peak(dev)
+    eager()
+    return {"eager_step_peak_bytes": peak_bytes(dev), "ratios": rows}
 
 
 def _run(*args: str) -> dict:
@@ -130,57 +231,143 @@ def _run(*args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _call(device: str, what: str, **kwargs) -> dict:
+    """One measurement: in a fresh process on a CPU (resident memory starts clean only there); in
+    this one on a GPU, after freeing the last and restarting the allocator's peaks."""
+    if device != "cuda":
+        return _run("--call", json.dumps({"what": what, **kwargs}))
+    import torch
+
+    from edgetorch.measure.process import restart_peaks
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    restart_peaks(torch.device(device))
+    try:
+        return json.loads(json.dumps(CALLS[what](device=device, **kwargs)))  # the same record as a child's
+    except Exception as e:  # noqa: BLE001 - one run's failure is recorded; the lease is too short to lose the rest
+        import traceback
+
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+
+
+CALLS = {"bounds": bounds, "worker": worker, "measure": measure, "compiled": compiled}
+
+
+def _best_compiled(compile_runs: dict, budget: int) -> dict | None:
+    fitting = [r for r in compile_runs["ratios"] if "error" not in r and r["step_peak_bytes"] <= budget]
+    return min(fitting, key=lambda r: r["step_time_vs_eager"], default=None)
+
+
+def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, complete: bool) -> None:
+    rows = []
+    for r in runs:
+        if "fraction" not in r:  # the model's bounds failed
+            rows.append([r["model"], "-", f"failed: {r['error']}"] + ["-"] * 11)
+            continue
+        chosen, whole, ckpt = r["chosen"] or {}, r["whole"] or {}, (r.get("checkpoint") or {}).get("chosen") or {}
+        measured = r.get("measured", {})
+        cost = {spec: f"{m['fidelity_cost']:.3g}" for spec, m in measured.get("fidelity", {}).items()}
+        speed = {k: f"{v:.2f}" for k, v in measured.get("time_per_sample_vs_plain", {}).items()}
+        peak, ckpt_peak = r.get("process_peak_bytes"), (r.get("checkpoint") or {}).get("process_peak_bytes")
+        comp = compile_runs.get(r["model"])
+        comp = None if comp is None or "error" in comp else comp
+        best = None if comp is None else _best_compiled(comp, r["budget_bytes"])
+
+        def at(c: dict) -> str:
+            return f"{c['policy']}@{c['batch']}" if c else ""
+        rows.append([
+            f"{r['model']} {r['fraction']:.2f}", mib(r["budget_bytes"]),
+            f"failed: {r['error']}" if "error" in r else
+            ("per-block" if r["per_block"] else chosen.get("policy", "nothing fits")) + (f" b{chosen['batch']}" if chosen else ""),
+            cost.get(chosen.get("policy"), "-"), speed.get(at(chosen), "-"),
+            "-" if peak is None else mib(peak) + ("" if peak <= r["budget_bytes"] else " (over)"),
+            f"{whole['policy']} b{whole['batch']}" if whole else "none fits", cost.get(whole.get("policy"), "-"),
+            speed.get(at(whole), "-"),
+            f"{ckpt['policy']} b{ckpt['batch']}" if ckpt else "none fits", speed.get(at(ckpt), "-"),
+            "-" if ckpt_peak is None else mib(ckpt_peak) + ("" if ckpt_peak <= r["budget_bytes"] else " (over)"),
+            "not run" if comp is None else
+            (f"{best['ratio']}: {best['step_time_vs_eager']:.2f}, {mib(best['step_peak_bytes'])}" if best else "none fits"),
+            f"{r['planning_seconds']:.0f}"])
+    peak_name = "the allocator's peak" if device == "cuda" else "the process's peak resident memory"
+    body = (("**Incomplete: the time budget ran out; the rows below are those measured.**\n\n" if not complete else "")
+            + f"Each plan and checkpoint row is its own run (see the script's docstring). Fidelity cost: mean "
+            "squared relative error of the weight gradients against plain PyTorch's on the batch trained at (0: "
+            "exact). Time: per sample, against plain PyTorch's step at the requested batch. Peak: "
+            f"{peak_name} from start (planning included) to the end of {STEPS} training steps. torch.compile: the "
+            "fastest `activation_memory_budget` ratio whose step peak fits the budget, its step time against eager "
+            "and its step peak.\n\n")
+    body += table(["model, budget point", "budget MiB", "edgetorch's choice", "its fidelity cost", "its time",
+                   "its peak MiB", "best whole-model that fits", "its fidelity cost", "its time",
+                   "checkpoint (planner)", "its time", "its peak MiB", "torch.compile ratio: time, peak MiB",
+                   "planning s"], rows, right=[1, 3, 4, 5, 7, 8, 10, 11, 13])
+    for name, comp in compile_runs.items():
+        if "error" in comp:
+            body += f"\n\n{name}: torch.compile failed: {comp['error']}"
+            continue
+        body += (f"\n\n{name}: torch.compile at each ratio, eager step peak {mib(comp['eager_step_peak_bytes'])} MiB: "
+                 + "; ".join(f"{r['ratio']}: " + (r["error"] if "error" in r else
+                             f"peak {mib(r['step_peak_bytes'])} MiB, time {r['step_time_vs_eager']:.2f}x eager, "
+                             f"compiled in {r['compile_seconds']:.0f} s") for r in comp["ratios"]))
+    stem = "block_plan" + ("_quick" if quick else "") + ("_cuda" if device == "cuda" else "")
+    script = "bench/block_plan.py" + (" --quick" if quick else "") + (" --device cuda" if device == "cuda" else "")
+    write_results(stem, "Per-block memory plans against whole-model policies and the peers (issue 26)", body,
+                  {"runs": runs, "compiled": compile_runs, "complete": complete}, script)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="resnet18 at the budget a tenth of the way from the smallest candidate to dense")
-    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BUDGET"), help=argparse.SUPPRESS)
-    parser.add_argument("--bounds", metavar="MODEL", help=argparse.SUPPRESS)
-    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--models", help="comma-separated subset of the device's models")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="start nothing new after this many seconds")
+    parser.add_argument("--call", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]))))
+    if args.call:
+        kwargs = json.loads(args.call)
+        print(json.dumps(CALLS[kwargs.pop("what")](device="cpu", **kwargs)))
         return
-    if args.bounds:
-        print(json.dumps(bounds(args.bounds)))
-        return
-    if args.measure:
-        print(json.dumps(measure(**json.loads(args.measure))))
-        return
-    names, fractions = (["resnet18"], (0.1,)) if args.quick else (list(MODELS), FRACTIONS)
-    runs = []
+    started = time.perf_counter()
+    names = args.models.split(",") if args.models else ["resnet18"] if args.quick else list(_models(args.device))
+    fractions = (0.1,) if args.quick else FRACTIONS
+    runs, compile_runs, complete = [], {}, True
+
+    def left() -> bool:
+        return time.perf_counter() - started < args.budget_s
+
     for name in names:
-        limits = _run("--bounds", name)
+        if not left():
+            complete = False
+            break
+        limits = _call(args.device, "bounds", name=name)
+        if "error" in limits:
+            runs.append({"model": name, "error": limits["error"]})
+            continue
         for fraction in fractions:
+            if not left():
+                complete = False
+                break
             # With the planner's 5% headroom: fraction 0 is where the smallest candidate just fits.
             budget = int((limits["smallest"] + fraction * (limits["dense"] - limits["smallest"])) * (1 + MARGIN))
-            print(f"{name} at {mib(budget)} MiB ...", file=sys.stderr)
-            run = {**_run("--worker", name, str(budget)), "fraction": fraction, "bounds": limits}
-            picked = [c for c in (run["chosen"], run["whole"]) if c is not None]
-            if picked:  # in another process: plain PyTorch's reference step must not count in the peak
-                run["measured"] = _run("--measure", json.dumps({"name": name, "specs": [c["policy"] for c in picked],
-                                                                "batches": [c["batch"] for c in picked]}))
+            print(f"{name} at {mib(budget)} MiB ...", file=sys.stderr, flush=True)
+            run = {"model": name, "budget_bytes": budget, "chosen": None, "whole": None, "per_block": False,
+                   "planning_seconds": float("nan"), **_call(args.device, "worker", name=name, budget=budget),
+                   "fraction": fraction, "bounds": limits}
+            run["checkpoint"] = _call(args.device, "worker", name=name, budget=budget, policies=list(CHECKPOINT_POLICIES))
+            picked = [c for c in (run["chosen"], run["whole"], run["checkpoint"].get("chosen")) if c is not None]
+            if picked:  # in another run: plain PyTorch's reference step must not count in the peak
+                fidelity = [[c["policy"], c["batch"]] for c in picked[:2]]
+                timed = list({(c["policy"], c["batch"]): None for c in picked})
+                run["measured"] = _call(args.device, "measure", name=name, fidelity=fidelity,
+                                        timed=[list(t) for t in timed])
             runs.append(run)
-    rows = []
-    for r in runs:
-        chosen, whole, measured = r["chosen"] or {}, r["whole"] or {}, r.get("measured", {})
-        cost = {spec: f"{m['fidelity_cost']:.3g}" for spec, m in measured.items() if isinstance(m, dict)}
-        peak = r.get("process_peak_bytes")
-        rows.append([f"{r['model']} {r['fraction']:.2f}", mib(r["budget_bytes"]),
-                     "per-block" if r["per_block"] else chosen.get("policy", "nothing fits"), chosen.get("batch", "-"),
-                     cost.get(chosen.get("policy"), "-"),
-                     f"{whole['policy']} b{whole['batch']}" if whole else "none fits", cost.get(whole.get("policy"), "-"),
-                     f"{measured['step_time_ratio']:.2f}" if "step_time_ratio" in measured else "-",
-                     "-" if peak is None else mib(peak),
-                     "-" if peak is None else ("yes" if peak <= r["budget_bytes"] else "NO"),
-                     f"{r['planning_seconds']:.0f}"])
-    body = ("Each row is a fresh process (see the script's docstring). Fidelity cost: mean squared relative "
-            "error of the weight gradients against plain PyTorch's on the batch trained at (0: exact). "
-            f"Peak: the process's peak resident memory from start to the end of {STEPS} training steps.\n\n")
-    body += table(["model, budget point", "budget MiB", "choice", "batch", "its fidelity cost",
-                   "best whole-model that fits", "its fidelity cost", "step time vs it", "process peak MiB",
-                   "within", "planning s"], rows, right=[1, 3, 4, 6, 7, 8, 10])
-    write_results("block_plan_quick" if args.quick else "block_plan", "Per-block memory plans against whole-model "
-                  "policies (issue 26)", body, {"runs": runs}, "bench/block_plan.py" + (" --quick" if args.quick else ""))
+            _report(runs, compile_runs, args.device, args.quick, complete=False)
+        if not args.quick and left():
+            print(f"{name}: torch.compile ...", file=sys.stderr, flush=True)
+            compile_runs[name] = _call(args.device, "compiled", name=name)
+            _report(runs, compile_runs, args.device, args.quick, complete=False)
+    _report(runs, compile_runs, args.device, args.quick, complete=complete)
 
 
 if __name__ == "__main__":

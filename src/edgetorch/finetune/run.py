@@ -39,7 +39,7 @@ from .._checks import check_choice, check_positive_int
 from .._files import write_json_atomically, write_text_atomically
 from ..activations import freeze_batchnorm, parse_training_policy
 from ..activations.step import forward_backward
-from ..measure.process import peak_bytes, peak_kind, process_peak_rss_bytes, reset_peak
+from ..measure.process import peak_bytes, peak_kind, process_peak_bytes, reset_peak
 from ..training import Checkpointing, LastBatch, Loop, Watch, evaluate_accuracy, train_epochs
 from ..weights import save_weights
 from .model import SCOPES, set_scope
@@ -114,9 +114,9 @@ class FinetuneResult:
         peak_bytes: the measured peak over the epochs run in this call (peak RSS on a CPU,
             the CUDA allocator's peak on a GPU; see ``peak_kind``).
         peak_kind: ``"peak_rss"`` or ``"cuda_max_allocated"``.
-        process_peak_bytes: on a CPU, the process's peak resident memory since it started
-            (loading, any planning, every epoch, validation and checkpoints; what a memory
-            limit sees); None on a GPU, where ``peak_bytes`` is the allocator's.
+        process_peak_bytes: the process's peak since it started, in ``peak_kind``'s unit
+            (loading, any planning, every epoch, validation and checkpoints; on a CPU, what a
+            memory limit sees).
         resumed_from: the epoch a checkpoint was resumed after (0: a fresh run).
         restarts: the epochs after which the schedule started again, each where a finished
             run was extended (empty: never extended).
@@ -221,8 +221,7 @@ def finetune(model: nn.Module, train: Dataset, val: Dataset, config: FinetuneCon
         write_json_atomically(out / "model.json", {
             **meta, "val_accuracy": result.val_accuracy,
             "best": {"epoch": best, "val_accuracy": run.history[best - 1]["val_accuracy"], "weights": "best.safetensors"}})
-    if device.type != "cuda":
-        result.process_peak_bytes = process_peak_rss_bytes()
+    result.process_peak_bytes = process_peak_bytes(device)
     return result
 
 

@@ -87,13 +87,55 @@ def held_bytes(device) -> int:
     return rss_bytes()
 
 
+_cuda_peak_before_resets: dict[int, int] = {}  # by GPU index: what reset_peak discarded, for process_peak_bytes
+
+
+def _gpu(device) -> int:
+    import torch
+
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 def reset_peak(device) -> None:
-    """Start a new peak for :func:`peak_bytes` (the CUDA allocator's, or VmHWM on the CPU)."""
+    """Start a new peak for :func:`peak_bytes` (the CUDA allocator's, or VmHWM on the CPU).
+
+    The peak it discards is kept for :func:`process_peak_bytes`.
+    """
     if device.type == "cuda":
         import torch
 
+        gpu = _gpu(device)
+        _cuda_peak_before_resets[gpu] = max(_cuda_peak_before_resets.get(gpu, 0), torch.cuda.max_memory_allocated(gpu))
         torch.cuda.reset_peak_memory_stats(device)
     else:
+        reset_peak_rss()
+
+
+def process_peak_bytes(device) -> int:
+    """The peak since the process started (or :func:`restart_peaks`), across every :func:`reset_peak`,
+    in the unit of :func:`held_bytes`: the CUDA allocator's allocated bytes on a GPU, resident memory
+    on the CPU (:func:`process_peak_rss_bytes`). What a run is held to when a budget covers it whole,
+    planning included.
+    """
+    if device.type == "cuda":
+        return max(_cuda_peak_before_resets.get(_gpu(device), 0), peak_bytes(device))
+    return process_peak_rss_bytes()
+
+
+def restart_peaks(device) -> None:
+    """Forget every peak so far: :func:`process_peak_bytes` counts from now. For several independent
+    runs measured one after another in one process, each after freeing what the last one held (on a
+    CPU, memory the allocator keeps mapped still counts; a fresh process is the cleaner measure there).
+    """
+    global _peak_before_resets
+    if device.type == "cuda":
+        import torch
+
+        _cuda_peak_before_resets.pop(_gpu(device), None)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        _peak_before_resets = 0
         reset_peak_rss()
 
 
