@@ -4,8 +4,9 @@ Without a GPU the kernels run on CPU tensors under Triton's interpreter. ``TRITO
 is read when ``@triton.jit`` decorates a kernel, i.e. when ``edgetorch.codecs._triton`` is first
 imported in a process, so it cannot be switched on for one test module of a shared pytest run:
 whichever module imported the kernels first would decide for all. So the interpreter tests run
-in a child pytest process over this file with ``TRITON_INTERPRET=1`` in its environment from the
-start (``test_kernels_under_interpreter``); in the parent they are skipped, and the parent runs
+in child pytest processes over this file with ``TRITON_INTERPRET=1`` in their environment from the
+start (``test_kernels_under_interpreter``, and ``test_codec_triton_engine.py`` for the engine's
+GPU path); in the parent they are skipped, and the parent runs
 the compiled kernels on CUDA where a GPU exists. Running this file with ``TRITON_INTERPRET=1``
 set by hand runs the interpreter tests in-process (useful with ``-k``).
 """
@@ -94,18 +95,30 @@ def small_topk_tiles(monkeypatch):
 # --- the interpreter run ------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # about a minute: every kernel under the interpreter, in a child process
-@parent_only("this process already interprets the kernels")
-def test_kernels_under_interpreter() -> None:
+ENGINE_SHARD = "test_gpu_path_forward_reads_nothing_back"  # half the interpreter's time: its own file runs it
+
+
+def run_interpreted(select: str) -> None:
+    """This file's tests matching ``-k select``, in a child pytest process with ``TRITON_INTERPRET=1``.
+
+    The interpreter run is split in two (this file and ``test_codec_triton_engine.py``, each about
+    two minutes on 2 cores): ``--dist loadfile`` keeps a file on one worker, and one four-minute
+    test held a worker while the other finished the rest of the suite."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parents[1]
     skip = ("test_kernels_under_interpreter", "test_every_kernel_compiles", "test_cuda", "test_import_edgetorch",
             "test_direct_launch_calls")
     cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-o", "addopts=", "-q",
-           "-p", "no:cacheprovider", "-k", " and ".join(f"not {name}" for name in skip)]
+           "-p", "no:cacheprovider", "-k", " and ".join([f"not {name}" for name in skip] + [f"({select})"])]
     run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"interpreter tests failed:\n{run.stdout[-8000:]}\n{run.stderr[-2000:]}"
     assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-2000:]
+
+
+@pytest.mark.slow  # about two minutes: every kernel under the interpreter but the engine's GPU path
+@parent_only("this process already interprets the kernels")
+def test_kernels_under_interpreter() -> None:
+    run_interpreted(f"not {ENGINE_SHARD}")
 
 
 @interpreted
