@@ -181,6 +181,33 @@ def test_a_candidate_is_run_at_its_own_batch_before_it_is_chosen(small, monkeypa
     assert "did not when run" in roomy.reason
 
 
+def test_a_step_the_allocator_refuses_is_a_candidate_that_does_not_fit(small, monkeypatch):
+    """On a GPU the planner caps the allocator at the budget, so a verification step whose prediction
+    erred raises OutOfMemoryError instead of taking the process above the budget (measured on an
+    H200 before the cap: 1,250 MiB under 1,112). Simulated on the CPU: bitmap at batch 8 is refused;
+    it does not fit and the next exact candidate is measured and chosen. (A per-block plan's step
+    refused the same way measures at the budget, and fit_blocks solves again tighter: tested below
+    with fit_blocks alone.)"""
+    import edgetorch.activations.budget as budget
+
+    real = budget._measure
+    refused = []
+
+    def measure(model, x, y, how, *args):
+        if len(x) == 8:  # calibration runs batches 2 and 3 here: only a verification step is refused
+            refused.append(how.spec())
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, x, y, how, *args)
+
+    monkeypatch.setattr(budget, "_measure", measure)
+    model, batch = small
+    plan = plan_memory(model, batch, "100GiB", policies=["bitmap"], min_batch=4)
+    at8 = next(c for c in plan.candidates if c.batch == 8)
+    assert refused == ["bitmap"] and not at8.fits and at8.measured_peak_bytes == plan.budget_bytes
+    assert (plan.chosen.policy, plan.chosen.batch) == ("bitmap", 4) and "did not when run" in plan.reason
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_batch_the_model_cannot_train_at_is_ruled_out_not_raised(small, monkeypatch):
     """resnet18 at 32 px cannot train at batch 1 (batch norm on a 1x1 map). With min_batch=1 and a
     budget only a batch-1 line fits, the planner runs that candidate, which raises: it is ruled out
