@@ -177,7 +177,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         budget: e.g. ``"600MiB"`` or a byte count: the most the process may hold (CPU: peak
             resident memory; CUDA: the allocator's peak).
         policies: candidate training policy specs (``POLICY`` or ``POLICY+checkpoint``); by
-            default the exact ones, with and without checkpointing, and Back Razor at 80-97%.
+            default the exact ones, with and without checkpointing, 8- and 4-bit quantized, and
+            Back Razor at 80-97% (``DEFAULT_POLICIES``).
         optimizer: ``"sgd"`` (momentum), ``"sgd-no-momentum"``, ``"adam"`` or ``"adamw"``: how
             much state per trainable parameter to add, and which step runs in calibration.
         weight_decay: as the run will use it (SGD's decay copies every gradient during the step).

@@ -19,9 +19,10 @@ if TYPE_CHECKING:  # the command imports torch-backed modules only when it runs
     from ..activations.budget_blocks import BlockFit
     from ..finetune import FinetuneRun
 
-_POLICY_HELP = ("repeatable: dense, bitmap[:threshold=..,value_dtype=..], backrazor[:sparsity=0.9], each optionally "
-                "+checkpoint. Without --memory-budget give one; with it, these are the candidates (default: "
-                "dense, bitmap, with and without +checkpoint, and Back Razor at 80-97%)")
+_POLICY_HELP = ("repeatable: dense, bitmap[:threshold=..,value_dtype=..], quantized[:bits=8], "
+                "backrazor[:sparsity=0.9,exact=int8], each optionally +checkpoint. Without --memory-budget give one; "
+                "with it, these are the only candidates (default: dense, bitmap, with and without +checkpoint, "
+                "8- and 4-bit quantized, Back Razor at 80-97%, and a plan of one form per block)")
 
 
 @app.command()

@@ -184,8 +184,8 @@ class FinetuneRun:
 
     @property
     def within_budget(self) -> bool | None:
-        """Whether the measured peaks (training, and the whole process on a CPU) stayed within the
-        budget; None without a plan."""
+        """Whether the measured peaks (training, and the whole process) stayed within the budget;
+        None without a plan."""
         if self.plan is None or self.result is None:
             return None
         return max(self.result.peak_bytes, self.result.process_peak_bytes or 0) <= self.plan.budget_bytes
