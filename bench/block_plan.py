@@ -238,7 +238,11 @@ def _call(device: str, what: str, **kwargs) -> dict:
     """One measurement: in a fresh process on a CPU (resident memory starts clean only there); in
     this one on a GPU, after freeing the last and restarting the allocator's peaks."""
     if device != "cuda":
-        return _run("--call", json.dumps({"what": what, **kwargs}))
+        try:
+            return _run("--call", json.dumps({"what": what, **kwargs}))
+        except subprocess.CalledProcessError as e:  # recorded; the other models still run
+            print(e.stderr[-3000:], file=sys.stderr)
+            return {"error": e.stderr.strip().splitlines()[-1][:500] if e.stderr.strip() else f"exit {e.returncode}"}
     import torch
 
     from edgetorch.measure.process import restart_peaks
@@ -263,7 +267,7 @@ def _best_compiled(compile_runs: dict, budget: int) -> dict | None:
     return min(fitting, key=lambda r: r["step_time_vs_eager"], default=None)
 
 
-def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, complete: bool) -> None:
+def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, complete: bool, models: str | None) -> None:
     rows = []
     for r in runs:
         if "fraction" not in r:  # the model's bounds failed
@@ -316,8 +320,10 @@ def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, comp
                  + "; ".join(f"{r['ratio']}: " + (r["error"] if "error" in r else
                              f"peak {mib(r['step_peak_bytes'])} MiB, time {r['step_time_vs_eager']:.2f}x eager, "
                              f"compiled in {r['compile_seconds']:.0f} s") for r in comp["ratios"]))
-    stem = "block_plan" + ("_quick" if quick else "") + ("_cuda" if device == "cuda" else "")
-    script = "bench/block_plan.py" + (" --quick" if quick else "") + (" --device cuda" if device == "cuda" else "")
+    flags = [("--quick", "_quick", quick), ("--device cuda", "_cuda", device == "cuda"),
+             (f"--models {models}", f"_{(models or '').replace(',', '_')}", bool(models))]
+    stem = "block_plan" + "".join(suffix for _, suffix, on in flags if on)
+    script = " ".join(["bench/block_plan.py"] + [flag for flag, _, on in flags if on])
     write_results(stem, "Per-block memory plans against whole-model policies and the peers (issue 26)", body,
                   {"runs": runs, "compiled": compile_runs, "complete": complete}, script)
 
@@ -326,7 +332,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="resnet18 at the budget a tenth of the way from the smallest candidate to dense")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--models", help="comma-separated subset of the device's models")
+    parser.add_argument("--models", help="comma-separated subset of the device's models (results: block_plan[_cuda]_MODELS.*)")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start nothing new after this many seconds")
     parser.add_argument("--call", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -368,12 +374,12 @@ def main() -> None:
                 run["measured"] = _call(args.device, "measure", name=name, fidelity=fidelity,
                                         timed=[list(t) for t in timed])
             runs.append(run)
-            _report(runs, compile_runs, args.device, args.quick, complete=False)
+            _report(runs, compile_runs, args.device, args.quick, False, args.models)
         if not args.quick and left():
             print(f"{name}: torch.compile ...", file=sys.stderr, flush=True)
             compile_runs[name] = _call(args.device, "compiled", name=name)
-            _report(runs, compile_runs, args.device, args.quick, complete=False)
-    _report(runs, compile_runs, args.device, args.quick, complete=complete)
+            _report(runs, compile_runs, args.device, args.quick, False, args.models)
+    _report(runs, compile_runs, args.device, args.quick, complete, args.models)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,54 @@ def test_recomputed_blocks_give_plain_gradients_and_statistics_and_hold_less():
     assert planned_bytes < 0.6 * plain_bytes  # measured 0.54x: the stem and layer1.0 are held as before
 
 
+class _Masked(nn.Module):
+    """Layers called with an attention mask by keyword, as a BERT encoder calls its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+                                    for _ in range(3))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        h, pad = self.embed(x), torch.zeros(x.shape[:2], dtype=torch.bool)
+        pad[0, -2:] = True  # the first sequence is two tokens shorter
+        for layer in self.layers:
+            h = layer(h, src_key_padding_mask=pad)
+        return self.head(h.mean(1))
+
+
+def test_a_block_called_with_keyword_arguments_is_recomputed_with_them():
+    """MiniLM's per-block plan failed here: a recomputed BERT layer was called with its attention
+    mask by keyword, which CheckpointEvery did not take. The mask reaches the block in both passes
+    (gradients equal plain PyTorch's, which they would not without it), and the layer is swapped back."""
+    x, y = torch.randn(2, 6, 16), torch.tensor([1, 3])
+    torch.manual_seed(0)
+    model = _Masked().train()
+    grads = []
+    for policy in (edgetorch.Dense(), PerBlock((("layers.0", Recompute()), ("layers.2", Recompute())))):
+        forward_backward(model, x, y, TrainingPolicy(policy), F.cross_entropy)
+        grads.append([p.grad for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert isinstance(model.layers[0], nn.TransformerEncoderLayer)
+
+
+def test_a_recomputed_block_refuses_extra_inputs_that_need_gradients():
+    from edgetorch.activations.checkpoint import CheckpointEvery
+
+    class Add(nn.Module):
+        def forward(self, x, other):
+            return x * other
+
+    wrapped = CheckpointEvery([Add()], 1)
+    with pytest.raises(ValueError, match="must not need gradients"):
+        wrapped(torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True))
+    with pytest.raises(TypeError, match="single block only"):
+        CheckpointEvery([Add(), Add()], 2)(torch.ones(2), torch.ones(2))
+
+
 def test_the_module_table_is_built_once_per_model_not_per_step(monkeypatch):
     import edgetorch.activations.blocks as blocks
 

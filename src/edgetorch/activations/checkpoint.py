@@ -20,6 +20,7 @@ checkpoint around every block, with no policy (what a GPU user picks without edg
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterable, Iterator
 
@@ -70,9 +71,20 @@ class CheckpointEvery(nn.Module):
         self.policy = policy if policy is not None else Bitmap()
         self.ledger = ledger
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        """``x`` through the blocks. Further arguments (a transformer layer's attention mask, as a
+        BERT encoder passes it) go to a single block as they are; the recomputation reuses them, so
+        none may need a gradient (reentrant checkpointing would not carry it)."""
+        if args or kwargs:
+            if len(self.blocks) != 1:
+                raise TypeError(f"extra arguments reach a single block only; these {len(self.blocks)} run in sequence "
+                                "and pass one tensor along")
+            extra = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.requires_grad]
+            if extra and torch.is_grad_enabled():
+                raise ValueError("a recomputed block's extra inputs must not need gradients (reentrant checkpointing "
+                                 "would drop them); recompute the blocks around it instead")
         if not torch.is_grad_enabled():
-            return self.blocks(x)
+            return self.blocks[0](x, *args, **kwargs) if args or kwargs else self.blocks(x)
         # Inside a model-wide compress_activations (checkpoint_stages), that block already
         # stores the segment inputs under the same policy and deduplicates them against the
         # other ops that save them; a second, innermost pair of hooks would hide them from it.
@@ -85,22 +97,28 @@ class CheckpointEvery(nn.Module):
                     # Reentrant checkpointing only backpropagates into a segment whose input
                     # requires grad; the detached alias shares the caller's memory.
                     x = x.detach().requires_grad_()
-                x = checkpoint(self._run_segment, segment, x, use_reentrant=True)
+                run = functools.partial(self._run_segment, args=args, kwargs=kwargs)
+                x = checkpoint(run, segment, x, use_reentrant=True)
         return x
 
-    def _run_segment(self, segment: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    def _run_segment(self, segment: nn.Sequential, x: torch.Tensor, args: tuple = (), kwargs: dict | None = None):
         if getattr(segment[0], "inplace", False) is True:
             # Dropout(inplace=True), ReLU(inplace=True) first: in the first pass it would change
             # the input checkpointing keeps for the recomputation, and in the recomputation that
             # input is a leaf that requires grad, which autograd refuses to change in place.
             # A transient copy of one segment input is the price.
             x = x.clone()
+        kwargs = kwargs or {}
+
+        def call(t: torch.Tensor):
+            return segment[0](t, *args, **kwargs) if args or kwargs else segment(t)
+
         if not torch.is_grad_enabled():  # the first pass: nothing is saved
-            return segment(x)
+            return call(x)
         with _running_stats_frozen(segment), compress_activations(
             segment, self.policy, ledger=self.ledger
         ):
-            return segment(x)
+            return call(x)
 
 
 def find_stages(model: nn.Module) -> list[tuple[nn.Module, str, nn.Sequential]]:
