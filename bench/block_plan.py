@@ -298,7 +298,7 @@ def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, comp
             (f"{best['ratio']}: {best['step_time_vs_eager']:.2f}, {mib(best['step_peak_bytes'])}" if best else "none fits"),
             f"{r['planning_seconds']:.0f}"])
     peak_name = "the allocator's peak" if device == "cuda" else "the process's peak resident memory"
-    body = (("**Incomplete: the time budget ran out; the rows below are those measured.**\n\n" if not complete else "")
+    body = (("**Incomplete: the run stopped (its time budget, or a failure) after the rows below.**\n\n" if not complete else "")
             + f"Each plan and checkpoint row is its own run (see the script's docstring). Fidelity cost: mean "
             "squared relative error of the weight gradients against plain PyTorch's on the batch trained at (0: "
             "exact). Time: per sample, against plain PyTorch's step at the requested batch. Peak: "
