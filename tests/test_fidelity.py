@@ -224,3 +224,24 @@ def test_profile_fidelity_adds_the_numbers_to_the_table_and_json(tmp_path):
     assert 0 < f["worst_cosine"] < 1 and f["max_relative_error"] > 0 and f["input"]["cosine"] == 1.0
     assert f["loss"] == f["reference_loss"] and f["worst_parameter"] in {p["name"] for p in f["parameters"]}
     assert "worst param" in result.output and f"{f['worst_cosine']:.4f}" in result.output
+
+
+def test_comparing_a_large_gradient_holds_no_float64_copy_of_it():
+    """A per-block plan's cost measurement compares every parameter's gradient in float64: whole
+    copies of MiniLM's embedding gradient (11.7M entries) took that planning 350 MiB over a budget
+    its training kept. 16M float32 entries each (64 MiB): chunked, the comparison adds megabytes,
+    where three whole float64 copies would add 384 MiB."""
+    from edgetorch.activations.fidelity import _compare
+    from edgetorch.measure.process import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    g = torch.randn(1 << 24)
+    reference = g + 1e-3 * torch.randn(1 << 24)
+    before = rss_bytes()
+    if not reset_peak_rss():
+        pytest.skip("the peak resident set cannot be reset here (Linux only)")
+    row = _compare("w", g, reference)
+    assert peak_rss_bytes() - before < 64 * 2**20
+    expected = torch.nn.functional.cosine_similarity(g.double(), reference.double(), dim=0).item()
+    assert row.cosine == pytest.approx(expected, abs=1e-12)
+    assert row.relative_error == pytest.approx(((g.double() - reference.double()).norm() / reference.double().norm()).item(),
+                                               rel=1e-9)
