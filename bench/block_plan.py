@@ -292,7 +292,8 @@ def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, comp
             "-" if peak is None else mib(peak) + ("" if peak <= r["budget_bytes"] else " (over)"),
             f"{whole['policy']} b{whole['batch']}" if whole else "none fits", cost.get(whole.get("policy"), "-"),
             speed.get(at(whole), "-"),
-            f"{ckpt['policy']} b{ckpt['batch']}" if ckpt else "none fits", speed.get(at(ckpt), "-"),
+            (f"failed: {r['checkpoint']['error']}" if "error" in (r.get("checkpoint") or {}) else
+             f"{ckpt['policy']} b{ckpt['batch']}" if ckpt else "none fits"), speed.get(at(ckpt), "-"),
             "-" if ckpt_peak is None else mib(ckpt_peak) + ("" if ckpt_peak <= r["budget_bytes"] else " (over)"),
             "not run" if comp is None else
             (f"{best['ratio']}: {best['step_time_vs_eager']:.2f}, {mib(best['step_peak_bytes'])}" if best else "none fits"),
