@@ -387,9 +387,10 @@ def _capped_at(device: torch.device, budget_bytes: int) -> Iterator[None]:
     break it (a prediction that erred by more than the margin) raises OutOfMemoryError, and counts
     as not fitting, instead of taking the process's peak above the budget. Measured on an H200
     before the cap: resnet18 at 224 px, a plan verified at batch 64 took the allocator to 1,250 MiB
-    under a 1,112 MiB budget. The cap bounds reserved memory, which is at least what is allocated
-    (a step refused for fragmentation alone would have failed the real run too). No such cap
-    exists for resident memory on a CPU (an address-space limit counts what is mapped, not used)."""
+    under a 1,112 MiB budget. The cap bounds reserved memory, which is at least what is allocated,
+    so it is conservative: a step refused for fragmentation alone counts as not fitting (seen once
+    there: bitmap+checkpoint, 1,176 MiB allocated uncapped, refused under 1,275). No such cap exists
+    for resident memory on a CPU (an address-space limit counts what is mapped, not used)."""
     if device.type != "cuda":
         yield
         return
