@@ -103,7 +103,7 @@ class ImageFolderDataset(Dataset):
                                    "once before training)") from None
         try:
             return self._transform(image.convert("RGB" if self.color == "rgb" else "L")), label
-        except ValueError as exc:  # _ShortSideLimit: the file's shape, not a bug
+        except ElongatedImageError as exc:  # the file's shape, not a bug
             raise ImageFolderError(f"{path}: {exc}. Remove or replace it, {SKIP_HINT}") from None
 
 
@@ -382,6 +382,14 @@ def _normalisation(color: str, normalize: str | None) -> tuple[tuple[float, ...]
     return (IMAGENET_MEAN, IMAGENET_STD) if color == "rgb" else ((0.449,), (0.226,))
 
 
+def normalisation_name(color: str, mean: tuple[float, ...], std: tuple[float, ...]) -> str | None:
+    """What ``(mean, std)`` is called in a record: ``"imagenet"`` (this module's, for ``color``),
+    None where it changes nothing (mean 0, std 1), else ``"custom"``."""
+    if (tuple(mean), tuple(std)) == _normalisation(color, "imagenet"):
+        return "imagenet"
+    return None if all(m == 0 for m in mean) and all(s == 1 for s in std) else "custom"
+
+
 def evaluation_transform(size: int, color: str, normalize: str | None):
     """The transform a validation split applies to a PIL image (what :func:`preprocessing_record`
     describes): to a float32 ``[C, size, size]`` tensor. ``split`` artifacts with
@@ -406,6 +414,10 @@ def _transform(size: int, color: str, normalize: str | None, augment: bool):
     return v2.Compose(steps)
 
 
+class ElongatedImageError(ValueError):
+    """An image whose evaluation resize would exceed MAX_IMAGE_PIXELS (see :class:`_ShortSideLimit`)."""
+
+
 class _ShortSideLimit:
     """Refuses an image whose short side resized to ``short`` would exceed MAX_IMAGE_PIXELS: the
     decode limit counts pixels, not shape, so a 1-pixel-high strip of 89 million pixels (a small
@@ -418,7 +430,7 @@ class _ShortSideLimit:
     def __call__(self, image):
         width, height = image.size
         if self.short * self.short * max(width, height) > MAX_IMAGE_PIXELS * min(width, height):
-            raise ValueError(f"its {width} x {height} pixels resized to a short side of {self.short} would be over "
+            raise ElongatedImageError(f"its {width} x {height} pixels resized to a short side of {self.short} would be over "
                              f"{MAX_IMAGE_PIXELS:,} pixels; accepted: a long side at most "
                              f"{MAX_IMAGE_PIXELS // self.short**2:,} times the short side")
         return image

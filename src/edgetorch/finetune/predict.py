@@ -157,13 +157,13 @@ def load_classifier(path: str | Path) -> Classifier:
 def _split_classifier(source: Path) -> Classifier:
     from ..split.artifact import load_deployed
 
-    from ..data.folder import IMAGENET_MEAN, IMAGENET_STD
+    from ..data.folder import normalisation_name
 
     model, manifest = load_deployed(source)
     classes = list(manifest.class_names or map(str, range(manifest.num_classes)))
     prep = manifest.preprocess
     # What an export record says of it: a record saying None for ImageNet's mean/std had a device skip them.
-    normalize = {(IMAGENET_MEAN, IMAGENET_STD): "imagenet", ((0.0,), (1.0,)): None}.get((prep.mean, prep.std), "custom")
+    normalize = normalisation_name(prep.color, prep.mean, prep.std)
     return Classifier(model, classes, manifest.input_shape[1], prep.color, normalize, source, dataclasses.asdict(prep),
                       manifest)
 

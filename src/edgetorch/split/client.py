@@ -94,11 +94,11 @@ def preprocess_images(paths: Sequence[str | Path], preprocess: Preprocess, in_ch
 
 
 def _transformed(transform, path: str | Path, mode: str) -> torch.Tensor:
+    from ..data.folder import ElongatedImageError
+
     try:
         return transform(read_image(path).convert(mode))
-    except InputFileError:
-        raise
-    except ValueError as exc:  # an image too elongated to resize (see edgetorch.data.folder)
+    except ElongatedImageError as exc:  # the file's shape, not a bug
         raise InputFileError(f"{path}: {exc}") from None
 
 
