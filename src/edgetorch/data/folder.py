@@ -414,7 +414,7 @@ def _transform(size: int, color: str, normalize: str | None, augment: bool):
     return v2.Compose(steps)
 
 
-class ElongatedImageError(ValueError):
+class ElongatedImageError(ImageFolderError):
     """An image whose evaluation resize would exceed MAX_IMAGE_PIXELS (see :class:`_ShortSideLimit`)."""
 
 
