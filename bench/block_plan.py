@@ -33,9 +33,17 @@ On a GPU (``--device cuda``: resnet18 and vit_b_16) the runs share one process, 
 each after freeing the last and restarting the allocator's peak (process start-up costs seconds per
 run there, and the allocator's peak, unlike resident memory, starts clean).
 
-Run: ``python bench/block_plan.py [--quick] [--device cuda] [--budget-s S]`` (hours on 2 CPU cores;
---quick: resnet18 at one low budget; --budget-s: start nothing new after S seconds, results so far
-are written).
+With ``--fixed-batch`` every choice trains at the requested batch (``min_batch`` at it), and the
+budgets lie between the smallest candidate's predicted peak and the smallest exact candidate's
+(dense+checkpoint, say) instead of dense's: without it, the planner may halve the batch to keep an
+exact policy, and a per-block plan is then compared with an exact choice at another batch; below
+the smallest exact candidate only lossy whole-model policies fit the batch, and that is where a
+per-block plan can be strictly better.
+
+Run: ``python bench/block_plan.py [--quick] [--device cuda] [--fixed-batch] [--models M,...] [--fractions F,...]
+[--budget-s S]``
+(hours on 2 CPU cores; --quick: resnet18 at one low budget; --budget-s: start nothing new after S
+seconds, results so far are written).
 """
 
 from __future__ import annotations
@@ -92,20 +100,23 @@ def _workload(name: str, device: str):
 
 
 def bounds(name: str, device: str) -> dict:
-    """Dense's and the smallest whole-model candidate's predicted peaks at the requested batch."""
+    """Dense's, the smallest exact whole-model candidate's and the smallest candidate's predicted
+    peaks at the requested batch."""
     from edgetorch import plan_memory
 
     model, x, y = _workload(name, device)
     plan = plan_memory(model, (x, y), "1000GiB")
     at_batch = [c for c in plan.candidates if c.batch == len(x)]
     dense = next(c for c in at_batch if c.policy == "dense").predicted_peak_bytes
-    return {"dense": dense, "smallest": min(c.predicted_peak_bytes for c in at_batch)}
+    return {"dense": dense, "exact": min(c.predicted_peak_bytes for c in at_batch if c.exact),
+            "smallest": min(c.predicted_peak_bytes for c in at_batch)}
 
 
-def worker(name: str, device: str, budget: int, policies: list[str] | None = None) -> dict:
+def worker(name: str, device: str, budget: int, policies: list[str] | None = None, fixed_batch: bool = False) -> dict:
     """Plan and train, nothing else: the peak from start to end is what a user's run would reach (a
     fidelity check runs plain PyTorch's step, which would raise it). ``policies`` None: the default
-    candidates and the per-block plan, as finetune plans; else only those whole-model policies."""
+    candidates and the per-block plan, as finetune plans; else only those whole-model policies.
+    ``fixed_batch``: only the requested batch is a candidate (``finetune --min-batch`` at the batch)."""
     import torch
     import torch.nn.functional as F
 
@@ -116,6 +127,8 @@ def worker(name: str, device: str, budget: int, policies: list[str] | None = Non
     model, x, y = _workload(name, device)
     start = time.perf_counter()
     options = {"per_block": True} if policies is None else {"policies": policies}
+    if fixed_batch:
+        options["min_batch"] = len(x)
     plan = plan_memory(model, (x, y), budget, **options)
     planning = time.perf_counter() - start
     whole = next((c for c in plan.candidates if c.fits and not c.policy.startswith("per-block")), None)
@@ -267,7 +280,8 @@ def _best_compiled(compile_runs: dict, budget: int) -> dict | None:
     return min(fitting, key=lambda r: r["step_time_vs_eager"], default=None)
 
 
-def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, complete: bool, models: str | None) -> None:
+def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, complete: bool, models: str | None,
+            fixed_batch: bool) -> None:
     rows = []
     for r in runs:
         if "fraction" not in r:  # the model's bounds failed
@@ -300,6 +314,12 @@ def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, comp
             f"{r['planning_seconds']:.0f}"])
     peak_name = "the allocator's peak" if device == "cuda" else "the process's peak resident memory"
     body = (("**Incomplete: the run stopped (its time budget, or a failure) after the rows below.**\n\n" if not complete else "")
+            + ("Fixed batch (`--fixed-batch`): every candidate, plan and peer trains at the model's requested batch, "
+               "as `finetune --memory-budget --min-batch B` with B the batch does, so no choice trades the batch for "
+               "exactness. Budget point: the fraction of the way from the smallest candidate's predicted peak to "
+               "the smallest exact candidate's (plus the 5% headroom), where only lossy whole-model policies fit. "
+               "torch.compile is not rerun here (it chooses no batch): see the run without the flag.\n\n"
+               if fixed_batch else "")
             + f"Each plan and checkpoint row is its own run (see the script's docstring). Fidelity cost: mean "
             "squared relative error of the weight gradients against plain PyTorch's on the batch trained at (0: "
             "exact). Time: per sample, against plain PyTorch's step at the requested batch. Peak: "
@@ -322,6 +342,7 @@ def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, comp
                              f"peak {mib(r['step_peak_bytes'])} MiB, time {r['step_time_vs_eager']:.2f}x eager, "
                              f"compiled in {r['compile_seconds']:.0f} s") for r in comp["ratios"]))
     flags = [("--quick", "_quick", quick), ("--device cuda", "_cuda", device == "cuda"),
+             ("--fixed-batch", "_fixed_batch", fixed_batch),
              (f"--models {models}", f"_{(models or '').replace(',', '_')}", bool(models))]
     stem = "block_plan" + "".join(suffix for _, suffix, on in flags if on)
     script = " ".join(["bench/block_plan.py"] + [flag for flag, _, on in flags if on])
@@ -334,6 +355,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="resnet18 at the budget a tenth of the way from the smallest candidate to dense")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--models", help="comma-separated subset of the device's models (results: block_plan[_cuda]_MODELS.*)")
+    parser.add_argument("--fixed-batch", action="store_true",
+                        help="train every choice at the requested batch (results: block_plan[...]_fixed_batch.*)")
+    parser.add_argument("--fractions", help="comma-separated budget points instead of 0.25,0.5,0.75")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start nothing new after this many seconds")
     parser.add_argument("--call", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -343,7 +367,7 @@ def main() -> None:
         return
     started = time.perf_counter()
     names = args.models.split(",") if args.models else ["resnet18"] if args.quick else list(_models(args.device))
-    fractions = (0.1,) if args.quick else FRACTIONS
+    fractions = (0.1,) if args.quick else tuple(map(float, args.fractions.split(","))) if args.fractions else FRACTIONS
     runs, compile_runs, complete = [], {}, True
 
     def left() -> bool:
@@ -361,13 +385,18 @@ def main() -> None:
             if not left():
                 complete = False
                 break
-            # With the planner's 5% headroom: fraction 0 is where the smallest candidate just fits.
-            budget = int((limits["smallest"] + fraction * (limits["dense"] - limits["smallest"])) * (1 + MARGIN))
+            # With the planner's 5% headroom: fraction 0 is where the smallest candidate just fits, 1
+            # where dense does (with --fixed-batch: the smallest exact candidate, below which only a
+            # lossy whole-model policy fits at the batch, and a per-block plan can be strictly better).
+            top = limits["exact"] if args.fixed_batch else limits["dense"]
+            budget = int((limits["smallest"] + fraction * (top - limits["smallest"])) * (1 + MARGIN))
             print(f"{name} at {mib(budget)} MiB ...", file=sys.stderr, flush=True)
             run = {"model": name, "budget_bytes": budget, "chosen": None, "whole": None, "per_block": False,
-                   "planning_seconds": float("nan"), **_call(args.device, "worker", name=name, budget=budget),
+                   "planning_seconds": float("nan"),
+                   **_call(args.device, "worker", name=name, budget=budget, fixed_batch=args.fixed_batch),
                    "fraction": fraction, "bounds": limits}
-            run["checkpoint"] = _call(args.device, "worker", name=name, budget=budget, policies=list(CHECKPOINT_POLICIES))
+            run["checkpoint"] = _call(args.device, "worker", name=name, budget=budget, policies=list(CHECKPOINT_POLICIES),
+                                      fixed_batch=args.fixed_batch)
             picked = [c for c in (run["chosen"], run["whole"], run["checkpoint"].get("chosen")) if c is not None]
             if picked:  # in another run: plain PyTorch's reference step must not count in the peak
                 fidelity = [[c["policy"], c["batch"]] for c in picked[:2]]
@@ -375,12 +404,12 @@ def main() -> None:
                 run["measured"] = _call(args.device, "measure", name=name, fidelity=fidelity,
                                         timed=[list(t) for t in timed])
             runs.append(run)
-            _report(runs, compile_runs, args.device, args.quick, False, args.models)
-        if not args.quick and left():
+            _report(runs, compile_runs, args.device, args.quick, False, args.models, args.fixed_batch)
+        if not args.quick and not args.fixed_batch and left():  # compile has no batch to choose: measured once
             print(f"{name}: torch.compile ...", file=sys.stderr, flush=True)
             compile_runs[name] = _call(args.device, "compiled", name=name)
-            _report(runs, compile_runs, args.device, args.quick, False, args.models)
-    _report(runs, compile_runs, args.device, args.quick, complete, args.models)
+            _report(runs, compile_runs, args.device, args.quick, False, args.models, args.fixed_batch)
+    _report(runs, compile_runs, args.device, args.quick, complete, args.models, args.fixed_batch)
 
 
 if __name__ == "__main__":
