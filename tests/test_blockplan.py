@@ -24,6 +24,14 @@ from edgetorch.activations.step import TrainingPolicy, forward_backward
 FORMS = (edgetorch.Dense(), edgetorch.Bitmap(), edgetorch.Quantized(8), edgetorch.Quantized(4), Recompute())
 
 
+def resnet18_first_half(num_classes: int) -> torch.nn.Module:
+    """resnet18 up to layer2 (blocks layer1.0 to layer2.1; layer2.0 downsamples): its block types in 4
+    blocks, not 8, as the costs take (blocks - 1) * forms**2 steps (76 s of the suite with all 8)."""
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.layer3, model.layer4, model.fc = torch.nn.Identity(), torch.nn.Identity(), torch.nn.Linear(128, num_classes)
+    return model
+
+
 def _predicted(chosen, fixed):
     return fixed + sum(c.stored_bytes for c in chosen) + max((c.rerun_bytes for c in chosen), default=0)
 
@@ -132,7 +140,7 @@ def test_negligible_reference_gradients_are_left_out_of_the_cost():
 @pytest.fixture(scope="module")
 def measured():
     torch.manual_seed(0)
-    model = torchvision.models.resnet18(num_classes=10).train()
+    model = resnet18_first_half(10).train()
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
     before = [p.detach().clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
     costs = measure_block_costs(model, (x, y), FORMS + (edgetorch.BackRazor(0.9, exact="int8"),))
@@ -143,7 +151,7 @@ def measured():
 
 def test_costs_rank_forms_as_their_exactness_says(measured):
     _, _, costs = measured
-    assert len(costs.costs) == (1 + 7 * 6) * 6  # the first block per form, the others per (previous form, form)
+    assert len(costs.costs) == (1 + 3 * 6) * 6  # the first block per form, the others per (previous form, form)
     dense_form = edgetorch.Dense()
     for i, block in enumerate(costs.blocks):
         by = {c.form: c for c in costs.options(block, None if i == 0 else dense_form)}
@@ -170,8 +178,8 @@ def test_a_block_after_a_lossy_block_reads_its_own_form_of_the_boundary(measured
 def test_a_mixed_plans_ledger_holds_what_the_costs_predict_to_the_byte(measured):
     model, (x, y), costs = measured
     forms = costs.forms
-    for assignment in ([forms[(3 * i + 1) % len(forms)] for i in range(8)], [forms[i % 3 + 3] for i in range(8)],
-                       [forms[(i * i) % len(forms)] for i in range(8)]):  # neighbours no measured step paired
+    for assignment in ([forms[(3 * i + 1) % len(forms)] for i in range(4)], [forms[i % 3 + 3] for i in range(4)],
+                       [forms[(i * i) % len(forms)] for i in range(4)]):  # neighbours no measured step paired
         chosen = [costs.cost(b, f, assignment[i - 1] if i else None) for i, (b, f) in enumerate(zip(costs.blocks, assignment))]
         ledger = edgetorch.SavedTensorLedger()
         forward_backward(model, x, y, TrainingPolicy(PerBlock(tuple(zip(costs.blocks, assignment)), costs.default)),
