@@ -25,7 +25,12 @@ Wire format, version 1 (all integers little-endian; nothing is pickled)::
     ...     5 * G      G = 1 or shape[0] groups: scale float32 (finite, > 0), zero point uint8
     ...     numel      the quantised values, uint8, C order
 
-So a payload is ``numel + 13 + 4 * ndim + 5 * G`` bytes: for a [1, 12, 28, 28] bottleneck,
+Version 2 (:mod:`.coded`, ``encode(x, tables=...)``) has the same header with version = 2, then
+the codes entropy-coded with a probability table per channel instead of one byte each: the decoded
+tensor is the same, the payload smaller. Its length is not fixed by its shape, so :func:`decode`
+bounds the element count it claims (``max_numel``) before allocating.
+
+So a version-1 payload is ``numel + 13 + 4 * ndim + 5 * G`` bytes: for a [1, 12, 28, 28] bottleneck,
 9,408 values + 34 bytes. :func:`decode` checks every field, that the length is exact and the
 checksum matches (so a corrupted payload is an error, never a plausible wrong tensor), that no
 (scale, zero point) can dequantise to inf in float32 or the restored dtype (so a decoded tensor
@@ -50,14 +55,22 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..errors import EdgetorchError
 
+if TYPE_CHECKING:
+    from .coded import CodeTables
+
 MAGIC = b"ETBQ"
 VERSION = 1
+CODED_VERSION = 2  # the entropy-coded codes (edgetorch.split.coded)
+_CODED_EXTENSION = struct.Struct("<B4s")  # coding, table digest
+#: the most elements decode accepts from a version-2 payload unless told otherwise (64 MiB as float32)
+MAX_CODED_NUMEL = 2**24
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sBBBBBI")  # magic, version, mode, value dtype, restored dtype, ndim, crc
 _CRC_AT = 9  # offset of the CRC field
@@ -79,11 +92,13 @@ class PayloadHeader:
     """The decoded header of a payload.
 
     Attributes:
-        version: format version (1).
+        version: format version (1, or 2 for entropy-coded codes).
         per_sample: one (scale, zero point) per sample along dim 0, else one for the tensor.
         dtype: the floating dtype :func:`decode` returns.
         shape: the tensor's shape.
-        header_bytes: bytes before the quantised values (fixed part, shape, scales/zero points).
+        header_bytes: bytes before the quantised values (fixed part, shape, scales/zero points;
+            in version 2 also the coding byte and the table digest).
+        table_digest: version 2: the digest of the code tables it was coded with; else None.
     """
 
     version: int
@@ -91,6 +106,7 @@ class PayloadHeader:
     dtype: torch.dtype
     shape: tuple[int, ...]
     header_bytes: int
+    table_digest: bytes | None = None
 
     @property
     def numel(self) -> int:
@@ -98,9 +114,10 @@ class PayloadHeader:
         return math.prod(self.shape)
 
     @property
-    def total_bytes(self) -> int:
-        """The exact length a valid payload with this header has."""
-        return self.header_bytes + self.numel
+    def total_bytes(self) -> int | None:
+        """The exact length a valid version-1 payload with this header has (None in version 2,
+        whose length depends on the codes)."""
+        return self.header_bytes + self.numel if self.version == VERSION else None
 
 
 def header_size(ndim: int, groups: int) -> int:
@@ -249,22 +266,27 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
     return real.reshape(q.shape).to(dtype)
 
 
-def encode(x: torch.Tensor, per_sample: bool = True) -> bytes:
-    """Quantise ``x`` to 8 bits and serialise it in the version-1 wire format (module docstring).
+def encode(x: torch.Tensor, per_sample: bool = True, tables: CodeTables | None = None) -> bytes:
+    """Quantise ``x`` to 8 bits and serialise it in the version-1 wire format (module docstring),
+    or with ``tables`` entropy-code the codes in version 2.
 
     Args:
         x: the bottleneck tensor (finite floating, 1..8 dims, no zero-size dims), any device.
         per_sample: one (scale, zero point) per sample along dim 0 (batch-size independent, 5 bytes
             per sample), else one pair for the whole tensor.
+        tables: :class:`~edgetorch.split.coded.CodeTables` with one table per channel (dim 1 of
+            ``x``): the version-2 payload, which :func:`decode` with the same tables turns into
+            the same tensor as version 1's.
 
     Returns:
-        The payload; ``len(result) == payload_size(x.shape, per_sample)``.
+        The payload; version 1: ``len(result) == payload_size(x.shape, per_sample)``.
 
     Raises:
         PayloadError: whatever :func:`decode` would refuse or turn into inf: a tensor that is not
             dense floating (see :func:`quantize`), a bad shape, non-finite values, or values whose
             dequantised range overflows float32 or the tensor's own dtype (float16 near 65504,
-            float32/bfloat16 near 3.4e38, float64 beyond float32's range).
+            float32/bfloat16 near 3.4e38, float64 beyond float32's range); with ``tables``, also
+            a tensor whose dim 1 is not the tables' channels.
 
     Example:
         >>> len(encode(torch.zeros(1, 3, 4, 4)))
@@ -282,9 +304,14 @@ def encode(x: torch.Tensor, per_sample: bool = True) -> bytes:
     params = np.empty(scale.numel(), dtype=_PARAM)
     params["scale"] = scale.numpy()
     params["zero_point"] = zero_point.numpy()
-    fields = (MAGIC, VERSION, int(per_sample), _UINT8, _RESTORED_CODE[x.dtype], x.dim())
-    body = b"".join((struct.pack(f"<{x.dim()}I", *x.shape), params.tobytes(),
-                     q.contiguous().numpy().tobytes()))
+    if tables is None:
+        version, values = VERSION, q.contiguous().numpy().tobytes()
+    else:
+        from .coded import CODING_ANS, encode_codes
+
+        version, values = CODED_VERSION, _CODED_EXTENSION.pack(CODING_ANS, tables.digest) + encode_codes(q, tables)
+    fields = (MAGIC, version, int(per_sample), _UINT8, _RESTORED_CODE[x.dtype], x.dim())
+    body = b"".join((struct.pack(f"<{x.dim()}I", *x.shape), params.tobytes(), values))
     unsealed = _FIXED.pack(*fields, 0)
     return _FIXED.pack(*fields, _checksum(unsealed, body)) + body
 
@@ -304,7 +331,7 @@ def read_header(data: bytes | bytearray | memoryview) -> PayloadHeader:
         The :class:`PayloadHeader`.
 
     Raises:
-        PayloadError: not bytes, bad magic, unknown version/mode/dtype, bad ndim or shape,
+        PayloadError: not bytes, bad magic, unknown version/mode/dtype/coding, bad ndim or shape,
             or too short to hold the header.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -315,12 +342,13 @@ def read_header(data: bytes | bytearray | memoryview) -> PayloadHeader:
     magic, version, mode, value_dtype, restored, ndim, _ = _FIXED.unpack_from(data)
     if magic != MAGIC:
         raise PayloadError(f"not an edgetorch bottleneck payload: magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise PayloadError(f"payload format version {version} is not supported (this reader: {VERSION})")
+    if version not in (VERSION, CODED_VERSION):
+        raise PayloadError(f"payload format version {version} is not supported (this reader: {VERSION} and "
+                           f"{CODED_VERSION})")
     if mode not in (0, 1):
         raise PayloadError(f"unknown quantisation mode {mode}; accepted: 0 (per tensor), 1 (per sample)")
     if value_dtype != _UINT8:
-        raise PayloadError(f"unknown value dtype code {value_dtype}; version 1 accepts only {_UINT8} (uint8)")
+        raise PayloadError(f"unknown value dtype code {value_dtype}; accepted: only {_UINT8} (uint8)")
     if restored not in _RESTORED:
         raise PayloadError(f"unknown restored dtype code {restored}; accepted: {sorted(_RESTORED)}")
     if not 1 <= ndim <= MAX_NDIM:
@@ -329,15 +357,31 @@ def read_header(data: bytes | bytearray | memoryview) -> PayloadHeader:
         raise PayloadError(f"truncated payload: {len(data)} bytes cannot hold a {ndim}-dim shape")
     shape = _check_shape(struct.unpack_from(f"<{ndim}I", data, _FIXED.size))
     groups = shape[0] if mode == 1 else 1
-    return PayloadHeader(VERSION, mode == 1, _RESTORED[restored], shape, header_size(ndim, groups))
+    size = header_size(ndim, groups)
+    if version == VERSION:
+        return PayloadHeader(VERSION, mode == 1, _RESTORED[restored], shape, size)
+    from .coded import CODING_ANS
+
+    if len(data) < size + _CODED_EXTENSION.size:
+        raise PayloadError(f"truncated payload: {len(data)} bytes cannot hold a version-2 header of "
+                           f"{size + _CODED_EXTENSION.size} bytes (shape {shape})")
+    coding, digest = _CODED_EXTENSION.unpack_from(data, size)
+    if coding != CODING_ANS:
+        raise PayloadError(f"unknown coding {coding}; accepted: {CODING_ANS} (rANS, one table per channel)")
+    return PayloadHeader(CODED_VERSION, mode == 1, _RESTORED[restored], shape, size + _CODED_EXTENSION.size,
+                         bytes(digest))
 
 
-def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -> torch.Tensor:
+def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None, tables: CodeTables | None = None,
+           max_numel: int = MAX_CODED_NUMEL) -> torch.Tensor:
     """Validate a payload and return the dequantised tensor.
 
     Args:
         data: bytes produced by :func:`encode`.
         max_bytes: if given, payloads longer than this are rejected before anything is allocated.
+        tables: the code tables a version-2 payload was coded with (a version-1 payload needs none).
+        max_numel: a version-2 payload claiming more elements is refused before anything is
+            allocated (its length does not bound them: a likely code costs almost no bits).
 
     Returns:
         A CPU tensor of the encoded shape and dtype, within ``scale / 2`` of what was encoded.
@@ -346,7 +390,9 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -
         PayloadError: any malformed payload: too long, truncated or with trailing bytes, bad
             header fields, a checksum mismatch, a scale that is not finite and positive, or a
             scale and zero point that would dequantise to inf in float32 or the restored dtype
-            (so a decoded tensor is always finite).
+            (so a decoded tensor is always finite); version 2: no tables or other tables than it
+            was coded with, more than ``max_numel`` elements, or a stream that does not decode to
+            exactly its codes.
 
     Example:
         >>> decode(encode(torch.ones(2, 2))).tolist()
@@ -356,7 +402,17 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -
         raise PayloadError(f"payload of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
     header = read_header(data)
     data = memoryview(data).cast("B")
-    if len(data) != header.total_bytes:
+    if header.version == CODED_VERSION:
+        if tables is None:
+            raise PayloadError("an entropy-coded (version 2) payload decodes only with the code tables it was coded "
+                               "with (the split artifact's); pass tables=")
+        if header.table_digest != tables.digest:
+            raise PayloadError(f"this payload was coded with code tables {header.table_digest.hex()}, not these "
+                               f"({tables.digest.hex()}): use the same artifact on both sides")
+        if header.numel > max_numel:
+            raise PayloadError(f"payload shape {header.shape} claims {header.numel} elements, above the limit of "
+                               f"{max_numel}")
+    elif len(data) != header.total_bytes:
         kind = "truncated" if len(data) < header.total_bytes else "oversized"
         raise PayloadError(
             f"{kind} payload: {len(data)} bytes, but its header (shape {header.shape}) needs exactly "
@@ -365,12 +421,17 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None) -
     if _checksum(data[:_FIXED.size], data[_FIXED.size:]) != _FIXED.unpack_from(data)[-1]:
         raise PayloadError("corrupted payload: its CRC-32 does not match its bytes")
     groups = header.shape[0] if header.per_sample else 1
-    params_at = header.header_bytes - _PARAM.itemsize * groups
+    params_at = _FIXED.size + 4 * len(header.shape)
     params = np.frombuffer(data, dtype=_PARAM, count=groups, offset=params_at)
     scale = params["scale"].astype(np.float32)
     if not (np.isfinite(scale).all() and (scale > 0).all()):
         raise PayloadError("inconsistent payload: every scale must be finite and > 0")
     _check_range(scale, params["zero_point"], header.dtype)
-    values = np.frombuffer(data, dtype=np.uint8, offset=header.header_bytes).reshape(header.shape)
-    return dequantize(torch.from_numpy(values.copy()), torch.from_numpy(scale),
+    if header.version == CODED_VERSION:
+        from .coded import decode_codes
+
+        codes = decode_codes(data[header.header_bytes:], header.shape, tables)
+    else:
+        codes = torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=header.header_bytes).copy())
+    return dequantize(codes.reshape(header.shape), torch.from_numpy(scale),
                       torch.from_numpy(params["zero_point"].copy()), header.dtype)

@@ -1,0 +1,203 @@
+"""Entropy coding of the 8-bit bottleneck codes (payload format version 2; issue 27).
+
+Version 1 sends each 8-bit code as one byte. The codes of a trained bottleneck are far from
+uniform (ReLU zeros map to one code; most of a channel's values sit in a few codes), so an entropy
+coder with a probability table per channel sends the same codes in fewer bytes. Version 2 keeps
+version 1's quantisation unchanged (the decoded tensor is bit for bit what version 1 decodes, so
+accuracy cannot move) and replaces the raw code bytes by an rANS stream.
+
+The coder is ``constriction``'s ``AnsCoder`` (Bamler 2022, "Understanding entropy coding with
+asymmetric numeral systems (ANS): a statistician's perspective"), chosen over CompressAI's
+``EntropyBottleneck`` coder because a device needs only the coder: constriction is a compiled
+Rust extension with numpy as its one dependency (a 0.4 MB wheel), while CompressAI brings scipy,
+matplotlib and its training code. Its ``Categorical`` model turns a table into fixed-point
+probabilities deterministically and gives every symbol at least the smallest representable
+probability, so a code never seen when the table was fitted still encodes (at up to 24 bits).
+
+The tables (:class:`CodeTables`) are data: one row of 256 code counts per channel, fitted on a
+representative batch of codes (:func:`fit_code_tables`) and stored in a split artifact as a
+safetensors tensor. A payload names the tables it was coded with by a 4-byte digest of their
+counts, so a payload coded with other tables is refused instead of decoded into a wrong tensor.
+
+Wire format, version 2: version 1's header (magic, version = 2, mode, value dtype, restored dtype,
+ndim, CRC-32, shape, per-group scale and zero point), then::
+
+    size       field
+    1          coding: 1 = rANS over 32-bit words, one table per channel (dim 1)
+    4          table digest: the first 4 bytes of SHA-256 over the tables' counts (little-endian uint64)
+    4 * W      W >= 0 words, uint32 little-endian: the rANS stream of the codes, channel by channel
+               (dim 1), each channel's codes in C order over the other dims
+
+The CRC covers the extension and the words too.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+from .payload import PayloadError
+
+CODING_ANS = 1
+CODES = 256  # 8-bit codes
+DIGEST_BYTES = 4
+#: counts are stored as int64 and handed to the coder as float64: above 2**53 they would round
+MAX_COUNT = 2**53
+#: the most channels a table set may hold (a bottleneck's dim 1 is at most a few hundred)
+MAX_CHANNELS = 4096
+_TENSOR_NAME = "code_counts"
+
+
+class CodeTables:
+    """One probability table of the 256 8-bit codes per bottleneck channel, as counts.
+
+    Args:
+        counts: int64 array or tensor [C, 256], each row how often each code occurred in channel c
+            of the fitting data (zeros allowed: the coder still gives those codes a tiny
+            probability); 1 <= C <= 4096, every count in 0..2**53.
+
+    Raises:
+        PayloadError: the counts are not an integer [C, 256] array in those bounds.
+
+    Example:
+        >>> tables = fit_code_tables(torch.zeros(4, 3, 8, 8, dtype=torch.uint8))
+        >>> tables.channels, len(tables.digest)
+        (3, 4)
+    """
+
+    def __init__(self, counts: np.ndarray | torch.Tensor) -> None:
+        if isinstance(counts, torch.Tensor):
+            counts = counts.detach().cpu().numpy()
+        counts = np.asarray(counts)
+        if counts.ndim != 2 or counts.shape[1] != CODES or not 1 <= counts.shape[0] <= MAX_CHANNELS:
+            raise PayloadError(f"code tables are a [channels, {CODES}] array with 1..{MAX_CHANNELS} channels, "
+                               f"got shape {tuple(counts.shape)}")
+        if counts.dtype.kind not in "iu":
+            raise PayloadError(f"code tables hold integer counts, got dtype {counts.dtype}")
+        if counts.size and (counts.min() < 0 or counts.max() > MAX_COUNT):
+            raise PayloadError(f"every code count must be in 0..2**53, got {counts.min()}..{counts.max()}")
+        self.counts = counts.astype("<i8")
+        self.counts.flags.writeable = False
+
+    @property
+    def channels(self) -> int:
+        """How many channels (dim 1 of a coded tensor) the tables cover."""
+        return self.counts.shape[0]
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """The 4 bytes a payload carries to name these tables (SHA-256 of the counts)."""
+        return hashlib.sha256(self.counts.astype("<u8").tobytes()).digest()[:DIGEST_BYTES]
+
+    @functools.cached_property
+    def _models(self) -> list:
+        import constriction  # its submodules are attributes of the compiled module, not importable paths
+
+        Categorical = constriction.stream.model.Categorical
+        # An all-zero row is a channel never seen: uniform. perfect=False: the coder's recommended
+        # quantisation (fast to build); encoder and decoder must agree on it, and both are this code.
+        return [Categorical(row.astype(np.float64) if row.any() else np.ones(CODES), perfect=False)
+                for row in self.counts]
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The tables as safetensors can store them: ``{"code_counts": int64 [C, 256]}``."""
+        return {_TENSOR_NAME: torch.from_numpy(self.counts.astype(np.int64))}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> CodeTables:
+        """Inverse of :meth:`to_tensors`; refuses anything else with :class:`PayloadError`."""
+        if set(tensors) != {_TENSOR_NAME}:
+            raise PayloadError(f"code tables are one tensor named {_TENSOR_NAME!r}, got {sorted(tensors)}")
+        tensor = tensors[_TENSOR_NAME]
+        if tensor.dtype != torch.int64:
+            raise PayloadError(f"{_TENSOR_NAME} must be int64, got {tensor.dtype}")
+        return cls(tensor)
+
+
+def fit_code_tables(codes: torch.Tensor) -> CodeTables:
+    """Count each channel's 8-bit codes over a representative batch.
+
+    Args:
+        codes: uint8 codes [N, C, ...] (``payload.quantize(bottleneck)[0]`` of training images).
+
+    Returns:
+        The :class:`CodeTables`.
+
+    Raises:
+        PayloadError: not a uint8 tensor with at least 2 dims.
+
+    Example:
+        >>> from edgetorch.split.payload import quantize
+        >>> tables = fit_code_tables(quantize(torch.relu(torch.randn(16, 3, 8, 8)))[0])
+    """
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() < 2:
+        got = f"{codes.dtype} [{', '.join(map(str, codes.shape))}]" if isinstance(codes, torch.Tensor) else type(codes).__name__
+        raise PayloadError(f"code tables are fitted on uint8 codes [N, C, ...], got {got}")
+    channels = codes.shape[1]
+    keyed = codes.detach().cpu().transpose(0, 1).reshape(channels, -1).to(torch.int64)
+    keyed += torch.arange(channels)[:, None] * CODES
+    counts = torch.bincount(keyed.reshape(-1), minlength=channels * CODES).reshape(channels, CODES)
+    return CodeTables(counts)
+
+
+def encode_codes(codes: torch.Tensor, tables: CodeTables) -> bytes:
+    """The rANS stream of ``codes`` (uint8 [N, C, ...]) under ``tables``: version 2's words.
+
+    Args:
+        codes: uint8 codes whose dim 1 has ``tables.channels`` entries.
+        tables: the channel tables.
+
+    Returns:
+        The words as little-endian bytes (a multiple of 4; none where every code was certain
+        enough that the coder's state never grew past its start).
+
+    Raises:
+        PayloadError: the codes' channels do not match the tables'.
+    """
+    import constriction
+
+    if codes.dim() < 2 or codes.shape[1] != tables.channels:
+        raise PayloadError(f"the code tables cover {tables.channels} channels (dim 1); the tensor has shape "
+                           f"{tuple(codes.shape)}")
+    by_channel = codes.detach().cpu().transpose(0, 1).reshape(tables.channels, -1).numpy().astype(np.int32)
+    coder = constriction.stream.stack.AnsCoder()
+    for channel in reversed(range(tables.channels)):  # a stack: the last channel in is the first out
+        coder.encode_reverse(by_channel[channel], tables._models[channel])
+    return coder.get_compressed().astype("<u4").tobytes()
+
+
+def decode_codes(words: memoryview, shape: tuple[int, ...], tables: CodeTables) -> torch.Tensor:
+    """Inverse of :func:`encode_codes`: uint8 codes of ``shape`` from the stream's bytes.
+
+    The caller bounds ``math.prod(shape)`` (the stream's length does not: a code of probability
+    near 1 costs almost nothing, so a few bytes can claim any count).
+
+    Raises:
+        PayloadError: the stream is malformed (not whole words, ending in a zero word) or does not hold
+            exactly the codes of ``shape`` (words left over, or too few: the coder's state does not
+            end where encoding started).
+    """
+    import constriction
+
+    if len(shape) < 2 or shape[1] != tables.channels:
+        raise PayloadError(f"the code tables cover {tables.channels} channels (dim 1); the payload's shape is "
+                           f"{tuple(shape)}")
+    if len(words) % 4:
+        raise PayloadError(f"inconsistent payload: the coded stream is {len(words)} bytes, not a multiple of 4")
+    stream = np.frombuffer(words, dtype="<u4").astype(np.uint32)
+    try:
+        coder = constriction.stream.stack.AnsCoder(stream)
+    except ValueError as e:  # constriction: "ANS compressed data never ends in a zero word"
+        raise PayloadError(f"inconsistent payload: the coded stream is not rANS data ({e})") from None
+    per_channel = math.prod(shape) // (shape[0] * shape[1]) * shape[0]
+    out = np.empty((tables.channels, per_channel), dtype=np.uint8)
+    for channel in range(tables.channels):
+        out[channel] = coder.decode(tables._models[channel], per_channel)
+    if not coder.is_empty():  # the coder ends where it started only if the stream held exactly these codes
+        raise PayloadError("inconsistent payload: the coded stream does not hold exactly the codes of its shape")
+    by_channel = torch.from_numpy(out).reshape(shape[1], shape[0], *shape[2:])
+    return by_channel.transpose(0, 1).contiguous()

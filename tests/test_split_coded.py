@@ -1,0 +1,170 @@
+"""Entropy-coded payloads (format version 2, edgetorch.split.coded): the same tensor as version 1 in
+fewer bytes, pinned bytes, and a decoder that refuses every malformed or mismatched payload within
+bounded memory."""
+
+from __future__ import annotations
+
+import random
+import struct
+import tracemalloc
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load, save
+
+from edgetorch.split.coded import CodeTables, fit_code_tables
+from edgetorch.split.fuzz import reseal
+from edgetorch.split.payload import MAX_CODED_NUMEL, PayloadError, decode, encode, quantize, read_header
+
+torch.manual_seed(0)
+TRAIN = torch.relu(torch.randn(32, 3, 6, 6))
+TABLES = fit_code_tables(quantize(TRAIN)[0])
+SMALL = torch.tensor([[[0.0, 0.0, 1.0, 2.0]], [[0.0, 3.0, 0.0, 0.0]]])  # [2, 1, 4]: one channel
+
+
+def test_golden_bytes():
+    # Version 1's header with version 2, then coding 1 (rANS), the tables' digest, and the words.
+    tables = CodeTables(torch.tensor([[8] + [1] * 255]))
+    assert tables.digest.hex() == "faa59c35"
+    assert encode(SMALL, tables=tables).hex() == (
+        "455442510201010103a7dd841a020000000100000004000000"  # magic, v2, mode, dtypes, ndim 3, CRC, shape
+        "8180003c00" "c1c0403c00"  # (scale, zero point) per sample
+        "01" "faa59c35"  # coding, digest
+        "237b0689a1b08e00")  # two rANS words
+    assert torch.equal(decode(encode(SMALL, tables=tables), tables=tables), decode(encode(SMALL)))
+
+
+def test_digest_pins_the_counts():
+    assert TABLES.digest == CodeTables(TABLES.counts.copy()).digest
+    other = TABLES.counts.copy()
+    other[0, 0] += 1
+    assert CodeTables(other).digest != TABLES.digest
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 4), channels=st.integers(1, 5), spatial=st.sampled_from([(), (1,), (3, 5), (2, 2, 2)]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       per_sample=st.booleans(), relu=st.booleans(), seed=st.integers(0, 2**31))
+def test_decodes_to_exactly_version_1s_tensor(batch, channels, spatial, dtype, per_sample, relu, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, channels, *spatial, generator=g, dtype=torch.float64)
+    x = (x.relu() if relu else x).to(dtype)
+    # tables fitted on other data: codes never seen still code (at a high cost)
+    fitted_on = torch.randint(0, 3, (2, channels, 4), generator=g, dtype=torch.uint8)
+    tables = fit_code_tables(fitted_on)
+    blob = encode(x, per_sample, tables=tables)
+    header = read_header(blob)
+    assert (header.version, header.shape, header.dtype, header.table_digest) == (2, x.shape, dtype, tables.digest)
+    y = decode(blob, tables=tables)
+    assert y.dtype == dtype and torch.equal(y, decode(encode(x, per_sample)))
+
+
+def test_fewer_bytes_than_version_1_on_codes_like_the_fitted_ones():
+    x = torch.relu(torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1)))
+    assert len(encode(x, tables=TABLES)) < 0.8 * len(encode(x))
+    zeros = torch.zeros(8, 3, 6, 6)  # every code is the table's most likely one
+    assert len(encode(zeros, tables=TABLES)) < 0.25 * len(encode(zeros))
+
+
+def test_tables_round_trip_through_safetensors_and_refuse_bad_counts():
+    loaded = CodeTables.from_tensors(load(save(TABLES.to_tensors())))
+    assert loaded.digest == TABLES.digest and loaded.channels == 3
+    with pytest.raises(PayloadError, match=r"\[channels, 256\] array"):
+        CodeTables(torch.zeros(3, 255, dtype=torch.int64))
+    with pytest.raises(PayloadError, match="1..4096 channels"):
+        CodeTables(torch.zeros(0, 256, dtype=torch.int64))
+    with pytest.raises(PayloadError, match="integer counts"):
+        CodeTables(torch.zeros(2, 256))
+    with pytest.raises(PayloadError, match="0..2\\*\\*53"):
+        CodeTables(torch.full((2, 256), -1))
+    with pytest.raises(PayloadError, match="one tensor named 'code_counts'"):
+        CodeTables.from_tensors({"code_counts": TABLES.to_tensors()["code_counts"], "x": torch.zeros(1)})
+    with pytest.raises(PayloadError, match="must be int64"):
+        CodeTables.from_tensors({"code_counts": torch.zeros(3, 256, dtype=torch.int32)})
+    with pytest.raises(PayloadError, match=r"uint8 codes \[N, C, ...\], got torch.float32"):
+        fit_code_tables(TRAIN)
+
+
+def test_mismatched_tables_and_shapes_are_refused_with_the_fix():
+    x = torch.relu(torch.randn(2, 3, 6, 6))
+    blob = encode(x, tables=TABLES)
+    with pytest.raises(PayloadError, match="decodes only with the code tables it was coded with"):
+        decode(blob)
+    other = fit_code_tables(quantize(torch.relu(torch.randn(4, 3, 6, 6)))[0])
+    with pytest.raises(PayloadError, match="use the same artifact on both sides"):
+        decode(blob, tables=other)
+    with pytest.raises(PayloadError, match="the code tables cover 3 channels"):
+        encode(torch.randn(2, 4, 6), tables=TABLES)
+    with pytest.raises(PayloadError, match="the code tables cover 3 channels"):
+        encode(torch.randn(6), tables=TABLES)
+    with pytest.raises(PayloadError, match="claims 216 elements, above the limit of 100"):
+        decode(blob, tables=TABLES, max_numel=100)
+    assert MAX_CODED_NUMEL == 2**24
+
+
+def _words_at(blob: bytes) -> int:
+    return read_header(blob).header_bytes
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda b: b[:-1], "CRC"),
+    (lambda b: reseal(b[:-1]), "not a multiple of 4"),
+    (lambda b: reseal(b + b"\1\0\0\0"), "does not hold exactly the codes"),
+    (lambda b: reseal(b + b"\0\0\0\0"), "not rANS data"),
+    (lambda b: reseal(b[:-4]), "does not hold exactly the codes|not rANS data"),
+    (lambda b: b[:-2] + bytes([b[-2] ^ 1]) + b[-1:], "CRC-32"),
+    (lambda b: reseal(b[:_words_at(b) - 5] + b"\x07" + b[_words_at(b) - 4:]), "unknown coding 7"),
+    (lambda b: b[:_words_at(b) - 1], "cannot hold a version-2 header"),
+])
+def test_malformed_streams_are_payload_errors(edit, match):
+    blob = encode(torch.relu(torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(3))), tables=TABLES)
+    with pytest.raises(PayloadError, match=match):
+        decode(edit(blob), tables=TABLES)
+
+
+def test_a_payload_claiming_a_huge_shape_is_refused_before_decoding():
+    blob = encode(torch.zeros(1, 3, 2), per_sample=False, tables=TABLES)
+    huge = reseal(blob[:13] + struct.pack("<3I", 2**20, 3, 2**12) + blob[25:])  # 12.9e9 elements claimed
+    tracemalloc.start()
+    with pytest.raises(PayloadError, match="above the limit"):
+        decode(huge, tables=TABLES)
+    assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    tracemalloc.stop()
+
+
+@pytest.mark.slow  # 10,000 payloads: about 10 s
+def test_ten_thousand_fuzzed_payloads_decode_finite_or_are_payload_errors():
+    """Issue 27's hostile-input target: byte flips, cuts, extensions and spliced words, each
+    resealed so it passes the CRC (as a lying encoder's would) and reaches the stream checks."""
+    rng = random.Random(27)
+    g = torch.Generator().manual_seed(27)
+    valid = [encode(torch.relu(torch.randn(rng.randint(1, 4), 3, rng.randint(1, 8), 5, generator=g)) * 10 ** rng.uniform(-3, 3),
+                    rng.random() < 0.8, tables=TABLES) for _ in range(50)]
+    outcomes = {"decoded": 0, "refused": 0}
+    tracemalloc.start()
+    for i in range(10_000):
+        blob = bytearray(rng.choice(valid))
+        kind = i % 4
+        if kind == 0:
+            for _ in range(rng.randint(1, 6)):
+                blob[rng.randrange(len(blob))] = rng.randrange(256)
+        elif kind == 1:
+            blob = blob[:rng.randrange(len(blob))]
+        elif kind == 2:
+            blob += bytes(rng.randrange(256) for _ in range(rng.choice([1, 4, 8, 64])))
+        else:  # another payload's words after this one's header
+            blob = blob[:_words_at(bytes(blob))] + rng.choice(valid)[-rng.randint(1, 40):]
+        blob = reseal(bytes(blob))
+        try:
+            y = decode(blob, max_bytes=4096, tables=TABLES)
+        except PayloadError:
+            outcomes["refused"] += 1
+            continue
+        assert bool(torch.isfinite(y).all()) and y.shape == read_header(blob).shape
+        outcomes["decoded"] += 1
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert outcomes["refused"] > 5000 and outcomes["decoded"] > 0, outcomes
+    assert peak < 16 << 20, peak
