@@ -16,24 +16,27 @@ from safetensors.torch import load, save
 
 from edgetorch.split.coded import CodeTables, fit_code_tables
 from edgetorch.split.fuzz import reseal
-from edgetorch.split.payload import MAX_CODED_NUMEL, PayloadError, decode, encode, quantize, read_header
+from edgetorch.split.payload import MAX_CODED_NUMEL, PayloadError, decode, encode, payload_size, quantize, read_header
 
 torch.manual_seed(0)
 TRAIN = torch.relu(torch.randn(32, 3, 6, 6))
 TABLES = fit_code_tables(quantize(TRAIN)[0])
-SMALL = torch.tensor([[[0.0, 0.0, 1.0, 2.0]], [[0.0, 3.0, 0.0, 0.0]]])  # [2, 1, 4]: one channel
+SMALL = torch.zeros(2, 1, 32)  # [2, 1, 32]: one channel, mostly zeros
+SMALL[0, 0, 3], SMALL[0, 0, 9], SMALL[1, 0, 5] = 1.0, 2.0, 3.0
 
 
 def test_golden_bytes():
     # Version 1's header with version 2, then coding 1 (rANS), the tables' digest, and the words.
-    tables = CodeTables(torch.tensor([[8] + [1] * 255]))
-    assert tables.digest.hex() == "faa59c35"
-    assert encode(SMALL, tables=tables).hex() == (
-        "455442510201010103a7dd841a020000000100000004000000"  # magic, v2, mode, dtypes, ndim 3, CRC, shape
+    tables = CodeTables(torch.tensor([[64] + [1] * 255]))
+    assert tables.digest.hex() == "69d1093a"
+    blob = encode(SMALL, tables=tables)
+    assert blob.hex() == (
+        "455442510201010103351dc54d020000000100000020000000"  # magic, v2, mode, dtypes, ndim 3, CRC, shape
         "8180003c00" "c1c0403c00"  # (scale, zero point) per sample
-        "01" "faa59c35"  # coding, digest
-        "237b0689a1b08e00")  # two rANS words
-    assert torch.equal(decode(encode(SMALL, tables=tables), tables=tables), decode(encode(SMALL)))
+        "01" "69d1093a"  # coding, digest
+        "0b2716b0b6d4ffc13e0d16b97fedb302")  # four rANS words
+    assert len(blob) == 56 and len(encode(SMALL)) == 99
+    assert torch.equal(decode(blob, tables=tables), decode(encode(SMALL)))
 
 
 def test_digest_pins_the_counts():
@@ -56,9 +59,19 @@ def test_decodes_to_exactly_version_1s_tensor(batch, channels, spatial, dtype, p
     tables = fit_code_tables(fitted_on)
     blob = encode(x, per_sample, tables=tables)
     header = read_header(blob)
-    assert (header.version, header.shape, header.dtype, header.table_digest) == (2, x.shape, dtype, tables.digest)
+    assert (header.shape, header.dtype) == (x.shape, dtype) and len(blob) <= payload_size(x.shape, per_sample)
+    # version 1 where the coded stream would be no smaller (codes unlike the fitted ones)
+    assert header.version == 1 or header.table_digest == tables.digest
     y = decode(blob, tables=tables)
     assert y.dtype == dtype and torch.equal(y, decode(encode(x, per_sample)))
+
+
+def test_codes_unlike_the_fitted_ones_go_as_version_1_when_that_is_smaller():
+    rare = fit_code_tables(torch.zeros(4, 3, 2, dtype=torch.uint8))  # only code 0 seen: others cost ~24 bits
+    x = torch.rand(2, 3, 6, 6) + 1  # no zeros: every code is a rare one
+    blob = encode(x, tables=rare)
+    assert read_header(blob).version == 1 and blob == encode(x)
+    assert torch.equal(decode(blob, tables=rare), decode(blob))
 
 
 def test_fewer_bytes_than_version_1_on_codes_like_the_fitted_ones():
@@ -168,3 +181,110 @@ def test_ten_thousand_fuzzed_payloads_decode_finite_or_are_payload_errors():
     tracemalloc.stop()
     assert outcomes["refused"] > 5000 and outcomes["decoded"] > 0, outcomes
     assert peak < 16 << 20, peak
+
+
+# --- in a split artifact: export writes the tables, the client codes with them, the server decodes --------
+
+
+@pytest.fixture(scope="module")
+def coded_artifact(tmp_path_factory):
+    import torchvision
+
+    from edgetorch.split import inject_bottleneck, save
+    from edgetorch.split.bottleneck import split
+
+    torch.manual_seed(0)
+    student = inject_bottleneck(torchvision.models.resnet18(num_classes=5), 3, "sp2").eval()
+    head, _ = split(student)
+    with torch.no_grad():
+        tables = fit_code_tables(quantize(head(torch.rand(64, 3, 64, 64)))[0])
+    out = tmp_path_factory.mktemp("coded")
+    manifest = save(student, out, 64, code_tables=tables)
+    return out, manifest, tables, student
+
+
+def test_an_artifact_carries_its_tables_and_its_client_and_server_code_with_them(coded_artifact):
+    from edgetorch.split.artifact import load_code_tables, load_deployed, load_part
+    from edgetorch.split.client import SplitClient
+    from edgetorch.split.protocol import serve_in_background
+    from edgetorch.split.server import create_app
+
+    out, manifest, tables, student = coded_artifact
+    assert manifest.coded and manifest.payload_format["version"] == 2 and "code_tables" in manifest.files
+    assert (out / "code_tables.safetensors").is_file() and load_code_tables(out, manifest).digest == tables.digest
+    deployed, _ = load_deployed(out)
+    x = torch.rand(3, 3, 64, 64)
+    with torch.no_grad():
+        expected = student.tail(decode(encode(student.head(x))))  # version 1's path: the same tensor
+        assert torch.equal(deployed(x), expected)
+    tail, manifest = load_part(out, "tail")
+    with pytest.raises(ValueError, match="entropy-coded: pass its code tables"):
+        create_app(tail, manifest)
+    with serve_in_background(create_app(tail, manifest, tables=load_code_tables(out, manifest))) as url:
+        with SplitClient.from_dir(out, url) as client:
+            answer = client.infer(x)
+            assert torch.allclose(answer.logits, expected, atol=1e-5)
+            sent = encode(client.head(x), tables=tables)
+            assert read_header(sent).version == 2 and len(sent) < payload_size((3, *manifest.bottleneck_shape))
+            other = fit_code_tables(torch.zeros(1, 3, 1, dtype=torch.uint8))
+            refused = client._http.post("/infer", content=encode(torch.zeros(1, *manifest.bottleneck_shape), tables=other))
+            assert refused.status_code == 400 and "use the same artifact on both sides" in refused.text
+        head, _ = load_part(out, "head")
+        with pytest.raises(ValueError, match="entropy-coded: pass its code tables"):
+            SplitClient(head, manifest, url)
+
+
+def _tables_damage(kind: str):
+    import json
+
+    from safetensors.torch import save_file
+
+    from _tamper import edit_manifest, rehash
+
+    def damage(d):
+        if kind == "missing":
+            (d / "code_tables.safetensors").unlink()
+        elif kind == "changed":
+            (d / "code_tables.safetensors").write_bytes((d / "code_tables.safetensors").read_bytes() + b" ")
+        elif kind == "channels":
+            save_file({"code_counts": torch.ones(5, 256, dtype=torch.int64)}, d / "code_tables.safetensors")
+            rehash(d)
+        elif kind == "negative":
+            save_file({"code_counts": -torch.ones(3, 256, dtype=torch.int64)}, d / "code_tables.safetensors")
+            rehash(d)
+        elif kind == "unlisted":
+            edit_manifest(d, lambda m: m["files"].pop("code_tables"))
+        elif kind == "plain format":
+            edit_manifest(d, lambda m: m.update(payload_format={"magic": "ETBQ", "version": 1, "per_sample": True}))
+        elif kind == "unknown format":
+            edit_manifest(d, lambda m: m["payload_format"].update(coding="huffman"))
+        json.loads((d / "manifest.json").read_text())
+    return damage
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("missing", "code_tables.safetensors is missing"),
+    ("changed", "SHA-256 does not match"),
+    ("channels", "tables for 5 channels; the bottleneck has 3"),
+    ("negative", "every code count must be in 0..2\\*\\*53"),
+    ("unlisted", "needs code_tables in files"),
+    ("plain format", "needs code_tables in files, and only it may list them"),
+    ("unknown format", "payload format .* is neither"),
+])
+def test_damaged_or_mismatched_tables_are_refused_on_load(coded_artifact, tmp_path, kind, match):
+    import shutil
+
+    from edgetorch.split.artifact import load_deployed
+    from edgetorch.split.manifest import SplitArtifactError
+
+    copy = shutil.copytree(coded_artifact[0], tmp_path / "copy")
+    _tables_damage(kind)(copy)
+    with pytest.raises(SplitArtifactError, match=match):
+        load_deployed(copy)
+
+
+def test_export_refuses_tables_for_another_bottleneck(coded_artifact, tmp_path):
+    from edgetorch.split import save
+
+    with pytest.raises(ValueError, match="the code tables cover 4 channels; this bottleneck has 3"):
+        save(coded_artifact[3], tmp_path / "x", 64, code_tables=fit_code_tables(torch.zeros(1, 4, 1, dtype=torch.uint8)))

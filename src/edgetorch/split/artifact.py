@@ -16,8 +16,10 @@ from torch import nn
 
 from .._files import open_regular, read_bytes
 from .bottleneck import BottleneckModel, rebuild
-from .manifest import (MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_PART_BYTES, ONNX, PARTS, SplitArtifactError, SplitManifest,
-                       check_artifact_id, manifest_hmac)
+from .coded import CODES, MAX_CHANNELS, CodeTables
+from .manifest import (CODE_TABLES, MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_PART_BYTES, ONNX, PARTS, SplitArtifactError,
+                       SplitManifest, check_artifact_id, manifest_hmac)
+from .payload import PayloadError
 
 class CheckedInput(nn.Module):
     """A loaded head or tail that refuses inputs of another per-sample shape than exported.
@@ -87,7 +89,7 @@ def signed_manifest(root: Path, key: bytes | str | None, expect_id: str | None) 
     return manifest
 
 
-def verified_bytes(root: Path, manifest: SplitManifest, part: str, model: BottleneckModel) -> bytes:
+def verified_bytes(root: Path, manifest: SplitManifest, part: str, model: BottleneckModel | None) -> bytes:
     """A part's bytes, checked against the manifest's SHA-256 before they are held in memory.
 
     The file is hashed in chunks first: a file of the right size class but the wrong bytes (a
@@ -122,6 +124,8 @@ def _size_limit(model: BottleneckModel, part: str) -> int:
     header (safetensors) or graph (ONNX). Without the upper bound a sparse file of 1 TB
     beside a tiny manifest was read into memory whole (MemoryError, or all of RAM) before any
     check; :func:`skeleton` has already refused a model over :data:`MAX_PART_BYTES`."""
+    if part == CODE_TABLES:  # int64 counts, [channels, 256], and a safetensors header
+        return MAX_CHANNELS * CODES * 8 + 4096
     weights = _weight_bytes(model, part)  # meta tensors: no memory
     if part == ONNX:
         return 2 * weights + (16 << 20)
@@ -185,6 +189,41 @@ def _load_weights(root: Path, manifest: SplitManifest, model: BottleneckModel, p
     return CheckedInput(module.eval(), shape, part)
 
 
+def load_code_tables(artifact_dir: str | Path, manifest: SplitManifest) -> CodeTables | None:
+    """The code tables of an artifact whose payloads are entropy-coded (``manifest.coded``), else None.
+
+    Args:
+        artifact_dir: the artifact directory ``manifest`` was read from (:func:`load_part`).
+        manifest: its manifest, already verified (signature, id).
+
+    Returns:
+        The :class:`~edgetorch.split.coded.CodeTables`, one per bottleneck channel, or None.
+
+    Raises:
+        SplitArtifactError: the file is missing, differs from the manifest's hash, or is not one
+            int64 ``[C, 256]`` tensor of counts for the bottleneck's C channels.
+
+    Example:
+        >>> head, manifest = load_part("artifact", "head")  # doctest: +SKIP
+        >>> payload = encode(head(x), tables=load_code_tables("artifact", manifest))  # doctest: +SKIP
+    """
+    from ..weights import CheckpointError, tensors_from_bytes
+
+    if not manifest.coded:
+        return None
+    root = Path(artifact_dir)
+    path = root / manifest.files[CODE_TABLES]["path"]
+    data = verified_bytes(root, manifest, CODE_TABLES, None)
+    try:
+        tables = CodeTables.from_tensors(tensors_from_bytes(data, path))
+    except (CheckpointError, PayloadError) as exc:
+        raise SplitArtifactError(f"{path}: {exc}") from None
+    if tables.channels != manifest.bottleneck_shape[0]:
+        raise SplitArtifactError(f"{path} holds tables for {tables.channels} channels; the bottleneck has "
+                                 f"{manifest.bottleneck_shape[0]}")
+    return tables
+
+
 def load_part(artifact_dir: str | Path, part: str, key: bytes | str | None = None, *,
               expect_id: str | None = None) -> tuple[nn.Module, SplitManifest]:
     """Load one verified side (``"head"`` for the device, ``"tail"`` for the server) and the manifest.
@@ -240,16 +279,18 @@ class DeployedSplit(nn.Module):
 
     Attributes:
         head, tail: the artifact's two sides.
+        tables: the code tables of an entropy-coded artifact (the same tensor reaches the tail
+            either way; kept so the payload is the one sent), else None.
     """
 
-    def __init__(self, head: nn.Module, tail: nn.Module):
+    def __init__(self, head: nn.Module, tail: nn.Module, tables: CodeTables | None = None):
         super().__init__()
-        self.head, self.tail = head, tail
+        self.head, self.tail, self.tables = head, tail, tables
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .payload import decode, encode
 
-        return self.tail(decode(encode(self.head(x))).to(x.device))
+        return self.tail(decode(encode(self.head(x), tables=self.tables), tables=self.tables).to(x.device))
 
 
 def load_deployed(artifact_dir: str | Path, key: bytes | str | None = None, *,
@@ -274,5 +315,5 @@ def load_deployed(artifact_dir: str | Path, key: bytes | str | None = None, *,
     root = Path(artifact_dir)
     manifest = signed_manifest(root, key, expect_id)
     model = skeleton(manifest)
-    return DeployedSplit(_load_weights(root, manifest, model, "head"),
-                         _load_weights(root, manifest, model, "tail")).eval(), manifest
+    return DeployedSplit(_load_weights(root, manifest, model, "head"), _load_weights(root, manifest, model, "tail"),
+                         load_code_tables(root, manifest)).eval(), manifest

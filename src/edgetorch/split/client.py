@@ -15,7 +15,8 @@ from torch import nn
 from .._files import InputFileError
 from ..data.images import read_image
 from ..errors import EdgetorchError
-from .artifact import load_part
+from .artifact import load_code_tables, load_part
+from .coded import CodeTables
 from .manifest import Preprocess, SplitManifest
 from .onnx_head import load_onnx_head
 from .payload import encode
@@ -121,6 +122,11 @@ class SplitClient:
         server: base URL, e.g. ``http://127.0.0.1:8000``.
         token: bearer token, if the server requires one.
         timeout: seconds per HTTP request.
+        tables: the artifact's code tables, required where ``manifest.coded``: payloads are then
+            entropy-coded (:func:`~edgetorch.split.artifact.load_code_tables`; ``from_dir`` loads them).
+
+    Raises:
+        ValueError: an entropy-coded artifact's manifest without its tables.
 
     Example:
         >>> client = SplitClient.from_dir("artifacts", "http://127.0.0.1:8000")  # doctest: +SKIP
@@ -128,10 +134,13 @@ class SplitClient:
     """
 
     def __init__(self, head: nn.Module | Callable[[torch.Tensor], torch.Tensor], manifest: SplitManifest, server: str,
-                 token: str | None = None, timeout: float = 30.0) -> None:
+                 token: str | None = None, timeout: float = 30.0, tables: CodeTables | None = None) -> None:
         import httpx
 
-        self.head, self.manifest = head, manifest
+        if manifest.coded and tables is None:
+            raise ValueError("this artifact's payloads are entropy-coded: pass its code tables "
+                             "(load_code_tables(artifact_dir, manifest), or SplitClient.from_dir)")
+        self.head, self.manifest, self.tables = head, manifest, tables
         headers = {"content-type": "application/octet-stream"}
         if token is not None:
             headers["authorization"] = f"Bearer {token}"
@@ -158,6 +167,7 @@ class SplitClient:
             head, manifest = load_onnx_head(artifact_dir, key, expect_id=expect_id)
         else:
             raise ValueError(f"runtime must be 'torch' or 'onnx', got {runtime!r}")
+        kwargs["tables"] = load_code_tables(artifact_dir, manifest)
         return cls(head, manifest, server, **kwargs)
 
     def close(self) -> None:
@@ -180,7 +190,7 @@ class SplitClient:
         with torch.inference_mode():
             bottleneck = self.head(images)
         headed = time.perf_counter()
-        body = encode(bottleneck)
+        body = encode(bottleneck, tables=self.tables)
         encoded = time.perf_counter()
         response = self._http.post("/infer", content=body)
         answered = time.perf_counter()

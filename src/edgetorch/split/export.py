@@ -7,6 +7,8 @@ An artifact directory holds::
     head.safetensors    device side weights: image [N, 3, H, W] -> bottleneck [N, C, h, w]
     tail.safetensors    server side weights: bottleneck -> logits [N, K]
     head.onnx           optional (``onnx=True``): the head for devices that run onnxruntime
+    code_tables.safetensors  optional (``code_tables=``): one table of the 8-bit codes per bottleneck
+                        channel; payloads are then entropy-coded (version 2, :mod:`.coded`)
 
 Why not ``torch.export`` (``.pt2``, this module's first format) or TorchScript: both loaders
 unpickle (``torch.export.load`` reads its weights with ``weights_only=False``), so a crafted file
@@ -48,10 +50,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .artifact import load
+from .artifact import load_deployed
 from .bottleneck import BottleneckModel
-from .manifest import (FILE_NAMES, FORMAT, FORMATS, MANIFEST_NAME, MAX_RESOLUTION, ONNX, PARTS, Preprocess,
-                       SplitArtifactError, SplitManifest, check_class_names, key_bytes, manifest_hmac)
+from .coded import CodeTables
+from .manifest import (CODE_TABLES, CODED_PAYLOAD, FILE_NAMES, FORMAT, FORMATS, MANIFEST_NAME, MAX_RESOLUTION, ONNX,
+                       PARTS, PLAIN_PAYLOAD, Preprocess, SplitArtifactError, SplitManifest, check_class_names,
+                       key_bytes, manifest_hmac)
 from .onnx_head import check_onnx, onnx_bytes
 
 # Loaded vs eager modules: the same kernels on the same weights, so they agree to float rounding;
@@ -61,7 +65,8 @@ _EXPORT_TOLERANCE = 1e-5
 
 def save(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
                  preprocess: Preprocess | None = None, *, class_names: Sequence[str] | None = None,
-                 key: bytes | str | None = None, onnx: bool = False) -> SplitManifest:
+                 key: bytes | str | None = None, onnx: bool = False,
+                 code_tables: CodeTables | None = None) -> SplitManifest:
     """Write a student's head and tail as safetensors plus a verified manifest.
 
     The files are written, then loaded back the way a server would, and the loaded split must
@@ -78,13 +83,17 @@ def save(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
             never from the command line).
         onnx: also write ``head.onnx`` (needs the ``onnx`` extra: onnx and onnxscript; checked
             against the eager head with onnxruntime when that is installed).
+        code_tables: the bottleneck's code tables (:func:`~edgetorch.split.coded.fit_code_tables`
+            on the codes of training images): devices then send entropy-coded payloads, which the
+            server decodes with the same tables.
 
     Returns:
         The written :class:`SplitManifest`.
 
     Raises:
         TypeError: ``model`` is not a :class:`BottleneckModel`.
-        ValueError: ``resolution`` does not suit the model, or a bad preprocess or key.
+        ValueError: ``resolution`` does not suit the model, a bad preprocess or key, or code tables
+            for another number of channels.
         SplitArtifactError: ``out_dir`` is a file, or the loaded split disagrees with the model.
 
     Example:
@@ -121,6 +130,11 @@ def save(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
                  for part in PARTS}
         if onnx:
             blobs[ONNX] = onnx_bytes(model.head, example)
+        if code_tables is not None:
+            if code_tables.channels != bottleneck.shape[1]:
+                raise ValueError(f"the code tables cover {code_tables.channels} channels; this bottleneck has "
+                                 f"{bottleneck.shape[1]}: fit them on this model's codes")
+            blobs[CODE_TABLES] = serialize(code_tables.to_tensors(), metadata={"part": CODE_TABLES, "format": FORMAT})
     finally:
         model.train(was_training)
     for stale in set(FILE_NAMES) - set(blobs):
@@ -132,11 +146,13 @@ def save(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
         bottleneck_shape=tuple(bottleneck.shape[1:]),
         num_classes=int(expected.shape[1]), preprocess=preprocess, class_names=class_names,
         files={part: {"path": FILE_NAMES[part], "sha256": hashlib.sha256(blob).hexdigest(),
-                      "format": FORMATS[part]} for part, blob in blobs.items()})
+                      "format": FORMATS[part]} for part, blob in blobs.items()},
+        payload_format=dict(PLAIN_PAYLOAD if code_tables is None else CODED_PAYLOAD))
     if key is not None:
         manifest = replace(manifest, signature=manifest_hmac(manifest, key))
     _write_new(out / MANIFEST_NAME, manifest.to_json().encode())
-    head, tail = load(out, key=key)
+    deployed, _ = load_deployed(out, key=key)  # the tables too, where written
+    head, tail = deployed.head, deployed.tail
     with torch.no_grad():
         again = tail(head(example))
     if not torch.allclose(again, expected, atol=_EXPORT_TOLERANCE, rtol=_EXPORT_TOLERANCE):

@@ -37,8 +37,14 @@ _MIN_KEY_BYTES = 16  # an HMAC key shorter than this is guessable; RFC 2104 advi
 PARTS = ("head", "tail")
 _UNPRINTABLE = frozenset({"Cc", "Cf", "Zl", "Zp"})  # controls, format (bidi) and line/paragraph separators
 ONNX = "head_onnx"
-FILE_NAMES = {"head": "head.safetensors", "tail": "tail.safetensors", ONNX: "head.onnx"}
-FORMATS = {"head": "safetensors", "tail": "safetensors", ONNX: "onnx"}
+CODE_TABLES = "code_tables"  # payload version 2's per-channel code tables (split/coded.py)
+FILE_NAMES = {"head": "head.safetensors", "tail": "tail.safetensors", ONNX: "head.onnx",
+              CODE_TABLES: "code_tables.safetensors"}
+FORMATS = {"head": "safetensors", "tail": "safetensors", ONNX: "onnx", CODE_TABLES: "safetensors"}
+#: the payload formats a manifest may name: 8-bit codes as bytes, or entropy-coded with its code tables
+PLAIN_PAYLOAD = {"magic": payload.MAGIC.decode(), "version": payload.VERSION, "per_sample": True}
+CODED_PAYLOAD = {"magic": payload.MAGIC.decode(), "version": payload.CODED_VERSION, "per_sample": True,
+                 "coding": "rans-per-channel"}
 
 
 RESIZES = ("center-crop", "stretch")
@@ -116,14 +122,18 @@ class SplitManifest:
     num_classes: int
     preprocess: Preprocess
     files: dict[str, dict[str, str]]
-    payload_format: dict = field(default_factory=lambda: {
-        "magic": payload.MAGIC.decode(), "version": payload.VERSION, "per_sample": True})
+    payload_format: dict = field(default_factory=lambda: dict(PLAIN_PAYLOAD))
     torch_version: str = torch.__version__
     edgetorch_version: str = __version__
     class_names: tuple[str, ...] | None = None
     signature: str | None = None
     manifest_version: int = MANIFEST_VERSION
     format: str = FORMAT
+
+    @property
+    def coded(self) -> bool:
+        """Payloads are entropy-coded (version 2) with the artifact's code tables."""
+        return self.payload_format == CODED_PAYLOAD
 
     @property
     def arch(self) -> str:
@@ -215,16 +225,19 @@ class SplitManifest:
             manifest.preprocess.check(manifest.input_shape[0])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SplitArtifactError(f"{MANIFEST_NAME}: missing or malformed field ({exc})") from None
-        if not set(PARTS) <= set(manifest.files) <= {*PARTS, ONNX}:
+        if not set(PARTS) <= set(manifest.files) <= {*PARTS, ONNX, CODE_TABLES}:
             raise SplitArtifactError(f"{MANIFEST_NAME}: files must list head and tail (and optionally "
-                                     f"{ONNX}), got {sorted(manifest.files)}")
+                                     f"{ONNX} and {CODE_TABLES}), got {sorted(manifest.files)}")
         for part, entry in manifest.files.items():
             if entry["path"] != FILE_NAMES[part] or entry["format"] != FORMATS[part]:
                 raise SplitArtifactError(f"{MANIFEST_NAME}: {part} must be {FILE_NAMES[part]} in format "
                                          f"{FORMATS[part]}, got {entry['path']!r} ({entry['format']!r})")
-        if manifest.payload_format != SplitManifest.__dataclass_fields__["payload_format"].default_factory():
-            raise SplitArtifactError(f"{MANIFEST_NAME}: payload format {manifest.payload_format} is not "
-                                     f"{payload.MAGIC.decode()} version {payload.VERSION}, per sample")
+        if manifest.payload_format not in (PLAIN_PAYLOAD, CODED_PAYLOAD):
+            raise SplitArtifactError(f"{MANIFEST_NAME}: payload format {manifest.payload_format} is neither "
+                                     f"{PLAIN_PAYLOAD} nor {CODED_PAYLOAD}")
+        if manifest.coded != (CODE_TABLES in manifest.files):
+            raise SplitArtifactError(f"{MANIFEST_NAME}: an entropy-coded payload format needs {CODE_TABLES} in "
+                                     "files, and only it may list them")
         if max(manifest.input_shape[1:]) > MAX_RESOLUTION or manifest.input_shape[1:] != manifest.preprocess.size:
             raise SplitArtifactError(f"{MANIFEST_NAME}: input_shape {list(manifest.input_shape)} must match "
                                      f"preprocess.size {list(manifest.preprocess.size)}, at most {MAX_RESOLUTION} px")

@@ -276,10 +276,12 @@ def encode(x: torch.Tensor, per_sample: bool = True, tables: CodeTables | None =
             per sample), else one pair for the whole tensor.
         tables: :class:`~edgetorch.split.coded.CodeTables` with one table per channel (dim 1 of
             ``x``): the version-2 payload, which :func:`decode` with the same tables turns into
-            the same tensor as version 1's.
+            the same tensor as version 1's; version 1 where that is no larger (codes far from
+            the fitted ones can cost more than a byte each).
 
     Returns:
-        The payload; version 1: ``len(result) == payload_size(x.shape, per_sample)``.
+        The payload: ``len(result) == payload_size(x.shape, per_sample)`` in version 1, at most
+        that with ``tables``.
 
     Raises:
         PayloadError: whatever :func:`decode` would refuse or turn into inf: a tensor that is not
@@ -304,12 +306,13 @@ def encode(x: torch.Tensor, per_sample: bool = True, tables: CodeTables | None =
     params = np.empty(scale.numel(), dtype=_PARAM)
     params["scale"] = scale.numpy()
     params["zero_point"] = zero_point.numpy()
-    if tables is None:
-        version, values = VERSION, q.contiguous().numpy().tobytes()
-    else:
+    version, values = VERSION, q.contiguous().numpy().tobytes()
+    if tables is not None:
         from .coded import CODING_ANS, encode_codes
 
-        version, values = CODED_VERSION, _CODED_EXTENSION.pack(CODING_ANS, tables.digest) + encode_codes(q, tables)
+        coded = _CODED_EXTENSION.pack(CODING_ANS, tables.digest) + encode_codes(q, tables)
+        if len(coded) <= len(values):  # codes unlike the fitted ones can cost more than a byte each
+            version, values = CODED_VERSION, coded
     fields = (MAGIC, version, int(per_sample), _UINT8, _RESTORED_CODE[x.dtype], x.dim())
     body = b"".join((struct.pack(f"<{x.dim()}I", *x.shape), params.tobytes(), values))
     unsealed = _FIXED.pack(*fields, 0)

@@ -91,7 +91,8 @@ from starlette.requests import ClientDisconnect
 from torch import nn
 
 from .._checks import check_positive_int
-from .artifact import load_part
+from .artifact import load_code_tables, load_part
+from .coded import CodeTables
 from ..tail_defaults import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_BATCH, MAX_CONNECTIONS, READ_TIMEOUT_S, WRITE_TIMEOUT_S
 from .manifest import SplitManifest, check_artifact_id
 from .metrics import Metrics
@@ -273,7 +274,8 @@ def _parse_bearer(value: str) -> str | None:
     return credentials.strip()
 
 
-def create_app(tail: nn.Module, manifest: SplitManifest, config: ServerConfig = ServerConfig()) -> FastAPI:
+def create_app(tail: nn.Module, manifest: SplitManifest, config: ServerConfig = ServerConfig(),
+               tables: CodeTables | None = None) -> FastAPI:
     """Build the ASGI app serving ``tail``.
 
     Args:
@@ -282,6 +284,9 @@ def create_app(tail: nn.Module, manifest: SplitManifest, config: ServerConfig = 
             bottleneck_shape, num_classes, payload_format``.
         config: limits and token; kept as ``app.state.server_config`` for
             :func:`edgetorch.split.protocol.uvicorn_config`.
+        tables: the artifact's code tables (:func:`~edgetorch.split.artifact.load_code_tables`),
+            required where ``manifest.coded``: entropy-coded payloads decode with them (8-bit
+            payloads are accepted too, as a client sends where they are smaller).
 
     Returns:
         A FastAPI app; run it with ``uvicorn.Server(uvicorn_config(app)).run()`` or test it with
@@ -292,7 +297,12 @@ def create_app(tail: nn.Module, manifest: SplitManifest, config: ServerConfig = 
         >>> uvicorn.Server(uvicorn_config(create_app(tail, manifest), port=8000)).run()  # doctest: +SKIP
     """
     bottleneck_shape = tuple(int(d) for d in manifest.bottleneck_shape)
+    if getattr(manifest, "coded", False) and tables is None:
+        raise ValueError("this artifact's payloads are entropy-coded: pass its code tables "
+                         "(load_code_tables(artifact_dir, manifest), or app_from_dir)")
+    # a coded payload is never larger than the 8-bit one (encode sends the smaller)
     limit = config.max_payload_bytes or payload_size((64, *bottleneck_shape))
+    most_values = config.max_batch * math.prod(bottleneck_shape)  # what a coded payload may claim
     docs = config.token is None  # a protected server does not describe itself to strangers
     # redirect_slashes off: its 307 for "/health/" copied the client's Host header into Location;
     # a trailing slash is a JSON 404 like any other unknown path.
@@ -377,7 +387,7 @@ def create_app(tail: nn.Module, manifest: SplitManifest, config: ServerConfig = 
             if header.shape[0] > config.max_batch:
                 raise _Refused(413, "batch_too_large",
                                f"batch of {header.shape[0]} exceeds this server's limit of {config.max_batch} samples")
-            bottleneck = decode(body, max_bytes=limit)
+            bottleneck = decode(body, max_bytes=limit, tables=tables, max_numel=most_values)
         except PayloadError as exc:
             raise _Refused(400, "malformed_payload", f"malformed payload: {exc}") from None
         decoded = time.perf_counter()
@@ -451,4 +461,4 @@ def app_from_dir(artifact_dir: str | Path, config: ServerConfig = ServerConfig()
         key: the HMAC key, if the artifact was signed.
     """
     tail, manifest = load_part(artifact_dir, "tail", key, expect_id=config.expect_artifact_id)
-    return create_app(tail, manifest, config)
+    return create_app(tail, manifest, config, load_code_tables(artifact_dir, manifest))
