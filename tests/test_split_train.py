@@ -357,7 +357,7 @@ def trained(tmp_path_factory, teacher_file, photos):
 def test_split_train_then_export_serve_and_infer_a_real_image(trained, photos, tmp_path) -> None:
     import shlex
 
-    from edgetorch.split.artifact import load_part, read_manifest
+    from edgetorch.split.artifact import load_code_tables, load_part, read_manifest
     from edgetorch.split.protocol import serve_in_background
     from edgetorch.split.server import create_app
 
@@ -372,8 +372,10 @@ def test_split_train_then_export_serve_and_infer_a_real_image(trained, photos, t
     assert 0 <= evaluation["teacher_accuracy"] <= 1 and 0 <= evaluation["student"]["quantized_accuracy"] <= 1
     assert evaluation["student"]["payload_bytes"] == payload_size((1, 2, 4, 4))
     assert evaluation["offload"]["png"]["mean_bytes"] > evaluation["student"]["payload_bytes"]
+    coded = evaluation["student"]["coded_payload_bytes"]  # real payloads, each never above the 8-bit one
+    assert 0 < coded["mean"] <= coded["p90"] <= coded["largest"] <= evaluation["student"]["payload_bytes"]
     said = _said(result)
-    assert "student, 8-bit payload (deployed)" in said and "teacher on JPEG q90 files" in said
+    assert "student, entropy-coded payload (deployed" in said and "teacher on JPEG q90 files" in said
 
     # The export command the run printed, as printed.
     command = shlex.split(result.output.split("export it with:")[1].strip())
@@ -386,10 +388,11 @@ def test_split_train_then_export_serve_and_infer_a_real_image(trained, photos, t
     assert json.loads((out / "export.json").read_text())["manifest"]["num_classes"] == len(CLASSES)
     assert manifest.class_names == CLASSES and manifest.input_shape == (3, 32, 32)
     assert (manifest.preprocess.color, manifest.preprocess.mean) == ("rgb", NORMALISATIONS["imagenet"][0])
+    assert manifest.coded and "entropy-coded payloads" in _said(exported)  # the run's tables, in the artifact
 
     image = photos / "cross" / "1.png"
     tail, manifest = load_part(artifact, "tail")
-    with serve_in_background(create_app(tail, manifest)) as url:
+    with serve_in_background(create_app(tail, manifest, tables=load_code_tables(artifact, manifest))) as url:
         answer = runner.invoke(app, ["split", "infer", str(artifact), str(image), "--server", url, "--top-k", "1",
                                      "--json", str(out / "infer.json")])
     assert answer.exit_code == 0, answer.output
@@ -460,9 +463,11 @@ _STAGE_RECORD = {"name": None, "config": dict.fromkeys(["loss", "trainable", "ep
                                                         "weight_decay", "lr_step", "batch_size", "alpha", "tau", "seed"]),
                  "loss_history": [None], "seconds": None, "seconds_this_run": None}
 # student.json as `split train` wrote it before StudentRun (at cacdc18): keys, order and nesting;
-# preprocess.resize added with manifest version 3 (a record without it was trained stretched).
+# preprocess.resize added with manifest version 3 (a record without it was trained stretched);
+# code_tables and evaluation.student.coded_payload_bytes with record version 2.
 STUDENT_RECORD = {
     "format": None, "version": None, "weights": {"path": None, "sha256": None},
+    "code_tables": {"path": None, "sha256": None},
     "model": dict.fromkeys(["arch", "channels", "split_point", "downsample", "num_classes", "architecture"]),
     "resolution": None, "preprocess": {"color": None, "mean": [None], "std": [None], "resize": None},
     "class_names": [None],
@@ -473,7 +478,8 @@ STUDENT_RECORD = {
     "skipped_images": [], "stages": [_STAGE_RECORD],
     "evaluation": {"val_images": None, "teacher_accuracy": None,
                    "student": {"float_accuracy": None, "quantized_accuracy": None, "bottleneck_shape": [None],
-                               "float32_bytes": None, "payload_bytes": None},
+                               "float32_bytes": None, "payload_bytes": None,
+                               "coded_payload_bytes": dict.fromkeys(["mean", "median", "p90", "largest"])},
                    "offload": {name: {"mean_bytes": None, "accuracy": None} for name in ("png", "jpeg90")}},
     "torch_version": None,
 }  # fmt: skip
@@ -487,8 +493,9 @@ def test_student_record_keeps_its_format(trained) -> None:
     out, _ = trained
     record = json.loads((out / "student.json").read_text())
     assert json.dumps(_skeleton(record)) == json.dumps(STUDENT_RECORD)  # as text: the key order counts too
-    assert (record["format"], record["version"], record["weights"]["path"]) == ("edgetorch-split-student", 1,
+    assert (record["format"], record["version"], record["weights"]["path"]) == ("edgetorch-split-student", 2,
                                                                                 "student.safetensors")
+    assert record["code_tables"]["path"] == "code_tables.safetensors" and load_trained(out).code_tables.channels == 2
     assert record["resolution"] == record["recipe"]["size"] == 32 and record["class_names"] == list(CLASSES)
     assert record["preprocess"] == {"color": "rgb", "mean": list(NORMALISATIONS["imagenet"][0]),
                                     "std": list(NORMALISATIONS["imagenet"][1]), "resize": "center-crop"}
@@ -509,6 +516,31 @@ def test_a_student_record_from_before_resize_loads_as_stretched(trained, tmp_pat
     record["preprocess"]["resize"] = 3
     (old / "student.json").write_text(json.dumps(record))
     with pytest.raises(CheckpointError, match="resize"):
+        load_trained(old)
+
+
+def test_a_version_1_student_record_loads_without_tables_and_exports_8_bit_payloads(trained, tmp_path) -> None:
+    import shutil
+
+    from edgetorch.split.artifact import read_manifest
+    from edgetorch.split.student import load_trained
+
+    old = shutil.copytree(trained[0], tmp_path / "old")
+    record = json.loads((old / "student.json").read_text())
+    del record["code_tables"], record["evaluation"]["student"]["coded_payload_bytes"]
+    (old / "student.json").write_text(json.dumps({**record, "version": 1}))
+    assert load_trained(old).code_tables is None
+    exported = CliRunner().invoke(app, ["split", "export", "--trained", str(old), "--out", str(tmp_path / "a")])
+    assert exported.exit_code == 0, exported.output
+    assert not read_manifest(tmp_path / "a").coded
+    plain = CliRunner().invoke(app, ["split", "export", "--trained", str(trained[0]), "--out", str(tmp_path / "b"),
+                                     "--no-entropy-coding"])
+    assert plain.exit_code == 0 and not read_manifest(tmp_path / "b").coded, plain.output
+    (old / "student.json").write_text(json.dumps({**record, "version": 2, "code_tables": {"path": "x", "sha256": "0" * 64}}))
+    with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
+        load_trained(old)
+    (old / "student.json").write_text(json.dumps({**record, "version": True}))
+    with pytest.raises(CheckpointError, match="version 1 or 2"):
         load_trained(old)
 
 

@@ -113,7 +113,11 @@ def _print_evaluation(run: StudentRun) -> None:
         table.add_row(label, f"{files[name].accuracy:.2%}", f"{files[name].mean_bytes:,.0f}")
     shape = "x".join(map(str, student.bottleneck_shape))
     table.add_row(f"student, float {shape} bottleneck", f"{student.float_accuracy:.2%}", f"{student.float32_bytes:,}")
-    table.add_row("student, 8-bit payload (deployed)", f"{student.quantized_accuracy:.2%}", f"{student.payload_bytes:,}")
+    table.add_row("student, 8-bit payload", f"{student.quantized_accuracy:.2%}", f"{student.payload_bytes:,}")
+    if student.coded_payload_bytes is not None:  # the same codes: the same accuracy
+        coded = student.coded_payload_bytes
+        table.add_row("student, entropy-coded payload (deployed; mean, p90)", f"{student.quantized_accuracy:.2%}",
+                      f"{coded.mean:,.0f}, {coded.p90:,.0f}")
     console.print(table)
 
 
@@ -136,6 +140,7 @@ def export(
     normalize: str = typer.Option("none", help="pixel normalisation after scaling to [0, 1]: none or imagenet"),
     key_env: str = typer.Option(None, help="sign the manifest with HMAC-SHA256, the key (>= 16 bytes) read from this environment variable"),
     onnx: bool = typer.Option(False, "--onnx", metavar="", help="also write head.onnx for devices that run onnxruntime (needs edgetorch[onnx])"),
+    entropy_coding: bool = typer.Option(True, "--entropy-coding/--no-entropy-coding", metavar="", help="with --trained: payloads entropy-coded with the run's code tables (the same values in fewer bytes); --no-entropy-coding sends each 8-bit code as a byte"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write what was exported (shapes, files, SHA-256) here"),
 ) -> None:
     """Write head.safetensors, tail.safetensors and manifest.json for a bottleneck-injected model."""
@@ -160,22 +165,25 @@ def export(
         raise typer.BadParameter(f"--normalize must be one of {', '.join(NORMALISATIONS)}, got {normalize!r}")
     key = _secret(key_env, "HMAC key")
     names = None if class_names is None else [n.strip() for n in class_names.split(",")]
+    tables = None
     try:
         if trained is not None:
             run = load_trained(trained)
             student, size, preprocess, names = run.model, run.resolution, run.preprocess, list(run.class_names)
+            tables = run.code_tables if entropy_coding else None
         else:
             student = inject_bottleneck(build_model(model, num_classes=num_classes), channels, split_point,
                                         downsample=downsample, architecture=architecture)
             if checkpoint is not None:
                 load_weights(student, checkpoint)
             preprocess = Preprocess((size, size), color, *NORMALISATIONS[normalize])
-        manifest = save(student, out, size, preprocess, class_names=names, key=key, onnx=onnx)
+        manifest = save(student, out, size, preprocess, class_names=names, key=key, onnx=onnx, code_tables=tables)
     except (EdgetorchError, ValueError, TypeError, ImportError) as err:
         raise typer.BadParameter(install_hint(err)) from None
     source = trained or checkpoint or "random init"
+    extras = [what for what, on in (("signed", key), ("with head.onnx", onnx), ("entropy-coded payloads", tables)) if on]
     console.print(f"wrote {out}: head -> {list(manifest.bottleneck_shape)} bottleneck, tail -> "
-                  f"{manifest.num_classes} logits ({source}{', signed' if key else ''}{', with head.onnx' if onnx else ''})")
+                  f"{manifest.num_classes} logits ({', '.join([str(source), *extras])})")
     console.print(f"artifact id {manifest.artifact_id} (pin it with `split serve/infer --expect-id`)")
     write_json(json_path, {"artifact": str(out), "artifact_id": manifest.artifact_id, "source": str(source),
                            "signed": key is not None,

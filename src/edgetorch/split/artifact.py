@@ -16,7 +16,7 @@ from torch import nn
 
 from .._files import open_regular, read_bytes
 from .bottleneck import BottleneckModel, rebuild
-from .coded import CODES, MAX_CHANNELS, CodeTables
+from .coded import MAX_TABLES_FILE_BYTES, CodeTables
 from .manifest import (CODE_TABLES, MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_PART_BYTES, ONNX, PARTS, SplitArtifactError,
                        SplitManifest, check_artifact_id, manifest_hmac)
 from .payload import PayloadError
@@ -125,7 +125,7 @@ def _size_limit(model: BottleneckModel, part: str) -> int:
     beside a tiny manifest was read into memory whole (MemoryError, or all of RAM) before any
     check; :func:`skeleton` has already refused a model over :data:`MAX_PART_BYTES`."""
     if part == CODE_TABLES:  # int64 counts, [channels, 256], and a safetensors header
-        return MAX_CHANNELS * CODES * 8 + 4096
+        return MAX_TABLES_FILE_BYTES
     weights = _weight_bytes(model, part)  # meta tensors: no memory
     if part == ONNX:
         return 2 * weights + (16 << 20)

@@ -36,6 +36,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -116,6 +118,44 @@ class CodeTables:
         if tensor.dtype != torch.int64:
             raise PayloadError(f"{_TENSOR_NAME} must be int64, got {tensor.dtype}")
         return cls(tensor)
+
+
+#: the largest code tables file: int64 counts for MAX_CHANNELS channels and a safetensors header
+MAX_TABLES_FILE_BYTES = MAX_CHANNELS * CODES * 8 + 4096
+
+
+def save_code_tables(tables: CodeTables, path: str | Path) -> str:
+    """Write ``tables`` as safetensors, atomically (a temporary file, then rename).
+
+    Returns:
+        The written file's SHA-256 (hex), for the record that names it.
+    """
+    from safetensors.torch import save as serialize
+
+    data = serialize(tables.to_tensors())
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_code_tables_file(path: str | Path, sha256: str) -> CodeTables:
+    """Read tables :func:`save_code_tables` wrote, refusing a file whose SHA-256 is not ``sha256``.
+
+    Raises:
+        CheckpointError: a missing, oversized, altered or malformed file (what it is and why).
+    """
+    from .._files import read_bytes
+    from ..weights import CheckpointError, tensors_from_bytes
+
+    data = read_bytes(path, MAX_TABLES_FILE_BYTES, error=CheckpointError)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{path} differs from the one its record names (SHA-256 mismatch)")
+    try:
+        return CodeTables.from_tensors(tensors_from_bytes(data, path))
+    except PayloadError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 def fit_code_tables(codes: torch.Tensor) -> CodeTables:

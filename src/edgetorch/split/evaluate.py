@@ -15,11 +15,27 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .bottleneck import BottleneckModel, split
-from .payload import decode, encode, payload_size
+from .coded import CodeTables, fit_code_tables
+from .payload import decode, encode, payload_size, quantize
 
 JPEG_QUALITY = 90  # the offload comparison's JPEG (the planner's "jpeg")
 EVAL_BATCH = 250
 DECODE_CHUNK = 256  # images decoded per preprocess call: bounds the temporary copies
+TABLE_IMAGES = 10_000  # images whose codes fit the code tables: a representative batch, bounded time
+
+
+@dataclass(frozen=True)
+class PayloadSizes:
+    """Real entropy-coded payload sizes, one image per payload, over a set of images.
+
+    Attributes:
+        mean, median, p90, largest: bytes per payload.
+    """
+
+    mean: float
+    median: float
+    p90: float
+    largest: int
 
 
 @dataclass(frozen=True)
@@ -31,7 +47,9 @@ class SplitAccuracy:
         quantized_accuracy: ``tail(decode(encode(head(x))))``, the bytes that go over the network.
         bottleneck_shape: one image's bottleneck ``[C, h, w]``.
         float32_bytes: one image's bottleneck as float32.
-        payload_bytes: one image's payload (values and header), the exact size sent.
+        payload_bytes: one image's 8-bit payload (values and header), the exact size sent.
+        coded_payload_bytes: with code tables, the sizes of each image's entropy-coded payload
+            (the same codes, so the same accuracy), else None.
     """
 
     float_accuracy: float
@@ -39,6 +57,7 @@ class SplitAccuracy:
     bottleneck_shape: tuple[int, ...]
     float32_bytes: int
     payload_bytes: int
+    coded_payload_bytes: PayloadSizes | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +74,8 @@ class OffloadScore:
 
 
 @torch.inference_mode()
-def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int = EVAL_BATCH) -> SplitAccuracy:
+def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int = EVAL_BATCH,
+                   tables: CodeTables | None = None) -> SplitAccuracy:
     """Float and 8-bit accuracy of a student, and the bytes one image sends.
 
     The 8-bit path is the deployed one: the head's output is encoded to payload bytes (on the
@@ -66,6 +86,8 @@ def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int 
         model: the student (its mode is restored afterwards).
         data: images and labels, on any device.
         batch_size: images per forward pass.
+        tables: code tables (:func:`fit_payload_tables`): each image is also encoded alone with
+            them and the real payload sizes reported (never an entropy estimate).
 
     Returns:
         The :class:`SplitAccuracy`.
@@ -79,16 +101,49 @@ def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int 
     images, labels = data.tensors
     correct_float = correct_q = 0
     shape: tuple[int, ...] = ()
+    coded: list[int] = []
     for x, y in zip(images.split(batch_size), labels.split(batch_size)):
         z = head(x.to(device))
         restored = decode(encode(z)).to(device)
+        if tables is not None:
+            coded += [len(encode(one, tables=tables)) for one in z.cpu().split(1)]
         y = y.to(device)
         correct_float += int((tail(z).argmax(1) == y).sum())
         correct_q += int((tail(restored).argmax(1) == y).sum())
         shape = tuple(z.shape[1:])
     model.train(was_training)
+    sizes = None if not coded else PayloadSizes(float(np.mean(coded)), float(np.median(coded)),
+                                                 float(np.percentile(coded, 90)), max(coded))
     return SplitAccuracy(correct_float / len(labels), correct_q / len(labels), shape, 4 * int(np.prod(shape)),
-                         payload_size((1, *shape)))
+                         payload_size((1, *shape)), sizes)
+
+
+@torch.inference_mode()
+def fit_payload_tables(model: BottleneckModel, data: TensorDataset, batch_size: int = EVAL_BATCH,
+                       limit: int = TABLE_IMAGES) -> CodeTables:
+    """Code tables for a student's payloads: each channel's 8-bit codes counted over images.
+
+    Args:
+        model: the trained student (its mode is restored afterwards).
+        data: representative images (the training set), on any device; the first ``limit`` are used.
+        batch_size: images per forward pass.
+        limit: the most images counted.
+
+    Returns:
+        The :class:`~edgetorch.split.coded.CodeTables` to export with the student.
+
+    Example:
+        >>> save(student, "artifact", 96, code_tables=fit_payload_tables(student, train))  # doctest: +SKIP
+    """
+    was_training = model.training
+    head, _ = split(model.eval())
+    device = next(model.parameters()).device
+    counts = None
+    for x in data.tensors[0][:limit].split(batch_size):
+        batch = fit_code_tables(quantize(head(x.to(device)))[0]).counts
+        counts = batch if counts is None else counts + batch
+    model.train(was_training)
+    return CodeTables(counts)
 
 
 def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mean: Sequence[float] = (0.0,),

@@ -54,9 +54,10 @@ from ..measure.plots import new_figure, save_figure
 from ..zoo import CheckpointError, build_model, evaluate_accuracy, save_weights
 from ..weights import file_sha256
 from .bottlefit import BottleFitConfig, Log, StageRun, build_student, train_bottlefit
-from .evaluate import DECODE_CHUNK, EVAL_BATCH, evaluate_split, file_offload
+from .coded import save_code_tables
+from .evaluate import DECODE_CHUNK, EVAL_BATCH, evaluate_split, file_offload, fit_payload_tables
 from .manifest import Preprocess
-from .student import RECORD_NAME, WEIGHTS_NAME, StudentEvaluation, StudentRun
+from .student import RECORD_NAME, TABLES_NAME, WEIGHTS_NAME, StudentEvaluation, StudentRun
 from .teacher import load_rgb
 
 # Pixel normalisation after scaling to [0, 1]: what `split export --normalize` and `split train` accept.
@@ -316,16 +317,19 @@ def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch
             f"in {out / RECORD_NAME}")
     train = TensorDataset(*(t.to(device) for t in prepared.train.tensors))
     run = train_bottlefit(prepared.teacher, train, config.bottlefit, out, progress, log)
-    log("evaluating on the validation images (8-bit payload, PNG, JPEG)")
+    # The payload code tables, from the training images' codes (the validation images are scored with them)
+    tables = fit_payload_tables(run.student, train)
+    log("evaluating on the validation images (8-bit and entropy-coded payloads, PNG, JPEG)")
     preprocess = prepared.preprocess
     evaluation = StudentEvaluation(len(prepared.val),
                                    evaluate_accuracy(prepared.teacher, prepared.val, batch_size=EVAL_BATCH),
-                                   evaluate_split(run.student, prepared.val),
+                                   evaluate_split(run.student, prepared.val, tables=tables),
                                    file_offload(prepared.teacher, prepared.val, config.color, preprocess.mean,
                                                 preprocess.std))
     result = StudentRun(run.student, save_weights(run.student, out / WEIGHTS_NAME), config.size, preprocess,
                         tuple(prepared.class_names), config, tuple(why for _, why in prepared.skipped),
-                        tuple(run.stages), evaluation, torch.__version__)  # fmt: skip
+                        tuple(run.stages), evaluation, torch.__version__, tables,
+                        save_code_tables(tables, out / TABLES_NAME))  # fmt: skip
     write_json_atomically(out / RECORD_NAME, result.to_json())
     return result
 

@@ -22,14 +22,18 @@ from ..weights import file_sha256
 from ..zoo import CheckpointError, load_weights
 from .bottlefit import StageRun
 from .bottleneck import BottleneckModel, rebuild
+from .coded import CodeTables, load_code_tables_file
 from .evaluate import OffloadScore, SplitAccuracy
 from .manifest import MAX_RESOLUTION, Preprocess
 
 if TYPE_CHECKING:  # recipe.py writes this module's record: a run-time import would be a cycle
     from .recipe import RecipeConfig
 
-WEIGHTS_NAME, RECORD_NAME = "student.safetensors", "student.json"
-RECORD_FORMAT, RECORD_VERSION = "edgetorch-split-student", 1
+WEIGHTS_NAME, RECORD_NAME, TABLES_NAME = "student.safetensors", "student.json", "code_tables.safetensors"
+# Version 2 adds the payload code tables (code_tables, evaluation.student.coded_payload_bytes);
+# version 1 records still load, without tables.
+RECORD_FORMAT, RECORD_VERSION = "edgetorch-split-student", 2
+_READABLE_RECORDS = (1, RECORD_VERSION)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ class StudentRun:
         stages: each training stage's :class:`~edgetorch.split.bottlefit.StageRun`, in order.
         evaluation: the :class:`StudentEvaluation` on the validation images.
         torch_version: the torch that trained it.
+        code_tables: the payload code tables fitted on the training images' codes, saved as
+            ``code_tables.safetensors`` (``split export --trained`` writes them into the artifact).
+        code_tables_sha256: that file's SHA-256.
 
     Example:
         >>> run = train_student(config, "runs/c3")  # doctest: +SKIP
@@ -81,18 +88,22 @@ class StudentRun:
     stages: tuple[StageRun, ...]
     evaluation: StudentEvaluation
     torch_version: str
+    code_tables: CodeTables
+    code_tables_sha256: str
 
     def to_json(self) -> dict[str, Any]:
         """The ``student.json`` record (:data:`RECORD_FORMAT` version :data:`RECORD_VERSION`), key for key.
 
         Returns:
-            ``format``, ``version``, ``weights`` (``path``, ``sha256``), ``model`` (the student's
+            ``format``, ``version``, ``weights`` (``path``, ``sha256``), ``code_tables`` (``path``,
+            ``sha256``), ``model`` (the student's
             spec, :meth:`BottleneckModel.spec`), ``resolution``, ``preprocess`` (``color``,
             ``mean``, ``std``, ``resize``; a record without ``resize`` was trained stretched), ``class_names``, ``recipe``, ``skipped_images``, ``stages``
             (:meth:`StageRun.to_json`), ``evaluation`` and ``torch_version``, as plain JSON data.
         """
         return {"format": RECORD_FORMAT, "version": RECORD_VERSION,
                 "weights": {"path": WEIGHTS_NAME, "sha256": self.weights_sha256},
+                "code_tables": {"path": TABLES_NAME, "sha256": self.code_tables_sha256},
                 "model": self.model.spec(), "resolution": self.resolution,
                 "preprocess": {"color": self.preprocess.color, "mean": list(self.preprocess.mean),
                                "std": list(self.preprocess.std), "resize": self.preprocess.resize},
@@ -111,6 +122,7 @@ class TrainedStudent:
         preprocess: how images become its input (what ``split export`` writes to the manifest).
         class_names: one name per class.
         record: the whole ``student.json``.
+        code_tables: its payload code tables (None for a version-1 record, trained before them).
     """
 
     model: BottleneckModel
@@ -118,6 +130,7 @@ class TrainedStudent:
     preprocess: Preprocess
     class_names: tuple[str, ...]
     record: dict[str, Any]
+    code_tables: CodeTables | None
 
 
 def load_trained(directory: str | Path) -> TrainedStudent:
@@ -150,9 +163,9 @@ def load_trained(directory: str | Path) -> TrainedStudent:
     record = read_json(path, error=CheckpointError)
     try:
         if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or \
-                record.get("version") != RECORD_VERSION:
+                record.get("version") not in _READABLE_RECORDS or type(record.get("version")) is not int:
             got = (record.get("format"), record.get("version")) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{got} is not {RECORD_FORMAT!r} version {RECORD_VERSION}")
+            raise ValueError(f"{got} is not {RECORD_FORMAT!r} version 1 or {RECORD_VERSION}")
         with torch.device("meta"):  # a record's sizes cost nothing until the weights are known to hold them
             skeleton = rebuild(record["model"])
         resolution, prep, class_names = record["resolution"], record["preprocess"], record["class_names"]
@@ -165,6 +178,9 @@ def load_trained(directory: str | Path) -> TrainedStudent:
         if not isinstance(class_names, list) or not all(isinstance(name, str) for name in class_names):
             raise ValueError("class_names must be a list of strings")
         sha256 = record["weights"]["sha256"]
+        tables_sha256 = record["code_tables"]["sha256"] if record["version"] > 1 else None
+        if tables_sha256 is not None and not isinstance(tables_sha256, str):
+            raise ValueError("code_tables.sha256 must be a string")
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a readable `split train` record ({exc})") from None
     weights = root / WEIGHTS_NAME
@@ -174,5 +190,7 @@ def load_trained(directory: str | Path) -> TrainedStudent:
     if needed > weights.stat().st_size:  # the layers are built for real only once the file can fill them
         raise CheckpointError(f"{path} describes a model of {needed} bytes of weights; {weights} has "
                               f"{weights.stat().st_size}")
+    tables = None if tables_sha256 is None else load_code_tables_file(root / TABLES_NAME, tables_sha256)
     model = rebuild(record["model"])
-    return TrainedStudent(load_weights(model, weights).eval(), resolution, preprocess, tuple(class_names), record)
+    return TrainedStudent(load_weights(model, weights).eval(), resolution, preprocess, tuple(class_names), record,
+                          tables)
