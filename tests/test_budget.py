@@ -283,6 +283,25 @@ def test_no_per_block_plan_is_sought_where_measuring_its_costs_would_break_the_b
     assert "no per-block plan: measuring its costs would need" in plan.reason
 
 
+def test_no_per_block_plan_is_sought_where_the_step_without_saved_tensors_breaks_the_budget():
+    """The rest of the step (dense's peak less what it saves) is a floor no plan gets under: the
+    costs are not measured, and the reason says so (it said nothing: a resnet18 run of the block_plan
+    bench at a fixed batch chose 4-bit quantization with no word on why no plan was sought). Here
+    the batch of 256 px images is most of the step, and a pooling first saves nothing of it."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.ReLU()) for _ in range(3)))
+    model = nn.Sequential(nn.AvgPool2d(16), blocks, nn.Flatten(), nn.Linear(3 * 16 * 16, 4))
+    batch = (torch.randn(64, 3, 256, 256), torch.randint(0, 4, (64,)))
+    whole = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], min_batch=64)
+    budget = int(whole.candidates[0].predicted_peak_bytes * 1.05) - (20 << 20)  # the calibration batch fits
+    plan = plan_memory(model, batch, budget, policies=["quantized:bits=8"], min_batch=64, per_block=True)
+    assert plan.blocks is None and plan.chosen is None
+    assert "no per-block plan: the step without the blocks' saved tensors is predicted at" in plan.reason
+    assert "at batch 64" in plan.reason and "measuring its costs" not in plan.reason
+
+
 def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter():
     forms = (Dense(), Quantized(8))
     costs = BlockCosts(("a", "b"), forms, (FormCost("a", forms[0], 100, 0, 0.0), FormCost("a", forms[1], 30, 0, 1.0),

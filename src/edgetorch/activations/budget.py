@@ -347,7 +347,11 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                            "reference gradient beside each step's)")
             # Where the rest of the step alone breaks the budget at the smallest batch, no plan
             # fits: the costs (len(forms) ** 2 ledger steps) are not measured.
-            elif rest(batches[-1]) * (1 + margin) <= budget_bytes:
+            elif rest(batches[-1]) * (1 + margin) > budget_bytes:
+                skipped = (f"; no per-block plan: the step without the blocks' saved tensors is predicted at "
+                           f"{rest(batches[-1]) / 2**20:,.0f} MiB at batch {batches[-1]} (dense's peak less what "
+                           "it saves), no room with the headroom")
+            else:
                 def run(b: int, how: TrainingPolicy) -> int:  # a step's measured peak; the cap's on OOM
                     try:
                         increase = _measure(model, *sample(b), how, loss_fn, None, step)[0]
