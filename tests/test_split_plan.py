@@ -170,6 +170,46 @@ def test_accuracy_file(tmp_path):
         load_accuracy(path)
 
 
+def test_coded_payloads_are_a_row_of_their_own_sent_size_by_size():
+    """Issue 27: the planner sends each real coded payload size over the link. On LoRa (a step
+    function of the bytes: fragments) the mean delay of the sizes is not the delay of their mean."""
+    times = replace(TIMES, coded_encode_s={3: 0.002})
+    sizes = (60, 60, 60, 300)  # mostly small payloads, one large one
+    accuracy = Accuracy(0.9, None, {3: 0.85}, "student.json", {3: sizes, 12: (900,)})
+    lora = LoRaLink(bandwidth_hz=500e3)
+    rows = {r.option: r for r in compare_deployments(times, FILES, lora, DEVICE, accuracy, server=SERVER)}
+    assert list(rows) == ["local", "offload png", "offload jpeg", "split C=3", "split C=3 coded", "split C=12"]
+    coded, plain = rows["split C=3 coded"], rows["split C=3"]
+    assert coded.sent_bytes == 120 and coded.accuracy == plain.accuracy == 0.85  # the same codes
+    assert coded.head_s == pytest.approx((0.02 + 0.002) * 2) and coded.tail_s == plain.tail_s
+    each = [float(lora.delays(b).mean()) for b in sizes]
+    assert coded.network_s == pytest.approx(np.mean(each)) and coded.network_s != pytest.approx(lora.delays(120).mean())
+    assert coded.network_p95_s == pytest.approx(np.percentile(each, 95))
+    assert coded.e2e_s < plain.e2e_s  # 120 bytes on average against 466
+    # no coded timing (host times measured before it existed): no coded row, not a row without encoding
+    assert "split C=3 coded" not in {r.option for r in compare_deployments(TIMES, FILES, lora, DEVICE, accuracy,
+                                                                             server=SERVER)}
+
+
+def test_accuracy_files_and_student_records_give_coded_sizes(tmp_path):
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps({"split": {"3": 0.8}, "coded_bytes": {"3": [70, 80]}}))
+    assert load_accuracy(path).coded_bytes == {3: (70, 80)}
+    for bad in ({"3": []}, {"3": [0]}, {"3": [2**32]}, {"3": "70"}, {"x": [70]}):
+        path.write_text(json.dumps({"split": {"3": 0.8}, "coded_bytes": bad}))
+        with pytest.raises(ValueError, match="not an accuracy file"):
+            load_accuracy(path)
+    record = {"format": "edgetorch-split-student", "evaluation": {
+        "teacher_accuracy": 0.9, "offload": {}, "student": {
+            "bottleneck_shape": [3, 12, 12], "quantized_accuracy": 0.85,
+            "coded_payload_bytes": {"mean": 75.0, "median": 75.0, "p90": 79.0, "largest": 80, "sample": [70, 80]}}}}
+    path.write_text(json.dumps(record))
+    assert load_accuracy(path).coded_bytes == {3: (70, 80)}
+    del record["evaluation"]["student"]["coded_payload_bytes"]  # a version-1 record
+    path.write_text(json.dumps(record))
+    assert load_accuracy(path).coded_bytes == {}
+
+
 def test_image_file_bytes_from_real_images(tmp_path, bomb_png):
     sizes = image_file_bytes(32, count=4, dataset="digits")
     assert set(sizes) == {"png", "jpeg", "png_encode_s", "jpeg_encode_s"} and all(v > 0 for v in sizes.values())

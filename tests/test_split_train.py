@@ -479,7 +479,8 @@ STUDENT_RECORD = {
     "evaluation": {"val_images": None, "teacher_accuracy": None,
                    "student": {"float_accuracy": None, "quantized_accuracy": None, "bottleneck_shape": [None],
                                "float32_bytes": None, "payload_bytes": None,
-                               "coded_payload_bytes": dict.fromkeys(["mean", "median", "p90", "largest"])},
+                               "coded_payload_bytes": {**dict.fromkeys(["mean", "median", "p90", "largest"]),
+                                                       "sample": [None]}},
                    "offload": {name: {"mean_bytes": None, "accuracy": None} for name in ("png", "jpeg90")}},
     "torch_version": None,
 }  # fmt: skip

@@ -22,6 +22,7 @@ JPEG_QUALITY = 90  # the offload comparison's JPEG (the planner's "jpeg")
 EVAL_BATCH = 250
 DECODE_CHUNK = 256  # images decoded per preprocess call: bounds the temporary copies
 TABLE_IMAGES = 10_000  # images whose codes fit the code tables: a representative batch, bounded time
+SIZE_SAMPLE = 256  # coded payload sizes kept per record: the distribution `split plan` sends over a link
 
 
 @dataclass(frozen=True)
@@ -29,13 +30,16 @@ class PayloadSizes:
     """Real entropy-coded payload sizes, one image per payload, over a set of images.
 
     Attributes:
-        mean, median, p90, largest: bytes per payload.
+        mean, median, p90, largest: bytes per payload, over every image.
+        sample: the sizes of the first images (at most 256), for models of a link whose delay is
+            not linear in the bytes (LoRa fragments), as ``split plan`` reads them.
     """
 
     mean: float
     median: float
     p90: float
     largest: int
+    sample: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int 
         shape = tuple(z.shape[1:])
     model.train(was_training)
     sizes = None if not coded else PayloadSizes(float(np.mean(coded)), float(np.median(coded)),
-                                                 float(np.percentile(coded, 90)), max(coded))
+                                                 float(np.percentile(coded, 90)), max(coded), tuple(coded[:SIZE_SAMPLE]))
     return SplitAccuracy(correct_float / len(labels), correct_q / len(labels), shape, 4 * int(np.prod(shape)),
                          payload_size((1, *shape)), sizes)
 

@@ -20,10 +20,11 @@ the user's), and the plan says which; options without a known accuracy show none
 
 from __future__ import annotations
 
+import functools
 import io
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,8 +38,9 @@ from .._checks import check_json_fields
 from .._files import InputFileError, read_json
 from ..data.images import IMAGE_EXTENSIONS, list_images, read_image
 from ..training import seeded
+from .coded import fit_code_tables
 from .links import Link
-from .payload import encode, payload_size
+from .payload import encode, payload_size, quantize
 from .power import (
     DEFAULT_SERVER,
     REFERENCE_MODEL,
@@ -66,6 +68,8 @@ class HostTimes:
         bottleneck_shapes: per C, one sample's bottleneck shape.
         reference_s: the device profile's reference model, for the speed ratio.
         payload_encode_s: per C, encoding one bottleneck as the 8-bit payload.
+        coded_encode_s: per C, encoding it entropy-coded (tables fitted on the timed head's own
+            codes: the coder's time hardly depends on the table).
         split_point: where the bottleneck sits (``"sp1"`` or ``"sp2"``).
         server_reference_s: the server profile's reference model, when it is not the device's
             (else None: ``reference_s`` serves both).
@@ -81,6 +85,7 @@ class HostTimes:
     payload_encode_s: dict[int, float] = field(default_factory=dict)
     split_point: str = "sp2"
     server_reference_s: float | None = None
+    coded_encode_s: dict[int, float] = field(default_factory=dict)
 
 
 def time_modules(calls: dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]],
@@ -149,7 +154,8 @@ def measure_host_times(arch: str, channels: list[int], resolution: int, referenc
     return HostTimes(arch, resolution, seconds["full"], {c: seconds[f"head{c}"] for c in channels},
                      {c: seconds[f"tail{c}"] for c in channels},
                      {c: tuple(calls[f"tail{c}"][1].shape[1:]) for c in channels}, seconds["reference"],
-                     {c: seconds[f"encode{c}"] for c in channels}, split_point, seconds.get("server_reference"))
+                     {c: seconds[f"encode{c}"] for c in channels}, split_point, seconds.get("server_reference"),
+                     {c: seconds[f"coded{c}"] for c in channels})
 
 
 def measure_server(arch: str, channels: list[int], resolution: int, split_point: str = "sp2",
@@ -181,7 +187,7 @@ def measure_server(arch: str, channels: list[int], resolution: int, split_point:
     reference = (REFERENCE_MODEL, REFERENCE_RESOLUTION)
     calls = _timing_calls(arch, channels, resolution, split_point, num_classes, {"reference": reference}, device)
     # The device runs the heads and encodes the payload; the server needs neither.
-    seconds = time_modules({k: v for k, v in calls.items() if not k.startswith(("head", "encode"))}, rounds)
+    seconds = time_modules({k: v for k, v in calls.items() if not k.startswith(("head", "encode", "coded"))}, rounds)
     host = platform.node() or "server"
     where = (torch.cuda.get_device_name(device) if device.startswith("cuda")
              else f"CPU, torch threads {torch.get_num_threads()}")
@@ -199,7 +205,7 @@ def _reference(profile: DeviceProfile | ServerProfile) -> tuple[str | None, int 
 def _timing_calls(arch: str, channels: list[int], resolution: int, split_point: str, num_classes: int,
                   references: dict[str, tuple[str, int]],
                   device: str = "cpu") -> dict[str, tuple[Callable[[torch.Tensor], Any], torch.Tensor]]:
-    """What :func:`time_modules` times: ``full``, per C ``head{c}``, ``tail{c}`` and ``encode{c}``, and each
+    """What :func:`time_modules` times: ``full``, per C ``head{c}``, ``tail{c}``, ``encode{c}`` and ``coded{c}``, and each
     reference model under its key, with batch-1 inputs on ``device`` (random weights: see callers).
 
     The weights and inputs are drawn from :data:`TIMING_SEED` under :func:`torch.random.fork_rng`:
@@ -216,6 +222,8 @@ def _timing_calls(arch: str, channels: list[int], resolution: int, split_point: 
             with torch.inference_mode():
                 z = student.head(x)
             calls[f"head{c}"], calls[f"tail{c}"], calls[f"encode{c}"] = (student.head, x), (student.tail, z), (encode, z)
+            tables = fit_code_tables(quantize(z)[0])
+            calls[f"coded{c}"] = (functools.partial(encode, tables=tables), z)
         for key, (model, side) in references.items():
             calls[key] = (build_model(model, num_classes=1000).to(device), torch.rand(1, 3, side, side, device=device))
     return calls
@@ -289,19 +297,24 @@ class Accuracy:
         jpeg: the unsplit model on JPEG inputs, if measured.
         split: per C, the split model with the 8-bit payload.
         source: the file they were read from.
+        coded_bytes: per C, real entropy-coded payload sizes of a representative set of images
+            (``split train``'s record holds the first 256 validation images'); the plan then has a
+            coded row per C, each size sent over the link.
     """
 
     teacher: float | None
     jpeg: float | None
     split: dict[int, float]
     source: str
+    coded_bytes: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def load_accuracy(path: str | Path) -> Accuracy:
-    """Read accuracies from ``{"teacher": a, "jpeg": a (optional), "split": {"C": a, ...}}``, or
-    from the record ``edgetorch split train --json`` writes (``student.json``: the teacher on the
-    validation images, on their JPEG q90 files where scored, and the student through its 8-bit
-    payload at its C).
+    """Read accuracies from ``{"teacher": a, "jpeg": a (optional), "split": {"C": a, ...},
+    "coded_bytes": {"C": [bytes, ...]} (optional)}``, or from the record ``edgetorch split train
+    --json`` writes (``student.json``: the teacher on the validation images, on their JPEG q90
+    files where scored, the student through its 8-bit payload at its C, and the sizes of its
+    entropy-coded payloads).
 
     Args:
         path: the JSON file (e.g. written from the training benchmark's results).
@@ -320,7 +333,10 @@ def load_accuracy(path: str | Path) -> Accuracy:
             raise ValueError(f"expected a JSON object, got {type(raw).__name__}")
         check_json_fields(Accuracy, {k: v for k, v in raw.items() if k != "source"}, "accuracy file")
         split = {int(c): float(a) for c, a in raw.get("split", {}).items()}
-        result = Accuracy(_fraction(raw.get("teacher")), _fraction(raw.get("jpeg")), split, str(path))
+        coded = {int(c): tuple(sizes) for c, sizes in raw.get("coded_bytes", {}).items()}
+        if any(not sizes or not all(0 < b < 2**32 for b in sizes) for sizes in coded.values()):
+            raise ValueError("coded_bytes holds, per C, a non-empty list of payload sizes in bytes (1..2**32-1)")
+        result = Accuracy(_fraction(raw.get("teacher")), _fraction(raw.get("jpeg")), split, str(path), coded)
     except (TypeError, ValueError, KeyError, IndexError) as exc:
         raise InputFileError(f"{path}: not an accuracy file {{'teacher', 'jpeg', 'split': {{C: acc}}}} ({exc})") from None
     if result.teacher is None and not split:
@@ -335,8 +351,10 @@ def _student_accuracy(record: dict) -> dict:
     evaluation = record["evaluation"]
     student = evaluation["student"]
     jpeg = (evaluation.get("offload") or {}).get("jpeg90")
+    c = str(student["bottleneck_shape"][0])
+    coded = student.get("coded_payload_bytes")  # version-2 records
     return {"teacher": evaluation["teacher_accuracy"], "jpeg": None if jpeg is None else jpeg["accuracy"],
-            "split": {str(student["bottleneck_shape"][0]): student["quantized_accuracy"]}}
+            "split": {c: student["quantized_accuracy"]}, **({"coded_bytes": {c: coded["sample"]}} if coded else {})}
 
 
 def _fraction(value: object) -> float | None:
@@ -353,10 +371,12 @@ class PlanRow:
     """One deployment option.
 
     Attributes:
-        option: ``local``, ``offload png``, ``offload jpeg`` or ``split C=c``.
-        sent_bytes: request bytes over the link (0 for local).
+        option: ``local``, ``offload png``, ``offload jpeg``, ``split C=c`` or ``split C=c coded``
+            (entropy-coded payloads, where the accuracy file gives their sizes).
+        sent_bytes: request bytes over the link (0 for local; the mean of the coded sizes).
+        network_s, network_p95_s: link delay, mean and 95th percentile over the link's samples
+            (and, for a coded row, over its payload sizes).
         head_s: device compute seconds (whole model when local), encoding what is sent included.
-        network_s, network_p95_s: link delay, mean and 95th percentile over the link's samples.
         tail_s: server compute seconds.
         e2e_s: head + network (mean) + tail.
         energy_j: device energy per inference.
@@ -376,18 +396,22 @@ class PlanRow:
     accuracy: float | None
 
 
-def _row(option: str, nbytes: int, head_s: float, tail_s: float, link: Link | None,
+def _row(option: str, nbytes: int | Sequence[int], head_s: float, tail_s: float, link: Link | None,
          device: DeviceProfile, accuracy: float | None) -> PlanRow:
+    """One option's row; ``nbytes`` a size or a sample of sizes, each sent over the link (a LoRa
+    delay is a step function of the bytes: the delay of the mean size is not the mean delay)."""
+    sizes = [nbytes] if isinstance(nbytes, int) else list(nbytes)
     if link is None:  # local: no transfer, no server
         delays, uplink = np.zeros(1), np.zeros(1)
     else:
-        delays, uplink = link.delays(nbytes), link.uplink(nbytes)
+        delays = np.concatenate([link.delays(b) for b in sizes])
+        uplink = np.concatenate([link.uplink(b) for b in sizes])
     network = float(delays.mean())
     transmit = float(uplink.mean())
     e2e = head_s + network + tail_s
     energy = device.energy(head_s, transmit, network - transmit + tail_s)
-    return PlanRow(option, nbytes, head_s, network, float(np.percentile(delays, 95)), tail_s, e2e,
-                   energy, energy / e2e, accuracy)
+    return PlanRow(option, round(float(np.mean(sizes))), head_s, network, float(np.percentile(delays, 95)), tail_s,
+                   e2e, energy, energy / e2e, accuracy)
 
 
 @dataclass(frozen=True)
@@ -480,6 +504,10 @@ def compare_deployments(times: HostTimes, file_bytes: dict[str, float], link: Li
         nbytes = payload_size((1, *times.bottleneck_shapes[c]), per_sample)
         head = (times.head_s[c] + times.payload_encode_s.get(c, 0.0)) * slowdown
         rows.append(_row(f"split C={c}", nbytes, head, on_server.tail_s[c], link, device, acc.split.get(c)))
+        if c in acc.coded_bytes and c in times.coded_encode_s:  # the same codes: the same accuracy
+            head = (times.head_s[c] + times.coded_encode_s[c]) * slowdown
+            rows.append(_row(f"split C={c} coded", acc.coded_bytes[c], head, on_server.tail_s[c], link, device,
+                             acc.split.get(c)))
     return rows
 
 
