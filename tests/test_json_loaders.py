@@ -18,7 +18,8 @@ from edgetorch import InputFileError
 from edgetorch.split import inject_bottleneck
 from edgetorch.split.plan import load_accuracy
 from edgetorch.split.power import PROFILES, SERVERS, load_profile, load_server
-from edgetorch.split.student import RECORD_FORMAT, RECORD_NAME, RECORD_VERSION, WEIGHTS_NAME, load_trained
+from edgetorch.split.coded import fit_code_tables, save_code_tables
+from edgetorch.split.student import RECORD_FORMAT, RECORD_NAME, RECORD_VERSION, TABLES_NAME, WEIGHTS_NAME, load_trained
 from edgetorch.zoo import save_weights
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats() | st.text(max_size=8),
@@ -112,14 +113,16 @@ def trained_record(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     record = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "model": student.spec(), "resolution": 32,
               "preprocess": {"color": "rgb", "mean": [0.5], "std": [0.25]}, "class_names": ["a", "b", "c"],
-              "weights": {"path": WEIGHTS_NAME, "sha256": save_weights(student, root / WEIGHTS_NAME)}}
+              "weights": {"path": WEIGHTS_NAME, "sha256": save_weights(student, root / WEIGHTS_NAME)},
+              "code_tables": {"path": TABLES_NAME, "sha256": save_code_tables(
+                  fit_code_tables(torch.zeros(1, 2, 1, dtype=torch.uint8)), root / TABLES_NAME)}}
     return root, record
 
 
 def test_the_valid_record_loads(trained_record, tmp_path):
     root, record = trained_record
     (root / RECORD_NAME).write_text(json.dumps(record))
-    assert load_trained(root).class_names == ("a", "b", "c")
+    assert load_trained(root).class_names == ("a", "b", "c") and load_trained(root).code_tables.channels == 2
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
