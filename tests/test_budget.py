@@ -37,6 +37,14 @@ def small():
     return model, (torch.randn(8, 3, 32, 32), torch.randint(0, 4, (8,)))
 
 
+@pytest.fixture(scope="module")
+def half(small):
+    """resnet18's first two stages, as small's batch: the tests that plan every policy many times
+    (about half the time of the whole model; the planner's logic is the same)."""
+    torch.manual_seed(0)
+    return resnet18_first_half(4), small[1]
+
+
 def test_the_model_is_left_as_it_was(small):
     model, batch = small
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -50,8 +58,8 @@ def test_the_model_is_left_as_it_was(small):
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_the_choice_follows_exactness_then_sparsity_then_batch(small):
-    model, batch = small
+def test_the_choice_follows_exactness_then_sparsity_then_batch(half):
+    model, batch = half
     policies = ["dense", "bitmap", "backrazor:sparsity=0.8", "backrazor:sparsity=0.95"]
     roomy = plan_memory(model, batch, "100GiB", policies=policies, min_batch=1)
     assert roomy.chosen.policy == "dense" and roomy.chosen.batch == 8  # among equals, the least machinery
@@ -73,6 +81,34 @@ def test_the_choice_follows_exactness_then_sparsity_then_batch(small):
     assert none.chosen is None and "nothing fits 1 MiB" in none.reason
 
 
+def test_planning_collects_only_its_own_garbage_and_leaves_the_collector_as_it_was(half, monkeypatch):
+    """A full collection scanned every object of torch and the CLI before each measured step:
+    plan_memory freezes what was alive before it (gc.freeze), and unfreezes it at the end; a
+    caller's own freeze is left alone."""
+    import gc
+
+    import edgetorch.measure.process as process
+
+    frozen_while_measuring = []
+    real = process.release_freed
+    monkeypatch.setattr(process, "release_freed", lambda: (frozen_while_measuring.append(gc.get_freeze_count()), real()))
+    import edgetorch.activations.budget as budget
+
+    monkeypatch.setattr(budget, "release_freed", process.release_freed)
+    model, batch = half
+    gc.unfreeze()  # the suite's own freeze (conftest), as a user's process has none; restored below
+    try:
+        plan_memory(model, batch, "100GiB", policies=["dense"])
+        assert frozen_while_measuring and min(frozen_while_measuring) > 0 and gc.get_freeze_count() == 0
+        gc.freeze()  # a caller's
+        mine = gc.get_freeze_count()
+        plan_memory(model, batch, "100GiB", policies=["dense"])
+        assert gc.get_freeze_count() == mine
+    finally:
+        gc.collect()
+        gc.freeze()
+
+
 def test_nothing_fits_names_the_commands_option_and_the_python_parameter(small, monkeypatch):
     """Issue 28, item 6: the hint named only plan_memory's min_batch; a command's user sets --min-batch.
     The process is taken to hold nothing before training, so a budget just above the optimizer's
@@ -87,8 +123,8 @@ def test_nothing_fits_names_the_commands_option_and_the_python_parameter(small, 
     assert "allow smaller batches (the command's --min-batch, plan_memory's min_batch)" in none.reason
 
 
-def test_checkpointed_candidates_are_measured_and_ranked_after_their_plain_policy(small):
-    model, batch = small
+def test_checkpointed_candidates_are_measured_and_ranked_after_their_plain_policy(half):
+    model, batch = half
     plan = plan_memory(model, batch, "100GiB")  # the defaults include +checkpoint for a model with stages
     specs = [c.policy for c in plan.candidates if c.batch == 8]
     assert specs.index("dense") < specs.index("bitmap") < specs.index("dense+checkpoint") < specs.index(
@@ -159,7 +195,7 @@ def test_calibration_never_measures_a_batch_the_budget_cannot_hold():
     assert _second_batch(8, 80_000_000, wanted=16, room=0) == 9  # still a line: one sample more
 
 
-def test_a_candidate_is_run_at_its_own_batch_before_it_is_chosen(small, monkeypatch):
+def test_a_candidate_is_run_at_its_own_batch_before_it_is_chosen(half, monkeypatch):
     """Predictions come from small batches: the first candidate that fits is measured at its batch,
     and one whose measurement does not fit is passed over (simulated: bitmap at batch 8 holds 2 GiB
     more than its line says)."""
@@ -172,7 +208,7 @@ def test_a_candidate_is_run_at_its_own_batch_before_it_is_chosen(small, monkeypa
         return increase + (2**31 if how.spec() == "bitmap" and len(x) == 8 else 0), seconds
 
     monkeypatch.setattr(budget, "_measure", measure)
-    model, batch = small
+    model, batch = half
     plan = plan_memory(model, batch, "100GiB", policies=["bitmap", "backrazor:sparsity=0.9"], min_batch=4)
     assert plan.chosen.measured_peak_bytes is not None
     roomy = plan_memory(model, batch, "2.5GiB", policies=["bitmap", "backrazor:sparsity=0.9"], min_batch=4)
@@ -230,15 +266,13 @@ def test_a_batch_the_model_cannot_train_at_is_ruled_out_not_raised(small, monkey
     assert plan.chosen is None and "nothing fits" in plan.reason and "at batch 1," not in plan.reason
 
 
-def test_a_per_block_plan_is_fitted_run_once_and_chosen_over_a_lossy_whole_model_policy(small, capsys):
+def test_a_per_block_plan_is_fitted_run_once_and_chosen_over_a_lossy_whole_model_policy(half, capsys):
     """Given only 8-bit quantization whole-model, a per-block plan that fits at the same batch is
     chosen: dense everywhere has room here (fidelity cost 0, the least machinery). dense's line is
     measured for the per-block prediction, but it was not offered, so it is no candidate."""
     from edgetorch.cli.finetune import _print_plan
 
-    _, batch = small
-    torch.manual_seed(0)
-    model = resnet18_first_half(4)  # 4 blocks: the costs take (blocks - 1) * forms**2 steps (57 s with all 8)
+    model, batch = half  # 4 blocks: the costs take (blocks - 1) * forms**2 steps (57 s with all 8)
     roomy = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], per_block=True)
     assert "dense" in roomy.calibration_batches and "dense" not in {c.policy for c in roomy.candidates}
     fit = roomy.blocks

@@ -66,7 +66,7 @@ def test_a_device_fine_tunes_exports_a_head_and_infers_with_no_extra_installed(p
     save_weights(build_model("zoo:cnn"), tmp_path / "cnn.safetensors")
     tuned = _core("finetune", "--model", "zoo:cnn", "--weights", tmp_path / "cnn.safetensors", "--data", photos,
                   "--size", "28", "--epochs", "1", "--batch-size", "4", "--memory-budget", "8GiB",
-                  "--out", tmp_path / "run")
+                  "--policy", "dense", "--policy", "bitmap", "--out", tmp_path / "run")  # two candidates: the same path
     assert tuned.returncode == 0, tuned.stdout + tuned.stderr
     assert (tmp_path / "run" / "model.safetensors").is_file() and "within the budget" in tuned.stdout
 

@@ -56,7 +56,8 @@ from torch.nn import functional as F
 
 from .._checks import check_positive_int
 from ..measure import SavedTensorLedger
-from ..measure.process import held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed, reset_peak
+from ..measure.process import (frozen_old_objects, held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed,
+                               reset_peak)
 from .blocks import find_blocks
 from .budget_blocks import BlockFit, fit_blocks
 from .checkpoint import find_stages
@@ -247,7 +248,7 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
     # spec -> (slope, intercept, seconds per sample, saved bytes at c2, c1, c2)
     lines: dict[str, tuple[float, float, float, int, int, int]] = {}
     firsts: dict[str, tuple[int, int]] = {}  # spec -> (first calibration batch, its measured increase)
-    with restored(model), _capped_at(device, budget_bytes):
+    with restored(model), _capped_at(device, budget_bytes), frozen_old_objects():  # cheap collections per step
         step = _zero_lr_optimizer(optimizer, trainable, weight_decay)
         _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, None)  # warm-up: pools, first calls
         release_freed()

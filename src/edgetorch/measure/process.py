@@ -11,10 +11,12 @@ is its own mapping and RSS follows live memory; :func:`run_fresh` starts workers
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -184,6 +186,36 @@ def honest_malloc() -> bool:
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(HONEST_MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]))
                 and libc.mallopt(_M_TRIM_THRESHOLD, int(HONEST_MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"])))
+
+
+@contextlib.contextmanager
+def frozen_old_objects() -> Iterator[None]:
+    """Within the block, a garbage collection scans only the objects created in it.
+
+    One full collection first, then ``gc.freeze()``: what is alive then (torch's and the caller's
+    objects) is left out of every collection until the block ends. The memory planner collects
+    before each of its ~40 measured steps; a full collection over the ~200,000 objects of an
+    imported torch and CLI took 0.22-0.26 s here, and a profiled plan of ``zoo:cnn`` (42 steps, on
+    a loaded machine) spent 14 s collecting, 7 s with this (what is left is freeing the steps'
+    tensors). Cyclic garbage
+    among the frozen objects waits for the block's end; garbage created in the block is collected as
+    usual. A caller that froze objects itself keeps them frozen (the block then freezes nothing).
+
+    Example:
+        >>> with frozen_old_objects():
+        ...     release_freed()  # fast: only what the block created is scanned
+    """
+    import gc
+
+    if gc.get_freeze_count():  # someone else's freeze: unfreezing at the end would undo it
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def release_freed() -> None:
