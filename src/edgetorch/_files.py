@@ -48,7 +48,12 @@ def write_json_atomically(path: str | Path, data: Any) -> None:
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` (parent folders created) through a temporary file and a rename.
+    """Write ``text`` (UTF-8) to ``path`` as :func:`write_bytes_atomically` does."""
+    write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def write_bytes_atomically(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (parent folders created) through a temporary file and a rename.
 
     The temporary name carries the process id, so concurrent writers never interleave bytes, and a
     reader sees the old file or the new one, never a part.
@@ -56,7 +61,7 @@ def write_text_atomically(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 

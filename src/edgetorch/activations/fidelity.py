@@ -296,8 +296,11 @@ COMPARE_CHUNK = 1 << 20  # elements compared in float64 at a time
 
 
 def _squared_norm(t: torch.Tensor) -> float:
-    t = t.detach().flatten()
-    return sum(chunk.double().square().sum().item() for chunk in t.split(COMPARE_CHUNK)) if t.numel() else 0.0
+    """|t|^2 in float64, a chunk at a time (as :func:`_compare`), read back once."""
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for chunk in t.detach().flatten().split(COMPARE_CHUNK):
+        total += chunk.double().square().sum()
+    return total.item()
 
 
 def _compare(name: str, g: torch.Tensor, reference: torch.Tensor) -> GradientComparison:

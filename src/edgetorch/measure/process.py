@@ -194,12 +194,12 @@ def frozen_old_objects() -> Iterator[None]:
 
     One full collection first, then ``gc.freeze()``: what is alive then (torch's and the caller's
     objects) is left out of every collection until the block ends. The memory planner collects
-    before each of its ~40 measured steps; a full collection over the ~200,000 objects of an
-    imported torch and CLI took 0.22-0.26 s here, and a profiled plan of ``zoo:cnn`` (42 steps, on
-    a loaded machine) spent 14 s collecting, 7 s with this (what is left is freeing the steps'
-    tensors). Cyclic garbage
-    among the frozen objects waits for the block's end; garbage created in the block is collected as
-    usual. A caller that froze objects itself keeps them frozen (the block then freezes nothing).
+    before each of its ~40 measured steps: planning ``zoo:cnn`` at batch 4 with the default
+    policies in a process that imported the CLI (336,000 objects) took 13.7-16.8 s, 12.0-12.5 s of
+    it collecting, and 1.8-2.0 s with this, 0.3 s collecting (idle 2-core machine, two runs each,
+    alternated). Cyclic garbage among the frozen objects waits for the block's end; garbage created in
+    the block is collected as usual. A caller that froze objects itself keeps them frozen (the block
+    then freezes nothing).
 
     Example:
         >>> with frozen_old_objects():

@@ -16,10 +16,9 @@ from torch import nn
 
 from .._files import open_regular, read_bytes
 from .bottleneck import BottleneckModel, rebuild
-from .coded import MAX_TABLES_FILE_BYTES, CodeTables
+from .coded import MAX_TABLES_FILE_BYTES, CodeTables, tables_from_bytes
 from .manifest import (CODE_TABLES, MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_PART_BYTES, ONNX, PARTS, SplitArtifactError,
                        SplitManifest, check_artifact_id, manifest_hmac)
-from .payload import PayloadError
 
 class CheckedInput(nn.Module):
     """A loaded head or tail that refuses inputs of another per-sample shape than exported.
@@ -207,17 +206,11 @@ def load_code_tables(artifact_dir: str | Path, manifest: SplitManifest) -> CodeT
         >>> head, manifest = load_part("artifact", "head")  # doctest: +SKIP
         >>> payload = encode(head(x), tables=load_code_tables("artifact", manifest))  # doctest: +SKIP
     """
-    from ..weights import CheckpointError, tensors_from_bytes
-
     if not manifest.coded:
         return None
     root = Path(artifact_dir)
     path = root / manifest.files[CODE_TABLES]["path"]
-    data = verified_bytes(root, manifest, CODE_TABLES, None)
-    try:
-        tables = CodeTables.from_tensors(tensors_from_bytes(data, path))
-    except (CheckpointError, PayloadError) as exc:
-        raise SplitArtifactError(f"{path}: {exc}") from None
+    tables = tables_from_bytes(verified_bytes(root, manifest, CODE_TABLES, None), path, SplitArtifactError)
     if tables.channels != manifest.bottleneck_shape[0]:
         raise SplitArtifactError(f"{path} holds tables for {tables.channels} channels; the bottleneck has "
                                  f"{manifest.bottleneck_shape[0]}")

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -132,11 +131,10 @@ def save_code_tables(tables: CodeTables, path: str | Path) -> str:
     """
     from safetensors.torch import save as serialize
 
+    from .._files import write_bytes_atomically
+
     data = serialize(tables.to_tensors())
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, path)
+    write_bytes_atomically(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -147,15 +145,27 @@ def load_code_tables_file(path: str | Path, sha256: str) -> CodeTables:
         CheckpointError: a missing, oversized, altered or malformed file (what it is and why).
     """
     from .._files import read_bytes
-    from ..weights import CheckpointError, tensors_from_bytes
+    from ..weights import CheckpointError
 
     data = read_bytes(path, MAX_TABLES_FILE_BYTES, error=CheckpointError)
     if hashlib.sha256(data).hexdigest() != sha256:
         raise CheckpointError(f"{path} differs from the one its record names (SHA-256 mismatch)")
+    return tables_from_bytes(data, path, CheckpointError)
+
+
+def tables_from_bytes(data: bytes, path: str | Path, error: type[Exception]) -> CodeTables:
+    """Parse a code tables file's bytes (already bounded and hash-checked by the caller).
+
+    Raises:
+        error: not safetensors, or not one int64 ``[C, 256]`` tensor of counts in range (the
+            message names ``path`` and what was wrong).
+    """
+    from ..weights import CheckpointError, tensors_from_bytes
+
     try:
         return CodeTables.from_tensors(tensors_from_bytes(data, path))
-    except PayloadError as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
+    except (CheckpointError, PayloadError) as exc:
+        raise error(f"{path}: {exc}") from None
 
 
 def fit_code_tables(codes: torch.Tensor) -> CodeTables:
