@@ -76,6 +76,8 @@ def test_residual_groups_tie_the_stream_to_its_consumers():
 @pytest.mark.parametrize("method", ["prune", "prune-ls"])
 def test_alpha_zero_leaves_the_outputs_identical(network, method):
     name, model, x = network
+    if name == "vgg11_bn" and method == "prune-ls":
+        pytest.skip("vgg11_bn's 4096-wide refits took 10 s; its flatten-into-Linear groups are checked by prune")
     small = reduce_model(model, 0.0, method, "optimal", calibration=x).model
     with torch.no_grad():
         torch.testing.assert_close(small(x), model(x), atol=1e-7, rtol=0)
@@ -84,10 +86,14 @@ def test_alpha_zero_leaves_the_outputs_identical(network, method):
 @pytest.mark.parametrize("alpha", [0.3, 0.6])
 def test_budget_holds_on_the_smaller_model_and_checkpoints_round_trip(tmp_path, network, alpha):
     name, model, x = network
-    if name == "vgg11_bn" and alpha != 0.3:
-        pytest.skip("vgg11_bn runs at one alpha: 15 s each, and its layers are plain convolutions")
+    if name in ("vgg11_bn", "squeezenet1_0") and alpha != 0.3:
+        # vgg11_bn's layers are plain convolutions; squeezenet's exact solve at 0.6 took 29 s (4.5 s
+        # at 0.3), and resnet18 and mobilenet_v2 keep the optimal allocation covered at 0.6
+        pytest.skip("runs at one alpha (time)")
     allocation = "uniform" if name == "efficientnet_b0" else "optimal"  # its exact solve is the slow one
-    result = reduce_model(model, alpha, "prune-ls", allocation, calibration=x)
+    # vgg11_bn's least-squares refits of its 4096-wide classifier took 24 s; the others refit
+    method = "prune" if name == "vgg11_bn" else "prune-ls"
+    result = reduce_model(model, alpha, method, allocation, calibration=x)
     full, macs = count_macs(model, x[:1]), count_macs(result.model, x[:1])
     assert macs == result.allocation.cost <= (1 - alpha) * full
     assert type(result.model) is type(model)
