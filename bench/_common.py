@@ -100,7 +100,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]], right: Seque
     return "\n".join(lines)
 
 
-def write_results(name: str, title: str, body: str, data: dict, script: str | None = None) -> tuple[Path, Path]:
+def write_results(name: str, title: str, body: str, data: dict, script: str | None = None,
+                  machine: str | None = None) -> tuple[Path, Path]:
     """Write ``docs/results/NAME.json`` and ``NAME.md`` and print the markdown.
 
     Args:
@@ -109,11 +110,13 @@ def write_results(name: str, title: str, body: str, data: dict, script: str | No
         body: markdown below the machine line (tables and notes).
         data: the raw results; machine, date and torch version are added to it.
         script: the command that wrote them, where it is not ``bench/NAME.py``.
+        machine: where the numbers were measured, when not on this machine (results assembled
+            here from another machine's output); replaces the machine line and record.
 
     Returns:
         The JSON and markdown paths.
     """
-    info = machine_description()
+    info = machine_description() if machine is None else {"measured_on": machine}
     date = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path, md_path = RESULTS_DIR / f"{name}.json", RESULTS_DIR / f"{name}.md"
@@ -122,7 +125,7 @@ def write_results(name: str, title: str, body: str, data: dict, script: str | No
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     markdown = (
         f"# {title}\n\n"
-        f"Machine: {machine_line(info)}. Date: {date}. "
+        f"Machine: {machine_line(info) if machine is None else machine}. Date: {date}. "
         f"Produced by `{script or f'bench/{name}.py'}` at commit {commit_text(source)}"
         f"; raw numbers in `{name}.json`.\n\n{body.strip()}\n"
     )

@@ -92,9 +92,9 @@ def test_tables_round_trip_through_safetensors_and_refuse_bad_counts():
         CodeTables(torch.zeros(2, 256))
     with pytest.raises(PayloadError, match="0..2\\*\\*53"):
         CodeTables(torch.full((2, 256), -1))
-    with pytest.raises(PayloadError, match="one tensor named 'code_counts'"):
+    with pytest.raises(PayloadError, match="a tensor named 'code_counts'"):
         CodeTables.from_tensors({"code_counts": TABLES.to_tensors()["code_counts"], "x": torch.zeros(1)})
-    with pytest.raises(PayloadError, match="must be int64"):
+    with pytest.raises(PayloadError, match="must be 2-D int64"):
         CodeTables.from_tensors({"code_counts": torch.zeros(3, 256, dtype=torch.int32)})
     with pytest.raises(PayloadError, match=r"uint8 codes \[N, C, ...\], got torch.float32"):
         fit_code_tables(TRAIN)
@@ -269,7 +269,7 @@ def _tables_damage(kind: str):
     ("negative", "every code count must be in 0..2\\*\\*53"),
     ("unlisted", "needs code_tables in files"),
     ("plain format", "needs code_tables in files, and only it may list them"),
-    ("unknown format", "payload format .* is neither"),
+    ("unknown format", "payload format .* is none of"),
 ])
 def test_damaged_or_mismatched_tables_are_refused_on_load(coded_artifact, tmp_path, kind, match):
     import shutil

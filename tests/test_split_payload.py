@@ -114,7 +114,7 @@ def _with(blob: bytes, offset: int, value: bytes, reseal: bool = False) -> bytes
     (lambda b: b[:-1], "truncated payload: 38 bytes"),
     (lambda b: b + b"\0", "oversized payload: 40 bytes"),
     (lambda b: _with(b, 0, b"XXXX"), "magic"),
-    (lambda b: _with(b, 4, b"\x03"), "version 3 is not supported"),
+    (lambda b: _with(b, 4, b"\x04"), "version 4 is not supported"),
     (lambda b: _with(b, 5, b"\x07"), "mode 7"),
     (lambda b: _with(b, 6, b"\x02"), "value dtype code 2"),
     (lambda b: _with(b, 7, b"\x09"), "restored dtype code 9"),

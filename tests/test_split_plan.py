@@ -189,6 +189,10 @@ def test_coded_payloads_are_a_row_of_their_own_sent_size_by_size():
     # no coded timing (host times measured before it existed): no coded row, not a row without encoding
     assert "split C=3 coded" not in {r.option for r in compare_deployments(TIMES, FILES, lora, DEVICE, accuracy,
                                                                              server=SERVER)}
+    # a rate-trained student's version-3 payloads have an accuracy of their own
+    rated = replace(accuracy, coded={3: 0.83})
+    rows = {r.option: r for r in compare_deployments(times, FILES, lora, DEVICE, rated, server=SERVER)}
+    assert rows["split C=3 coded"].accuracy == 0.83 and rows["split C=3"].accuracy == 0.85
 
 
 def test_accuracy_files_and_student_records_give_coded_sizes(tmp_path):
@@ -204,7 +208,14 @@ def test_accuracy_files_and_student_records_give_coded_sizes(tmp_path):
             "bottleneck_shape": [3, 12, 12], "quantized_accuracy": 0.85,
             "coded_payload_bytes": {"mean": 75.0, "median": 75.0, "p90": 79.0, "largest": 80, "sample": [70, 80]}}}}
     path.write_text(json.dumps(record))
-    assert load_accuracy(path).coded_bytes == {3: (70, 80)}
+    assert load_accuracy(path).coded_bytes == {3: (70, 80)} and load_accuracy(path).coded == {}
+    record["evaluation"]["student"]["coded_accuracy"] = 0.83  # a rate-trained student's record
+    path.write_text(json.dumps(record))
+    assert load_accuracy(path).coded == {3: 0.83}
+    path.write_text(json.dumps({"split": {"3": 0.8}, "coded": {"3": 1.5}}))
+    with pytest.raises(ValueError, match="fractions in"):
+        load_accuracy(path)
+    del record["evaluation"]["student"]["coded_accuracy"]
     del record["evaluation"]["student"]["coded_payload_bytes"]  # a version-1 record
     path.write_text(json.dumps(record))
     assert load_accuracy(path).coded_bytes == {}

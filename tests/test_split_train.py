@@ -459,12 +459,49 @@ def _skeleton(value):
     return None
 
 
+def test_split_train_with_a_rate_weight_exports_serves_and_infers_version_3(teacher_file, photos, tmp_path):
+    from edgetorch.split.artifact import load_code_tables, load_part, read_manifest
+    from edgetorch.split.protocol import serve_in_background
+    from edgetorch.split.server import create_app
+
+    runner = CliRunner()
+    out = tmp_path / "rated"
+    result = runner.invoke(app, _train_args(teacher_file, photos, out, **{"--rate-weight": "0.001", "--epochs": "1"}))
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "student.json").read_text())
+    assert [s["name"] for s in record["stages"]] == ["stage1-ghnd", "stage2-ft-rate0.001-levels16"]
+    assert record["stages"][1]["config"]["rate_weight"] == 0.001 and record["stages"][1]["config"]["trainable"] == "all"
+    student = record["evaluation"]["student"]
+    assert 0 <= student["coded_accuracy"] <= 1 and student["coded_payload_bytes"]["largest"] <= student["payload_bytes"]
+    assert "fixed steps" in " ".join(result.output.split())
+    refused = runner.invoke(app, [*_train_args(teacher_file, photos, tmp_path / "fe", **{"--rate-weight": "0.001"}),
+                                  "--freeze-encoder"])
+    assert refused.exit_code != 0 and "freeze_encoder=False" in " ".join(refused.output.split())
+
+    exported = runner.invoke(app, ["split", "export", "--trained", str(out), "--out", str(out / "artifact")])
+    assert exported.exit_code == 0, exported.output
+    artifact = out / "artifact"
+    manifest = read_manifest(artifact)
+    assert manifest.payload_format["version"] == 3 and manifest.coded
+    tables = load_code_tables(artifact, manifest)
+    assert tables.steps.sample_shape == tuple(manifest.bottleneck_shape)
+    tail, manifest = load_part(artifact, "tail")
+    with serve_in_background(create_app(tail, manifest, tables=tables)) as url:
+        answer = runner.invoke(app, ["split", "infer", str(artifact), str(photos / "cross" / "1.png"), "--server", url,
+                                     "--json", str(out / "infer.json")])
+    assert answer.exit_code == 0, answer.output
+    sent = json.loads((out / "infer.json").read_text())["payload_bytes"]
+    assert 16 < sent < payload_size((1, *manifest.bottleneck_shape))
+
+
 _STAGE_RECORD = {"name": None, "config": dict.fromkeys(["loss", "trainable", "epochs", "optimizer", "lr", "momentum",
-                                                        "weight_decay", "lr_step", "batch_size", "alpha", "tau", "seed"]),
+                                                        "weight_decay", "lr_step", "batch_size", "alpha", "tau", "seed", "rate_weight"]),
                  "loss_history": [None], "seconds": None, "seconds_this_run": None}
 # student.json as `split train` wrote it before StudentRun (at cacdc18): keys, order and nesting;
 # preprocess.resize added with manifest version 3 (a record without it was trained stretched);
-# code_tables and evaluation.student.coded_payload_bytes with record version 2.
+# code_tables and evaluation.student.coded_payload_bytes with record version 2; rate_weight, code_levels (recipe,
+# rate_weight also in stages) and
+# evaluation.student.coded_accuracy with rate-aware training (issue 27; readers ignore keys they do not know).
 STUDENT_RECORD = {
     "format": None, "version": None, "weights": {"path": None, "sha256": None},
     "code_tables": {"path": None, "sha256": None},
@@ -474,13 +511,15 @@ STUDENT_RECORD = {
     "recipe": {**dict.fromkeys(["teacher", "data", "teacher_weights", "size", "color", "normalize", "val_fraction",
                                 "train_limit", "val_limit", "skip_bad_images"]),
                "bottlefit": dict.fromkeys(["channels", "split_point", "downsample", "architecture", "stage2",
-                                           "freeze_encoder", "epochs", "batch_size", "lr", "seed"])},
+                                           "freeze_encoder", "epochs", "batch_size", "lr", "seed", "rate_weight",
+                                           "code_levels"])},
     "skipped_images": [], "stages": [_STAGE_RECORD],
     "evaluation": {"val_images": None, "teacher_accuracy": None,
                    "student": {"float_accuracy": None, "quantized_accuracy": None, "bottleneck_shape": [None],
                                "float32_bytes": None, "payload_bytes": None,
                                "coded_payload_bytes": {**dict.fromkeys(["mean", "median", "p90", "largest"]),
-                                                       "sample": [None]}},
+                                                       "sample": [None]},
+                               "coded_accuracy": None},
                    "offload": {name: {"mean_bytes": None, "accuracy": None} for name in ("png", "jpeg90")}},
     "torch_version": None,
 }  # fmt: skip

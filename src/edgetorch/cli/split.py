@@ -54,6 +54,8 @@ def train(
     architecture: str = typer.Option("paper", help=_ARCHITECTURE_HELP),
     stage2: str = typer.Option("ft", help="after GHND: ft (fine-tune with cross entropy) or kd (knowledge distillation)"),
     freeze_encoder: bool = typer.Option(False, "--freeze-encoder", metavar="", help="stage 2 trains only the tail (the paper's FE)"),
+    rate_weight: float = typer.Option(None, min=0.0, help="rate-aware stage 2: train the whole student through fixed per-channel steps with this weight per estimated bit per image (e.g. 1e-4; 0: rounding alone); payloads are then entropy-coded version 3. Default: the paper's stage 2"),
+    code_levels: int = typer.Option(16, min=2, max=256, help="with --rate-weight: codes spanning each bottleneck channel's range on the training images (its fixed step is range / (levels - 1)); fewer levels, coarser steps"),
     epochs: int = typer.Option(10, min=1, help="epochs per stage (paper: 10); the learning rate drops x0.1 after the first half"),
     batch_size: int = typer.Option(32, min=1, help="images per step"),
     lr: float = typer.Option(1e-3, help="learning rate of both stages (paper: 1e-3)"),
@@ -80,7 +82,8 @@ def train(
                               skip_bad_images=skip_bad_images,
                               bottlefit=BottleFitConfig(channels=channels, split_point=split_point, downsample=downsample,
                                                         architecture=architecture, stage2=stage2, freeze_encoder=freeze_encoder, epochs=epochs,
-                                                        batch_size=batch_size, lr=lr, seed=seed))  # fmt: skip
+                                                        batch_size=batch_size, lr=lr, seed=seed, rate_weight=rate_weight,
+                                                        code_levels=code_levels))  # fmt: skip
         run = train_student(config, out, device=device, progress=progress, log=console.print)
     except ValueError as err:  # bad input, found before training starts (ImageFolderError, CheckpointError)
         raise typer.BadParameter(install_hint(err)) from None
@@ -114,9 +117,11 @@ def _print_evaluation(run: StudentRun) -> None:
     shape = "x".join(map(str, student.bottleneck_shape))
     table.add_row(f"student, float {shape} bottleneck", f"{student.float_accuracy:.2%}", f"{student.float32_bytes:,}")
     table.add_row("student, 8-bit payload", f"{student.quantized_accuracy:.2%}", f"{student.payload_bytes:,}")
-    if student.coded_payload_bytes is not None:  # the same codes: the same accuracy
+    if student.coded_payload_bytes is not None:
         coded = student.coded_payload_bytes
-        table.add_row("student, entropy-coded payload (deployed; mean, p90)", f"{student.quantized_accuracy:.2%}",
+        steps = run.code_tables.steps is not None  # version 3: the fixed steps, its own accuracy
+        table.add_row(f"student, entropy-coded payload{', fixed steps' if steps else ''} (deployed; mean, p90)",
+                      f"{student.coded_accuracy if steps else student.quantized_accuracy:.2%}",
                       f"{coded.mean:,.0f}, {coded.p90:,.0f}")
     console.print(table)
 

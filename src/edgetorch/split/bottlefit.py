@@ -14,14 +14,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from ..training import seeded
 from .bottleneck import ARCHITECTURES, SPLIT_POINTS, BottleneckModel, inject_bottleneck
+from .coded import FixedSteps
+from .evaluate import EVAL_BATCH, TABLE_IMAGES
 from .train import StageConfig, stage_progress, train_stage
 
 STAGE2 = ("ft", "kd")
+#: rate-aware stage 2's default codes per channel range: measured best of the 64 px calibration runs
+#: (C=12, one epoch: 256 levels gave 639 B at rate 1e-4, 16 levels 288 B at rate 0, both near 87%)
+CODE_LEVELS = 16
 Log = Callable[[str], None]
 
 
@@ -59,6 +65,16 @@ class BottleFitConfig:
         batch_size: samples per step (the last partial batch of an epoch is dropped).
         lr: initial learning rate of both stages (the paper: 1e-3), x0.1 after :func:`lr_step` epochs.
         seed: the new layers' initialisation and the batch order.
+        rate_weight: ``None``: stage 2 as in the paper (payloads are 8-bit with per-sample scales).
+            A number >= 0: rate-aware stage 2 (issue 27): after stage 1, fixed per-channel steps are
+            fitted on the training bottlenecks (:class:`~edgetorch.split.coded.FixedSteps`), and
+            stage 2 trains the whole student through them with this weight on the estimated bits
+            per image (:mod:`edgetorch.split.rate`); payloads are then version 3. Needs stage 2
+            with the encoder trainable.
+        code_levels: with ``rate_weight``: codes spanning each channel's fitted range (2..256; the
+            steps are range / (levels - 1)). Coarser steps leave the rate term a code histogram it
+            can estimate from one batch, and the decoder values it can learn to use (default 16:
+            docs/results/split_coded_96px.md).
     """
 
     channels: int = 12
@@ -71,6 +87,8 @@ class BottleFitConfig:
     batch_size: int = 32
     lr: float = 1e-3
     seed: int = 0
+    rate_weight: float | None = None
+    code_levels: int = CODE_LEVELS
 
     def __post_init__(self) -> None:
         if self.stage2 not in (*STAGE2, None):
@@ -81,7 +99,12 @@ class BottleFitConfig:
             raise ValueError(f"architecture={self.architecture!r}; accepted: {', '.join(ARCHITECTURES)}")
         if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
             raise ValueError(f"channels must be a positive int, got {self.channels!r}")
-        self.stages()  # StageConfig checks epochs, batch size, learning rate and seed
+        if self.rate_weight is not None and (self.stage2 is None or self.freeze_encoder):
+            raise ValueError("rate_weight trains the encoder in stage 2: it needs stage2 (ft or kd) and "
+                             "freeze_encoder=False")
+        if isinstance(self.code_levels, bool) or not isinstance(self.code_levels, int) or not 2 <= self.code_levels <= 256:
+            raise ValueError(f"code_levels must be an int in 2..256, got {self.code_levels!r}")
+        self.stages()  # StageConfig checks epochs, batch size, learning rate, seed and rate weight
 
     def stages(self) -> list[tuple[str, StageConfig]]:
         """``(checkpoint directory name, config)`` of each stage, in order.
@@ -95,8 +118,11 @@ class BottleFitConfig:
         stages = [("stage1-ghnd", StageConfig(loss="ghnd", trainable="bottleneck", optimizer="adam", **common))]
         if self.stage2 is not None:
             name = f"stage2-{self.stage2}" + ("-fe" if self.freeze_encoder else "")
+            if self.rate_weight is not None:
+                name += f"-rate{self.rate_weight:g}-levels{self.code_levels}"
             stages.append((name, StageConfig(loss="ce" if self.stage2 == "ft" else "kd", optimizer="sgd",
-                                             trainable="tail" if self.freeze_encoder else "all", **common)))
+                                             trainable="tail" if self.freeze_encoder else "all",
+                                             rate_weight=self.rate_weight or 0.0, **common)))
         return stages
 
 
@@ -124,7 +150,8 @@ class StageRun:
 
 
 def run_stage(model: nn.Module, train: TensorDataset, config: StageConfig, teacher: nn.Module | None,
-              directory: str | Path, progress: bool = True, log: Log | None = None) -> StageRun:
+              directory: str | Path, progress: bool = True, log: Log | None = None,
+              steps: FixedSteps | None = None) -> StageRun:
     """:func:`~edgetorch.split.train.train_stage` in ``directory``, timed and logged.
 
     Args:
@@ -135,6 +162,7 @@ def run_stage(model: nn.Module, train: TensorDataset, config: StageConfig, teach
         directory: the stage's checkpoint directory (resumed if it holds a checkpoint).
         progress: show a progress bar.
         log: called with one line when the stage starts and when it ends.
+        steps: the fixed steps a rate-aware stage 2 rounds with (:func:`train_stage`).
 
     Returns:
         The :class:`StageRun`.
@@ -145,7 +173,8 @@ def run_stage(model: nn.Module, train: TensorDataset, config: StageConfig, teach
     log(f"{directory.name}: " + (f"resuming after epoch {done['epoch']}/{config.epochs}" if done else "training")
         + f" ({config.loss}, {config.trainable} trainable, {config.epochs} epoch(s))")
     start = time.perf_counter()
-    history = train_stage(model, train, config, teacher=teacher, checkpoint_dir=directory, progress=progress)
+    history = train_stage(model, train, config, teacher=teacher, checkpoint_dir=directory, progress=progress,
+                          steps=steps)
     elapsed = time.perf_counter() - start
     # Always there: train_stage checkpoints in ``directory`` after every epoch (a stage has at least
     # one), each epoch's record holds its seconds, and a checkpoint without them is refused on resume.
@@ -161,10 +190,12 @@ class BottleFitRun:
     Attributes:
         student: the trained student, in eval mode, on the teacher's device.
         stages: each stage's :class:`StageRun`.
+        steps: the fixed steps of a rate-aware run (``config.rate_weight`` set), else None.
     """
 
     student: BottleneckModel
     stages: list[StageRun]
+    steps: FixedSteps | None = None
 
 
 def build_student(teacher: nn.Module, config: BottleFitConfig) -> BottleneckModel:
@@ -205,6 +236,33 @@ def train_bottlefit(teacher: nn.Module, train: TensorDataset, config: BottleFitC
         FloatingPointError: a loss became inf or NaN.
     """
     student = build_student(teacher, config)
-    runs = [run_stage(student, train, stage, teacher, Path(out_dir) / name, progress, log)
-            for name, stage in config.stages()]
-    return BottleFitRun(student, runs)
+    runs, steps = [], None
+    for name, stage in config.stages():
+        if stage.loss in ("ce", "kd") and config.rate_weight is not None:
+            # fitted on the stage-1 student, which a resumed run rebuilds first: the same steps
+            steps = fit_steps(student, train, config.code_levels)
+        runs.append(run_stage(student, train, stage, teacher, Path(out_dir) / name, progress, log, steps))
+    return BottleFitRun(student, runs, steps)
+
+
+@torch.inference_mode()
+def fit_steps(student: BottleneckModel, train: TensorDataset, levels: int = CODE_LEVELS, limit: int = TABLE_IMAGES,
+              batch_size: int = EVAL_BATCH) -> FixedSteps:
+    """Fixed per-channel steps over the bottlenecks of the first ``limit`` training images.
+
+    Args:
+        student: the student after stage 1 (its mode is restored afterwards).
+        train: training images (any device) and labels.
+        levels: codes spanning each channel's range (:meth:`FixedSteps.fit`).
+        limit: the most images used.
+        batch_size: images per forward pass.
+
+    Returns:
+        The :class:`~edgetorch.split.coded.FixedSteps`.
+    """
+    was_training = student.training
+    device = next(student.parameters()).device
+    student.eval()
+    z = torch.cat([student.head(x.to(device)).cpu() for x in train.tensors[0][:limit].split(batch_size)])
+    student.train(was_training)
+    return FixedSteps.fit(z, levels)

@@ -29,6 +29,12 @@ ndim, CRC-32, shape, per-group scale and zero point), then::
                (dim 1), each channel's codes in C order over the other dims
 
 The CRC covers the extension and the words too.
+
+Version 3 (issue 27's rate-trained students) also moves the quantiser into the tables: a fixed
+scale and zero point per channel (:class:`FixedSteps`, fitted once on training bottlenecks and
+trained against in stage 2 with a rate term, :mod:`.rate`), so a payload carries no per-sample
+scale, and the sample shape, so it carries no shape either. Its wire format is in
+:mod:`.payload`: 16 bytes of header, then the words.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +58,106 @@ MAX_COUNT = 2**53
 #: the most channels a table set may hold (a bottleneck's dim 1 is at most a few hundred)
 MAX_CHANNELS = 4096
 _TENSOR_NAME = "code_counts"
+_STEP_NAMES = ("scale", "zero_point", "sample_shape")
+#: the most elements one sample of a version-3 bottleneck may have (its shape is stored in the tables)
+MAX_SAMPLE_NUMEL = 2**20
+
+
+@dataclass(frozen=True)
+class FixedSteps:
+    """A fixed 8-bit affine quantiser per channel: ``q = clamp(round(x / scale_c) + zero_point_c, 0, 255)``.
+
+    Payload version 3 quantises with it (no per-sample scale travels); :mod:`.rate` trains a student
+    against it. Values outside a channel's fitted range are clamped to it (as a trained codec's
+    quantiser does); inside, the error is at most ``scale_c / 2``.
+
+    Attributes:
+        scale: float32 [C], finite and > 0.
+        zero_point: uint8 [C].
+        sample_shape: one sample's shape ``(C, ...)``: a version-3 payload's shape is ``(N, *sample_shape)``.
+    """
+
+    scale: np.ndarray
+    zero_point: np.ndarray
+    sample_shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        from .payload import MAX_NDIM, _check_range
+
+        scale, zero = np.asarray(self.scale), np.asarray(self.zero_point)
+        shape = tuple(self.sample_shape)
+        if not (1 <= len(shape) < MAX_NDIM and all(isinstance(d, int) and d >= 1 for d in shape)
+                and math.prod(shape) <= MAX_SAMPLE_NUMEL):
+            raise PayloadError(f"a sample shape is 1..{MAX_NDIM - 1} positive dims with at most {MAX_SAMPLE_NUMEL} "
+                               f"elements, got {shape}")
+        if scale.shape != (shape[0],) or zero.shape != (shape[0],):
+            raise PayloadError(f"fixed steps hold one scale and zero point per channel ({shape[0]}), got "
+                               f"{scale.shape} and {zero.shape}")
+        if scale.dtype != np.float32 or zero.dtype != np.uint8:
+            raise PayloadError(f"scale is float32 and zero_point uint8, got {scale.dtype} and {zero.dtype}")
+        if not (np.isfinite(scale).all() and (scale > 0).all()):
+            raise PayloadError("every scale must be finite and > 0")
+        _check_range(scale, zero, torch.float32)
+        for name, value in (("scale", scale), ("zero_point", zero)):
+            value = value.copy()
+            value.flags.writeable = False
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "sample_shape", shape)
+
+    @classmethod
+    def fit(cls, bottlenecks: torch.Tensor, levels: int = CODES) -> FixedSteps:
+        """Each channel's range over ``bottlenecks`` (widened to contain 0) in ``levels - 1`` steps.
+
+        Args:
+            bottlenecks: finite floating ``[N, C, ...]``, representative (the training images').
+            levels: codes spanning the fitted range, 2..256: 256 steps as finely as 8 bits do; fewer,
+                coarser steps (values beyond the range still take the codes above, up to 255).
+
+        Example:
+            >>> FixedSteps.fit(torch.rand(8, 3, 4, 4), levels=32).sample_shape
+            (3, 4, 4)
+        """
+        from .payload import quantize
+
+        if not isinstance(bottlenecks, torch.Tensor) or bottlenecks.dim() < 2:
+            raise PayloadError("fixed steps are fitted on a floating tensor [N, C, ...]")
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 2 <= levels <= CODES:
+            raise PayloadError(f"levels must be an int in 2..{CODES}, got {levels!r}")
+        channels = bottlenecks.shape[1]
+        # quantize's per-group range in 255 steps, one group per channel; then (levels - 1) steps over it
+        _, scale, zero = quantize(bottlenecks.detach().transpose(0, 1).reshape(channels, -1), per_sample=True)
+        widen = (CODES - 1) / (levels - 1)
+        scale = scale.double() * widen
+        zero = torch.round(zero.double() / widen).to(torch.uint8)
+        return cls(scale.to(torch.float32).numpy(), zero.numpy(), tuple(int(d) for d in bottlenecks.shape[1:]))
+
+    def _view(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (1, -1) + (1,) * (len(self.sample_shape) - 1)
+        return (torch.tensor(self.scale, device=x.device, dtype=torch.float64).view(shape),
+                torch.tensor(self.zero_point, device=x.device, dtype=torch.float64).view(shape))
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 codes of ``x`` ``[N, *sample_shape]`` (clamped to each channel's range)."""
+        if tuple(x.shape[1:]) != self.sample_shape:
+            raise PayloadError(f"these fixed steps quantise samples of shape {self.sample_shape}, got a tensor of "
+                               f"shape {tuple(x.shape)}")
+        scale, zero = self._view(x)
+        return torch.round(x.detach().double() / scale + zero).clamp(0, CODES - 1).to(torch.uint8)
+
+    def dequantize(self, q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``scale_c * (q - zero_point_c)`` in float32 (as version 1 dequantises), as ``dtype``."""
+        scale, zero = self._view(q)
+        return ((q.to(torch.float32) - zero.float()) * scale.float()).to(dtype)
+
+    def to_json(self) -> dict:
+        """The steps as plain JSON data (a checkpoint's identity)."""
+        return {"scale": [float(v) for v in self.scale], "zero_point": [int(v) for v in self.zero_point],
+                "sample_shape": list(self.sample_shape)}
+
+    def to_bytes(self) -> bytes:
+        """What the tables' digest covers besides the counts."""
+        return (self.scale.astype("<f4").tobytes() + self.zero_point.tobytes()
+                + np.asarray(self.sample_shape, dtype="<u4").tobytes())
 
 
 class CodeTables:
@@ -70,7 +177,7 @@ class CodeTables:
         (3, 4)
     """
 
-    def __init__(self, counts: np.ndarray | torch.Tensor) -> None:
+    def __init__(self, counts: np.ndarray | torch.Tensor, steps: FixedSteps | None = None) -> None:
         if isinstance(counts, torch.Tensor):
             counts = counts.detach().cpu().numpy()
         counts = np.asarray(counts)
@@ -83,6 +190,9 @@ class CodeTables:
             raise PayloadError(f"every code count must be in 0..2**53, got {counts.min()}..{counts.max()}")
         self.counts = counts.astype("<i8")
         self.counts.flags.writeable = False
+        if steps is not None and steps.sample_shape[0] != self.channels:
+            raise PayloadError(f"the fixed steps cover {steps.sample_shape[0]} channels, the counts {self.channels}")
+        self.steps = steps
 
     @property
     def channels(self) -> int:
@@ -92,7 +202,8 @@ class CodeTables:
     @functools.cached_property
     def digest(self) -> bytes:
         """The 4 bytes a payload carries to name these tables (SHA-256 of the counts)."""
-        return hashlib.sha256(self.counts.astype("<u8").tobytes()).digest()[:DIGEST_BYTES]
+        steps = b"" if self.steps is None else self.steps.to_bytes()
+        return hashlib.sha256(self.counts.astype("<u8").tobytes() + steps).digest()[:DIGEST_BYTES]
 
     @functools.cached_property
     def _models(self) -> list:
@@ -105,22 +216,40 @@ class CodeTables:
                 for row in self.counts]
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """The tables as safetensors can store them: ``{"code_counts": int64 [C, 256]}``."""
-        return {_TENSOR_NAME: torch.from_numpy(self.counts.astype(np.int64))}
+        """The tables as safetensors can store them: ``{"code_counts": int64 [C, 256]}``, and with
+        fixed steps also ``scale`` (float32 [C]), ``zero_point`` (uint8 [C]), ``sample_shape`` (int64)."""
+        tensors = {_TENSOR_NAME: torch.from_numpy(self.counts.astype(np.int64))}
+        if self.steps is not None:
+            tensors.update(scale=torch.from_numpy(self.steps.scale.copy()),
+                           zero_point=torch.from_numpy(self.steps.zero_point.copy()),
+                           sample_shape=torch.tensor(self.steps.sample_shape, dtype=torch.int64))
+        return tensors
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> CodeTables:
         """Inverse of :meth:`to_tensors`; refuses anything else with :class:`PayloadError`."""
-        if set(tensors) != {_TENSOR_NAME}:
-            raise PayloadError(f"code tables are one tensor named {_TENSOR_NAME!r}, got {sorted(tensors)}")
-        tensor = tensors[_TENSOR_NAME]
-        if tensor.dtype != torch.int64:
-            raise PayloadError(f"{_TENSOR_NAME} must be int64, got {tensor.dtype}")
-        return cls(tensor)
+        if set(tensors) not in ({_TENSOR_NAME}, {_TENSOR_NAME, *_STEP_NAMES}):
+            raise PayloadError(f"code tables are a tensor named {_TENSOR_NAME!r}, with fixed steps also "
+                               f"{', '.join(map(repr, _STEP_NAMES))}; got {sorted(tensors)}")
+        wanted = {_TENSOR_NAME: torch.int64, "scale": torch.float32, "zero_point": torch.uint8,
+                  "sample_shape": torch.int64}
+        for name, tensor in tensors.items():
+            if tensor.dtype != wanted[name] or tensor.dim() != (2 if name == _TENSOR_NAME else 1):
+                raise PayloadError(f"{name} must be {'2-D' if name == _TENSOR_NAME else '1-D'} "
+                                   f"{str(wanted[name]).removeprefix('torch.')}, got {tensor.dtype} {list(tensor.shape)}")
+        steps = None
+        if "scale" in tensors:
+            shape = tensors["sample_shape"]
+            if shape.numel() > 8 or bool((shape < 1).any()) or bool((shape > MAX_SAMPLE_NUMEL).any()):
+                raise PayloadError(f"sample_shape must be 1..7 dims in 1..{MAX_SAMPLE_NUMEL}, got {shape.tolist()}")
+            steps = FixedSteps(tensors["scale"].numpy(), tensors["zero_point"].numpy(),
+                               tuple(int(d) for d in shape.tolist()))
+        return cls(tensors[_TENSOR_NAME], steps)
 
 
-#: the largest code tables file: int64 counts for MAX_CHANNELS channels and a safetensors header
-MAX_TABLES_FILE_BYTES = MAX_CHANNELS * CODES * 8 + 4096
+#: the largest code tables file: int64 counts, a float32 scale and a uint8 zero point for MAX_CHANNELS
+#: channels, a sample shape and a safetensors header
+MAX_TABLES_FILE_BYTES = MAX_CHANNELS * (CODES * 8 + 5) + 4096
 
 
 def save_code_tables(tables: CodeTables, path: str | Path) -> str:
@@ -168,11 +297,13 @@ def tables_from_bytes(data: bytes, path: str | Path, error: type[Exception]) -> 
         raise error(f"{path}: {exc}") from None
 
 
-def fit_code_tables(codes: torch.Tensor) -> CodeTables:
+def fit_code_tables(codes: torch.Tensor, steps: FixedSteps | None = None) -> CodeTables:
     """Count each channel's 8-bit codes over a representative batch.
 
     Args:
-        codes: uint8 codes [N, C, ...] (``payload.quantize(bottleneck)[0]`` of training images).
+        codes: uint8 codes [N, C, ...] (``payload.quantize(bottleneck)[0]`` of training images, or
+            ``steps.quantize(bottleneck)``).
+        steps: the fixed quantiser the codes came from, kept in the tables (payload version 3).
 
     Returns:
         The :class:`CodeTables`.
@@ -191,7 +322,7 @@ def fit_code_tables(codes: torch.Tensor) -> CodeTables:
     keyed = codes.detach().cpu().transpose(0, 1).reshape(channels, -1).to(torch.int64)
     keyed += torch.arange(channels)[:, None] * CODES
     counts = torch.bincount(keyed.reshape(-1), minlength=channels * CODES).reshape(channels, CODES)
-    return CodeTables(counts)
+    return CodeTables(counts, steps)
 
 
 def encode_codes(codes: torch.Tensor, tables: CodeTables) -> bytes:

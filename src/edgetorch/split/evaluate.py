@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .bottleneck import BottleneckModel, split
-from .coded import CodeTables, fit_code_tables
+from .coded import CodeTables, FixedSteps, fit_code_tables
 from .payload import decode, encode, payload_size, quantize
 
 JPEG_QUALITY = 90  # the offload comparison's JPEG (the planner's "jpeg")
@@ -52,8 +52,11 @@ class SplitAccuracy:
         bottleneck_shape: one image's bottleneck ``[C, h, w]``.
         float32_bytes: one image's bottleneck as float32.
         payload_bytes: one image's 8-bit payload (values and header), the exact size sent.
-        coded_payload_bytes: with code tables, the sizes of each image's entropy-coded payload
-            (the same codes, so the same accuracy), else None.
+        coded_payload_bytes: with code tables, the sizes of each image's entropy-coded payload,
+            else None.
+        coded_accuracy: with code tables, ``tail(decode(encode(head(x), tables)))``: the
+            quantized accuracy for version 2 (the same codes), the accuracy through the tables'
+            fixed steps for version 3; else None.
     """
 
     float_accuracy: float
@@ -62,6 +65,7 @@ class SplitAccuracy:
     float32_bytes: int
     payload_bytes: int
     coded_payload_bytes: PayloadSizes | None = None
+    coded_accuracy: float | None = None
 
 
 @dataclass(frozen=True)
@@ -103,15 +107,17 @@ def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int 
     head, tail = split(model.eval())
     device = next(model.parameters()).device
     images, labels = data.tensors
-    correct_float = correct_q = 0
+    correct_float = correct_q = correct_coded = 0
     shape: tuple[int, ...] = ()
     coded: list[int] = []
     for x, y in zip(images.split(batch_size), labels.split(batch_size)):
         z = head(x.to(device))
         restored = decode(encode(z)).to(device)
+        y = y.to(device)
         if tables is not None:
             coded += [len(encode(one, tables=tables)) for one in z.cpu().split(1)]
-        y = y.to(device)
+            through = decode(encode(z.cpu(), tables=tables), tables=tables, max_numel=z.numel()).to(device)
+            correct_coded += int((tail(through).argmax(1) == y).sum())
         correct_float += int((tail(z).argmax(1) == y).sum())
         correct_q += int((tail(restored).argmax(1) == y).sum())
         shape = tuple(z.shape[1:])
@@ -119,12 +125,12 @@ def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int 
     sizes = None if not coded else PayloadSizes(float(np.mean(coded)), float(np.median(coded)),
                                                  float(np.percentile(coded, 90)), max(coded), tuple(coded[:SIZE_SAMPLE]))
     return SplitAccuracy(correct_float / len(labels), correct_q / len(labels), shape, 4 * int(np.prod(shape)),
-                         payload_size((1, *shape)), sizes)
+                         payload_size((1, *shape)), sizes, None if tables is None else correct_coded / len(labels))
 
 
 @torch.inference_mode()
 def fit_payload_tables(model: BottleneckModel, data: TensorDataset, batch_size: int = EVAL_BATCH,
-                       limit: int = TABLE_IMAGES) -> CodeTables:
+                       limit: int = TABLE_IMAGES, steps: FixedSteps | None = None) -> CodeTables:
     """Code tables for a student's payloads: each channel's 8-bit codes counted over images.
 
     Args:
@@ -132,6 +138,9 @@ def fit_payload_tables(model: BottleneckModel, data: TensorDataset, batch_size: 
         data: representative images (the training set), on any device; the first ``limit`` are used.
         batch_size: images per forward pass.
         limit: the most images counted.
+        steps: a rate-trained student's fixed steps (:attr:`BottleFitRun.steps`): the codes are
+            theirs and the tables keep them (payload version 3); else each payload's own 8-bit
+            scale (version 2).
 
     Returns:
         The :class:`~edgetorch.split.coded.CodeTables` to export with the student.
@@ -144,16 +153,17 @@ def fit_payload_tables(model: BottleneckModel, data: TensorDataset, batch_size: 
     device = next(model.parameters()).device
     counts = None
     for x in data.tensors[0][:limit].split(batch_size):
-        batch = fit_code_tables(quantize(head(x.to(device)))[0]).counts
+        z = head(x.to(device))
+        batch = fit_code_tables(quantize(z)[0] if steps is None else steps.quantize(z)).counts
         counts = batch if counts is None else counts + batch
     model.train(was_training)
-    return CodeTables(counts)
+    return CodeTables(counts, steps)
 
 
 def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mean: Sequence[float] = (0.0,),
                  std: Sequence[float] = (1.0,), jpeg_qualities: Sequence[int] = (JPEG_QUALITY,),
-                 batch_size: int = EVAL_BATCH) -> dict[str, OffloadScore]:  # fmt: skip
-    """Full offload of the same images: each sent as a PNG or JPEG file, and ``model`` on the decoded files.
+                 batch_size: int = EVAL_BATCH, webp_qualities: Sequence[int] = ()) -> dict[str, OffloadScore]:  # fmt: skip
+    """Full offload of the same images: each sent as a PNG, JPEG or WebP file, and ``model`` on the decoded files.
 
     Each input is un-normalised to [0, 1] and rounded to 8 bits (the picture a device holds at the
     model's resolution), gray images as one channel; the file is encoded with PIL (PNG optimised,
@@ -166,9 +176,11 @@ def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mea
         mean, std: the normalisation the inputs carry (one value or one per channel).
         jpeg_qualities: the JPEG qualities to compare.
         batch_size: images per forward pass.
+        webp_qualities: lossy WebP qualities to compare (Pillow's libwebp, default method 4).
 
     Returns:
-        An :class:`OffloadScore` per format: ``"png"``, then ``"jpeg{q}"`` per quality (``"jpeg90"``).
+        An :class:`OffloadScore` per format: ``"png"``, then ``"jpeg{q}"`` per JPEG quality
+        (``"jpeg90"``), then ``"webp{q}"`` per WebP quality.
 
     Raises:
         ValueError: an unknown color.
@@ -181,6 +193,7 @@ def file_offload(model: nn.Module, data: TensorDataset, color: str = "gray", mea
     m, s = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
     formats = [("png", {"format": "PNG", "optimize": True})]
     formats += [(f"jpeg{q}", {"format": "JPEG", "quality": q}) for q in jpeg_qualities]
+    formats += [(f"webp{q}", {"format": "WEBP", "quality": q}) for q in webp_qualities]
     sizes: dict[str, list[int]] = {name: [] for name, _ in formats}
     correct = dict.fromkeys(sizes, 0)
     device = next(model.parameters()).device

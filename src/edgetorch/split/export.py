@@ -53,7 +53,7 @@ from torch import nn
 from .artifact import load_deployed
 from .bottleneck import BottleneckModel
 from .coded import CodeTables
-from .manifest import (CODE_TABLES, CODED_PAYLOAD, FILE_NAMES, FORMAT, FORMATS, MANIFEST_NAME, MAX_RESOLUTION, ONNX,
+from .manifest import (CODE_TABLES, CODED_PAYLOAD, FILE_NAMES, FIXED_PAYLOAD, FORMAT, FORMATS, MANIFEST_NAME, MAX_RESOLUTION, ONNX,
                        PARTS, PLAIN_PAYLOAD, Preprocess, SplitArtifactError, SplitManifest, check_class_names,
                        key_bytes, manifest_hmac)
 from .onnx_head import check_onnx, onnx_bytes
@@ -147,7 +147,8 @@ def save(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
         num_classes=int(expected.shape[1]), preprocess=preprocess, class_names=class_names,
         files={part: {"path": FILE_NAMES[part], "sha256": hashlib.sha256(blob).hexdigest(),
                       "format": FORMATS[part]} for part, blob in blobs.items()},
-        payload_format=dict(PLAIN_PAYLOAD if code_tables is None else CODED_PAYLOAD))
+        payload_format=dict(PLAIN_PAYLOAD if code_tables is None
+                            else CODED_PAYLOAD if code_tables.steps is None else FIXED_PAYLOAD))
     if key is not None:
         manifest = replace(manifest, signature=manifest_hmac(manifest, key))
     _write_new(out / MANIFEST_NAME, manifest.to_json().encode())

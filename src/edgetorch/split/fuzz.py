@@ -21,17 +21,18 @@ import torch
 
 from ..tail_defaults import READ_TIMEOUT_S
 from .loadgen import Target
-from .payload import encode
+from .payload import FIXED_VERSION, encode
 from .wire import MAX_RAW_ANSWER_BYTES, connect, status_of
 
 
 def reseal(blob: bytes) -> bytes:
     """``blob`` with its payload CRC recomputed, as an encoder that lies on purpose would (a
-    blob shorter than the fixed header is returned as it is)."""
-    if len(blob) < 13:
+    blob shorter than the fixed header is returned as it is). Version 3 keeps its CRC at bytes 6..9."""
+    at = 6 if len(blob) > 4 and blob[4] == FIXED_VERSION else 9
+    if len(blob) < at + 4:
         return blob
-    crc = zlib.crc32(blob[13:], zlib.crc32(blob[:9]))
-    return blob[:9] + struct.pack("<I", crc) + blob[13:]
+    crc = zlib.crc32(blob[at + 4:], zlib.crc32(blob[:at]))
+    return blob[:at] + struct.pack("<I", crc) + blob[at + 4:]
 
 
 class Fuzzer:

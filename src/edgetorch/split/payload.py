@@ -30,6 +30,21 @@ the codes entropy-coded with a probability table per channel instead of one byte
 tensor is the same, the payload smaller. Its length is not fixed by its shape, so :func:`decode`
 bounds the element count it claims (``max_numel``) before allocating.
 
+Version 3 (``encode(x, tables=...)`` with tables that hold fixed steps, :class:`~.coded.FixedSteps`)
+quantises with a fixed scale and zero point per channel kept in the tables, which also hold one
+sample's shape, so its header is 16 bytes::
+
+    offset  size       field
+    0       4          magic b"ETBQ"
+    4       1          version = 3
+    5       1          restored dtype (as in version 1)
+    6       4          CRC-32 of every other byte: bytes 0..5, then 10..end
+    10      2          N, the samples (dim 0), uint16, >= 1; the shape is (N, *tables' sample shape)
+    12      4          table digest (as in version 2; it covers the steps and the sample shape)
+    16      4 * W      the rANS stream, as in version 2
+
+A tensor whose version-3 payload would be larger than its version-1 payload is sent as version 1.
+
 So a version-1 payload is ``numel + 13 + 4 * ndim + 5 * G`` bytes: for a [1, 12, 28, 28] bottleneck,
 9,408 values + 34 bytes. :func:`decode` checks every field, that the length is exact and the
 checksum matches (so a corrupted payload is an error, never a plausible wrong tensor), that no
@@ -68,7 +83,11 @@ if TYPE_CHECKING:
 MAGIC = b"ETBQ"
 VERSION = 1
 CODED_VERSION = 2  # the entropy-coded codes (edgetorch.split.coded)
+FIXED_VERSION = 3  # entropy-coded codes of the tables' fixed per-channel steps
 _CODED_EXTENSION = struct.Struct("<B4s")  # coding, table digest
+_FIXED_HEADER = struct.Struct("<4sBBIH4s")  # magic, version, restored dtype, crc, samples, table digest
+_FIXED_CRC_AT = 6
+MAX_FIXED_SAMPLES = 2**16 - 1
 #: the most elements decode accepts from a version-2 payload unless told otherwise (64 MiB as float32)
 MAX_CODED_NUMEL = 2**24
 MAX_NDIM = 8
@@ -92,7 +111,7 @@ class PayloadHeader:
     """The decoded header of a payload.
 
     Attributes:
-        version: format version (1, or 2 for entropy-coded codes).
+        version: format version (1; 2 for entropy-coded codes; 3 for entropy-coded codes of fixed steps).
         per_sample: one (scale, zero point) per sample along dim 0, else one for the tensor.
         dtype: the floating dtype :func:`decode` returns.
         shape: the tensor's shape.
@@ -175,9 +194,9 @@ def _check_range(scale: np.ndarray, zero_point: np.ndarray, dtype: torch.dtype) 
     value of the group can reach is ``s * max(z, 255 - z)``; if that is finite in float32 and
     after the cast, every value of the group is.
     """
-    zero = torch.as_tensor(np.asarray(zero_point, dtype=np.float32))
+    zero = torch.tensor(np.asarray(zero_point, dtype=np.float32))  # a copy: the tables' arrays are read-only
     reach = torch.maximum(zero, _QMAX - zero)
-    scale32 = torch.as_tensor(np.asarray(scale, dtype=np.float32))
+    scale32 = torch.tensor(np.asarray(scale, dtype=np.float32))
     if not bool(torch.isfinite((scale32 * reach).to(dtype)).all()):  # float32 product, as dequantize
         worst = float((scale32.double() * reach.double()).max())
         raise PayloadError(
@@ -294,6 +313,11 @@ def encode(x: torch.Tensor, per_sample: bool = True, tables: CodeTables | None =
         >>> len(encode(torch.zeros(1, 3, 4, 4)))
         82
     """
+    if tables is not None and tables.steps is not None:
+        fixed = _encode_fixed(x, tables)
+        if len(fixed) <= payload_size(x.shape, per_sample):
+            return fixed
+        tables = None  # codes far outside the fitted ones: the 8-bit payload is smaller (and finer)
     q, scale, zero_point = quantize(x, per_sample)
     if not bool(torch.isfinite(scale).all()):
         # Finite float64 input whose range exceeds float32's: the float32 scale is inf.
@@ -319,35 +343,56 @@ def encode(x: torch.Tensor, per_sample: bool = True, tables: CodeTables | None =
     return _FIXED.pack(*fields, _checksum(unsealed, body)) + body
 
 
+def _encode_fixed(x: torch.Tensor, tables: CodeTables) -> bytes:
+    """The version-3 payload of ``x`` (module docstring): the tables' fixed steps, then rANS."""
+    from .coded import encode_codes
+
+    _check_tensor(x)
+    steps = tables.steps
+    if tuple(x.shape[1:]) != steps.sample_shape or not 1 <= x.shape[0] <= MAX_FIXED_SAMPLES:
+        raise PayloadError(f"these code tables code 1..{MAX_FIXED_SAMPLES} samples of shape {steps.sample_shape}, "
+                           f"got a tensor of shape {tuple(x.shape)}")
+    if not bool(torch.isfinite(x).all()):
+        raise PayloadError("encode needs finite values; the tensor holds NaN or inf")
+    _check_range(steps.scale, steps.zero_point, x.dtype)
+    words = encode_codes(steps.quantize(x), tables)
+    unsealed = _FIXED_HEADER.pack(MAGIC, FIXED_VERSION, _RESTORED_CODE[x.dtype], 0, x.shape[0], tables.digest)
+    crc = zlib.crc32(words, zlib.crc32(unsealed[_FIXED_CRC_AT + 4:], zlib.crc32(unsealed[:_FIXED_CRC_AT])))
+    return _FIXED_HEADER.pack(MAGIC, FIXED_VERSION, _RESTORED_CODE[x.dtype], crc, x.shape[0], tables.digest) + words
+
+
 def _checksum(fixed: bytes | memoryview, body: bytes | memoryview) -> int:
     """CRC-32 over the fixed header without its CRC field, then everything after the fixed header."""
     return zlib.crc32(body, zlib.crc32(fixed[:_CRC_AT]))
 
 
-def read_header(data: bytes | bytearray | memoryview) -> PayloadHeader:
+def read_header(data: bytes | bytearray | memoryview, tables: CodeTables | None = None) -> PayloadHeader:
     """Parse and validate a payload's header (not its length; :func:`decode` checks that).
 
     Args:
         data: the payload bytes.
+        tables: the code tables a version-3 payload names (its sample shape is theirs).
 
     Returns:
         The :class:`PayloadHeader`.
 
     Raises:
         PayloadError: not bytes, bad magic, unknown version/mode/dtype/coding, bad ndim or shape,
-            or too short to hold the header.
+            or too short to hold the header; version 3 without the tables it was coded with.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"a payload is bytes, got {type(data).__name__}")
     data = memoryview(data).cast("B")
+    if len(data) >= 5 and data[4] == FIXED_VERSION and bytes(data[:4]) == MAGIC:
+        return _read_fixed_header(data, tables)
     if len(data) < _FIXED.size:
         raise PayloadError(f"truncated payload: {len(data)} bytes, the fixed header alone is {_FIXED.size}")
     magic, version, mode, value_dtype, restored, ndim, _ = _FIXED.unpack_from(data)
     if magic != MAGIC:
         raise PayloadError(f"not an edgetorch bottleneck payload: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version not in (VERSION, CODED_VERSION):
-        raise PayloadError(f"payload format version {version} is not supported (this reader: {VERSION} and "
-                           f"{CODED_VERSION})")
+        raise PayloadError(f"payload format version {version} is not supported (this reader: {VERSION}, "
+                           f"{CODED_VERSION} and {FIXED_VERSION})")
     if mode not in (0, 1):
         raise PayloadError(f"unknown quantisation mode {mode}; accepted: 0 (per tensor), 1 (per sample)")
     if value_dtype != _UINT8:
@@ -373,6 +418,30 @@ def read_header(data: bytes | bytearray | memoryview) -> PayloadHeader:
         raise PayloadError(f"unknown coding {coding}; accepted: {CODING_ANS} (rANS, one table per channel)")
     return PayloadHeader(CODED_VERSION, mode == 1, _RESTORED[restored], shape, size + _CODED_EXTENSION.size,
                          bytes(digest))
+
+
+def _read_fixed_header(data: memoryview, tables: CodeTables | None) -> PayloadHeader:
+    if len(data) < _FIXED_HEADER.size:
+        raise PayloadError(f"truncated payload: {len(data)} bytes, a version-3 header is {_FIXED_HEADER.size}")
+    _, _, restored, _, samples, digest = _FIXED_HEADER.unpack_from(data)
+    if restored not in _RESTORED:
+        raise PayloadError(f"unknown restored dtype code {restored}; accepted: {sorted(_RESTORED)}")
+    if samples < 1:
+        raise PayloadError("a version-3 payload holds at least one sample, its header says 0")
+    _check_tables(tables, bytes(digest), FIXED_VERSION)
+    if tables.steps is None:
+        raise PayloadError("a version-3 payload needs code tables with fixed steps; these have none")
+    return PayloadHeader(FIXED_VERSION, False, _RESTORED[restored], (samples, *tables.steps.sample_shape),
+                         _FIXED_HEADER.size, bytes(digest))
+
+
+def _check_tables(tables: CodeTables | None, digest: bytes, version: int) -> None:
+    if tables is None:
+        raise PayloadError(f"an entropy-coded (version {version}) payload decodes only with the code tables it was "
+                           "coded with (the split artifact's); pass tables=")
+    if digest != tables.digest:
+        raise PayloadError(f"this payload was coded with code tables {digest.hex()}, not these "
+                           f"({tables.digest.hex()}): use the same artifact on both sides")
 
 
 def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None, tables: CodeTables | None = None,
@@ -403,19 +472,22 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None, t
     """
     if max_bytes is not None and isinstance(data, (bytes, bytearray, memoryview)) and len(data) > max_bytes:
         raise PayloadError(f"payload of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
-    header = read_header(data)
+    header = read_header(data, tables)
     data = memoryview(data).cast("B")
     if header.version == CODED_VERSION:
-        if tables is None:
-            raise PayloadError("an entropy-coded (version 2) payload decodes only with the code tables it was coded "
-                               "with (the split artifact's); pass tables=")
-        if header.table_digest != tables.digest:
-            raise PayloadError(f"this payload was coded with code tables {header.table_digest.hex()}, not these "
-                               f"({tables.digest.hex()}): use the same artifact on both sides")
-        if header.numel > max_numel:
-            raise PayloadError(f"payload shape {header.shape} claims {header.numel} elements, above the limit of "
-                               f"{max_numel}")
-    elif len(data) != header.total_bytes:
+        _check_tables(tables, header.table_digest, CODED_VERSION)
+    if header.version != VERSION and header.numel > max_numel:
+        raise PayloadError(f"payload shape {header.shape} claims {header.numel} elements, above the limit of "
+                           f"{max_numel}")
+    if header.version == FIXED_VERSION:
+        from .coded import decode_codes
+
+        crc = zlib.crc32(data[_FIXED_CRC_AT + 4:], zlib.crc32(data[:_FIXED_CRC_AT]))
+        if crc != _FIXED_HEADER.unpack_from(data)[3]:
+            raise PayloadError("corrupted payload: its CRC-32 does not match its bytes")
+        _check_range(tables.steps.scale, tables.steps.zero_point, header.dtype)
+        return tables.steps.dequantize(decode_codes(data[header.header_bytes:], header.shape, tables), header.dtype)
+    if header.version == VERSION and len(data) != header.total_bytes:
         kind = "truncated" if len(data) < header.total_bytes else "oversized"
         raise PayloadError(
             f"{kind} payload: {len(data)} bytes, but its header (shape {header.shape}) needs exactly "

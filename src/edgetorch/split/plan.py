@@ -300,6 +300,8 @@ class Accuracy:
         coded_bytes: per C, real entropy-coded payload sizes of a representative set of images
             (``split train``'s record holds the first 256 validation images'); the plan then has a
             coded row per C, each size sent over the link.
+        coded: per C, the accuracy through the coded payloads where it differs from ``split``'s
+            (a rate-trained student's version-3 payloads); else the coded row has the 8-bit one.
     """
 
     teacher: float | None
@@ -307,11 +309,13 @@ class Accuracy:
     split: dict[int, float]
     source: str
     coded_bytes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    coded: dict[int, float] = field(default_factory=dict)
 
 
 def load_accuracy(path: str | Path) -> Accuracy:
     """Read accuracies from ``{"teacher": a, "jpeg": a (optional), "split": {"C": a, ...},
-    "coded_bytes": {"C": [bytes, ...]} (optional)}``, or from the record ``edgetorch split train
+    "coded_bytes": {"C": [bytes, ...]} (optional), "coded": {"C": a} (optional: the accuracy through
+    them, where not the 8-bit one)}``, or from the record ``edgetorch split train
     --json`` writes (``student.json``: the teacher on the validation images, on their JPEG q90
     files where scored, the student through its 8-bit payload at its C, and the sizes of its
     entropy-coded payloads).
@@ -336,12 +340,14 @@ def load_accuracy(path: str | Path) -> Accuracy:
         coded = {int(c): tuple(sizes) for c, sizes in raw.get("coded_bytes", {}).items()}
         if any(not sizes or not all(0 < b < 2**32 for b in sizes) for sizes in coded.values()):
             raise ValueError("coded_bytes holds, per C, a non-empty list of payload sizes in bytes (1..2**32-1)")
-        result = Accuracy(_fraction(raw.get("teacher")), _fraction(raw.get("jpeg")), split, str(path), coded)
+        coded_accuracy = {int(c): float(a) for c, a in raw.get("coded", {}).items()}
+        result = Accuracy(_fraction(raw.get("teacher")), _fraction(raw.get("jpeg")), split, str(path), coded,
+                          coded_accuracy)
     except (TypeError, ValueError, KeyError, IndexError) as exc:
         raise InputFileError(f"{path}: not an accuracy file {{'teacher', 'jpeg', 'split': {{C: acc}}}} ({exc})") from None
     if result.teacher is None and not split:
         raise InputFileError(f"{path}: holds neither a 'teacher' nor a 'split' accuracy")
-    if any(not 0 <= a <= 1 for a in split.values()) or any(c < 1 for c in split):
+    if any(not 0 <= a <= 1 for a in (*split.values(), *result.coded.values())) or any(c < 1 for c in split):
         raise InputFileError(f"{path}: accuracies are fractions in [0, 1], per channel count C >= 1")
     return result
 
@@ -353,8 +359,10 @@ def _student_accuracy(record: dict) -> dict:
     jpeg = (evaluation.get("offload") or {}).get("jpeg90")
     c = str(student["bottleneck_shape"][0])
     coded = student.get("coded_payload_bytes")  # version-2 records
+    through = student.get("coded_accuracy")  # rate-aware training's records
     return {"teacher": evaluation["teacher_accuracy"], "jpeg": None if jpeg is None else jpeg["accuracy"],
-            "split": {c: student["quantized_accuracy"]}, **({"coded_bytes": {c: coded["sample"]}} if coded else {})}
+            "split": {c: student["quantized_accuracy"]}, **({"coded_bytes": {c: coded["sample"]}} if coded else {}),
+            **({"coded": {c: through}} if through is not None else {})}
 
 
 def _fraction(value: object) -> float | None:
@@ -504,10 +512,10 @@ def compare_deployments(times: HostTimes, file_bytes: dict[str, float], link: Li
         nbytes = payload_size((1, *times.bottleneck_shapes[c]), per_sample)
         head = (times.head_s[c] + times.payload_encode_s.get(c, 0.0)) * slowdown
         rows.append(_row(f"split C={c}", nbytes, head, on_server.tail_s[c], link, device, acc.split.get(c)))
-        if c in acc.coded_bytes and c in times.coded_encode_s:  # the same codes: the same accuracy
+        if c in acc.coded_bytes and c in times.coded_encode_s:  # version 2: the same codes, the same accuracy
             head = (times.head_s[c] + times.coded_encode_s[c]) * slowdown
             rows.append(_row(f"split C={c} coded", acc.coded_bytes[c], head, on_server.tail_s[c], link, device,
-                             acc.split.get(c)))
+                             acc.coded.get(c, acc.split.get(c))))
     return rows
 
 

@@ -244,7 +244,7 @@ def _prepare(config: RecipeConfig, device: torch.device) -> _Prepared:
     # skip_bad_images is not part of it: which images are used is, through the data fingerprint.
     identity = {**{k: v for k, v in dataclasses.asdict(config).items()
                    if k not in ("teacher_weights", "data", "bottlefit", "skip_bad_images")},
-                **{k: v for k, v in dataclasses.asdict(config.bottlefit).items() if k not in ("stage2", "freeze_encoder")},
+                **{k: v for k, v in dataclasses.asdict(config.bottlefit).items() if k not in ("stage2", "freeze_encoder", "rate_weight", "code_levels")},
                 "resize": preprocess.resize,
                 "teacher_sha256": file_sha256(config.teacher_weights) if config.teacher_weights else None,
                 "data_fingerprint": fingerprint}  # fmt: skip
@@ -317,8 +317,9 @@ def train_student(config: RecipeConfig, out_dir: str | Path, device: str | torch
             f"in {out / RECORD_NAME}")
     train = TensorDataset(*(t.to(device) for t in prepared.train.tensors))
     run = train_bottlefit(prepared.teacher, train, config.bottlefit, out, progress, log)
-    # The payload code tables, from the training images' codes (the validation images are scored with them)
-    tables = fit_payload_tables(run.student, train)
+    # The payload code tables, from the training images' codes (the validation images are scored with
+    # them); a rate-trained student's keep its fixed steps (payload version 3)
+    tables = fit_payload_tables(run.student, train, steps=run.steps)
     log("evaluating on the validation images (8-bit and entropy-coded payloads, PNG, JPEG)")
     preprocess = prepared.preprocess
     evaluation = StudentEvaluation(len(prepared.val),

@@ -379,7 +379,7 @@ def create_app(tail: nn.Module, manifest: SplitManifest, config: ServerConfig = 
         body = await _read_body(request, limit, config.read_timeout_s)
         start = time.perf_counter()
         try:
-            header = read_header(body)
+            header = read_header(body, tables)
             if tuple(header.shape[1:]) != bottleneck_shape:
                 raise _Refused(422, "shape_mismatch",
                                f"payload shape {list(header.shape)} does not match this model's bottleneck "

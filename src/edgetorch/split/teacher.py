@@ -97,7 +97,7 @@ def _cache_entry(config: TeacherConfig, cache: str | Path | None) -> CachedModel
     # "loop": 2 since BottleFit stages run the one training loop (another batch order than before):
     # a teacher cached by the earlier loop is not taken for one this version would train.
     return cached_model("split", f"teacher-{config.arch}-{config.dataset}-{config.image_size}px",
-                        {**dataclasses.asdict(config), "loop": 2}, cache)
+                        {**dataclasses.asdict(config), "stage": config.stage.identity(), "loop": 2}, cache)
 
 
 def _build(config: TeacherConfig) -> nn.Module:

@@ -45,7 +45,9 @@ from ..training.loop import RECORD_FIELDS
 from ..training.checkpoint import state_history
 from ..weights import CheckpointError
 from .bottleneck import BottleneckModel, decompose
+from .coded import FixedSteps
 from .losses import ghnd_loss, kd_loss
+from .rate import RateTerm
 
 LOSSES = ("ce", "kd", "hnd", "ghnd")
 TRAINABLE = ("all", "bottleneck", "tail")
@@ -78,6 +80,9 @@ class StageConfig:
         alpha: KD weight of the hard-label loss (paper: 0.5).
         tau: KD temperature (paper: 1).
         seed: fixes the batch order (:func:`edgetorch.training.epoch_orders`).
+        rate_weight: ``ce``/``kd`` given fixed steps (:func:`train_stage`'s ``steps``): the loss
+            adds this times the estimated bits per sample of the coded bottleneck
+            (:class:`~edgetorch.split.rate.RateTerm`); 0 trains through the rounding alone.
     """
 
     loss: str = "ghnd"
@@ -92,6 +97,7 @@ class StageConfig:
     alpha: float = 0.5
     tau: float = 1.0
     seed: int = 0
+    rate_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name, accepted in (("loss", LOSSES), ("trainable", TRAINABLE), ("optimizer", OPTIMIZERS)):
@@ -102,11 +108,24 @@ class StageConfig:
             raise ValueError(f"lr_step must be None or a positive int, got {self.lr_step!r}")
         if self.weight_decay is not None and not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be None or >= 0, got {self.weight_decay!r}")
+        if not (isinstance(self.rate_weight, (int, float)) and 0 <= self.rate_weight < float("inf")):
+            raise ValueError(f"rate_weight must be a finite number >= 0, got {self.rate_weight!r}")
+        if self.rate_weight and self.loss not in ("ce", "kd"):
+            raise ValueError(f"rate_weight applies to stage 2 (loss ce or kd), not loss={self.loss!r}")
         if not (self.lr > 0 and 0 <= self.momentum < 1 and 0 <= self.alpha <= 1 and self.tau > 0):
             raise ValueError(
                 f"need lr > 0, 0 <= momentum < 1, 0 <= alpha <= 1, tau > 0; got lr={self.lr}, "
                 f"momentum={self.momentum}, alpha={self.alpha}, tau={self.tau}"
             )
+
+
+    def identity(self) -> dict[str, Any]:
+        """The config as plain data for checkpoint and cache keys: without ``rate_weight`` when it
+        is 0, so the keys of stages trained before the rate term existed still match."""
+        fields = dataclasses.asdict(self)
+        if not self.rate_weight:
+            del fields["rate_weight"]
+        return fields
 
 
 def _trainable_parts(model: nn.Module, trainable: str) -> list[nn.Module]:
@@ -131,14 +150,20 @@ def _set_modes(model: nn.Module, parts: list[nn.Module]) -> list[nn.Parameter]:
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, config: StageConfig,
-          target_logits: torch.Tensor | None, stages) -> torch.Tensor:  # fmt: skip
-    # target_logits (kd) and stages (hnd, ghnd: the teacher's decomposition) come from train_stage,
-    # built once per stage.
-    if config.loss == "ce":
-        return F.cross_entropy(model(x), y)
-    if config.loss == "kd":
+          target_logits: torch.Tensor | None, stages, rate: RateTerm | None) -> torch.Tensor:  # fmt: skip
+    # target_logits (kd), stages (hnd, ghnd: the teacher's decomposition) and rate (fixed steps)
+    # come from train_stage, built once per stage.
+    if config.loss in ("ce", "kd"):
+        bits = 0.0
+        if rate is None:
+            logits = model(x)
+        else:
+            rounded, bits = rate(model.head(x))
+            logits = model.tail(rounded)
+        if config.loss == "ce":
+            return F.cross_entropy(logits, y) + config.rate_weight * bits
         assert target_logits is not None  # computed once per stage by train_stage
-        return kd_loss(model(x), target_logits, y, config.alpha, config.tau)
+        return kd_loss(logits, target_logits, y, config.alpha, config.tau) + config.rate_weight * bits
     with torch.no_grad():
         targets = [stages.front(x)] if config.loss == "hnd" else stages.taps(x)[:-1]
     if config.loss == "hnd":  # only the decoder output: no need to run the later blocks
@@ -195,7 +220,8 @@ def _progress(enabled: bool) -> Progress:
 
 
 def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teacher: nn.Module | None = None,
-                checkpoint_dir: str | Path | None = None, progress: bool = True) -> list[float]:  # fmt: skip
+                checkpoint_dir: str | Path | None = None, progress: bool = True,
+                steps: FixedSteps | None = None) -> list[float]:  # fmt: skip
     """Train ``model`` for one stage (see the module docstring for the paper's configurations).
 
     Args:
@@ -208,6 +234,9 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
             ``ghnd``. Kept in eval mode.
         checkpoint_dir: write a checkpoint there after every epoch and resume from it if present.
         progress: show a rich progress bar.
+        steps: ``ce``/``kd`` on a BottleneckModel: the tail trains on the bottleneck rounded with
+            these fixed steps (payload version 3's quantiser), and ``config.rate_weight`` weighs
+            the rate term (:mod:`edgetorch.split.rate`).
 
     Returns:
         The mean training loss of each epoch (of all epochs, including resumed ones). The model is
@@ -224,8 +253,16 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
         raise ValueError(f"loss={config.loss!r} needs the teacher model")
     if config.loss in ("hnd", "ghnd") and not isinstance(model, BottleneckModel):
         raise ValueError(f"loss={config.loss!r} needs a BottleneckModel, got {type(model).__name__}")
+    if config.rate_weight and steps is None:
+        raise ValueError("rate_weight > 0 needs the fixed steps the bottleneck is rounded with (steps=)")
+    if steps is not None and (config.loss not in ("ce", "kd") or not isinstance(model, BottleneckModel)):
+        raise ValueError(f"steps= trains a BottleneckModel through rounding with loss ce or kd, got loss="
+                         f"{config.loss!r} on {type(model).__name__}")
+    if config.rate_weight and config.trainable != "all":
+        raise ValueError("the rate term trains the encoder: it needs trainable='all' (the encoder frozen, only "
+                         "the rounding would be trained)")
     loop = Loop(config.epochs, config.batch_size, config.seed)
-    steps = loop.steps_per_epoch(len(data))
+    per_epoch = loop.steps_per_epoch(len(data))
     device = next(model.parameters()).device
     was_required = [p.requires_grad for p in model.parameters()]
     params = _set_modes(model, _trainable_parts(model, config.trainable))
@@ -235,11 +272,13 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
     else:
         opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=decay)
     # x0.1 every lr_step epochs, counted in steps: the loop steps a schedule after every step.
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=(config.lr_step or config.epochs + 1) * steps, gamma=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=(config.lr_step or config.epochs + 1) * per_epoch, gamma=0.1)
     checkpoint = None
     if checkpoint_dir is not None:
-        checkpoint = Checkpointing(Path(checkpoint_dir), {"stage": dataclasses.asdict(config), "train_samples": len(data)})
+        checkpoint = Checkpointing(Path(checkpoint_dir), {"stage": config.identity(), "train_samples": len(data),
+                                                          **({} if steps is None else {"steps": steps.to_json()})})
     logits = stages = None
+    rate = None if steps is None else RateTerm(steps)
     if teacher is not None:
         teacher.eval()
         stages = decompose(teacher) if config.loss in ("hnd", "ghnd") else None
@@ -250,7 +289,7 @@ def train_stage(model: nn.Module, data: TensorDataset, config: StageConfig, teac
                 logits = torch.cat([teacher(batch.to(device)) for batch in data.tensors[0].split(256)])
 
     def step(x: torch.Tensor, y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        loss = _loss(model, x, y, config, None if logits is None else logits[index.to(device)], stages)
+        loss = _loss(model, x, y, config, None if logits is None else logits[index.to(device)], stages, rate)
         loss.backward()
         return loss
 
