@@ -31,7 +31,7 @@ import hashlib
 import json
 import re
 import time
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,7 +75,7 @@ def _codec_seconds(head: torch.nn.Module, images: torch.Tensor, tables) -> tuple
     return float(np.median(encode_s)), float(np.median(decode_s))
 
 
-def _student(config: RecipeConfig, out, test, threads: int, device: str) -> tuple[dict, Any]:
+def _student(config: RecipeConfig, out, test, threads: int, device: str) -> dict:
     """Train (or load from the cache) one student and measure its payloads on ``test``."""
     run = train_student(config, out, device=device, progress=False, log=log)
     student = run.evaluation.student
@@ -106,7 +106,7 @@ def _student(config: RecipeConfig, out, test, threads: int, device: str) -> tupl
     log(f"C={row['channels']} rate {row['rate_weight']}: coded mean {coded.mean:.1f} B ({row['coded_over_8bit']:.2f}x of "
         f"{student.payload_bytes} B), accuracy coded {100 * student.coded_accuracy:.2f}% / 8-bit "
         f"{100 * student.quantized_accuracy:.2f}%, encode {1e3 * encode_s:.3f} ms, decode {1e3 * decode_s:.3f} ms")
-    return row, run
+    return row
 
 
 def _file_bytes_at(files: dict, accuracy: float) -> tuple[str, float] | None:
@@ -158,6 +158,7 @@ def main() -> None:
                              "by a device's time limit before it wrote them")
     args = parser.parse_args()
     if args.from_log:
+        _check_log_scale(args, args.from_log[0])
         rows, files, teacher_accuracy = _read_logs(*args.from_log)
         note = (f"Assembled with `--from-log` from the output of this script on the device (`{args.from_log[0]}`), whose "
                 "run was cut by the device's time limit while it scored the image files, and from `file_offload` "
@@ -185,7 +186,7 @@ def main() -> None:
                                         code_levels=args.code_levels)
             config = RecipeConfig(teacher="torchvision:resnet18", data=DATASET, teacher_weights=str(teacher_paths(tconfig)[0]),
                                   size=args.size, train_limit=args.train, val_limit=args.test, bottlefit=bottlefit)
-            rows.append(_student(config, root / f"C{c}", test, args.threads, args.device)[0])
+            rows.append(_student(config, root / f"C{c}", test, args.threads, args.device))
     files = file_offload(teacher, test, "gray", jpeg_qualities=IMAGE_QUALITIES, webp_qualities=IMAGE_QUALITIES,
                          batch_size=EVAL_BATCH)
     _report(args, rows, files, tmeta["test_accuracy"], "")
@@ -199,25 +200,35 @@ def _read_logs(log_path: str, offload_path: str) -> tuple[list[dict], dict, floa
     """Rows, image files and the teacher's accuracy from this script's log and a file_offload run's output."""
     from edgetorch.split.evaluate import OffloadScore
 
+    text = Path(log_path).read_text()
     rows = []
-    for match in _ROW_LINE.finditer(open(log_path).read()):
+    for match in _ROW_LINE.finditer(text):
         c, weight, mean, eight, coded, quantized, enc, dec = match.groups()
         rows.append({"channels": int(c), "rate_weight": None if weight == "None" else float(weight),
                      "coded_mean": float(mean), "payload_bytes_8bit": int(eight), "coded_accuracy": float(coded) / 100,
                      "accuracy_8bit": float(quantized) / 100, "coded_over_8bit": float(mean) / int(eight),
                      "encode_ms": float(enc), "decode_ms": float(dec), "coded_median": None, "coded_p90": None,
                      "coded_largest": None, "sent_8bit_share": None, "header_bytes_8bit": None})
-    lines = dict(line.split(" ", 1) for line in open(offload_path).read().splitlines() if " " in line)
+    lines = dict(line.split(" ", 1) for line in Path(offload_path).read_text().splitlines() if " " in line)
     files = {name: OffloadScore(**score) for name, score in json.loads(lines["OFFLOAD"]).items()}
     return rows, files, float(lines["TEACHER"])
 
 
 def _logged_machine(log_path: str) -> str:
     """The machine line a device log starts with (``# machine: ...``)."""
-    first = open(log_path).readline()
+    first = Path(log_path).read_text().partition("\n")[0]
     if not first.startswith("# machine: "):
         raise SystemExit(f"{log_path} must start with '# machine: ...' (where it was measured)")
     return first.removeprefix("# machine: ").strip()
+
+
+def _check_log_scale(args: argparse.Namespace, log_path: str) -> None:
+    """Refuse a log whose teacher and data are not the scale the command line names."""
+    text = Path(log_path).read_text()
+    wanted = [f"fashion-mnist-{args.size}px-", f"data: {args.train:,} training and {args.test:,} validation images"]
+    missing = [w for w in wanted if w not in text]
+    if missing:
+        raise SystemExit(f"{log_path} is not a run at the scale given ({', '.join(map(repr, missing))} not in it)")
 
 
 def _report(args: argparse.Namespace, rows: list[dict], files: dict, teacher_accuracy: float, note: str,
@@ -230,8 +241,7 @@ def _report(args: argparse.Namespace, rows: list[dict], files: dict, teacher_acc
                 and r["coded_accuracy"] >= base["accuracy_8bit"] - 0.003]
         best = min(near, key=lambda r: r["coded_mean"], default=None)
         below = [r for r in rows if r["channels"] == c and r["rate_weight"] is not None
-                 and (_file_bytes_at(files, r["coded_accuracy"]) is None
-                      or r["coded_mean"] < _file_bytes_at(files, r["coded_accuracy"])[1])]
+                 and r["coded_mean"] < (_file_bytes_at(files, r["coded_accuracy"]) or ("none", float("inf")))[1]]
         targets[str(c)] = {
             "best_within_0.3_points": None if best is None else {"rate_weight": best["rate_weight"],
                                                                   "coded_over_8bit": best["coded_over_8bit"],

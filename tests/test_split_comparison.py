@@ -38,7 +38,7 @@ def test_rows_train_in_their_directories_share_stage_1_and_resume(tmp_path):
     assert all(line.startswith("C=3 ") for line in lines)
     record = rows[3].to_json()
     assert list(record) == ["method", "family", "channels", "float_accuracy", "quantized_accuracy",
-                            "bottleneck_shape", "float32_bytes", "payload_bytes", "coded_payload_bytes", "loss_history",
+                            "bottleneck_shape", "float32_bytes", "payload_bytes", "coded_payload_bytes", "coded_accuracy", "loss_history",
                             "train_seconds", "seconds_this_run", "config", "stage1_train_seconds"]
     assert "stage1_train_seconds" not in rows[0].to_json()
     # every stage is found finished: the same rows again, nothing trained

@@ -58,7 +58,7 @@ def test_digest_pins_the_steps_and_tables_round_trip_through_safetensors():
         FixedSteps(STEPS.scale, STEPS.zero_point, (3, 2**11, 2**11))
     tensors = TABLES.to_tensors()
     tensors["sample_shape"] = torch.tensor([3, -4, 4])
-    with pytest.raises(PayloadError, match="sample_shape must be"):
+    with pytest.raises(PayloadError, match="sample shape is 1..7 positive dims"):
         CodeTables.from_tensors(tensors)
     with pytest.raises(PayloadError, match="fixed steps cover 3 channels, the counts 2"):
         CodeTables(torch.ones(2, 256, dtype=torch.int64), STEPS)
@@ -170,8 +170,52 @@ def test_coarser_levels_widen_the_steps_and_configs_refuse_what_cannot_train():
         StageConfig(loss="ghnd", rate_weight=1e-3)
     with pytest.raises(ValueError, match="finite number >= 0"):
         StageConfig(loss="ce", rate_weight=-1.0)
+    with pytest.raises(ValueError, match="give rate_weight too"):
+        BottleFitConfig(code_levels=32)
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        StageConfig(loss="ce", rate_weight=True)
+    from edgetorch.cli.split import train
+    from edgetorch.split.bottlefit import CODE_LEVELS
+
+    import inspect
+    assert inspect.signature(train).parameters["code_levels"].default.default == CODE_LEVELS  # the CLI's default
     names = [name for name, _ in BottleFitConfig(rate_weight=3e-4).stages()]
     assert names == ["stage1-ghnd", "stage2-ft-rate0.0003-levels16"]
     assert [name for name, _ in BottleFitConfig().stages()] == ["stage1-ghnd", "stage2-ft"]  # the paper's, unchanged
     # keys of stages trained before the rate term existed still match: rate_weight 0 is left out
     assert "rate_weight" not in StageConfig().identity() and StageConfig(loss="ce", rate_weight=1.0).identity()["rate_weight"] == 1.0
+
+
+def test_a_diverging_bottleneck_reaches_the_loss_as_nan_not_an_index_error():
+    z = TRAIN[:2].clone()
+    z[0, 0, 0, 0] = float("nan")
+    rounded, bits = RateTerm(STEPS)(z)
+    assert torch.isnan(bits) and torch.isnan(rounded).any()  # the loop then reports TrainingDiverged
+
+
+def test_a_resumed_rate_stage_rounds_with_the_steps_it_started_with(tmp_path):
+    from edgetorch.split.bottlefit import STEPS_NAME, _stage_steps
+
+    class Head(torch.nn.Module):
+        def __init__(self, scale: float):
+            super().__init__()
+            self.scale = scale
+
+        def forward(self, x):
+            return x * self.scale
+
+    class Student(torch.nn.Module):
+        def __init__(self, scale: float):
+            super().__init__()
+            self.head, self.w = Head(scale), torch.nn.Parameter(torch.zeros(1))
+
+    data = torch.utils.data.TensorDataset(TRAIN, torch.zeros(len(TRAIN), dtype=torch.long))
+    first = _stage_steps(Student(1.0), data, 16, tmp_path / "stage2")
+    assert (tmp_path / "stage2" / STEPS_NAME).is_file()
+    again = _stage_steps(Student(2.0), data, 16, tmp_path / "stage2")  # a refit would differ: the file wins
+    assert again.to_bytes() == first.to_bytes()
+    (tmp_path / "stage2" / STEPS_NAME).write_text('{"scale": [1], "zero_point": [300], "sample_shape": [1]}')
+    from edgetorch.weights import CheckpointError
+
+    with pytest.raises(CheckpointError, match="zero points are integers"):
+        _stage_steps(Student(1.0), data, 16, tmp_path / "stage2")

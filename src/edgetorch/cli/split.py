@@ -54,7 +54,8 @@ def train(
     architecture: str = typer.Option("paper", help=_ARCHITECTURE_HELP),
     stage2: str = typer.Option("ft", help="after GHND: ft (fine-tune with cross entropy) or kd (knowledge distillation)"),
     freeze_encoder: bool = typer.Option(False, "--freeze-encoder", metavar="", help="stage 2 trains only the tail (the paper's FE)"),
-    rate_weight: float = typer.Option(None, min=0.0, help="rate-aware stage 2: train the whole student through fixed per-channel steps with this weight per estimated bit per image (e.g. 1e-4; 0: rounding alone); payloads are then entropy-coded version 3. Default: the paper's stage 2"),
+    rate_weight: float | None = typer.Option(None, min=0.0, help="rate-aware stage 2: train the whole student through fixed per-channel steps with this weight per estimated bit per image (e.g. 1e-4; 0: rounding alone); payloads are then entropy-coded version 3. Default: the paper's stage 2"),
+    # the default is split.bottlefit.CODE_LEVELS (not imported here: it imports torch; a test checks)
     code_levels: int = typer.Option(16, min=2, max=256, help="with --rate-weight: codes spanning each bottleneck channel's range on the training images (its fixed step is range / (levels - 1)); fewer levels, coarser steps"),
     epochs: int = typer.Option(10, min=1, help="epochs per stage (paper: 10); the learning rate drops x0.1 after the first half"),
     batch_size: int = typer.Option(32, min=1, help="images per step"),
@@ -145,7 +146,7 @@ def export(
     normalize: str = typer.Option("none", help="pixel normalisation after scaling to [0, 1]: none or imagenet"),
     key_env: str = typer.Option(None, help="sign the manifest with HMAC-SHA256, the key (>= 16 bytes) read from this environment variable"),
     onnx: bool = typer.Option(False, "--onnx", metavar="", help="also write head.onnx for devices that run onnxruntime (needs edgetorch[onnx])"),
-    entropy_coding: bool = typer.Option(True, "--entropy-coding/--no-entropy-coding", metavar="", help="with --trained: payloads entropy-coded with the run's code tables (the same values in fewer bytes); --no-entropy-coding sends each 8-bit code as a byte"),
+    entropy_coding: bool = typer.Option(True, "--entropy-coding/--no-entropy-coding", metavar="", help="with --trained: payloads entropy-coded with the run's code tables (today's student: the same values in fewer bytes; a --rate-weight student: its fixed steps, payload version 3); --no-entropy-coding sends each 8-bit code as a byte"),
     json_path: Path = typer.Option(None, "--json", callback=output_file, help="write what was exported (shapes, files, SHA-256) here"),
 ) -> None:
     """Write head.safetensors, tail.safetensors and manifest.json for a bottleneck-injected model."""

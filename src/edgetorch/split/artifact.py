@@ -17,7 +17,7 @@ from torch import nn
 from .._files import open_regular, read_bytes
 from .bottleneck import BottleneckModel, rebuild
 from .coded import MAX_TABLES_FILE_BYTES, CodeTables, tables_from_bytes
-from .manifest import (CODE_TABLES, FIXED_PAYLOAD, MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_PART_BYTES, ONNX, PARTS, SplitArtifactError,
+from .manifest import (CODE_TABLES, STEPS_PAYLOAD, MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_PART_BYTES, ONNX, PARTS, SplitArtifactError,
                        SplitManifest, check_artifact_id, manifest_hmac)
 
 class CheckedInput(nn.Module):
@@ -214,7 +214,7 @@ def load_code_tables(artifact_dir: str | Path, manifest: SplitManifest) -> CodeT
     if tables.channels != manifest.bottleneck_shape[0]:
         raise SplitArtifactError(f"{path} holds tables for {tables.channels} channels; the bottleneck has "
                                  f"{manifest.bottleneck_shape[0]}")
-    fixed = manifest.payload_format == FIXED_PAYLOAD
+    fixed = manifest.payload_format == STEPS_PAYLOAD
     if fixed != (tables.steps is not None):
         raise SplitArtifactError(f"{path}: payload version {manifest.payload_format['version']} needs code tables "
                                  f"{'with' if fixed else 'without'} fixed steps")

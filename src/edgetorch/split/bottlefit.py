@@ -21,12 +21,15 @@ from torch.utils.data import TensorDataset
 from ..training import seeded
 from .bottleneck import ARCHITECTURES, SPLIT_POINTS, BottleneckModel, inject_bottleneck
 from .coded import FixedSteps
+from .payload import PayloadError
 from .evaluate import EVAL_BATCH, TABLE_IMAGES
 from .train import StageConfig, stage_progress, train_stage
 
 STAGE2 = ("ft", "kd")
-#: rate-aware stage 2's default codes per channel range: measured best of the 64 px calibration runs
-#: (C=12, one epoch: 256 levels gave 639 B at rate 1e-4, 16 levels 288 B at rate 0, both near 87%)
+STEPS_NAME = "fixed_steps.json"  # a rate-aware stage 2's steps, in its checkpoint directory
+#: rate-aware stage 2's default codes per channel range, chosen in one-epoch 64 px trials before the
+#: measured runs (not kept as results; with 256 levels, the 8-bit step, the batch histogram is too
+#: sparse to steer the encoder); every run in docs/results/split_coded*.md used it
 CODE_LEVELS = 16
 Log = Callable[[str], None]
 
@@ -104,6 +107,8 @@ class BottleFitConfig:
                              "freeze_encoder=False")
         if isinstance(self.code_levels, bool) or not isinstance(self.code_levels, int) or not 2 <= self.code_levels <= 256:
             raise ValueError(f"code_levels must be an int in 2..256, got {self.code_levels!r}")
+        if self.rate_weight is None and self.code_levels != CODE_LEVELS:
+            raise ValueError("code_levels sets the fixed steps of rate-aware stage 2: give rate_weight too")
         self.stages()  # StageConfig checks epochs, batch size, learning rate, seed and rate weight
 
     def stages(self) -> list[tuple[str, StageConfig]]:
@@ -238,11 +243,30 @@ def train_bottlefit(teacher: nn.Module, train: TensorDataset, config: BottleFitC
     student = build_student(teacher, config)
     runs, steps = [], None
     for name, stage in config.stages():
+        directory = Path(out_dir) / name
         if stage.loss in ("ce", "kd") and config.rate_weight is not None:
-            # fitted on the stage-1 student, which a resumed run rebuilds first: the same steps
-            steps = fit_steps(student, train, config.code_levels)
-        runs.append(run_stage(student, train, stage, teacher, Path(out_dir) / name, progress, log, steps))
+            steps = _stage_steps(student, train, config.code_levels, directory)
+        runs.append(run_stage(student, train, stage, teacher, directory, progress, log, steps))
     return BottleFitRun(student, runs, steps)
+
+
+def _stage_steps(student: BottleneckModel, train: TensorDataset, levels: int, directory: Path) -> FixedSteps:
+    """The rate-aware stage's fixed steps: fitted on the stage-1 student when the stage starts and kept
+    in its directory (``fixed_steps.json``), so a resumed stage rounds with the very same steps (a refit
+    on another device or torch could differ in the last bit)."""
+    from .._files import read_json, write_json_atomically
+    from ..weights import CheckpointError
+
+    path = directory / STEPS_NAME
+    if path.is_file():
+        try:
+            return FixedSteps.from_json(read_json(path, error=CheckpointError))
+        except PayloadError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+    steps = fit_steps(student, train, levels)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(path, steps.to_json())
+    return steps
 
 
 @torch.inference_mode()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,13 +64,14 @@ _STEP_NAMES = ("scale", "zero_point", "sample_shape")
 MAX_SAMPLE_NUMEL = 2**20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compare to_bytes() where equality is wanted
 class FixedSteps:
     """A fixed 8-bit affine quantiser per channel: ``q = clamp(round(x / scale_c) + zero_point_c, 0, 255)``.
 
     Payload version 3 quantises with it (no per-sample scale travels); :mod:`.rate` trains a student
-    against it. Values outside a channel's fitted range are clamped to it (as a trained codec's
-    quantiser does); inside, the error is at most ``scale_c / 2``.
+    against it. Within the range of codes 0..255 the error is at most ``scale_c / 2``; values beyond
+    it are clamped to its nearest end. (Fitted with fewer than 256 levels, the codes above the last
+    level still carry values beyond the fitted range, up to 255 steps from the zero point.)
 
     Attributes:
         scale: float32 [C], finite and > 0.
@@ -85,9 +87,12 @@ class FixedSteps:
         from .payload import MAX_NDIM, _check_range
 
         scale, zero = np.asarray(self.scale), np.asarray(self.zero_point)
-        shape = tuple(self.sample_shape)
-        if not (1 <= len(shape) < MAX_NDIM and all(isinstance(d, int) and d >= 1 for d in shape)
-                and math.prod(shape) <= MAX_SAMPLE_NUMEL):
+        try:  # operator.index: ints and numpy integers, not 2.5, "3" or True
+            shape = tuple(operator.index(d) for d in self.sample_shape if not isinstance(d, bool))
+        except TypeError:
+            shape = ()
+        if not (len(shape) == len(tuple(self.sample_shape)) and 1 <= len(shape) < MAX_NDIM
+                and all(d >= 1 for d in shape) and math.prod(shape) <= MAX_SAMPLE_NUMEL):
             raise PayloadError(f"a sample shape is 1..{MAX_NDIM - 1} positive dims with at most {MAX_SAMPLE_NUMEL} "
                                f"elements, got {shape}")
         if scale.shape != (shape[0],) or zero.shape != (shape[0],):
@@ -131,23 +136,39 @@ class FixedSteps:
         zero = torch.round(zero.double() / widen).to(torch.uint8)
         return cls(scale.to(torch.float32).numpy(), zero.numpy(), tuple(int(d) for d in bottlenecks.shape[1:]))
 
-    def _view(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def broadcast(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, zero_point)`` as float64 ``[1, C, 1, ...]`` on ``device``, to broadcast over ``[N, *sample_shape]``."""
         shape = (1, -1) + (1,) * (len(self.sample_shape) - 1)
-        return (torch.tensor(self.scale, device=x.device, dtype=torch.float64).view(shape),
-                torch.tensor(self.zero_point, device=x.device, dtype=torch.float64).view(shape))
+        return (torch.tensor(self.scale, device=device, dtype=torch.float64).view(shape),
+                torch.tensor(self.zero_point, device=device, dtype=torch.float64).view(shape))
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """uint8 codes of ``x`` ``[N, *sample_shape]`` (clamped to each channel's range)."""
+        """uint8 codes (on the CPU) of ``x`` ``[N, *sample_shape]``, clamped to 0..255."""
         if tuple(x.shape[1:]) != self.sample_shape:
             raise PayloadError(f"these fixed steps quantise samples of shape {self.sample_shape}, got a tensor of "
                                f"shape {tuple(x.shape)}")
-        scale, zero = self._view(x)
-        return torch.round(x.detach().double() / scale + zero).clamp(0, CODES - 1).to(torch.uint8)
+        scale, zero = self.broadcast()
+        # float64 on the CPU (as version 1 quantises): every device, MPS too, gives the same codes,
+        # and rate.RateTerm rounds with the same formula
+        return torch.round(x.detach().to("cpu", torch.float64) / scale + zero).clamp(0, CODES - 1).to(torch.uint8)
 
     def dequantize(self, q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``scale_c * (q - zero_point_c)`` in float32 (as version 1 dequantises), as ``dtype``."""
-        scale, zero = self._view(q)
+        scale, zero = self.broadcast(q.device)
         return ((q.to(torch.float32) - zero.float()) * scale.float()).to(dtype)
+
+    @classmethod
+    def from_json(cls, data: object) -> FixedSteps:
+        """Inverse of :meth:`to_json`; refuses anything else with :class:`PayloadError`."""
+        if not isinstance(data, dict) or set(data) != {"scale", "zero_point", "sample_shape"}:
+            raise PayloadError("fixed steps are {'scale': [...], 'zero_point': [...], 'sample_shape': [...]}")
+        try:
+            zero = np.asarray(data["zero_point"])
+            if zero.dtype.kind not in "iu" or zero.size and not (zero.min() >= 0 and zero.max() < CODES):
+                raise ValueError(f"zero points are integers in 0..{CODES - 1}")
+            return cls(np.asarray(data["scale"], dtype=np.float32), zero.astype(np.uint8), tuple(data["sample_shape"]))
+        except (TypeError, ValueError) as exc:
+            raise PayloadError(f"fixed steps: {exc}") from None
 
     def to_json(self) -> dict:
         """The steps as plain JSON data (a checkpoint's identity)."""
@@ -240,10 +261,9 @@ class CodeTables:
         steps = None
         if "scale" in tensors:
             shape = tensors["sample_shape"]
-            if shape.numel() > 8 or bool((shape < 1).any()) or bool((shape > MAX_SAMPLE_NUMEL).any()):
-                raise PayloadError(f"sample_shape must be 1..7 dims in 1..{MAX_SAMPLE_NUMEL}, got {shape.tolist()}")
-            steps = FixedSteps(tensors["scale"].numpy(), tensors["zero_point"].numpy(),
-                               tuple(int(d) for d in shape.tolist()))
+            if shape.numel() > 8:  # checked before tolist(): FixedSteps checks the rest
+                raise PayloadError(f"sample_shape must have 1..7 dims, got {shape.numel()}")
+            steps = FixedSteps(tensors["scale"].numpy(), tensors["zero_point"].numpy(), tuple(shape.tolist()))
         return cls(tensors[_TENSOR_NAME], steps)
 
 

@@ -114,9 +114,10 @@ def evaluate_split(model: BottleneckModel, data: TensorDataset, batch_size: int 
         z = head(x.to(device))
         restored = decode(encode(z)).to(device)
         y = y.to(device)
-        if tables is not None:
-            coded += [len(encode(one, tables=tables)) for one in z.cpu().split(1)]
-            through = decode(encode(z.cpu(), tables=tables), tables=tables, max_numel=z.numel()).to(device)
+        if tables is not None:  # each image's own payload: its size, and the tensor the tail gets from it
+            blobs = [encode(one, tables=tables) for one in z.cpu().split(1)]
+            coded += [len(blob) for blob in blobs]
+            through = torch.cat([decode(blob, tables=tables) for blob in blobs]).to(device)
             correct_coded += int((tail(through).argmax(1) == y).sum())
         correct_float += int((tail(z).argmax(1) == y).sum())
         correct_q += int((tail(restored).argmax(1) == y).sum())

@@ -53,7 +53,7 @@ from torch import nn
 from .artifact import load_deployed
 from .bottleneck import BottleneckModel
 from .coded import CodeTables
-from .manifest import (CODE_TABLES, CODED_PAYLOAD, FILE_NAMES, FIXED_PAYLOAD, FORMAT, FORMATS, MANIFEST_NAME, MAX_RESOLUTION, ONNX,
+from .manifest import (CODE_TABLES, CODED_PAYLOAD, FILE_NAMES, STEPS_PAYLOAD, FORMAT, FORMATS, MANIFEST_NAME, MAX_RESOLUTION, ONNX,
                        PARTS, PLAIN_PAYLOAD, Preprocess, SplitArtifactError, SplitManifest, check_class_names,
                        key_bytes, manifest_hmac)
 from .onnx_head import check_onnx, onnx_bytes
@@ -134,6 +134,10 @@ def save(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
             if code_tables.channels != bottleneck.shape[1]:
                 raise ValueError(f"the code tables cover {code_tables.channels} channels; this bottleneck has "
                                  f"{bottleneck.shape[1]}: fit them on this model's codes")
+            if code_tables.steps is not None and code_tables.steps.sample_shape != tuple(bottleneck.shape[1:]):
+                raise ValueError(f"the code tables' fixed steps are for bottlenecks of shape "
+                                 f"{code_tables.steps.sample_shape}; this one at {resolution} px is "
+                                 f"{tuple(bottleneck.shape[1:])}: export at the resolution the student trained at")
             blobs[CODE_TABLES] = serialize(code_tables.to_tensors(), metadata={"part": CODE_TABLES, "format": FORMAT})
     finally:
         model.train(was_training)
@@ -148,7 +152,7 @@ def save(model: BottleneckModel, out_dir: str | Path, resolution: int = 224,
         files={part: {"path": FILE_NAMES[part], "sha256": hashlib.sha256(blob).hexdigest(),
                       "format": FORMATS[part]} for part, blob in blobs.items()},
         payload_format=dict(PLAIN_PAYLOAD if code_tables is None
-                            else CODED_PAYLOAD if code_tables.steps is None else FIXED_PAYLOAD))
+                            else CODED_PAYLOAD if code_tables.steps is None else STEPS_PAYLOAD))
     if key is not None:
         manifest = replace(manifest, signature=manifest_hmac(manifest, key))
     _write_new(out / MANIFEST_NAME, manifest.to_json().encode())

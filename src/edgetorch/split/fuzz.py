@@ -21,14 +21,14 @@ import torch
 
 from ..tail_defaults import READ_TIMEOUT_S
 from .loadgen import Target
-from .payload import FIXED_VERSION, encode
+from .payload import _CRC_AT, _STEPS_CRC_AT, STEPS_VERSION, encode
 from .wire import MAX_RAW_ANSWER_BYTES, connect, status_of
 
 
 def reseal(blob: bytes) -> bytes:
     """``blob`` with its payload CRC recomputed, as an encoder that lies on purpose would (a
     blob shorter than the fixed header is returned as it is). Version 3 keeps its CRC at bytes 6..9."""
-    at = 6 if len(blob) > 4 and blob[4] == FIXED_VERSION else 9
+    at = _STEPS_CRC_AT if len(blob) > 4 and blob[4] == STEPS_VERSION else _CRC_AT
     if len(blob) < at + 4:
         return blob
     crc = zlib.crc32(blob[at + 4:], zlib.crc32(blob[:at]))

@@ -46,7 +46,7 @@ PLAIN_PAYLOAD = {"magic": payload.MAGIC.decode(), "version": payload.VERSION, "p
 CODED_PAYLOAD = {"magic": payload.MAGIC.decode(), "version": payload.CODED_VERSION, "per_sample": True,
                  "coding": "rans-per-channel"}
 #: entropy-coded codes of the code tables' fixed per-channel steps (a rate-trained student's)
-FIXED_PAYLOAD = {"magic": payload.MAGIC.decode(), "version": payload.FIXED_VERSION, "per_sample": False,
+STEPS_PAYLOAD = {"magic": payload.MAGIC.decode(), "version": payload.STEPS_VERSION, "per_sample": False,
                  "coding": "rans-per-channel"}
 
 
@@ -136,7 +136,7 @@ class SplitManifest:
     @property
     def coded(self) -> bool:
         """Payloads are entropy-coded (version 2, or 3 with fixed steps) with the artifact's code tables."""
-        return self.payload_format in (CODED_PAYLOAD, FIXED_PAYLOAD)
+        return self.payload_format in (CODED_PAYLOAD, STEPS_PAYLOAD)
 
     @property
     def arch(self) -> str:
@@ -235,9 +235,9 @@ class SplitManifest:
             if entry["path"] != FILE_NAMES[part] or entry["format"] != FORMATS[part]:
                 raise SplitArtifactError(f"{MANIFEST_NAME}: {part} must be {FILE_NAMES[part]} in format "
                                          f"{FORMATS[part]}, got {entry['path']!r} ({entry['format']!r})")
-        if manifest.payload_format not in (PLAIN_PAYLOAD, CODED_PAYLOAD, FIXED_PAYLOAD):
+        if manifest.payload_format not in (PLAIN_PAYLOAD, CODED_PAYLOAD, STEPS_PAYLOAD):
             raise SplitArtifactError(f"{MANIFEST_NAME}: payload format {manifest.payload_format} is none of "
-                                     f"{PLAIN_PAYLOAD}, {CODED_PAYLOAD}, {FIXED_PAYLOAD}")
+                                     f"{PLAIN_PAYLOAD}, {CODED_PAYLOAD}, {STEPS_PAYLOAD}")
         if manifest.coded != (CODE_TABLES in manifest.files):
             raise SplitArtifactError(f"{MANIFEST_NAME}: an entropy-coded payload format needs {CODE_TABLES} in "
                                      "files, and only it may list them")

@@ -83,11 +83,11 @@ if TYPE_CHECKING:
 MAGIC = b"ETBQ"
 VERSION = 1
 CODED_VERSION = 2  # the entropy-coded codes (edgetorch.split.coded)
-FIXED_VERSION = 3  # entropy-coded codes of the tables' fixed per-channel steps
+STEPS_VERSION = 3  # entropy-coded codes of the tables' fixed per-channel steps
 _CODED_EXTENSION = struct.Struct("<B4s")  # coding, table digest
-_FIXED_HEADER = struct.Struct("<4sBBIH4s")  # magic, version, restored dtype, crc, samples, table digest
-_FIXED_CRC_AT = 6
-MAX_FIXED_SAMPLES = 2**16 - 1
+_STEPS_HEADER = struct.Struct("<4sBBIH4s")  # magic, version, restored dtype, crc, samples, table digest
+_STEPS_CRC_AT = 6
+MAX_STEPS_SAMPLES = 2**16 - 1
 #: the most elements decode accepts from a version-2 payload unless told otherwise (64 MiB as float32)
 MAX_CODED_NUMEL = 2**24
 MAX_NDIM = 8
@@ -116,8 +116,8 @@ class PayloadHeader:
         dtype: the floating dtype :func:`decode` returns.
         shape: the tensor's shape.
         header_bytes: bytes before the quantised values (fixed part, shape, scales/zero points;
-            in version 2 also the coding byte and the table digest).
-        table_digest: version 2: the digest of the code tables it was coded with; else None.
+            in version 2 also the coding byte and the table digest; version 3: 16).
+        table_digest: versions 2 and 3: the digest of the code tables it was coded with; else None.
     """
 
     version: int
@@ -134,8 +134,8 @@ class PayloadHeader:
 
     @property
     def total_bytes(self) -> int | None:
-        """The exact length a valid version-1 payload with this header has (None in version 2,
-        whose length depends on the codes)."""
+        """The exact length a valid version-1 payload with this header has (None in versions 2 and
+        3, whose length depends on the codes)."""
         return self.header_bytes + self.numel if self.version == VERSION else None
 
 
@@ -295,8 +295,11 @@ def encode(x: torch.Tensor, per_sample: bool = True, tables: CodeTables | None =
             per sample), else one pair for the whole tensor.
         tables: :class:`~edgetorch.split.coded.CodeTables` with one table per channel (dim 1 of
             ``x``): the version-2 payload, which :func:`decode` with the same tables turns into
-            the same tensor as version 1's; version 1 where that is no larger (codes far from
-            the fitted ones can cost more than a byte each).
+            the same tensor as version 1's; with fixed steps in the tables, version 3 (the
+            tables' quantiser: the tensor within half a step inside each channel's codes).
+            Version 1 where the coded payload would be larger (codes far from the fitted ones can
+            cost more than a byte each) or version 3 cannot carry the tensor (over 65,535
+            samples, steps whose range overflows its dtype).
 
     Returns:
         The payload: ``len(result) == payload_size(x.shape, per_sample)`` in version 1, at most
@@ -307,17 +310,20 @@ def encode(x: torch.Tensor, per_sample: bool = True, tables: CodeTables | None =
             dense floating (see :func:`quantize`), a bad shape, non-finite values, or values whose
             dequantised range overflows float32 or the tensor's own dtype (float16 near 65504,
             float32/bfloat16 near 3.4e38, float64 beyond float32's range); with ``tables``, also
-            a tensor whose dim 1 is not the tables' channels.
+            a tensor whose dim 1 is not the tables' channels (with fixed steps: whose sample
+            shape is not theirs).
 
     Example:
         >>> len(encode(torch.zeros(1, 3, 4, 4)))
         82
     """
     if tables is not None and tables.steps is not None:
-        fixed = _encode_fixed(x, tables)
-        if len(fixed) <= payload_size(x.shape, per_sample):
-            return fixed
-        tables = None  # codes far outside the fitted ones: the 8-bit payload is smaller (and finer)
+        stepped = _encode_steps(x, tables)
+        if stepped is not None and len(stepped) <= payload_size(x.shape, per_sample):
+            return stepped
+        # codes far outside the fitted ones (the 8-bit payload is smaller and finer), or what version 3
+        # cannot carry (more samples than its header counts, a range the tensor's dtype cannot hold)
+        tables = None
     q, scale, zero_point = quantize(x, per_sample)
     if not bool(torch.isfinite(scale).all()):
         # Finite float64 input whose range exceeds float32's: the float32 scale is inf.
@@ -343,22 +349,33 @@ def encode(x: torch.Tensor, per_sample: bool = True, tables: CodeTables | None =
     return _FIXED.pack(*fields, _checksum(unsealed, body)) + body
 
 
-def _encode_fixed(x: torch.Tensor, tables: CodeTables) -> bytes:
-    """The version-3 payload of ``x`` (module docstring): the tables' fixed steps, then rANS."""
+def _encode_steps(x: torch.Tensor, tables: CodeTables) -> bytes | None:
+    """The version-3 payload of ``x`` (module docstring): the tables' fixed steps, then rANS; None
+    where version 3 cannot carry it (over 65,535 samples, or steps whose range overflows ``x``'s dtype)."""
     from .coded import encode_codes
 
     _check_tensor(x)
     steps = tables.steps
-    if tuple(x.shape[1:]) != steps.sample_shape or not 1 <= x.shape[0] <= MAX_FIXED_SAMPLES:
-        raise PayloadError(f"these code tables code 1..{MAX_FIXED_SAMPLES} samples of shape {steps.sample_shape}, "
-                           f"got a tensor of shape {tuple(x.shape)}")
+    if tuple(x.shape[1:]) != steps.sample_shape:
+        raise PayloadError(f"these code tables code samples of shape {steps.sample_shape}, got a tensor of shape "
+                           f"{tuple(x.shape)}")
     if not bool(torch.isfinite(x).all()):
         raise PayloadError("encode needs finite values; the tensor holds NaN or inf")
-    _check_range(steps.scale, steps.zero_point, x.dtype)
+    try:
+        _check_range(steps.scale, steps.zero_point, x.dtype)
+    except PayloadError:
+        return None
+    if x.shape[0] > MAX_STEPS_SAMPLES:
+        return None
     words = encode_codes(steps.quantize(x), tables)
-    unsealed = _FIXED_HEADER.pack(MAGIC, FIXED_VERSION, _RESTORED_CODE[x.dtype], 0, x.shape[0], tables.digest)
-    crc = zlib.crc32(words, zlib.crc32(unsealed[_FIXED_CRC_AT + 4:], zlib.crc32(unsealed[:_FIXED_CRC_AT])))
-    return _FIXED_HEADER.pack(MAGIC, FIXED_VERSION, _RESTORED_CODE[x.dtype], crc, x.shape[0], tables.digest) + words
+    header = bytearray(_STEPS_HEADER.pack(MAGIC, STEPS_VERSION, _RESTORED_CODE[x.dtype], 0, x.shape[0], tables.digest))
+    struct.pack_into("<I", header, _STEPS_CRC_AT, _steps_checksum(bytes(header) + words))
+    return bytes(header) + words
+
+
+def _steps_checksum(payload: bytes | memoryview) -> int:
+    """Version 3's CRC-32: every byte but the CRC field's own."""
+    return zlib.crc32(payload[_STEPS_CRC_AT + 4:], zlib.crc32(payload[:_STEPS_CRC_AT]))
 
 
 def _checksum(fixed: bytes | memoryview, body: bytes | memoryview) -> int:
@@ -383,8 +400,8 @@ def read_header(data: bytes | bytearray | memoryview, tables: CodeTables | None 
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise PayloadError(f"a payload is bytes, got {type(data).__name__}")
     data = memoryview(data).cast("B")
-    if len(data) >= 5 and data[4] == FIXED_VERSION and bytes(data[:4]) == MAGIC:
-        return _read_fixed_header(data, tables)
+    if len(data) >= 5 and data[4] == STEPS_VERSION and bytes(data[:4]) == MAGIC:
+        return _read_steps_header(data, tables)
     if len(data) < _FIXED.size:
         raise PayloadError(f"truncated payload: {len(data)} bytes, the fixed header alone is {_FIXED.size}")
     magic, version, mode, value_dtype, restored, ndim, _ = _FIXED.unpack_from(data)
@@ -392,7 +409,7 @@ def read_header(data: bytes | bytearray | memoryview, tables: CodeTables | None 
         raise PayloadError(f"not an edgetorch bottleneck payload: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version not in (VERSION, CODED_VERSION):
         raise PayloadError(f"payload format version {version} is not supported (this reader: {VERSION}, "
-                           f"{CODED_VERSION} and {FIXED_VERSION})")
+                           f"{CODED_VERSION} and {STEPS_VERSION})")
     if mode not in (0, 1):
         raise PayloadError(f"unknown quantisation mode {mode}; accepted: 0 (per tensor), 1 (per sample)")
     if value_dtype != _UINT8:
@@ -420,19 +437,19 @@ def read_header(data: bytes | bytearray | memoryview, tables: CodeTables | None 
                          bytes(digest))
 
 
-def _read_fixed_header(data: memoryview, tables: CodeTables | None) -> PayloadHeader:
-    if len(data) < _FIXED_HEADER.size:
-        raise PayloadError(f"truncated payload: {len(data)} bytes, a version-3 header is {_FIXED_HEADER.size}")
-    _, _, restored, _, samples, digest = _FIXED_HEADER.unpack_from(data)
+def _read_steps_header(data: memoryview, tables: CodeTables | None) -> PayloadHeader:
+    if len(data) < _STEPS_HEADER.size:
+        raise PayloadError(f"truncated payload: {len(data)} bytes, a version-3 header is {_STEPS_HEADER.size}")
+    _, _, restored, _, samples, digest = _STEPS_HEADER.unpack_from(data)
     if restored not in _RESTORED:
         raise PayloadError(f"unknown restored dtype code {restored}; accepted: {sorted(_RESTORED)}")
     if samples < 1:
         raise PayloadError("a version-3 payload holds at least one sample, its header says 0")
-    _check_tables(tables, bytes(digest), FIXED_VERSION)
+    _check_tables(tables, bytes(digest), STEPS_VERSION)
     if tables.steps is None:
         raise PayloadError("a version-3 payload needs code tables with fixed steps; these have none")
-    return PayloadHeader(FIXED_VERSION, False, _RESTORED[restored], (samples, *tables.steps.sample_shape),
-                         _FIXED_HEADER.size, bytes(digest))
+    return PayloadHeader(STEPS_VERSION, False, _RESTORED[restored], (samples, *tables.steps.sample_shape),
+                         _STEPS_HEADER.size, bytes(digest))
 
 
 def _check_tables(tables: CodeTables | None, digest: bytes, version: int) -> None:
@@ -451,20 +468,23 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None, t
     Args:
         data: bytes produced by :func:`encode`.
         max_bytes: if given, payloads longer than this are rejected before anything is allocated.
-        tables: the code tables a version-2 payload was coded with (a version-1 payload needs none).
-        max_numel: a version-2 payload claiming more elements is refused before anything is
-            allocated (its length does not bound them: a likely code costs almost no bits).
+        tables: the code tables a version-2 or version-3 payload was coded with (a version-1
+            payload needs none).
+        max_numel: a coded (version 2 or 3) payload claiming more elements is refused before
+            anything is allocated (its length does not bound them: a likely code costs almost no bits).
 
     Returns:
-        A CPU tensor of the encoded shape and dtype, within ``scale / 2`` of what was encoded.
+        A CPU tensor of the encoded shape and dtype: within ``scale / 2`` of what was encoded in
+        versions 1 and 2; in version 3 within half a step of it where it lay inside the range of
+        codes 0..255 of the tables' steps, else that range's nearest end.
 
     Raises:
         PayloadError: any malformed payload: too long, truncated or with trailing bytes, bad
             header fields, a checksum mismatch, a scale that is not finite and positive, or a
             scale and zero point that would dequantise to inf in float32 or the restored dtype
-            (so a decoded tensor is always finite); version 2: no tables or other tables than it
-            was coded with, more than ``max_numel`` elements, or a stream that does not decode to
-            exactly its codes.
+            (so a decoded tensor is always finite); versions 2 and 3: no tables or other tables than
+            it was coded with (version 3: tables without fixed steps), more than ``max_numel``
+            elements, or a stream that does not decode to exactly its codes.
 
     Example:
         >>> decode(encode(torch.ones(2, 2))).tolist()
@@ -479,11 +499,10 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None, t
     if header.version != VERSION and header.numel > max_numel:
         raise PayloadError(f"payload shape {header.shape} claims {header.numel} elements, above the limit of "
                            f"{max_numel}")
-    if header.version == FIXED_VERSION:
+    if header.version == STEPS_VERSION:
         from .coded import decode_codes
 
-        crc = zlib.crc32(data[_FIXED_CRC_AT + 4:], zlib.crc32(data[:_FIXED_CRC_AT]))
-        if crc != _FIXED_HEADER.unpack_from(data)[3]:
+        if _steps_checksum(data) != _STEPS_HEADER.unpack_from(data)[3]:
             raise PayloadError("corrupted payload: its CRC-32 does not match its bytes")
         _check_range(tables.steps.scale, tables.steps.zero_point, header.dtype)
         return tables.steps.dequantize(decode_codes(data[header.header_bytes:], header.shape, tables), header.dtype)

@@ -512,7 +512,7 @@ def compare_deployments(times: HostTimes, file_bytes: dict[str, float], link: Li
         nbytes = payload_size((1, *times.bottleneck_shapes[c]), per_sample)
         head = (times.head_s[c] + times.payload_encode_s.get(c, 0.0)) * slowdown
         rows.append(_row(f"split C={c}", nbytes, head, on_server.tail_s[c], link, device, acc.split.get(c)))
-        if c in acc.coded_bytes and c in times.coded_encode_s:  # version 2: the same codes, the same accuracy
+        if c in acc.coded_bytes and c in times.coded_encode_s:  # at the accuracy through them where known
             head = (times.head_s[c] + times.coded_encode_s[c]) * slowdown
             rows.append(_row(f"split C={c} coded", acc.coded_bytes[c], head, on_server.tail_s[c], link, device,
                              acc.coded.get(c, acc.split.get(c))))

@@ -62,19 +62,21 @@ class RateTerm:
             (straight through), and the estimated bits per sample (a scalar with a gradient).
         """
         channels = self.steps.sample_shape[0]
-        view = (1, channels) + (1,) * (z.dim() - 2)
-        scale = torch.tensor(self.steps.scale, device=z.device).view(view)
-        zero = torch.tensor(self.steps.zero_point, device=z.device, dtype=torch.float32).view(view)
-        continuous = z / scale + zero
-        codes = continuous.detach().round().clamp(0, CODES - 1)
+        scale64, zero64 = self.steps.broadcast(z.device)
+        # the codes as FixedSteps.quantize computes them (float64): the tail trains on what the
+        # server decodes. A NaN (a diverging run) becomes code 0 here, so that the loss, not the
+        # histogram's bincount, reports it (as TrainingDiverged).
+        codes = torch.round(z.detach().double().nan_to_num(0.0) / scale64 + zero64).clamp(0, CODES - 1).float()
+        scale, zero = scale64.float(), zero64.float()
         rounded = z + ((codes - zero) * scale - z).detach()
+        continuous = z / scale + zero
         # the batch's code histogram per channel, as log2-probabilities [C, 256]
-        channel = torch.arange(channels, device=z.device).view(view).expand_as(codes)
+        channel = torch.arange(channels, device=z.device).view(scale.shape).expand_as(codes)
         keys = (channel * CODES + codes.long()).reshape(-1)
         counts = torch.bincount(keys, minlength=channels * CODES).view(channels, CODES).float() + SMOOTHING
         log_p = (counts / counts.sum(dim=1, keepdim=True)).log2().reshape(-1)
         noisy = (continuous + torch.rand_like(continuous) - 0.5).clamp(0, CODES - 1)
-        below = noisy.detach().floor().clamp(max=CODES - 2)
+        below = noisy.detach().nan_to_num(0.0).floor().clamp(max=CODES - 2)
         share = noisy - below  # in [0, 1]: the weight of the code above
         base = channel * CODES + below.long()
         bits = -((1 - share) * log_p[base] + share * log_p[base + 1])

@@ -108,7 +108,8 @@ class StageConfig:
             raise ValueError(f"lr_step must be None or a positive int, got {self.lr_step!r}")
         if self.weight_decay is not None and not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be None or >= 0, got {self.weight_decay!r}")
-        if not (isinstance(self.rate_weight, (int, float)) and 0 <= self.rate_weight < float("inf")):
+        if isinstance(self.rate_weight, bool) or not (isinstance(self.rate_weight, (int, float))
+                                                      and 0 <= self.rate_weight < float("inf")):
             raise ValueError(f"rate_weight must be a finite number >= 0, got {self.rate_weight!r}")
         if self.rate_weight and self.loss not in ("ce", "kd"):
             raise ValueError(f"rate_weight applies to stage 2 (loss ce or kd), not loss={self.loss!r}")
