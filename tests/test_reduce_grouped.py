@@ -86,14 +86,15 @@ def test_alpha_zero_leaves_the_outputs_identical(network, method):
 @pytest.mark.parametrize("alpha", [0.3, 0.6])
 def test_budget_holds_on_the_smaller_model_and_checkpoints_round_trip(tmp_path, network, alpha):
     name, model, x = network
-    if name in ("vgg11_bn", "squeezenet1_0") and alpha != 0.3:
-        # vgg11_bn's layers are plain convolutions; squeezenet's exact solve at 0.6 took 29 s (4.5 s
-        # at 0.3), and resnet18 and mobilenet_v2 keep the optimal allocation covered at 0.6
+    if name == "vgg11_bn":
+        # 12-24 s a reduction (its 4096-wide classifier); its plain convolutions are zoo:plaincnn's, and
+        # its flatten-into-Linear groups are checked by the cost model and alpha-zero tests
+        pytest.skip("vgg11_bn: structure checked elsewhere (time)")
+    if name == "squeezenet1_0" and alpha != 0.3:
+        # its exact solve at 0.6 took 29 s (4.5 s at 0.3); resnet18 and mobilenet_v2 cover optimal at 0.6
         pytest.skip("runs at one alpha (time)")
     allocation = "uniform" if name == "efficientnet_b0" else "optimal"  # its exact solve is the slow one
-    # vgg11_bn's least-squares refits of its 4096-wide classifier took 24 s; the others refit
-    method = "prune" if name == "vgg11_bn" else "prune-ls"
-    result = reduce_model(model, alpha, method, allocation, calibration=x)
+    result = reduce_model(model, alpha, "prune-ls", allocation, calibration=x)
     full, macs = count_macs(model, x[:1]), count_macs(result.model, x[:1])
     assert macs == result.allocation.cost <= (1 - alpha) * full
     assert type(result.model) is type(model)
