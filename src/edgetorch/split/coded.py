@@ -108,6 +108,22 @@ class FixedSteps:
             value.flags.writeable = False
             object.__setattr__(self, name, value)
         object.__setattr__(self, "sample_shape", shape)
+        object.__setattr__(self, "_ranges", {torch.float32: None})  # dtype -> why not representable (None: it is)
+        object.__setattr__(self, "_broadcast", {})  # device -> broadcast()
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise :class:`PayloadError` if values of these steps overflow ``dtype`` (checked once per dtype:
+        every payload asks, and the check costs more than a tenth of an image's coding)."""
+        from .payload import _check_range
+
+        if dtype not in self._ranges:
+            try:
+                _check_range(self.scale, self.zero_point, dtype)
+                self._ranges[dtype] = None
+            except PayloadError as exc:
+                self._ranges[dtype] = str(exc)
+        if self._ranges[dtype] is not None:
+            raise PayloadError(self._ranges[dtype])
 
     @classmethod
     def fit(cls, bottlenecks: torch.Tensor, levels: int = CODES) -> FixedSteps:
@@ -137,10 +153,15 @@ class FixedSteps:
         return cls(scale.to(torch.float32).numpy(), zero.numpy(), tuple(int(d) for d in bottlenecks.shape[1:]))
 
     def broadcast(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scale, zero_point)`` as float64 ``[1, C, 1, ...]`` on ``device``, to broadcast over ``[N, *sample_shape]``."""
-        shape = (1, -1) + (1,) * (len(self.sample_shape) - 1)
-        return (torch.tensor(self.scale, device=device, dtype=torch.float64).view(shape),
-                torch.tensor(self.zero_point, device=device, dtype=torch.float64).view(shape))
+        """``(scale, zero_point)`` as float64 ``[1, C, 1, ...]`` on ``device``, to broadcast over
+        ``[N, *sample_shape]``. Made once per device (each payload and training step uses them; on a
+        GPU a copy from host memory would wait for the queue). Do not modify them."""
+        key = torch.device(device)
+        if key not in self._broadcast:
+            shape = (1, -1) + (1,) * (len(self.sample_shape) - 1)
+            self._broadcast[key] = (torch.tensor(self.scale, device=key, dtype=torch.float64).view(shape),
+                                    torch.tensor(self.zero_point, device=key, dtype=torch.float64).view(shape))
+        return self._broadcast[key]
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 codes (on the CPU) of ``x`` ``[N, *sample_shape]``, clamped to 0..255."""
@@ -171,7 +192,7 @@ class FixedSteps:
             raise PayloadError(f"fixed steps: {exc}") from None
 
     def to_json(self) -> dict:
-        """The steps as plain JSON data (a checkpoint's identity)."""
+        """The steps as plain JSON data (a rate-aware stage's fixed_steps.json and checkpoint identity)."""
         return {"scale": [float(v) for v in self.scale], "zero_point": [int(v) for v in self.zero_point],
                 "sample_shape": list(self.sample_shape)}
 
@@ -306,8 +327,8 @@ def tables_from_bytes(data: bytes, path: str | Path, error: type[Exception]) -> 
     """Parse a code tables file's bytes (already bounded and hash-checked by the caller).
 
     Raises:
-        error: not safetensors, or not one int64 ``[C, 256]`` tensor of counts in range (the
-            message names ``path`` and what was wrong).
+        error: not safetensors, or not an int64 ``[C, 256]`` tensor of counts in range (with valid
+            fixed steps, if any) (the message names ``path`` and what was wrong).
     """
     from ..weights import CheckpointError, tensors_from_bytes
 

@@ -362,20 +362,21 @@ def _encode_steps(x: torch.Tensor, tables: CodeTables) -> bytes | None:
     if not bool(torch.isfinite(x).all()):
         raise PayloadError("encode needs finite values; the tensor holds NaN or inf")
     try:
-        _check_range(steps.scale, steps.zero_point, x.dtype)
+        steps.check_dtype(x.dtype)
     except PayloadError:
         return None
     if x.shape[0] > MAX_STEPS_SAMPLES:
         return None
     words = encode_codes(steps.quantize(x), tables)
     header = bytearray(_STEPS_HEADER.pack(MAGIC, STEPS_VERSION, _RESTORED_CODE[x.dtype], 0, x.shape[0], tables.digest))
-    struct.pack_into("<I", header, _STEPS_CRC_AT, _steps_checksum(bytes(header) + words))
+    struct.pack_into("<I", header, _STEPS_CRC_AT, _steps_checksum(header, words))
     return bytes(header) + words
 
 
-def _steps_checksum(payload: bytes | memoryview) -> int:
-    """Version 3's CRC-32: every byte but the CRC field's own."""
-    return zlib.crc32(payload[_STEPS_CRC_AT + 4:], zlib.crc32(payload[:_STEPS_CRC_AT]))
+def _steps_checksum(header: bytes | bytearray | memoryview, words: bytes | memoryview) -> int:
+    """Version 3's CRC-32: every byte but the CRC field's own (the 16-byte header, then the words)."""
+    return zlib.crc32(words, zlib.crc32(header[_STEPS_CRC_AT + 4:_STEPS_HEADER.size],
+                                        zlib.crc32(header[:_STEPS_CRC_AT])))
 
 
 def _checksum(fixed: bytes | memoryview, body: bytes | memoryview) -> int:
@@ -502,9 +503,9 @@ def decode(data: bytes | bytearray | memoryview, max_bytes: int | None = None, t
     if header.version == STEPS_VERSION:
         from .coded import decode_codes
 
-        if _steps_checksum(data) != _STEPS_HEADER.unpack_from(data)[3]:
+        if _steps_checksum(data[:_STEPS_HEADER.size], data[_STEPS_HEADER.size:]) != _STEPS_HEADER.unpack_from(data)[3]:
             raise PayloadError("corrupted payload: its CRC-32 does not match its bytes")
-        _check_range(tables.steps.scale, tables.steps.zero_point, header.dtype)
+        tables.steps.check_dtype(header.dtype)
         return tables.steps.dequantize(decode_codes(data[header.header_bytes:], header.shape, tables), header.dtype)
     if header.version == VERSION and len(data) != header.total_bytes:
         kind = "truncated" if len(data) < header.total_bytes else "oversized"

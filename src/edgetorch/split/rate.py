@@ -73,7 +73,10 @@ class RateTerm:
         # the batch's code histogram per channel, as log2-probabilities [C, 256]
         channel = torch.arange(channels, device=z.device).view(scale.shape).expand_as(codes)
         keys = (channel * CODES + codes.long()).reshape(-1)
-        counts = torch.bincount(keys, minlength=channels * CODES).view(channels, CODES).float() + SMOOTHING
+        # index_add_ into a known size, not bincount: on a GPU bincount reads the largest key back to
+        # size its output, a host sync in every training step
+        counts = torch.zeros(channels * CODES, device=z.device).index_add_(0, keys, torch.ones_like(keys, dtype=torch.float32))
+        counts = counts.view(channels, CODES) + SMOOTHING
         log_p = (counts / counts.sum(dim=1, keepdim=True)).log2().reshape(-1)
         noisy = (continuous + torch.rand_like(continuous) - 0.5).clamp(0, CODES - 1)
         below = noisy.detach().nan_to_num(0.0).floor().clamp(max=CODES - 2)
