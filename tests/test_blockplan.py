@@ -99,6 +99,67 @@ def test_coarser_granularity_still_fits_in_exact_bytes(instance, granularity):
     assert plan.granularity == granularity
 
 
+@settings(max_examples=300, deadline=None)
+@given(instances(), st.integers(0, 12))
+def test_a_time_bound_is_met_whenever_a_plan_meets_it_and_no_faster_plan_is_more_faithful(instance, micros):
+    """The bound is met by Lagrangian relaxation (not exact): against brute force, a plan is found
+    exactly when one meets both bounds, it meets them, and no plan that fits is both as fast and
+    more faithful (the hull property)."""
+    costs, budget = instance
+    if costs.dense_seconds is None:
+        with pytest.raises(ValueError, match="max_seconds needs timed costs"):
+            plan_blocks(costs, budget, max_seconds=1.0)
+        return
+    bound = costs.dense_seconds + micros * 1e-6
+
+    def seconds(chosen):
+        return costs.dense_seconds + sum(costs.seconds[(c.block, c.form)] for c in chosen)
+
+    plans = [_along(costs, a) for a in itertools.product(costs.forms, repeat=len(costs.blocks))]
+    fitting = [c for c in plans if _predicted(c, costs.outside_bytes) <= budget]
+    both = [c for c in fitting if seconds(c) <= bound + 1e-12]
+    plan = plan_blocks(costs, budget, granularity=1, max_seconds=bound)
+    assert plan.fits == bool(both)
+    if not both:
+        assert ("is fast enough" in plan.reason) == bool(fitting)
+        return
+    chosen = _along(costs, [form for _, form in plan.policy.blocks])
+    assert plan.predicted_bytes <= budget and plan.predicted_seconds <= bound + 1e-12
+    assert plan.predicted_seconds == pytest.approx(seconds(chosen))
+    assert plan.fidelity >= min(sum(o.fidelity for o in c) for c in both)
+    assert not [c for c in fitting if seconds(c) <= plan.predicted_seconds + 1e-12
+                and sum(o.fidelity for o in c) < plan.fidelity]
+    if min(seconds(c) for c in fitting if sum(o.fidelity for o in c) == min(
+            sum(o.fidelity for o in f) for f in fitting)) <= bound + 1e-12:  # the bound binds nothing
+        assert plan.policy == plan_blocks(costs, budget, granularity=1).policy
+
+
+def test_a_time_bound_trades_fidelity_for_speed_along_the_hull():
+    """Three forms: exact and slow, nearly exact and faster, lossy and fastest; block b loses more
+    fidelity than block a in each lossy form. The bound picks the most faithful plan fast enough: no
+    bound, the exact one; room for one exact block: b exact, a at 8 bits; none fast enough: none."""
+    exact, near, lossy = edgetorch.Dense(), edgetorch.Quantized(8), edgetorch.Quantized(4)
+    forms = (exact, near, lossy)
+    cost = {("a", near): 1.0, ("a", lossy): 5.0, ("b", near): 3.0, ("b", lossy): 6.0}
+    costs = BlockCosts(("a", "b"), forms, tuple(FormCost(b, f, 10, 0, cost.get((b, f), 0.0)) for b in "ab" for f in forms),
+                       edgetorch.Bitmap(), 0, 0.010,
+                       {(b, f): t for b in "ab" for f, t in ((exact, 3e-3), (near, 1e-3), (lossy, 0.0))})
+    assert [r.form for r in plan_blocks(costs, 100).rows] == ["dense", "dense"]
+    one = plan_blocks(costs, 100, max_seconds=0.014)  # 4 ms of extra time: b exact, a near (cost 1, not 3)
+    assert [r.form for r in one.rows] == ["quantized", "dense"] and one.fidelity == 1.0
+    assert one.predicted_seconds == pytest.approx(0.014) and "and 14.0 ms a step" in one.reason
+    two = plan_blocks(costs, 100, max_seconds=0.0125)
+    assert two.fits and [r.form for r in two.rows] == ["quantized"] * 2
+    fastest = plan_blocks(costs, 100, max_seconds=0.010)
+    assert fastest.fits and fastest.fidelity == 11.0
+    slow = BlockCosts(costs.blocks, costs.forms, costs.costs, costs.default, 0, 0.010,
+                      {key: t + 1e-3 for key, t in costs.seconds.items()})  # every form 1 ms slower
+    none = plan_blocks(slow, 100, max_seconds=0.0115)
+    assert not none.fits and "the fastest is predicted at 12.0 ms a step against the bound of 11.5 ms" in none.reason
+    with pytest.raises(ValueError, match="max_seconds must be a number > 0"):
+        plan_blocks(costs, 100, max_seconds=0)
+
+
 def test_choose_breaks_ties_by_penalty_then_weight():
     def independent(*groups):  # every option the same whatever was chosen before it
         return [[list(g)] * (len(groups[i - 1]) if i else 1) for i, g in enumerate(groups)]

@@ -25,6 +25,16 @@ bytes too; it can miss a plan that fits only within the rounding, at most one gr
 once per cap on the rerun term (each distinct rerun size, and none), keeping the best. Carrying
 the previous form costs ``len(forms)`` times the independent knapsack.
 
+A bound on the step time (``max_seconds``, where steps were timed) is a second constraint. It is
+met by Lagrangian relaxation: the knapsack minimises fidelity + lambda * extra time, and lambda
+walks the lower convex hull of (time, fidelity) between the most faithful plan and the fastest
+(each new lambda is the slope between the two plans that bracket the bound; Eisner and Severance's
+method). The plan returned meets the bound whenever any plan that fits the bytes does (the
+fastest one is a hull point), and no plan that fits is both as fast and more faithful; a plan off
+the hull, between the bound and the hull point below it, can be missed. Times are compared in
+whole microseconds, so the hull's ends are exact (the fastest plan is the most faithful of the
+fastest).
+
 Example:
     >>> plan = plan_blocks(measure_block_costs(model.train(), (x, y)), 200 * 2**20)  # doctest: +SKIP
     >>> for row in plan.rows: print(row.block, row.form, row.stored_bytes, row.why)  # doctest: +SKIP
@@ -77,8 +87,8 @@ class BlockPlan:
     Attributes:
         policy: the plan as a policy: train under it with ``TrainingPolicy(plan.policy)``.
         rows: one :class:`BlockChoice` per block, in module order.
-        fits: whether the predicted peak fits the budget; if not, ``policy`` is the plan of
-            least predicted peak.
+        fits: whether the predicted peak fits the budget (and the predicted step time the bound,
+            where one was given); if not, ``policy`` is the plan of least predicted peak.
         predicted_bytes: the predicted peak (see the module docstring).
         budget_bytes: the budget.
         fidelity: the plan's summed fidelity cost.
@@ -175,7 +185,7 @@ def tie_break(form: object, seconds: float | None) -> int:
 
 
 def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
-                granularity: int | None = None) -> BlockPlan:
+                granularity: int | None = None, max_seconds: float | None = None) -> BlockPlan:
     """One form per block: the least summed fidelity cost whose predicted peak fits ``budget_bytes``.
 
     Args:
@@ -185,46 +195,74 @@ def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
             gradients, optimizer state), as the caller measured or computed it.
         granularity: bytes per DP step (each block's bytes are rounded up to a multiple); default
             the room the blocks have / ``STEPS``. 1 is exact in bytes (and slow for large budgets).
+        max_seconds: the longest predicted step (:attr:`BlockPlan.predicted_seconds`: dense's step
+            plus each block's extra time in its form); None for no bound. Needs timed costs. Met
+            by Lagrangian relaxation (see the module docstring).
 
     Returns:
         A :class:`BlockPlan`; ``fits`` is False where no plan fits (then it holds the plan of
         least predicted peak).
 
     Raises:
-        ValueError: a budget, base or granularity that is not a positive (non-negative) int.
+        ValueError: a budget, base or granularity that is not a positive (non-negative) int, or
+            a ``max_seconds`` that is not a positive number or comes with untimed costs.
+
+    Example:
+        >>> plan = plan_blocks(costs, 200 * 2**20, max_seconds=1.1 * costs.dense_seconds)  # doctest: +SKIP
     """
     for name, value, least in (("budget_bytes", budget_bytes, 1), ("base_bytes", base_bytes, 0),
                                ("granularity", 1 if granularity is None else granularity, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    timed = costs.dense_seconds is not None and costs.seconds is not None
+    if max_seconds is not None:
+        if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0:
+            raise ValueError(f"max_seconds must be a number > 0 (or None: no bound), got {max_seconds!r}")
+        if not timed:
+            raise ValueError("max_seconds needs timed costs: measure them with time_rounds >= 1")
     fixed = base_bytes + costs.outside_bytes
     room = budget_bytes - fixed
 
     def tie(c: FormCost) -> int:
         return tie_break(c.form, costs.seconds_of(c.block, c.form))
 
+    def micros(c: FormCost) -> int:  # the block's extra step time, in whole microseconds
+        return round(costs.seconds_of(c.block, c.form) * 1e6) if timed else 0
+
     step = granularity or max(1, math.ceil(room / STEPS))
     # groups[i][p]: block i's options after option p of block i - 1 (the first block: one row)
     groups = [[costs.options(block, after) for after in ((None,) if i == 0 else costs.forms)]
               for i, block in enumerate(costs.blocks)]
-    found = None
-    for cap in sorted({0, *(c.rerun_bytes for g in groups for row in g for c in row)}):
-        capacity = (room - cap) // step
-        # a negative byte count (a block whose exact copies replace more than it adds) is
-        # rounded up to 0: the prediction stays exact, the knapsack errs towards fitting
-        allowed = [[[(math.ceil(max(c.stored_bytes, 0) / step), c.fidelity, tie(c)) if c.rerun_bytes <= cap
-                     else (capacity + 1, 0.0, 0) for c in row] for row in g] for g in groups]
-        picked = choose(allowed, capacity)
-        if picked is not None:
-            chosen = _along(groups, picked)
-            key = (sum(c.fidelity for c in chosen), sum(tie(c) for c in chosen), _predicted(chosen, fixed))
-            if found is None or key < found[0]:
-                found = (key, chosen, picked)
-    fits = found is not None
-    picked = found[2] if fits else _smallest(groups)
+    caps = sorted({0, *(c.rerun_bytes for g in groups for row in g for c in row)})
+
+    def solve(value: Callable[[FormCost], float]) -> list[int] | None:
+        """The picks of least summed ``value`` (then tie-break, then peak) that fit the bytes."""
+        found = None
+        for cap in caps:
+            capacity = (room - cap) // step
+            # a negative byte count (a block whose exact copies replace more than it adds) is
+            # rounded up to 0: the prediction stays exact, the knapsack errs towards fitting
+            allowed = [[[(math.ceil(max(c.stored_bytes, 0) / step), value(c), tie(c)) if c.rerun_bytes <= cap
+                         else (capacity + 1, 0.0, 0) for c in row] for row in g] for g in groups]
+            picked = choose(allowed, capacity)
+            if picked is not None:
+                chosen = _along(groups, picked)
+                key = (sum(value(c) for c in chosen), sum(tie(c) for c in chosen), _predicted(chosen, fixed))
+                if found is None or key < found[0]:
+                    found = (key, picked)
+        return None if found is None else found[1]
+
+    picked = solve(lambda c: c.fidelity)
+    too_slow = None  # the fastest plan's step, where even it breaks the time bound
+    if picked is not None and max_seconds is not None:
+        # the blocks' extra time, in whole microseconds (1e-6 of one absorbs the subtraction's rounding)
+        bound = math.floor((max_seconds - costs.dense_seconds) * 1e6 + 1e-6)
+        picked, extra = _within_time(solve, picked, groups, bound, micros)
+        too_slow = None if extra is None else costs.dense_seconds + extra
+    fits = picked is not None
+    picked = picked if fits else _smallest(groups)
     chosen = _along(groups, picked)
     predicted = _predicted(chosen, fixed)
-    timed = costs.dense_seconds is not None and costs.seconds is not None
     rows = tuple(BlockChoice(c.block, c.form.spec(), c.stored_bytes, c.rerun_bytes, c.fidelity,
                              costs.seconds_of(c.block, c.form), _why(c, g[picked[i - 1] if i else 0], fits, tie, timed))
                  for i, (c, g) in enumerate(zip(chosen, groups)))
@@ -234,13 +272,57 @@ def plan_blocks(costs: BlockCosts, budget_bytes: int, *, base_bytes: int = 0,
     if fits:
         step_time = (f"; a step predicted at {seconds * 1e3:,.1f} ms against dense's {costs.dense_seconds * 1e3:,.1f}"
                      if timed else "")
+        bounded = f" and {max_seconds * 1e3:,.1f} ms a step" if max_seconds is not None else ""
         reason = (f"least summed fidelity cost ({fidelity:.3g}) of the plans predicted to fit {budget_bytes / mib:,.1f} "
-                  f"MiB: predicted {predicted / mib:,.1f} MiB ({fixed / mib:,.1f} outside the blocks){step_time}")
+                  f"MiB{bounded}: predicted {predicted / mib:,.1f} MiB ({fixed / mib:,.1f} outside the blocks){step_time}")
+    elif too_slow is not None:
+        reason = (f"no plan that fits {budget_bytes / mib:,.1f} MiB is fast enough: the fastest is predicted at "
+                  f"{too_slow * 1e3:,.1f} ms a step against the bound of {max_seconds * 1e3:,.1f} ms; raise the "
+                  "bound or the budget")
     else:
         reason = (f"no plan fits {budget_bytes / mib:,.1f} MiB: the least predicted peak is {predicted / mib:,.1f} MiB "
                   f"({fixed / mib:,.1f} outside the blocks); raise the budget, offer smaller forms or a smaller batch")
     return BlockPlan(PerBlock(tuple((c.block, c.form) for c in chosen), costs.default), rows, fits, predicted,
                      budget_bytes, fidelity, step, reason, seconds)
+
+
+#: The most knapsacks the time bound's search solves after its two ends; the hull of 8-20 blocks'
+#: plans has far fewer vertices between a bound and the most faithful plan (a guard, not a tuning).
+HULL_ROUNDS = 64
+
+
+def _within_time(solve: Callable[[Callable[[FormCost], float]], list[int] | None], faithful: list[int],
+                 groups: Sequence[Sequence[Sequence[FormCost]]], bound: int,
+                 micros: Callable[[FormCost], int]) -> tuple[list[int] | None, float | None]:
+    """The most faithful plan on the hull within ``bound`` extra microseconds (see the module
+    docstring), from ``faithful`` (the most faithful plan that fits): ``(picks, None)``, or
+    ``(None, the fastest plan's step time in seconds less dense's)`` where no plan is fast enough."""
+    def point(picked: list[int]) -> tuple[int, float]:
+        chosen = _along(groups, picked)
+        return sum(micros(c) for c in chosen), sum(c.fidelity for c in chosen)
+
+    slow = point(faithful)
+    if slow[0] <= bound:
+        return faithful, None
+    # The fastest plan, the most faithful of those: times are whole microseconds, so a fidelity
+    # sum scaled below 1 orders plans of equal time without reordering different times.
+    scale = 1.0 / (1.0 + sum(max(c.fidelity for row in g for c in row) for g in groups))
+    fastest = solve(lambda c: micros(c) + c.fidelity * scale)
+    fast = point(fastest)
+    if fast[0] > bound:
+        return None, fast[0] / 1e6
+    for _ in range(HULL_ROUNDS):
+        weight = (fast[1] - slow[1]) / (slow[0] - fast[0])  # fidelity per microsecond, the bracket's slope
+        middle = solve(lambda c: c.fidelity + weight * micros(c))
+        found = point(middle)
+        line = slow[1] + weight * slow[0]
+        if found[1] + weight * found[0] >= line - 1e-12 * max(1.0, abs(line)) or found in (slow, fast):
+            break  # no hull point below the bracket's chord: the fast end is the answer
+        if found[0] <= bound:
+            fastest, fast = middle, found
+        else:
+            slow = found
+    return fastest, None
 
 
 def _along(groups: Sequence[Sequence[Sequence[FormCost]]], picked: Sequence[int]) -> list[FormCost]:

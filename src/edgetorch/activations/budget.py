@@ -61,11 +61,13 @@ from ..measure.process import (frozen_old_objects, held_bytes, honest_malloc, pe
 from .blocks import find_blocks
 from .budget_blocks import BlockFit, fit_blocks
 from .checkpoint import find_stages
-from .costs import lossless, measure_block_costs
+from .costs import BlockCosts, lossless, measure_block_costs
 from .policies import BackRazor, Dense, Quantized
 from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
 # Checkpointed candidates are dropped for a model with no stage to checkpoint.
+#: A per-block plan may be this much slower per sample than the whole-model choice it replaces.
+MAX_SLOWDOWN = 1.1
 VERIFY_ATTEMPTS = 6  # candidates run at their own batch before giving up (each costs one step)
 DEFAULT_POLICIES = ("dense", "bitmap", "dense+checkpoint", "bitmap+checkpoint", "quantized:bits=8",
                     "quantized:bits=4", "backrazor:sparsity=0.8", "backrazor:sparsity=0.9",
@@ -162,7 +164,8 @@ class MemoryPlan:
 def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 budget: str | int, *, policies: Sequence[str] = DEFAULT_POLICIES, optimizer: str = "sgd",
                 weight_decay: float = 0.0, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                margin: float = 0.05, min_batch: int = 8, per_block: bool = False) -> MemoryPlan:
+                margin: float = 0.05, min_batch: int = 8, per_block: bool = False,
+                max_slowdown: float | None = MAX_SLOWDOWN) -> MemoryPlan:
     """Measure one step per policy, predict the peak at every batch size, and choose.
 
     ``model`` must be set up as it will train: trainable parameters marked, batch norm frozen or
@@ -197,6 +200,9 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             than exact gradients at the batch asked for, and its costs take ``len(forms) ** 2``
             ledger steps. Its prediction starts from dense's line, which is measured for it even
             where ``dense`` is not among ``policies`` (it is then not a candidate).
+        max_slowdown: where a whole-model candidate fits, a per-block plan's step may take at most
+            this many times its step time per sample (both against dense's; the plan's from its
+            costs' timed steps, the candidate's from its calibration steps); None for no bound.
 
     Returns:
         A :class:`MemoryPlan`.
@@ -362,7 +368,12 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                         return budget_bytes
 
                 costs = measure_block_costs(model, sample(small), loss_fn=loss_fn)
-                fit = fit_blocks(costs, small, batches, budget_bytes, margin, rest, run, VERIFY_ATTEMPTS)
+                ratio = None if chosen is None or max_slowdown is None else max_slowdown * _step_time_ratio(chosen, costs)
+                fit = fit_blocks(costs, small, batches, budget_bytes, margin, rest, run, VERIFY_ATTEMPTS, ratio)
+                if fit is None:
+                    within = "" if ratio is None else (f" within {max_slowdown:g}x the step time of {chosen.policy} "
+                                                       f"at batch {chosen.batch}")
+                    skipped = f"; no per-block plan is predicted to fit{within}"
         del step  # its state goes with it
     reason = _reason(chosen, candidates, budget_bytes, requested, margin) + skipped
     if fit is not None and fit.fits and not (chosen is not None and chosen.exact and chosen.batch >= fit.batch):
@@ -384,6 +395,16 @@ def _block_candidate(fit: BlockFit) -> Candidate:
                      max((float(f.sparsity) for f in forms if isinstance(f, BackRazor)), default=0.0),
                      float("nan") if step is None else step / (step - extra),
                      sum(r.stored_bytes + r.rerun_bytes for r in fit.plan.rows), fit.measured_peak_bytes)
+
+
+def _step_time_ratio(candidate: Candidate, costs: BlockCosts) -> float:
+    """A whole-model candidate's step time over dense's, from the per-block costs' own timed steps
+    where they timed its policy in every block (so the bound and the plans it bounds come from the
+    same steps), else from the candidate's calibration steps."""
+    how = parse_training_policy(candidate.policy)
+    if how.checkpoint or how.policy not in costs.forms or not costs.dense_seconds:
+        return candidate.step_time_ratio
+    return 1 + sum(costs.seconds_of(block, how.policy) for block in costs.blocks) / costs.dense_seconds
 
 
 @contextlib.contextmanager

@@ -58,7 +58,7 @@ def scaled(costs: BlockCosts, factor: float) -> BlockCosts:
 
 def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int], budget_bytes: int, margin: float,
                rest: Callable[[int], int], run: Callable[[int, TrainingPolicy], int],
-               attempts: int) -> BlockFit | None:
+               attempts: int, max_time_ratio: float | None = None) -> BlockFit | None:
     """The per-block plan of least fidelity cost at the largest batch where one fits (see the module docstring).
 
     Args:
@@ -70,6 +70,8 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
         rest: the predicted peak at a batch, less dense's saved bytes there.
         run: one step at a batch under a training policy: its measured peak.
         attempts: the most plans run.
+        max_time_ratio: the longest predicted step allowed, as a multiple of the all-dense step's
+            time at the same batch (the costs' timed steps); None for no bound.
 
     Returns:
         A :class:`BlockFit` (``fits`` False if the last plan run did not fit), or None where no
@@ -81,7 +83,8 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
         at = scaled(costs, batch / calibration_batch)
         base, limit = rest(batch), ceiling
         while attempts > 0:
-            plan = plan_blocks(at, limit, base_bytes=max(0, base))
+            bound = None if max_time_ratio is None or at.dense_seconds is None else max_time_ratio * at.dense_seconds
+            plan = plan_blocks(at, limit, base_bytes=max(0, base), max_seconds=bound)
             if not plan.fits or (last is not None and last.batch == batch and last.plan.policy == plan.policy):
                 break  # nothing smaller at this batch: the next batch
             attempts -= 1
