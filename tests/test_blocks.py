@@ -61,6 +61,23 @@ def test_blocks_are_the_members_of_each_sequence_of_blocks():
     assert find_blocks(nn.Linear(2, 2)) == []
 
 
+def test_stages_of_one_block_each_are_sequences_of_blocks():
+    """A ResNet-10 ([1, 1, 1, 1]): each stage holds one block. The search went inside those blocks
+    and took each downsample's convolution and batch norm for two blocks (and checkpointed the
+    downsample alone). A stage of one block counts where a sibling is a sequence too; a lone
+    wrapper of one block is searched inside, and a one-layer classifier is no block."""
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    from edgetorch.activations.checkpoint import find_stages
+
+    resnet10 = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=4)
+    assert find_blocks(resnet10) == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
+    assert [name for _, name, _ in find_stages(resnet10)] == ["layer1", "layer2", "layer3", "layer4"]
+    wrapped = nn.Sequential(nn.Sequential(_resnet()))  # one block: the model itself, searched inside
+    assert find_blocks(wrapped) == [f"0.0.layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    assert "classifier.1" not in find_blocks(torchvision.models.mobilenet_v2())  # Dropout, Linear: a layer
+
+
 @pytest.mark.parametrize("policy", [edgetorch.Quantized(4), edgetorch.Quantized(8, stochastic=True),
                                     edgetorch.BackRazor(0.9, exact="int8"), edgetorch.BackRazor(0.8, scope="all"),
                                     edgetorch.Bitmap()], ids=lambda p: p.spec())

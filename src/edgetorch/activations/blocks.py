@@ -32,14 +32,10 @@ import torch
 from torch import nn
 
 from ..measure.ledger import SavedTensorLedger
-from .checkpoint import CheckpointEvery
+from .checkpoint import CheckpointEvery, block_sequences
 from .forms import Form
 from .policies import Bitmap, Dense, Policy
 from .roles import EXACT, Need
-
-
-def _holds_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
 
 
 def find_blocks(model: nn.Module) -> list[str]:
@@ -48,7 +44,9 @@ def find_blocks(model: nn.Module) -> list[str]:
     A block is a child that holds parameters of a sequence of blocks: an ``nn.Sequential`` or
     ``nn.ModuleList`` with at least two such children (ResNet's ``layer1.0``, MobileNet's
     ``features.3``, torchvision ViT's ``encoder.layers.encoder_layer_0``, a BERT encoder's
-    ``encoder.layer.0``). Other modules are searched inside; a block is not.
+    ``encoder.layer.0``), or with one where a sibling is such a sequence (a ResNet-10's stages:
+    :func:`~edgetorch.activations.checkpoint.block_sequences`). Other modules are searched inside;
+    a block is not.
 
     Args:
         model: the model.
@@ -63,11 +61,11 @@ def find_blocks(model: nn.Module) -> list[str]:
     found: list[str] = []
 
     def visit(module: nn.Module, prefix: str) -> None:
+        sequences = block_sequences(module, (nn.Sequential, nn.ModuleList))
         for name, child in module.named_children():
             qualified = f"{prefix}{name}"
-            members = [(n, c) for n, c in child.named_children() if _holds_parameters(c)]
-            if isinstance(child, (nn.Sequential, nn.ModuleList)) and len(members) >= 2:
-                found.extend(f"{qualified}.{n}" for n, _ in members)
+            if name in sequences:
+                found.extend(f"{qualified}.{n}" for n, _ in sequences[name])
             else:
                 visit(child, f"{qualified}.")
 

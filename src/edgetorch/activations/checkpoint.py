@@ -121,18 +121,46 @@ class CheckpointEvery(nn.Module):
             return call(x)
 
 
+def holds_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` or any module inside it has a parameter."""
+    return any(True for _ in module.parameters())
+
+
+def block_sequences(module: nn.Module, kinds: tuple[type[nn.Module], ...]) -> dict[str, list[tuple[str, nn.Module]]]:
+    """The children of ``module`` that are sequences of blocks, in module order, each with its
+    members that hold parameters (the blocks).
+
+    A sequence is a container of one of ``kinds`` with two or more such members, or with one
+    member that is itself made of modules with parameters (a block, not a layer) where a sibling
+    is a sequence too: the stages of a ResNet with one block each (a ResNet-10), whose blocks were
+    otherwise searched inside, and whose downsample's convolution and batch norm were taken for
+    two blocks. A lone container of one block (a wrapper around a whole model) is searched inside.
+    """
+    many, one = {}, {}
+    for name, child in module.named_children():
+        if isinstance(child, kinds):
+            members = [(n, c) for n, c in child.named_children() if holds_parameters(c)]
+            if len(members) >= 2:
+                many[name] = members
+            elif len(members) == 1 and any(holds_parameters(c) for c in members[0][1].children()):
+                one[name] = members
+    found = {**many, **one} if many or len(one) >= 2 else many
+    return {name: found[name] for name, _ in module.named_children() if name in found}
+
+
 def find_stages(model: nn.Module) -> list[tuple[nn.Module, str, nn.Sequential]]:
     """The sequences of blocks :func:`checkpoint_stages` checkpoints: the outermost
-    ``nn.Sequential`` submodules with at least two children that hold parameters (a sequence of
-    pooling and flattening, or of dropout and one Linear, saves nothing worth recomputing), as
+    ``nn.Sequential`` submodules with at least two children that hold parameters, or with one
+    block where a sibling is such a sequence (:func:`block_sequences`; a sequence of pooling and
+    flattening, or of dropout and one Linear, saves nothing worth recomputing), as
     ``(parent, attribute, stage)``.
 
     A model that is itself an ``nn.Sequential`` is searched inside (it cannot replace itself).
     """
     stages = []
+    sequences = block_sequences(model, (nn.Sequential,))
     for name, child in model.named_children():
-        blocks = sum(any(True for _ in block.parameters()) for block in child.children())
-        if isinstance(child, nn.Sequential) and blocks >= 2:
+        if name in sequences:
             stages.append((model, name, child))
         else:
             stages.extend(find_stages(child))
