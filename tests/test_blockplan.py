@@ -314,6 +314,33 @@ def test_steps_are_timed_per_form_and_shared_among_blocks_by_their_dense_bytes(m
     assert all(r.seconds is not None for r in plan.rows)
 
 
+def test_recomputations_extra_time_is_shared_by_forward_time_and_a_codecs_by_bytes(monkeypatch):
+    """A recomputed block's rerun costs its forward, not its saved bytes: the extra time of
+    recomputation is shared by each block's forward time in the dense step, a codec's by bytes.
+    The forward times here come from a clock that ticks once per reading (no wall clock)."""
+    import types
+
+    import edgetorch.activations.costs as costs_module
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(costs_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(costs_module, "_extra_seconds", lambda *args: ({edgetorch.Dense(): 0.0, edgetorch.Bitmap(): 0.4,
+                                                                         Recompute(): 0.8}, 1.0))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 3))
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    forms = (edgetorch.Dense(), edgetorch.Bitmap(), Recompute())
+    assert costs_module._forward_seconds(model, x, y, ("0", "2"), edgetorch.Bitmap(), F.cross_entropy, 2) == [1.0, 1.0]
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    monkeypatch.setattr(costs_module, "_forward_seconds", lambda *args: [3.0, 1.0])
+    costs = measure_block_costs(model, (x, y), forms, blocks=("0", "2"))
+    assert costs.seconds[("0", Recompute())] == pytest.approx(0.6) and costs.seconds[("2", Recompute())] == pytest.approx(0.2)
+    dense = [costs.cost("0", forms[0]).stored_bytes, costs.cost("2", forms[0], forms[0]).stored_bytes]
+    assert dense[0] != dense[1]  # 32 and 8 features: the bytes share differs from the forward's
+    assert costs.seconds[("0", forms[1])] == pytest.approx(0.4 * dense[0] / sum(dense))
+
+
 def test_untimed_costs_break_ties_by_machinery():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),
