@@ -12,7 +12,8 @@ each budget:
    end (resident memory on a CPU, the CUDA allocator's on a GPU), against the budget; it does
    nothing else;
 2. the peer a user would reach for first, ``torch.utils.checkpoint``, chosen by the same planner
-   from dense and dense+checkpoint alone (batch and whether to checkpoint), run the same way;
+   from dense and dense+checkpoint alone (batch and whether to checkpoint), run the same way (a
+   model with no ``nn.Sequential`` stage, MiniLM's ``ModuleList``: every layer checkpointed);
 3. another process measures the gradient fidelity cost
    (:attr:`GradientFidelity.mean_squared_relative_error`, the cost the per-block solver minimises)
    of the choice and of the best whole-model candidate that fits, each on the batch it would
@@ -62,7 +63,7 @@ from _common import mib, table, write_results
 # model -> (spec, input resolution or sequence length, batch)
 # CPU: sizes where saved activations are large against the planner's 5% headroom on a ~1 GiB process.
 MODELS = {"resnet18": ("torchvision:resnet18", 128, 16), "mobilenet_v2": ("torchvision:mobilenet_v2", 128, 16),
-          "deit_tiny": ("timm.models:deit_tiny_patch16_224", 224, 8), "minilm": ("minilm", 64, 8)}
+          "deit_tiny": ("timm.models:deit_tiny_patch16_224", 224, 8), "minilm": ("minilm", 256, 8)}
 CUDA_MODELS = {"resnet18": ("torchvision:resnet18", 224, 64), "vit_b_16": ("torchvision:vit_b_16", 224, 32)}
 FRACTIONS = (0.25, 0.5, 0.75)
 STEPS = 3
@@ -120,11 +121,18 @@ def worker(name: str, device: str, budget: int, policies: list[str] | None = Non
     import torch
     import torch.nn.functional as F
 
-    from edgetorch import plan_memory
+    from edgetorch import Dense, plan_memory
+    from edgetorch.activations.blocks import PerBlock, Recompute, find_blocks
+    from edgetorch.activations.checkpoint import find_stages
     from edgetorch.activations.step import forward_backward, parse_training_policy
     from edgetorch.measure.process import process_peak_bytes
 
     model, x, y = _workload(name, device)
+    if policies == list(CHECKPOINT_POLICIES) and not find_stages(model):
+        # A model whose layers sit in a ModuleList (BERT) has no nn.Sequential stage to wrap: the
+        # peer is torch.utils.checkpoint around every layer (a plan recomputing each block, keeping
+        # its input dense), which is what a user writes by hand there.
+        policies = ["dense", PerBlock(tuple((b, Recompute(Dense())) for b in find_blocks(model)), Dense()).spec()]
     start = time.perf_counter()
     options = {"per_block": True} if policies is None else {"policies": policies}
     if fixed_batch:
@@ -280,6 +288,14 @@ def _best_compiled(compile_runs: dict, budget: int) -> dict | None:
     return min(fitting, key=lambda r: r["step_time_vs_eager"], default=None)
 
 
+def _short(spec: str) -> str:
+    """A policy's spec for the table: a per-block plan that recomputes every block, in words."""
+    if spec.startswith("per-block(") and all(part.strip().startswith("default=") or "=recompute(dense)" in part
+                                             for part in spec[len("per-block("):-1].split(";")):
+        return "every layer checkpointed"
+    return spec
+
+
 def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, complete: bool, models: str | None,
             fixed_batch: bool) -> None:
     rows = []
@@ -307,7 +323,7 @@ def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, comp
             f"{whole['policy']} b{whole['batch']}" if whole else "none fits", cost.get(whole.get("policy"), "-"),
             speed.get(at(whole), "-"),
             (f"failed: {r['checkpoint']['error']}" if "error" in (r.get("checkpoint") or {}) else
-             f"{ckpt['policy']} b{ckpt['batch']}" if ckpt else "none fits"), speed.get(at(ckpt), "-"),
+             f"{_short(ckpt['policy'])} b{ckpt['batch']}" if ckpt else "none fits"), speed.get(at(ckpt), "-"),
             "-" if ckpt_peak is None else mib(ckpt_peak) + ("" if ckpt_peak <= r["budget_bytes"] else " (over)"),
             "not run" if comp is None else
             (f"{best['ratio']}: {best['step_time_vs_eager']:.2f}, {mib(best['step_peak_bytes'])}" if best else "none fits"),
