@@ -152,6 +152,8 @@ def test_bad_arguments_say_what_is_accepted(small):
         plan_memory(model, batch, "lots")
     with pytest.raises(ValueError, match="min_batch must be a positive int"):
         plan_memory(model, batch, "1GiB", min_batch=0)
+    with pytest.raises(ValueError, match=r"max_slowdown must be a number > 0 \(1.1: at most 10% slower\), or None"):
+        plan_memory(model, batch, "1GiB", max_slowdown=0)
 
 
 _RUN = """

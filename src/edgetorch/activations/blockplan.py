@@ -29,9 +29,10 @@ A bound on the step time (``max_seconds``, where steps were timed) is a second c
 met by Lagrangian relaxation: the knapsack minimises fidelity + lambda * extra time, and lambda
 walks the lower convex hull of (time, fidelity) between the most faithful plan and the fastest
 (each new lambda is the slope between the two plans that bracket the bound; Eisner and Severance's
-method). The plan returned meets the bound whenever any plan that fits the bytes does (the
-fastest one is a hull point), and no plan that fits is both as fast and more faithful; a plan off
-the hull, between the bound and the hull point below it, can be missed. Times are compared in
+method). The plan returned meets the bound whenever some plan that fits the bytes meets it (the
+fastest one is a hull point), and no plan that fits is both as fast and more faithful; a plan that
+is not a vertex of the hull (inside it, or on an edge between two vertices), between the bound and
+the vertex below it, can be missed. Times are compared in
 whole microseconds, so the hull's ends are exact (the fastest plan is the most faithful of the
 fastest).
 

@@ -65,9 +65,9 @@ from .costs import BlockCosts, lossless, measure_block_costs
 from .policies import BackRazor, Dense, Quantized
 from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
-# Checkpointed candidates are dropped for a model with no stage to checkpoint.
 #: A per-block plan may be this much slower per sample than the whole-model choice it replaces.
 MAX_SLOWDOWN = 1.1
+# Checkpointed candidates are dropped for a model with no stage to checkpoint.
 VERIFY_ATTEMPTS = 6  # candidates run at their own batch before giving up (each costs one step)
 DEFAULT_POLICIES = ("dense", "bitmap", "dense+checkpoint", "bitmap+checkpoint", "quantized:bits=8",
                     "quantized:bits=4", "backrazor:sparsity=0.8", "backrazor:sparsity=0.9",
@@ -201,8 +201,9 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             ledger steps. Its prediction starts from dense's line, which is measured for it even
             where ``dense`` is not among ``policies`` (it is then not a candidate).
         max_slowdown: where a whole-model candidate fits, a per-block plan's step may take at most
-            this many times its step time per sample (both against dense's; the plan's from its
-            costs' timed steps, the candidate's from its calibration steps); None for no bound.
+            this many times its step time per sample (both against dense's, from the per-block
+            costs' timed steps; the candidate's from its calibration steps where its policy is not
+            one of the per-block forms); None for no bound.
 
     Returns:
         A :class:`MemoryPlan`.
@@ -229,6 +230,9 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, got {optimizer!r}")
     x, y = example_batch if isinstance(example_batch, (tuple, list)) else (example_batch, None)
     check_positive_int("min_batch", min_batch)
+    if max_slowdown is not None and (isinstance(max_slowdown, bool) or not isinstance(max_slowdown, (int, float))
+                                     or not max_slowdown > 0):
+        raise ValueError(f"max_slowdown must be a number > 0 (1.1: at most 10% slower), or None; got {max_slowdown!r}")
     if x.dim() < 1 or x.shape[0] < 1:
         raise ValueError(f"example_batch needs a batch dimension, got inputs of shape {list(x.shape)}")
     requested = x.shape[0]
