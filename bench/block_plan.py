@@ -139,8 +139,10 @@ def worker(name: str, device: str, budget: int, policies: list[str] | None = Non
         options["min_batch"] = len(x)
     plan = plan_memory(model, (x, y), budget, **options)
     planning = time.perf_counter() - start
+    planned_peak = process_peak_bytes(torch.device(device))  # the peak so far: planning's, or loading's
     whole = next((c for c in plan.candidates if c.fits and not c.policy.startswith("per-block")), None)
     result = {"model": name, "budget_bytes": budget, "planning_seconds": planning, "reason": plan.reason,
+              "peak_after_planning_bytes": planned_peak,
               "per_block": plan.chosen is not None and plan.chosen.policy.startswith("per-block"),
               "chosen": None if plan.chosen is None else dataclasses.asdict(plan.chosen),
               "whole": None if whole is None else dataclasses.asdict(whole), "rows": None}
