@@ -342,9 +342,10 @@ def test_no_per_block_plan_is_sought_where_the_step_without_saved_tensors_breaks
 
 def test_a_per_block_plan_slower_than_the_whole_model_choice_allows_is_not_taken(monkeypatch):
     """A per-block plan takes at most max_slowdown times the whole-model choice's step time per
-    sample. The costs here are made up: dense never fits, 8 bits fits and takes 100 times dense's
-    step; against 4-bit quantization whole-model (not timed in the costs: its calibration ratio is
-    the bound) no plan is fast enough, and unbounded one is taken."""
+    sample. The costs here are made up, and the whole-model choice (8-bit) is one of their forms, so
+    its time, and the bound, come from them, not from a clock: dense and 8 bits never fit, 4 bits
+    fits and takes 100 times dense's step, 8 bits no longer than dense. No plan is fast enough;
+    unbounded, the 4-bit plan is taken."""
     from torch import nn
 
     import edgetorch.activations.budget as budget
@@ -353,19 +354,20 @@ def test_a_per_block_plan_slower_than_the_whole_model_choice_allows_is_not_taken
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU())
                                                              for _ in range(3))), nn.Linear(64, 4))
-    blocks, forms = tuple(find_blocks(model)), (Dense(), Quantized(8))
-    costs = BlockCosts(blocks, forms, tuple(c for b in blocks for c in (FormCost(b, forms[0], 2**40, 0, 0.0),
-                                                                        FormCost(b, forms[1], 64, 0, 1.0))),
-                       Bitmap(), 0, 1e-3, {(b, f): 0.0 if f == forms[0] else 0.1 / len(blocks) for b in blocks for f in forms})
+    blocks, forms = tuple(find_blocks(model)), (Dense(), Quantized(8), Quantized(4))
+    costs = BlockCosts(blocks, forms, tuple(FormCost(b, f, 64 if f == forms[2] else 2**40, 0, 1.0 if f == forms[2] else 0.0)
+                                            for b in blocks for f in forms),
+                       Bitmap(), 0, 1e-3, {(b, f): 0.1 / len(blocks) if f == forms[2] else 0.0
+                                           for b in blocks for f in forms})
     monkeypatch.setattr(budget, "measure_block_costs", lambda *args, **kwargs: costs)
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
-    plan = plan_memory(model, batch, "100GiB", policies=["quantized:bits=4"], per_block=True)
-    assert plan.blocks is None and plan.chosen.policy == "quantized:bits=4"
+    plan = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], per_block=True)
+    assert plan.blocks is None and plan.chosen.policy == "quantized"
     assert plan.reason.endswith("; no per-block plan is predicted to fit within 1.1x the step time of "
-                                "quantized:bits=4 at batch 8")
-    free = plan_memory(model, batch, "100GiB", policies=["quantized:bits=4"], per_block=True, max_slowdown=None)
+                                "quantized at batch 8")
+    free = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], per_block=True, max_slowdown=None)
     assert free.blocks.fits and free.chosen is free.candidates[0] and free.chosen.policy.startswith("per-block(")
-    assert {r.form for r in free.blocks.plan.rows} == {"quantized"}
+    assert {r.form for r in free.blocks.plan.rows} == {"quantized:bits=4"}
 
 
 def test_the_time_bound_reaches_the_per_block_solver_at_every_batch():

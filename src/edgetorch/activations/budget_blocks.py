@@ -82,8 +82,8 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
     for batch in batches:
         at = scaled(costs, batch / calibration_batch)
         base, limit = rest(batch), ceiling
+        bound = None if max_time_ratio is None or at.dense_seconds is None else max_time_ratio * at.dense_seconds
         while attempts > 0:
-            bound = None if max_time_ratio is None or at.dense_seconds is None else max_time_ratio * at.dense_seconds
             plan = plan_blocks(at, limit, base_bytes=max(0, base), max_seconds=bound)
             if not plan.fits or (last is not None and last.batch == batch and last.plan.policy == plan.policy):
                 break  # nothing smaller at this batch: the next batch
