@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 import edgetorch
-from edgetorch.activations.blockplan import choose, penalty, plan_blocks, tie_break
+from edgetorch.activations.blockplan import choose, penalty, plan_blocks, plan_bytes, tie_break
 from edgetorch.activations.blocks import PerBlock, Recompute
 from edgetorch.activations.costs import BlockCosts, FormCost, measure_block_costs
 from edgetorch.activations.fidelity import GradientComparison, GradientFidelity, gradient_fidelities
@@ -70,6 +70,7 @@ def test_the_solver_finds_brute_forces_optimum(instance):
     assert plan.fits == bool(fitting)
     chosen = _along(costs, [form for _, form in plan.policy.blocks])
     assert [r.stored_bytes for r in plan.rows] == [c.stored_bytes for c in chosen]
+    assert plan_bytes(costs, [form for _, form in plan.policy.blocks]) == _predicted(chosen, costs.outside_bytes)
     if not fitting:
         least = min(_predicted(c, costs.outside_bytes) for c in plans)
         assert plan.predicted_bytes >= least and "no plan fits" in plan.reason
@@ -339,6 +340,32 @@ def test_recomputations_extra_time_is_shared_by_forward_time_and_a_codecs_by_byt
     dense = [costs.cost("0", forms[0]).stored_bytes, costs.cost("2", forms[0], forms[0]).stored_bytes]
     assert dense[0] != dense[1]  # 32 and 8 features: the bytes share differs from the forward's
     assert costs.seconds[("0", forms[1])] == pytest.approx(0.4 * dense[0] / sum(dense))
+
+
+def test_steps_are_timed_on_the_time_batch_and_scaled_to_the_costs_batch(monkeypatch):
+    """The planner measures bytes at batch 2 and times the steps on a larger batch (a small one takes
+    more than its share of a step's time): the timed steps see only that batch, and their times come
+    back at the costs' batch (times 2/8 here)."""
+    import edgetorch.activations.costs as costs_module
+
+    seen = []
+
+    def extra_seconds(model, x, *args):
+        seen.append(len(x))
+        return {edgetorch.Dense(): 0.0, edgetorch.Bitmap(): 0.4}, 1.0
+
+    monkeypatch.setattr(costs_module, "_extra_seconds", extra_seconds)
+    monkeypatch.setattr(costs_module, "_forward_seconds", lambda model, x, *args: seen.append(len(x)) or [1.0, 1.0])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 3))
+    x, y = torch.randn(8, 8), torch.tensor([0, 1, 2, 0] * 2)
+    costs = measure_block_costs(model, (x[:2], y[:2]), (edgetorch.Dense(), edgetorch.Bitmap()), blocks=("0", "2"),
+                                time_batch=(x, y))
+    assert seen == [8, 8] and costs.dense_seconds == pytest.approx(0.25)
+    assert sum(costs.seconds_of(b, edgetorch.Bitmap()) for b in ("0", "2")) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="time_batch needs inputs with a batch dimension"):
+        measure_block_costs(model, (x, y), (edgetorch.Dense(),), blocks=("0", "2"), time_batch=(x[:0], y[:0]))
 
 
 def test_untimed_costs_break_ties_by_machinery():

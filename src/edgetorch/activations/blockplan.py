@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .blocks import PerBlock, Recompute
-from .costs import BlockCosts, FormCost
+from .costs import BlockCosts, Form, FormCost
 from .policies import Dense
 
 #: Bytes are rounded to 1/STEPS of the room the blocks have, unless a granularity is given:
@@ -339,6 +339,19 @@ def _smallest(groups: Sequence[Sequence[Sequence[FormCost]]]) -> list[int]:
         best = [min(((total[0] + g[p][j].stored_bytes + g[p][j].rerun_bytes, total[1] + g[p][j].fidelity), path + [j])
                     for p, (total, path) in enumerate(best)) for j in range(len(g[0]))]
     return min(best)[1]
+
+
+def plan_bytes(costs: BlockCosts, forms: Sequence[Form]) -> int:
+    """The saved bytes the peak model predicts (``base`` 0) for block ``i`` of ``costs.blocks`` in ``forms[i]``.
+
+    Raises:
+        ValueError: not one form per block.
+        KeyError: a form that was not measured.
+    """
+    if len(forms) != len(costs.blocks):
+        raise ValueError(f"give one form per block ({len(costs.blocks)}), got {len(forms)}")
+    chosen = [costs.cost(b, f, forms[i - 1] if i else None) for i, (b, f) in enumerate(zip(costs.blocks, forms))]
+    return _predicted(chosen, costs.outside_bytes)
 
 
 def _predicted(chosen: Sequence[FormCost], fixed: int) -> int:

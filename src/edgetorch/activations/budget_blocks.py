@@ -7,7 +7,10 @@ measured: at a batch ``b``
 
     predicted = dense's predicted peak(b) - dense's saved bytes(b) + the plan's saved bytes(b)
 
-(the plan's saved bytes as :mod:`.blockplan` predicts them). From the requested batch down, the
+(the plan's saved bytes as :mod:`.blockplan` predicts them), plus, where the whole-model choice is
+one of the forms and was run at its batch, what this model missed for the plan of every block in
+that form, per sample (``budget._anchor``: a codec's working memory, which the ledger does not
+count). From the requested batch down, the
 first batch where a plan is predicted to fit is run once; if its measured peak does not fit, the
 plan is solved again for a limit lowered by that run's prediction error, and where that gives the
 same plan or none, the next batch is tried (up to ``VERIFY_ATTEMPTS`` runs in all).
@@ -67,7 +70,7 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
         batches: the batches to try, largest first.
         budget_bytes: the budget; with ``margin``, what a measured peak must fit.
         margin: the headroom, as in :func:`~edgetorch.activations.budget.plan_memory`.
-        rest: the predicted peak at a batch, less dense's saved bytes there.
+        rest: the predicted peak at a batch, less dense's saved bytes there (plus any anchor).
         run: one step at a batch under a training policy: its measured peak.
         attempts: the most plans run.
         max_time_ratio: the longest predicted step allowed, as a multiple of the all-dense step's

@@ -47,7 +47,8 @@ in proportion to each block's forward time in the all-dense step (what its rerun
 by hooks at each block's start and end, the least of ``time_rounds`` steps): shared by bytes,
 mobilenet_v2's plan of 12 recomputed blocks was predicted at 1.03x the 8-bit step's time and
 measured 1.21x; by forward time, plans predicted within 1.1x measured 1.15x, 0.96x and 1.23x
-(steps timed at the batch the costs are measured at, 2 in the planner, and scaled). An estimate,
+(steps timed at the batch the costs are measured at, 2 in the planner, and scaled; the planner
+now times them at its second calibration batch, ``time_batch``). An estimate,
 not a measurement per block: the solver bounds a plan's step time by it and breaks ties with it,
 and the plan's table shows it.
 
@@ -181,13 +182,14 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
                         forms: Sequence[Form] = DEFAULT_FORMS, *, blocks: Sequence[str] | None = None,
                         default: Policy = Bitmap(), negligible: float = NEGLIGIBLE,
                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                        time_rounds: int = 3) -> BlockCosts:
+                        time_rounds: int = 3,
+                        time_batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockCosts:
     """Measure the bytes, the fidelity cost and the time of every block in every form after every form.
 
     Runs ``len(forms) ** 2`` ledger steps and, per block, one gradient step per form and one more
     per lossy form and one at :data:`LENDS_NOTHING` (see the module docstring), plus one
     reference step, and ``time_rounds`` timed steps per form and of dense (and as many dense steps
-    timed block by block), all on ``batch``. The
+    timed block by block), all on ``batch`` (the timed ones on ``time_batch`` where given). The
     model's weights, buffers, gradients and RNG state are as they were when this returns. Use it
     in the mode it trains in (``model.train()``, or batch norm frozen).
 
@@ -202,6 +204,10 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
             of the largest (as :func:`~edgetorch.activations.fidelity.gradient_fidelity` does).
         loss_fn: ``loss_fn(outputs, targets)``; default cross-entropy.
         time_rounds: rounds of timed steps (the least of each form's is kept); 0 times nothing.
+        time_batch: ``(inputs, targets)`` to time the steps on instead of ``batch``, their times scaled
+            to ``batch``'s size: a small batch takes more than its share of a step's time, the more so
+            under a codec (mobilenet_v2 at 128 px: the lossless bitmap's step 1.36x dense's at batch 2,
+            1.03x at 16). Every form's step on it must fit in memory.
 
     Returns:
         A :class:`BlockCosts`.
@@ -222,6 +228,8 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
         raise ValueError(f"give at least one form, each once; got {[f.spec() for f in forms]}")
     if isinstance(time_rounds, bool) or not isinstance(time_rounds, int) or time_rounds < 0:
         raise ValueError(f"time_rounds must be an int >= 0 (0: no timed steps), got {time_rounds!r}")
+    if time_batch is not None and (time_batch[0].dim() < 1 or len(time_batch[0]) < 1):
+        raise ValueError(f"time_batch needs inputs with a batch dimension, got shape {list(time_batch[0].shape)}")
     loss_fn = loss_fn or F.cross_entropy
     x, y = batch
     stored: dict[tuple[int, Form | None, Form], int] = {}  # (block index, previous form, form) -> bytes
@@ -237,12 +245,15 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     fidelity = _fidelities(model, (x, y), blocks, forms, loss_fn, negligible)
     seconds, dense_seconds = None, None
     if time_rounds:
-        extra, dense_seconds = _extra_seconds(model, x, y, blocks, forms, default, loss_fn, time_rounds)
+        tx, ty = batch if time_batch is None else time_batch
+        per = len(x) / len(tx)  # the times, at batch's size (per sample alike)
+        extra, dense_seconds = _extra_seconds(model, tx, ty, blocks, forms, default, loss_fn, time_rounds)
+        extra, dense_seconds = {form: t * per for form, t in extra.items()}, dense_seconds * per
         # each block's bytes under Dense(): the all-dense ledger step already ran when Dense() is offered
         dense = ([stored[(i, Dense() if i else None, Dense())] for i in range(len(blocks))] if Dense() in forms
                  else _measure_step(model, x, y, blocks, (Dense(),) * len(blocks), default, loss_fn).stored)
         by_bytes = [max(b, 0) for b in dense]
-        by_forward = _forward_seconds(model, x, y, blocks, default, loss_fn, time_rounds)
+        by_forward = _forward_seconds(model, tx, ty, blocks, default, loss_fn, time_rounds)
         seconds = {}
         for form in forms:
             weights = by_forward if isinstance(form, Recompute) else by_bytes
