@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 import edgetorch
-from edgetorch.activations.blockplan import choose, penalty, plan_blocks, plan_bytes, tie_break
+from edgetorch.activations.blockplan import assess, choose, penalty, plan_blocks, tie_break
 from edgetorch.activations.blocks import PerBlock, Recompute
 from edgetorch.activations.costs import BlockCosts, FormCost, measure_block_costs
 from edgetorch.activations.fidelity import GradientComparison, GradientFidelity, gradient_fidelities
@@ -70,7 +70,8 @@ def test_the_solver_finds_brute_forces_optimum(instance):
     assert plan.fits == bool(fitting)
     chosen = _along(costs, [form for _, form in plan.policy.blocks])
     assert [r.stored_bytes for r in plan.rows] == [c.stored_bytes for c in chosen]
-    assert plan_bytes(costs, [form for _, form in plan.policy.blocks]) == _predicted(chosen, costs.outside_bytes)
+    assert assess(costs, [form for _, form in plan.policy.blocks]) == (_predicted(chosen, costs.outside_bytes),
+                                                                       sum(c.fidelity for c in chosen))
     if not fitting:
         least = min(_predicted(c, costs.outside_bytes) for c in plans)
         assert plan.predicted_bytes >= least and "no plan fits" in plan.reason

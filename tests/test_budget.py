@@ -262,6 +262,30 @@ def test_the_per_block_prediction_is_anchored_at_the_whole_model_choices_measure
     assert _anchor(None, costs, 2, rest) == 0.0
 
 
+def test_a_per_block_plan_less_faithful_than_the_whole_model_choice_in_every_block_is_not_used():
+    """A limit lowered after a verification step measured over its prediction can leave out the plan
+    of every block in the whole-model choice's form, and the solver then returns 4-bit blocks (seen:
+    resnet18 at 224 px, where 8 bits fit whole-model)."""
+    from edgetorch.activations.blockplan import plan_blocks
+    from edgetorch.activations.budget import Candidate, _less_faithful
+    from edgetorch.activations.budget_blocks import BlockFit
+
+    q8, q4 = Quantized(8), Quantized(4)
+    costs = BlockCosts(("a", "b"), (q8, q4),
+                       (FormCost("a", q8, 25, 0, 1e-4), FormCost("a", q4, 13, 0, 2e-3),
+                        *(FormCost("b", f, n, 0, e, after) for after in (q8, q4) for f, n, e in ((q8, 30, 2e-4),
+                                                                                                  (q4, 15, 3e-3)))),
+                       Bitmap(), 10)
+    eight = Candidate("quantized", 8, 0, True, False, 0.0, 1.0, 0, 100)
+    for budget, less in ((65, False), (60, True)):  # 10 + 25 + 30: every block 8-bit; 60 takes a 4-bit block
+        plan = plan_blocks(costs, budget, granularity=1)
+        assert plan.fits and _less_faithful(BlockFit(plan, 8, 0, 0, True), eight, costs) is less
+    four = Candidate("quantized:bits=4", 8, 0, True, False, 0.0, 1.0, 0, 100)
+    assert not _less_faithful(BlockFit(plan, 8, 0, 0, True), four, costs)
+    dense = Candidate("dense+checkpoint", 8, 0, True, True, 0.0, 1.0, 0, 100)  # not one of the forms
+    assert not _less_faithful(BlockFit(plan, 8, 0, 0, True), dense, costs)
+
+
 def test_a_candidate_is_run_at_its_own_batch_before_it_is_chosen(half, monkeypatch):
     """Predictions come from small batches: the first candidate that fits is measured at its batch,
     and one whose measurement does not fit is passed over (simulated: bitmap at batch 8 holds 2 GiB
@@ -316,7 +340,9 @@ def test_a_batch_the_model_cannot_train_at_is_ruled_out_not_raised(small, monkey
     """resnet18 at 32 px cannot train at batch 1 (batch norm on a 1x1 map). With min_batch=1 and a
     budget only a batch-1 line fits, the planner runs that candidate, which raises: it is ruled out
     and the plan says nothing fits, instead of ending in the model's traceback. (Simulated: every
-    sample adds 2 GiB, so only batch 1 is predicted under 2.5 GiB.)"""
+    sample past the first adds 2 GiB, and the budget leaves 1.5 GiB above what the process holds:
+    batch 3 could break it, batch 1 cannot train to draw the line, so the line is the batch-2 step
+    scaled through zero, and only batch 1 is predicted to fit.)"""
     import edgetorch.activations.budget as budget
 
     real = budget._measure
@@ -327,7 +353,8 @@ def test_a_batch_the_model_cannot_train_at_is_ruled_out_not_raised(small, monkey
 
     monkeypatch.setattr(budget, "_measure", measure)
     model, batch = small
-    plan = plan_memory(model, batch, "2.5GiB", policies=["dense"], min_batch=1)
+    now = plan_memory(model, batch, "1MiB", policies=["dense"]).held_bytes  # measures nothing
+    plan = plan_memory(model, batch, int((now + 1.5 * 2**30) * 1.05), policies=["dense"], min_batch=1)
     one = next(c for c in plan.candidates if c.batch == 1)
     assert one.untrainable and not one.fits and one.measured_peak_bytes is None
     assert plan.chosen is None and "nothing fits" in plan.reason and "at batch 1," not in plan.reason
@@ -407,8 +434,9 @@ def test_a_per_block_plan_slower_than_the_whole_model_choice_allows_is_not_taken
     """A per-block plan takes at most max_slowdown times the whole-model choice's step time per
     sample. The costs here are made up, and the whole-model choice (8-bit) is one of their forms, so
     its time, and the bound, come from them, not from a clock: dense and 8 bits never fit, 4 bits
-    fits and takes 100 times dense's step, 8 bits no longer than dense. No plan is fast enough;
-    unbounded, the 4-bit plan is taken."""
+    fits and takes 100 times dense's step, 8 bits no longer than dense. The fidelity costs are made
+    up too (4 bits the more faithful here, so a plan less faithful than 8 bits in every block does
+    not stand in its way). No plan is fast enough; unbounded, the 4-bit plan is taken."""
     from torch import nn
 
     import edgetorch.activations.budget as budget
@@ -418,8 +446,8 @@ def test_a_per_block_plan_slower_than_the_whole_model_choice_allows_is_not_taken
     model = nn.Sequential(nn.Linear(16, 64), nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU())
                                                              for _ in range(3))), nn.Linear(64, 4))
     blocks, forms = tuple(find_blocks(model)), (Dense(), Quantized(8), Quantized(4))
-    costs = BlockCosts(blocks, forms, tuple(FormCost(b, f, 64 if f == forms[2] else 2**40, 0, 1.0 if f == forms[2] else 0.0)
-                                            for b in blocks for f in forms),
+    costs = BlockCosts(blocks, forms, tuple(FormCost(b, f, 64 if f == forms[2] else 2**40, 0, 1.0 if f == forms[2] else
+                                                     (0.0 if f == forms[0] else 2.0)) for b in blocks for f in forms),
                        Bitmap(), 0, 1e-3, {(b, f): 0.1 / len(blocks) if f == forms[2] else 0.0
                                            for b in blocks for f in forms})
     monkeypatch.setattr(budget, "measure_block_costs", lambda *args, **kwargs: costs)

@@ -341,8 +341,9 @@ def _smallest(groups: Sequence[Sequence[Sequence[FormCost]]]) -> list[int]:
     return min(best)[1]
 
 
-def plan_bytes(costs: BlockCosts, forms: Sequence[Form]) -> int:
-    """The saved bytes the peak model predicts (``base`` 0) for block ``i`` of ``costs.blocks`` in ``forms[i]``.
+def assess(costs: BlockCosts, forms: Sequence[Form]) -> tuple[int, float]:
+    """The plan giving block ``i`` of ``costs.blocks`` the form ``forms[i]``: its saved bytes as the
+    peak model predicts them (``base`` 0) and its summed fidelity cost, as :func:`plan_blocks` counts both.
 
     Raises:
         ValueError: not one form per block.
@@ -351,7 +352,7 @@ def plan_bytes(costs: BlockCosts, forms: Sequence[Form]) -> int:
     if len(forms) != len(costs.blocks):
         raise ValueError(f"give one form per block ({len(costs.blocks)}), got {len(forms)}")
     chosen = [costs.cost(b, f, forms[i - 1] if i else None) for i, (b, f) in enumerate(zip(costs.blocks, forms))]
-    return _predicted(chosen, costs.outside_bytes)
+    return _predicted(chosen, costs.outside_bytes), sum(c.fidelity for c in chosen)
 
 
 def _predicted(chosen: Sequence[FormCost], fixed: int) -> int:

@@ -61,7 +61,7 @@ from ..measure import SavedTensorLedger
 from ..measure.process import (frozen_old_objects, held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed,
                                reset_peak)
 from .blocks import PerBlock, Recompute, find_blocks
-from .blockplan import plan_bytes
+from .blockplan import assess
 from .budget_blocks import BlockFit, fit_blocks, scaled
 from .checkpoint import find_stages
 from .costs import BlockCosts, lossless, measure_block_costs
@@ -146,14 +146,17 @@ class MemoryPlan:
         reason: one sentence on why it was chosen (or why nothing fits).
         held_bytes: memory held before training (measured) plus the optimizer's state (computed).
         calibration_batches: the two batch sizes each policy was measured at, by policy spec (the
-            same one twice where a step one sample larger could break the budget: its line is then
-            the one step scaled through zero).
+            same one twice where a step one sample larger could break the budget: its line then runs
+            through half that batch, or is the one step scaled through zero where the model cannot
+            train on fewer samples).
         memory_kind: ``"peak_rss"`` or ``"cuda_max_allocated"``.
         blocks: with ``per_block=True``, the per-block plan fitted to the budget
             (:class:`~edgetorch.activations.budget_blocks.BlockFit`: its table, batch, predicted and
             measured peak), or None where none is predicted to fit or none was sought (an exact
             candidate fits at the requested batch); None without ``per_block``. Where it is used,
-            ``chosen`` is its candidate.
+            ``chosen`` is its candidate. It is not used where its fidelity cost is above that of
+            the plan of every block in the whole-model choice's form, at that choice's batch or a
+            smaller one (``reason`` says so).
     """
 
     budget_bytes: int
@@ -200,7 +203,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             with :func:`~edgetorch.activations.costs.measure_block_costs`, solved exactly by
             :func:`~edgetorch.activations.blockplan.plan_blocks`, run once to check), returned as
             :attr:`MemoryPlan.blocks`. Where it fits and no exact candidate fits at its batch or a
-            larger one, it is ``chosen`` (the first candidate: policy ``per-block(...)``). It is
+            larger one, it is ``chosen`` (the first candidate: policy ``per-block(...)``), unless it
+            is less faithful than every block in the whole-model choice's form would be. It is
             not sought where an exact candidate fits at the requested batch: no plan does better
             than exact gradients at the batch asked for, and its costs take ``len(forms) ** 2``
             ledger steps. Its prediction starts from dense's line, which is measured for it even
@@ -416,8 +420,16 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                                                        f"at batch {chosen.batch}")
                     skipped = f"; no per-block plan is predicted to fit{within}"
         del step  # its state goes with it
+    less = (fit is not None and fit.fits and chosen is not None and chosen.batch >= fit.batch
+            and _less_faithful(fit, chosen, costs))
+    if fit is not None and not fit.fits:
+        skipped = (f"; the last per-block plan tried, predicted at {fit.predicted_peak_bytes / 2**20:,.0f} MiB at batch "
+                   f"{fit.batch}, measured {fit.measured_peak_bytes / 2**20:,.0f} MiB when run")
+    elif less:
+        skipped = (f"; the per-block plan that fits (fidelity cost {fit.plan.fidelity:.3g}) is less faithful than "
+                   f"{chosen.policy} in every block")
     reason = _reason(chosen, candidates, budget_bytes, requested, margin) + skipped
-    if fit is not None and fit.fits and not (chosen is not None and chosen.exact and chosen.batch >= fit.batch):
+    if fit is not None and fit.fits and not less and not (chosen is not None and chosen.exact and chosen.batch >= fit.batch):
         whole = "nothing whole-model fits" if chosen is None else f"the whole-model choice was {chosen.policy} at batch {chosen.batch}"
         chosen = _block_candidate(fit)
         candidates.insert(0, chosen)
@@ -462,8 +474,20 @@ def _anchor(chosen: Candidate | None, costs: BlockCosts, calibration_batch: int,
     if how.checkpoint or how.policy not in costs.forms:
         return 0.0
     at = scaled(costs, chosen.batch / calibration_batch)
-    predicted = rest(chosen.batch) + plan_bytes(at, [how.policy] * len(costs.blocks))
+    predicted = rest(chosen.batch) + assess(at, [how.policy] * len(costs.blocks))[0]
     return max(0.0, (chosen.measured_peak_bytes - predicted) / chosen.batch)
+
+
+def _less_faithful(fit: BlockFit, chosen: Candidate, costs: BlockCosts) -> bool:
+    """Whether the fitted plan's fidelity cost exceeds that of the plan of every block in the
+    whole-model choice's form (where its policy is one of the forms). That plan is among the
+    solver's options, but a limit lowered after a step measured over its prediction can leave it
+    out, and the solver then returns the least cost of what is left: a plan of 4-bit blocks is no
+    choice where 8 bits fit whole-model."""
+    how = parse_training_policy(chosen.policy)
+    if how.checkpoint or how.policy not in costs.forms:
+        return False
+    return fit.plan.fidelity > assess(costs, [how.policy] * len(costs.blocks))[1]
 
 
 @contextlib.contextmanager
