@@ -76,8 +76,9 @@ CHECKPOINT_POLICIES = ("dense", "dense+checkpoint")
 COMPILE_RATIOS = (0.1, 0.5)  # torch._functorch.config.activation_memory_budget values tried
 
 
-def _models(device: str) -> dict:
-    return CUDA_MODELS if device == "cuda" else {**MODELS, **LARGER}
+def _models(device: str, larger: bool = True) -> dict:
+    """The device's workloads by name; on a CPU the larger ones too, unless ``larger`` is False (the default run)."""
+    return CUDA_MODELS if device == "cuda" else {**MODELS, **LARGER} if larger else MODELS
 
 
 def _workload(name: str, device: str):
@@ -388,7 +389,7 @@ def main() -> None:
         print(json.dumps(CALLS[kwargs.pop("what")](device="cpu", **kwargs)))
         return
     started = time.perf_counter()
-    names = args.models.split(",") if args.models else ["resnet18"] if args.quick else list(CUDA_MODELS if args.device == "cuda" else MODELS)
+    names = args.models.split(",") if args.models else ["resnet18"] if args.quick else list(_models(args.device, larger=False))
     fractions = (0.1,) if args.quick else tuple(map(float, args.fractions.split(","))) if args.fractions else FRACTIONS
     runs, compile_runs, complete = [], {}, True
 

@@ -74,7 +74,7 @@ def test_the_choice_follows_exactness_then_sparsity_then_batch(half):
     # A budget between the smallest and the largest prediction: the chosen candidate fits, and
     # every candidate preferred to it does not. The predictions differ by a few MiB here, and what
     # the process holds grows by as much between plans: the budget is set from what it holds now
-    # (a plan under 1 MiB says so and measures nothing).
+    # (a plan under 1 MiB says so after its warm-up step, calibrating nothing).
     increases = sorted(c.predicted_peak_bytes - roomy.held_bytes for c in roomy.candidates)
     now = plan_memory(model, batch, "1MiB", policies=policies, min_batch=1).held_bytes
     tight = plan_memory(model, batch, int((now + (increases[0] + increases[-1]) / 2) * 1.05), policies=policies,
@@ -207,7 +207,8 @@ def test_calibration_never_measures_a_batch_the_budget_cannot_hold():
 def test_where_one_sample_more_could_break_the_budget_the_line_is_one_step_scaled(small, monkeypatch):
     """No step runs at a batch the budget may not hold, even to draw a line (measured before: MiniLM
     calibrated dense at batch 3 under a 1,265 MiB budget and peaked at 1,275 MiB while planning).
-    Simulated: every sample adds 2 GiB, so a 6 GiB budget holds batch 2 and not 3. The line's other
+    Simulated: every sample adds 2 GiB, and the budget leaves 5 GiB above what the process holds: it
+    holds batch 2 and not 3. The line's other
     point would be batch 1, where resnet18 at 32 px cannot train (batch norm on a 1x1 map): it is
     the batch-2 step scaled through zero, which predicts batch 2 to fit (and it does when run) and
     batch 4 at twice its increase."""
@@ -223,7 +224,8 @@ def test_where_one_sample_more_could_break_the_budget_the_line_is_one_step_scale
 
     monkeypatch.setattr(budget, "_measure", measure)
     model, batch = small
-    plan = plan_memory(model, batch, "6GiB", policies=["dense"], min_batch=2)
+    now = plan_memory(model, batch, "1MiB", policies=["dense"]).held_bytes  # stops after its warm-up step
+    plan = plan_memory(model, batch, int((now + 5 * 2**30) * 1.05), policies=["dense"], min_batch=2)
     assert set(batches) == {1, 2} and plan.calibration_batches["dense"] == (2, 2)
     assert (plan.chosen.policy, plan.chosen.batch) == ("dense", 2) and plan.chosen.measured_peak_bytes is not None
     two, four = (next(c for c in plan.candidates if c.batch == b) for b in (2, 4))
@@ -353,7 +355,7 @@ def test_a_batch_the_model_cannot_train_at_is_ruled_out_not_raised(small, monkey
 
     monkeypatch.setattr(budget, "_measure", measure)
     model, batch = small
-    now = plan_memory(model, batch, "1MiB", policies=["dense"]).held_bytes  # measures nothing
+    now = plan_memory(model, batch, "1MiB", policies=["dense"]).held_bytes  # stops after its warm-up step
     plan = plan_memory(model, batch, int((now + 1.5 * 2**30) * 1.05), policies=["dense"], min_batch=1)
     one = next(c for c in plan.candidates if c.batch == 1)
     assert one.untrainable and not one.fits and one.measured_peak_bytes is None

@@ -65,12 +65,11 @@ from .blockplan import assess
 from .budget_blocks import BlockFit, fit_blocks, scaled
 from .checkpoint import find_stages
 from .costs import BlockCosts, lossless, measure_block_costs
-from .policies import BackRazor, Dense, Quantized
+from .policies import BackRazor, Dense, Policy, Quantized
 from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
 
 #: A per-block plan may be this much slower per sample than the whole-model choice it replaces.
 MAX_SLOWDOWN = 1.1
-# Checkpointed candidates are dropped for a model with no stage to checkpoint.
 VERIFY_ATTEMPTS = 6  # candidates run at their own batch before giving up (each costs one step)
 DEFAULT_POLICIES = ("dense", "bitmap", "dense+checkpoint", "bitmap+checkpoint", "quantized:bits=8",
                     "quantized:bits=4", "backrazor:sparsity=0.8", "backrazor:sparsity=0.9",
@@ -284,10 +283,11 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             first_batch = small
             first, seconds = _measure(model, *sample(first_batch), policy, loss_fn, ledger, step)
             second_batch = _second_batch(first_batch, first, max(small + 1, requested // 4), limit - held - state_bytes)
-            if second_batch is not None and max(min(2, requested), second_batch // 2) < first_batch:
+            lower = None if second_batch is None else max(min(2, requested), second_batch // 2)
+            if lower is not None and lower < first_batch:
                 # Less than twice the first batch leaves the slope to noise (measured: 4 -> 5
                 # samples gave resnet18's bitmap a third of its slope); move the first one down.
-                first_batch = max(min(2, requested), second_batch // 2)
+                first_batch = lower
                 first, _ = _measure(model, *sample(first_batch), policy, loss_fn, None, step)
             if second_batch is None:
                 # One sample more could break the budget (measured before this rule: MiniLM at
@@ -454,10 +454,17 @@ def _step_time_ratio(candidate: Candidate, costs: BlockCosts) -> float:
     """A whole-model candidate's step time over dense's, from the per-block costs' own timed steps
     where they timed its policy in every block (so the bound and the plans it bounds come from the
     same steps), else from the candidate's calibration steps."""
-    how = parse_training_policy(candidate.policy)
-    if how.checkpoint or how.policy not in costs.forms or not costs.dense_seconds:
+    form = _as_form(candidate, costs)
+    if form is None or not costs.dense_seconds:
         return candidate.step_time_ratio
-    return 1 + sum(costs.seconds_of(block, how.policy) for block in costs.blocks) / costs.dense_seconds
+    return 1 + sum(costs.seconds_of(block, form) for block in costs.blocks) / costs.dense_seconds
+
+
+def _as_form(candidate: Candidate, costs: BlockCosts) -> Policy | None:
+    """A whole-model candidate's policy where it is one of the per-block forms (not checkpointed):
+    the candidate is then the plan of every block in that form, and the costs predict it."""
+    how = parse_training_policy(candidate.policy)
+    return None if how.checkpoint or how.policy not in costs.forms else how.policy
 
 
 def _anchor(chosen: Candidate | None, costs: BlockCosts, calibration_batch: int, rest: Callable[[int], int]) -> float:
@@ -468,13 +475,11 @@ def _anchor(chosen: Candidate | None, costs: BlockCosts, calibration_batch: int,
     of six 8-bit blocks predicted at 1,158 MiB peaked at 1,280 in the planner's verification step (an
     earlier plan, predicted within the budget, at 1,369 MiB over a 1,321 MiB budget), 8-bit
     whole-model at 1,274. Never negative: an over-prediction is left as it is."""
-    if chosen is None or chosen.measured_peak_bytes is None:
-        return 0.0
-    how = parse_training_policy(chosen.policy)
-    if how.checkpoint or how.policy not in costs.forms:
+    form = None if chosen is None or chosen.measured_peak_bytes is None else _as_form(chosen, costs)
+    if form is None:
         return 0.0
     at = scaled(costs, chosen.batch / calibration_batch)
-    predicted = rest(chosen.batch) + assess(at, [how.policy] * len(costs.blocks))[0]
+    predicted = rest(chosen.batch) + assess(at, [form] * len(costs.blocks))[0]
     return max(0.0, (chosen.measured_peak_bytes - predicted) / chosen.batch)
 
 
@@ -484,10 +489,8 @@ def _less_faithful(fit: BlockFit, chosen: Candidate, costs: BlockCosts) -> bool:
     solver's options, but a limit lowered after a step measured over its prediction can leave it
     out, and the solver then returns the least cost of what is left: a plan of 4-bit blocks is no
     choice where 8 bits fit whole-model."""
-    how = parse_training_policy(chosen.policy)
-    if how.checkpoint or how.policy not in costs.forms:
-        return False
-    return fit.plan.fidelity > assess(costs, [how.policy] * len(costs.blocks))[1]
+    form = _as_form(chosen, costs)
+    return form is not None and fit.plan.fidelity > assess(costs, [form] * len(costs.blocks))[1]
 
 
 @contextlib.contextmanager

@@ -47,8 +47,9 @@ in proportion to each block's forward time in the all-dense step (what its rerun
 by hooks at each block's start and end, the least of ``time_rounds`` steps): shared by bytes,
 mobilenet_v2's plan of 12 recomputed blocks was predicted at 1.03x the 8-bit step's time and
 measured 1.21x; by forward time, plans predicted within 1.1x measured 1.15x, 0.96x and 1.23x
-(steps timed at the batch the costs are measured at, 2 in the planner, and scaled; the planner
-now times them at its second calibration batch, ``time_batch``). An estimate,
+(steps timed at the costs' batch, 2 in the planner, and scaled), and 0.97x, 1.30x and 0.93x
+timed at the planner's second calibration batch (``time_batch``): recomputation's share is still
+under-predicted (the 1.30x plan was predicted at 1.18x dense's step, measured 1.73x). An estimate,
 not a measurement per block: the solver bounds a plan's step time by it and breaks ties with it,
 and the plan's table shows it.
 
