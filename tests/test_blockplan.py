@@ -26,14 +26,19 @@ FORMS = (edgetorch.Dense(), edgetorch.Bitmap(), edgetorch.Quantized(8), edgetorc
 
 def resnet18_first_half(num_classes: int) -> torch.nn.Module:
     """resnet18 up to layer2 (blocks layer1.0 to layer2.1; layer2.0 downsamples): its block types in 4
-    blocks, not 8, as the costs take (blocks - 1) * forms**2 steps (76 s of the suite with all 8)."""
+    blocks, not 8, and the stem's four layers (conv1 stores nothing: no fidelity steps), as the costs
+    take fidelity steps per block and form (76 s of the suite with all 8 blocks)."""
     model = torchvision.models.resnet18(num_classes=num_classes)
     model.layer3, model.layer4, model.fc = torch.nn.Identity(), torch.nn.Identity(), torch.nn.Linear(128, num_classes)
     return model
 
 
 def _predicted(chosen, fixed):
-    return fixed + sum(c.stored_bytes for c in chosen) + max((c.rerun_bytes for c in chosen), default=0)
+    """The peak, by brute force over the moments of a step: the forward's end, and each block's
+    rerun in backward, when the blocks after it have freed their tensors."""
+    moments = [sum(c.stored_bytes for c in chosen)]
+    moments += [sum(c.stored_bytes for c in chosen[: k + 1]) + chosen[k].rerun_bytes for k in range(len(chosen))]
+    return fixed + max(moments)
 
 
 def _along(costs, assignment):
@@ -73,8 +78,9 @@ def test_the_solver_finds_brute_forces_optimum(instance):
     assert assess(costs, [form for _, form in plan.policy.blocks]) == (_predicted(chosen, costs.outside_bytes),
                                                                        sum(c.fidelity for c in chosen))
     if not fitting:
-        least = min(_predicted(c, costs.outside_bytes) for c in plans)
-        assert plan.predicted_bytes >= least and "no plan fits" in plan.reason
+        least = min(_predicted(c, costs.outside_bytes) for c in plans)  # the fallback: least peak, then fidelity
+        assert plan.predicted_bytes == least and "no plan fits" in plan.reason
+        assert plan.fidelity == min(sum(o.fidelity for o in c) for c in plans if _predicted(c, costs.outside_bytes) == least)
         return
     def tie(o):
         return tie_break(o.form, costs.seconds_of(o.block, o.form))
@@ -166,18 +172,29 @@ def test_choose_breaks_ties_by_penalty_then_weight():
     def independent(*groups):  # every option the same whatever was chosen before it
         return [[list(g)] * (len(groups[i - 1]) if i else 1) for i, g in enumerate(groups)]
 
-    assert choose(independent([(3, 0.0, 0), (1, 1.0, 0)], [(2, 0.0, 1), (1, 0.0, 0)]), 3) == [1, 1]
-    assert choose(independent([(3, 0.0, 0), (1, 0.0, 0)]), 3) == [1]  # equal cost and penalty: the lighter
-    assert choose(independent([(2, 0.0, 1), (2, 0.0, 0)], [(1, 0.0, 1), (1, 0.0, 0)]), 3) == [1, 1]  # less penalty
-    assert choose(independent([(4, 0.0, 0)]), 3) is None
-    assert choose(independent([(0, 0.0, 0)]), -1) is None
+    assert choose(independent([(3, 0.0, 0, 0), (1, 1.0, 0, 0)], [(2, 0.0, 1, 0), (1, 0.0, 0, 0)]), 3) == [1, 1]
+    assert choose(independent([(3, 0.0, 0, 0), (1, 0.0, 0, 0)]), 3) == [1]  # equal cost and penalty: the lighter
+    assert choose(independent([(2, 0.0, 1, 0), (2, 0.0, 0, 0)], [(1, 0.0, 1, 0), (1, 0.0, 0, 0)]), 3) == [1, 1]
+    assert choose(independent([(4, 0.0, 0, 0)]), 3) is None
+    assert choose(independent([(0, 0.0, 0, 0)]), -1) is None
 
 
 def test_choose_weighs_each_option_after_the_one_before_it():
     # the second group's option 0 is light only after the first group's option 1
-    options = [[[(1, 0.0, 0), (2, 1.0, 0)]], [[(5, 0.0, 0), (1, 3.0, 0)], [(1, 0.0, 0), (1, 3.0, 0)]]]
+    options = [[[(1, 0.0, 0, 0), (2, 1.0, 0, 0)]], [[(5, 0.0, 0, 0), (1, 3.0, 0, 0)], [(1, 0.0, 0, 0), (1, 3.0, 0, 0)]]]
     assert choose(options, 3) == [1, 0]  # cost 1: [0, 0] weighs 6, [0, 1] costs 3
     assert choose(options, 6) == [0, 0]
+
+
+def test_a_transient_weight_needs_room_only_on_top_of_the_groups_up_to_its_own():
+    # a rerun of 3 in the first group: on top of its 1 it fits 4, whatever the second group adds later
+    first = [(1, 0.0, 0, 3), (2, 1.0, 0, 0)]
+    second = [[(3, 0.0, 0, 0)], [(3, 0.0, 0, 0)]]
+    assert choose([[first], second], 4) == [0, 0]  # peak max(1 + 3, 1 + 3) = 4
+    assert choose([[first], second], 3) is None  # 1 + 3 > 3 and 2 + 3 > 3
+    # in the last group it needs room on top of everything: 2 + 1 + 2 = 5
+    last = [[(2, 0.0, 0, 0)]], [[(1, 0.0, 0, 2), (2, 1.0, 0, 0)]]
+    assert choose(list(last), 4) == [0, 1] and choose(list(last), 5) == [0, 0]
 
 
 def test_bad_arguments_say_what_is_accepted():
@@ -214,9 +231,17 @@ def measured():
 
 def test_costs_rank_forms_as_their_exactness_says(measured):
     _, _, costs = measured
-    assert len(costs.costs) == (1 + 3 * 6) * 6  # the first block per form, the others per (previous form, form)
+    stem = ("conv1", "bn1", "relu", "maxpool")  # blocks of their own: a ResNet's stem saves as much as a stage
+    assert costs.blocks == (*stem, "layer1.0", "layer1.1", "layer2.0", "layer2.1")
+    assert len(costs.costs) == (1 + 7 * 6) * 6  # the first block per form, the others per (previous form, form)
     dense_form = edgetorch.Dense()
-    for i, block in enumerate(costs.blocks):
+    by = {c.form: c for c in costs.options("conv1", None)}
+    assert {c.stored_bytes for c in by.values()} == {0}  # it saves only the model's input, which the caller holds
+    for i, block in enumerate(stem[1:], start=1):
+        by = {c.form: c for c in costs.options(block, dense_form)}
+        assert by[dense_form].stored_bytes > 0 and by[edgetorch.Quantized(8)].stored_bytes < by[dense_form].stored_bytes
+        assert by[Recompute()].fidelity == by[edgetorch.Bitmap()].fidelity == 0.0  # bit-identical (ReLU is in place)
+    for i, block in enumerate(costs.blocks[len(stem):], start=len(stem)):
         by = {c.form: c for c in costs.options(block, None if i == 0 else dense_form)}
         dense, bitmap, q8, q4, recompute, br = (by[f] for f in costs.forms)
         assert dense.fidelity == bitmap.fidelity == recompute.fidelity == 0.0  # bit-identical gradients
@@ -241,8 +266,9 @@ def test_a_block_after_a_lossy_block_reads_its_own_form_of_the_boundary(measured
 def test_a_mixed_plans_ledger_holds_what_the_costs_predict_to_the_byte(measured):
     model, (x, y), costs = measured
     forms = costs.forms
-    for assignment in ([forms[(3 * i + 1) % len(forms)] for i in range(4)], [forms[i % 3 + 3] for i in range(4)],
-                       [forms[(i * i) % len(forms)] for i in range(4)]):  # neighbours no measured step paired
+    n = len(costs.blocks)
+    for assignment in ([forms[(3 * i + 1) % len(forms)] for i in range(n)], [forms[i % 3 + 3] for i in range(n)],
+                       [forms[(i * i) % len(forms)] for i in range(n)]):  # neighbours no measured step paired
         chosen = [costs.cost(b, f, assignment[i - 1] if i else None) for i, (b, f) in enumerate(zip(costs.blocks, assignment))]
         ledger = edgetorch.SavedTensorLedger()
         forward_backward(model, x, y, TrainingPolicy(PerBlock(tuple(zip(costs.blocks, assignment)), costs.default)),

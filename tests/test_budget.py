@@ -368,12 +368,13 @@ def test_a_per_block_plan_is_fitted_run_once_and_chosen_over_a_lossy_whole_model
     measured for the per-block prediction, but it was not offered, so it is no candidate."""
     from edgetorch.cli.finetune import _print_plan
 
-    model, batch = half  # 4 blocks: the costs take (blocks - 1) * forms**2 steps (57 s with all 8)
+    model, batch = half  # 4 blocks and the stem's 4 layers: fidelity steps grow with the blocks (57 s with all 8)
     roomy = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], per_block=True)
     assert "dense" in roomy.calibration_batches and "dense" not in {c.policy for c in roomy.candidates}
     fit = roomy.blocks
     assert fit.fits and fit.batch == 8 and fit.measured_peak_bytes * 1.05 <= roomy.budget_bytes
-    assert [r.block for r in fit.plan.rows] == ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
+    assert [r.block for r in fit.plan.rows] == ["conv1", "bn1", "relu", "maxpool", "layer1.0", "layer1.1", "layer2.0",
+                                                "layer2.1"]
     assert fit.plan.fidelity == 0.0 and {r.form for r in fit.plan.rows} == {"dense"}  # room: exact, least machinery
     chosen = roomy.chosen
     assert chosen is roomy.candidates[0] and chosen.policy == fit.plan.policy.spec() and chosen.exact

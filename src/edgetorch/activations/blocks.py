@@ -38,7 +38,7 @@ from .policies import Bitmap, Dense, Policy
 from .roles import EXACT, Need
 
 
-def find_blocks(model: nn.Module) -> list[str]:
+def find_blocks(model: nn.Module, *, stem: bool = False) -> list[str]:
     """Qualified names of ``model``'s blocks, in module order.
 
     A block is a child that holds parameters of a sequence of blocks: an ``nn.Sequential`` or
@@ -50,6 +50,13 @@ def find_blocks(model: nn.Module) -> list[str]:
 
     Args:
         model: the model.
+        stem: also the layers before the first sequence of blocks, each a block of its own: the
+            children of that sequence's parent registered before it that are layers (no children
+            of their own), such as a ResNet's ``conv1``, ``bn1``, ``relu`` and ``maxpool``. What
+            they save otherwise takes a plan's default form, and it is not small: a ResNet's stem
+            saves as much per sample as its first stage (four full-resolution maps). Registration
+            order is taken for running order; :func:`~edgetorch.activations.costs.measure_block_costs`
+            checks it.
 
     Returns:
         The block names (empty for a model with no sequence of blocks).
@@ -57,15 +64,22 @@ def find_blocks(model: nn.Module) -> list[str]:
     Example:
         >>> find_blocks(torchvision.models.resnet18())[:3]  # doctest: +SKIP
         ['layer1.0', 'layer1.1', 'layer2.0']
+        >>> find_blocks(torchvision.models.resnet18(), stem=True)[:5]  # doctest: +SKIP
+        ['conv1', 'bn1', 'relu', 'maxpool', 'layer1.0']
     """
     found: list[str] = []
 
     def visit(module: nn.Module, prefix: str) -> None:
         sequences = block_sequences(module, (nn.Sequential, nn.ModuleList))
+        leading = stem and not found and bool(sequences)  # the parent of the first sequence
         for name, child in module.named_children():
             qualified = f"{prefix}{name}"
             if name in sequences:
                 found.extend(f"{qualified}.{n}" for n, _ in sequences[name])
+                leading = False
+            elif leading and next(child.children(), None) is None:
+                if not isinstance(child, nn.Identity):  # stores nothing: a block of it only costs measuring
+                    found.append(qualified)
             else:
                 visit(child, f"{qualified}.")
 

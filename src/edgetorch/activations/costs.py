@@ -199,7 +199,8 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
         batch: ``(inputs, targets)``: bytes scale with the batch (per sample), fidelity does not much.
         forms: the forms to offer each block (policies, or ``Recompute(policy)``).
         blocks: the block names, in the order the forward runs them, each run once per forward
-            and none inside another; default :func:`~edgetorch.activations.blocks.find_blocks`.
+            and none inside another; default :func:`~edgetorch.activations.blocks.find_blocks` with
+            its stem (a ResNet's ``conv1``, ``bn1``, ``relu`` and ``maxpool`` are blocks too).
         default: the policy of tensors saved outside every block.
         negligible: leave out parameters whose reference gradient norm is at most this fraction
             of the largest (as :func:`~edgetorch.activations.fidelity.gradient_fidelity` does).
@@ -220,7 +221,7 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     Example:
         >>> costs = measure_block_costs(model.train(), (x, y), [Bitmap(), Quantized(8)])  # doctest: +SKIP
     """
-    blocks = tuple(find_blocks(model) if blocks is None else blocks)
+    blocks = tuple(find_blocks(model, stem=True) if blocks is None else blocks)
     forms = tuple(forms)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no blocks (no nn.Sequential or nn.ModuleList of two or more "
@@ -243,7 +244,11 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
             stored.setdefault((i, assignment[i - 1] if i else None, form), step.stored[i])
             if i in step.rerun:
                 rerun[(i, form)] = step.rerun[i]
-    fidelity = _fidelities(model, (x, y), blocks, forms, loss_fn, negligible)
+    # a block that stores nothing after any form in any form (a first convolution, whose input is
+    # the caller's) leaves every gradient exact: no fidelity steps for it
+    silent = {i for i in range(len(blocks)) if not any(b for (j, _, _), b in stored.items() if j == i)
+              and not any(b for (j, _), b in rerun.items() if j == i)}
+    fidelity = _fidelities(model, (x, y), blocks, forms, loss_fn, negligible, silent)
     seconds, dense_seconds = None, None
     if time_rounds:
         tx, ty = batch if time_batch is None else time_batch
@@ -378,6 +383,11 @@ def _measure_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, blocks: tu
     # A block starting again runs in backward, to be recomputed: what is saved from then to the
     # next such start (or the step's end) is its rerun. The forward's rows all come first.
     reruns = starts[len(blocks):]
+    again = [blocks[i] for i, _ in reruns if not isinstance(assignment[i], Recompute)]
+    if again:
+        raise ValueError(f"blocks must run once per forward; {', '.join(dict.fromkeys(again))} ran again (a module "
+                         "used twice, such as one activation module shared by several layers, cannot be a block): "
+                         "name blocks that run once with blocks=")
     ends = [at for _, at in reruns[1:]] + [len(rows)]
     rerun = {i: sum(r.stored_bytes for r in rows[at:end]) for (i, at), end in zip(reruns, ends)}
     forward = rows[: reruns[0][1] if reruns else len(rows)]
@@ -418,13 +428,18 @@ def _owner(module: str, names: dict[str, int]) -> int | None:
 
 
 def _fidelities(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], blocks: tuple[str, ...],
-                forms: tuple[Form, ...], loss_fn: Callable, negligible: float) -> dict[tuple[int, Form, bool], float]:
+                forms: tuple[Form, ...], loss_fn: Callable, negligible: float,
+                silent: set[int]) -> dict[tuple[int, Form, bool], float]:
     """(block index, form, the previous block lends its output exactly) -> fidelity cost (see the
     module docstring): every form with only the block compressed, the rest exact (lending); a
-    lossy form also after the previous block in :data:`LENDS_NOTHING`, less what that costs alone."""
-    keys = [(i, form, True) for i in range(len(blocks)) for form in forms]
+    lossy form also after the previous block in :data:`LENDS_NOTHING`, less what that costs alone.
+    The ``silent`` blocks store nothing: 0 for every key, no step run."""
+    zero = {(i, form, lends): 0.0 for i in silent for form in forms for lends in (True, False)}
+    keys = [(i, form, True) for i in range(len(blocks)) if i not in silent for form in forms]
     plans = {key: PerBlock(((blocks[key[0]], key[1]),), Dense()) for key in keys}
     for i in range(1, len(blocks)):
+        if i in silent:
+            continue
         plans[(i - 1, LENDS_NOTHING, True)] = PerBlock(((blocks[i - 1], LENDS_NOTHING),), Dense())
         for form in forms:
             if not lossless(form):
@@ -437,4 +452,4 @@ def _fidelities(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bloc
             costs[(i, form, False)] = max(0.0, measured[(i, form, False)] - measured[(i - 1, LENDS_NOTHING, True)])
         elif lossless(form):  # a lossless form reads exact copies whoever holds them
             costs.setdefault((i, form, False), measured[(i, form, True)])
-    return costs
+    return {**costs, **zero}
