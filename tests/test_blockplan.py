@@ -240,16 +240,25 @@ def test_costs_rank_forms_as_their_exactness_says(measured):
     for i, block in enumerate(stem[1:], start=1):
         by = {c.form: c for c in costs.options(block, dense_form)}
         assert by[dense_form].stored_bytes > 0 and by[edgetorch.Quantized(8)].stored_bytes < by[dense_form].stored_bytes
-        assert by[Recompute()].fidelity == by[edgetorch.Bitmap()].fidelity == 0.0  # bit-identical (ReLU is in place)
+        assert by[Recompute()].fidelity == by[edgetorch.Bitmap()].fidelity == 0.0  # not measured: lossless
     for i, block in enumerate(costs.blocks[len(stem):], start=len(stem)):
         by = {c.form: c for c in costs.options(block, None if i == 0 else dense_form)}
         dense, bitmap, q8, q4, recompute, br = (by[f] for f in costs.forms)
-        assert dense.fidelity == bitmap.fidelity == recompute.fidelity == 0.0  # bit-identical gradients
+        assert dense.fidelity == bitmap.fidelity == recompute.fidelity == 0.0  # lossless: not measured
         assert 0 < q8.fidelity < q4.fidelity
         assert br.fidelity > 0
         assert q4.stored_bytes < q8.stored_bytes < dense.stored_bytes and bitmap.stored_bytes <= dense.stored_bytes
         assert recompute.stored_bytes < dense.stored_bytes and 0 < recompute.rerun_bytes <= bitmap.stored_bytes
         assert dense.rerun_bytes == q8.rerun_bytes == 0
+
+
+def test_lossless_forms_cost_nothing_as_measured_too(measured):
+    """The costs take a lossless form's fidelity cost as 0 without a step: measured here, in a stem
+    layer (an in-place ReLU, recomputed) and a downsampling block, it is 0 to the bit."""
+    model, batch, _ = measured
+    plans = [PerBlock(((block, form),), edgetorch.Dense()) for block in ("relu", "layer2.0")
+             for form in (edgetorch.Bitmap(), Recompute(), Recompute(edgetorch.Dense()))]
+    assert [f.mean_squared_relative_error for f in gradient_fidelities(model, batch, plans)] == [0.0] * len(plans)
 
 
 def test_a_block_after_a_lossy_block_reads_its_own_form_of_the_boundary(measured):

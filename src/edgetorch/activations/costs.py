@@ -24,8 +24,10 @@ every block's window (the stem before the first block, the loss after the model)
 
 Fidelity: the mean, over the parameters, of the squared relative error of each gradient with
 only this block compressed (:func:`~edgetorch.activations.fidelity.gradient_fidelities`, one
-reference step for all). Squared errors of independent perturbations add, so the solver sums
-them. Each lossy (block, form) is measured twice: after an exact previous block, which lends
+reference step for all; a lossless form costs 0 without a step, its gradients being plain
+PyTorch's bit for bit, and so does every form of a block that stores nothing, such as a first
+convolution whose input the caller holds). Squared errors of independent perturbations add, so
+the solver sums them. Each lossy (block, form) is measured twice: after an exact previous block, which lends
 the boundary exactly, and after the previous block at 8 bits (:data:`LENDS_NOTHING`: it keeps a
 ReLU's output as a mask, so the block's ops read their own form), less what 8 bits there cost
 alone. A previous form that keeps every tensor exact (:func:`lossless`) takes the first; any
@@ -187,7 +189,7 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
                         time_batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> BlockCosts:
     """Measure the bytes, the fidelity cost and the time of every block in every form after every form.
 
-    Runs ``len(forms) ** 2`` ledger steps and, per block, one gradient step per form and one more
+    Runs ``len(forms) ** 2`` ledger steps and, per block that stores anything, two gradient steps
     per lossy form and one at :data:`LENDS_NOTHING` (see the module docstring), plus one
     reference step, and ``time_rounds`` timed steps per form and of dense (and as many dense steps
     timed block by block), all on ``batch`` (the timed ones on ``time_batch`` where given). The
@@ -433,9 +435,11 @@ def _fidelities(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bloc
     """(block index, form, the previous block lends its output exactly) -> fidelity cost (see the
     module docstring): every form with only the block compressed, the rest exact (lending); a
     lossy form also after the previous block in :data:`LENDS_NOTHING`, less what that costs alone.
-    The ``silent`` blocks store nothing: 0 for every key, no step run."""
-    zero = {(i, form, lends): 0.0 for i in silent for form in forms for lends in (True, False)}
-    keys = [(i, form, True) for i in range(len(blocks)) if i not in silent for form in forms]
+    No step runs for a lossless form (its gradients are plain PyTorch's, bit for bit: tested) or for
+    the ``silent`` blocks, which store nothing: 0 for every key of theirs."""
+    zero = {(i, form, lends): 0.0 for i in range(len(blocks)) for form in forms for lends in (True, False)
+            if i in silent or lossless(form)}
+    keys = [(i, form, True) for i in range(len(blocks)) if i not in silent for form in forms if not lossless(form)]
     plans = {key: PerBlock(((blocks[key[0]], key[1]),), Dense()) for key in keys}
     for i in range(1, len(blocks)):
         if i in silent:
@@ -450,6 +454,4 @@ def _fidelities(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bloc
     for i, form, lends in plans:
         if not lends:  # squared errors of independent perturbations add: take the neighbour's off
             costs[(i, form, False)] = max(0.0, measured[(i, form, False)] - measured[(i - 1, LENDS_NOTHING, True)])
-        elif lossless(form):  # a lossless form reads exact copies whoever holds them
-            costs.setdefault((i, form, False), measured[(i, form, True)])
     return {**costs, **zero}
