@@ -303,7 +303,7 @@ def _short(spec: str) -> str:
 
 
 def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, complete: bool, models: str | None,
-            fixed_batch: bool) -> None:
+            fixed_batch: bool, fractions: str | None) -> None:
     rows = []
     for r in runs:
         if "fraction" not in r:  # the model's bounds failed
@@ -365,7 +365,8 @@ def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, comp
                              f"compiled in {r['compile_seconds']:.0f} s") for r in comp["ratios"]))
     flags = [("--quick", "_quick", quick), ("--device cuda", "_cuda", device == "cuda"),
              ("--fixed-batch", "_fixed_batch", fixed_batch),
-             (f"--models {models}", f"_{(models or '').replace(',', '_')}", bool(models))]
+             (f"--models {models}", f"_{(models or '').replace(',', '_')}", bool(models)),
+             (f"--fractions {fractions}", f"_at_{(fractions or '').replace(',', '_')}", bool(fractions))]
     stem = "block_plan" + "".join(suffix for _, suffix, on in flags if on)
     script = " ".join(["bench/block_plan.py"] + [flag for flag, _, on in flags if on])
     write_results(stem, "Per-block memory plans against whole-model policies and the peers (issue 26)", body,
@@ -380,7 +381,8 @@ def main() -> None:
                         f"({', '.join(LARGER)}) (results: block_plan[_cuda]_MODELS.*)")
     parser.add_argument("--fixed-batch", action="store_true",
                         help="train every choice at the requested batch (results: block_plan[...]_fixed_batch.*)")
-    parser.add_argument("--fractions", help="comma-separated budget points instead of 0.25,0.5,0.75")
+    parser.add_argument("--fractions", help="comma-separated budget points instead of 0.25,0.5,0.75 (results under "
+                        "their own name; torch.compile is not run)")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start nothing new after this many seconds")
     parser.add_argument("--call", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -427,12 +429,13 @@ def main() -> None:
                 run["measured"] = _call(args.device, "measure", name=name, fidelity=fidelity,
                                         timed=[list(t) for t in timed])
             runs.append(run)
-            _report(runs, compile_runs, args.device, args.quick, False, args.models, args.fixed_batch)
-        if not args.quick and not args.fixed_batch and left():  # compile has no batch to choose: measured once
+            _report(runs, compile_runs, args.device, args.quick, False, args.models, args.fixed_batch, args.fractions)
+        # compile has no batch to choose or budget to meet: measured once, in a run of every budget point
+        if not args.quick and not args.fixed_batch and not args.fractions and left():
             print(f"{name}: torch.compile ...", file=sys.stderr, flush=True)
             compile_runs[name] = _call(args.device, "compiled", name=name)
-            _report(runs, compile_runs, args.device, args.quick, False, args.models, args.fixed_batch)
-    _report(runs, compile_runs, args.device, args.quick, complete, args.models, args.fixed_batch)
+            _report(runs, compile_runs, args.device, args.quick, False, args.models, args.fixed_batch, args.fractions)
+    _report(runs, compile_runs, args.device, args.quick, complete, args.models, args.fixed_batch, args.fractions)
 
 
 if __name__ == "__main__":
