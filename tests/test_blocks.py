@@ -61,6 +61,41 @@ def test_blocks_are_the_members_of_each_sequence_of_blocks():
     assert find_blocks(nn.Linear(2, 2)) == []
 
 
+def test_the_stem_is_the_layers_before_the_first_sequence_of_blocks():
+    """With ``stem=True`` the layers registered before the first sequence, in its parent, are blocks
+    too (an Identity stores nothing and is left out); containers there are searched as before."""
+    assert find_blocks(_resnet(), stem=True) == ["conv1", "bn1", "relu", "maxpool", *find_blocks(_resnet())]
+    assert find_blocks(torchvision.models.mobilenet_v2(), stem=True) == find_blocks(torchvision.models.mobilenet_v2())
+    assert find_blocks(_Tiny(), stem=True) == ["embed", "layers.0", "layers.1", "layers.2"]  # head comes after
+    with_identity = nn.Sequential()
+    with_identity.add_module("skip", nn.Identity())
+    with_identity.add_module("body", _Tiny())
+    assert find_blocks(with_identity, stem=True) == ["body.embed", "body.layers.0", "body.layers.1", "body.layers.2"]
+
+
+def test_a_block_that_runs_twice_in_a_forward_is_refused_by_name():
+    """A module used twice (one activation module shared by two layers) cannot be a block: its
+    second start would be read as a rerun. The costs say which block ran again."""
+    from edgetorch.activations.costs import measure_block_costs
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.act = nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()
+            self.layers = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1))
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.layers(self.act(self.conv(x)))
+            return self.head(self.act(h).mean((2, 3)))  # act again, after the blocks
+
+    model = Shared()
+    assert find_blocks(model, stem=True) == ["conv", "act", "layers.0", "layers.1"]
+    with pytest.raises(ValueError, match="act ran again"):
+        measure_block_costs(model, (torch.randn(2, 3, 8, 8), torch.tensor([0, 1])), (edgetorch.Dense(),),
+                            time_rounds=0)
+
+
 def test_stages_of_one_block_each_are_sequences_of_blocks():
     """A ResNet-10 ([1, 1, 1, 1]): each stage holds one block. The search went inside those blocks
     and took each downsample's convolution and batch norm for two blocks (and checkpointed the
