@@ -134,7 +134,8 @@ def choose(options: Sequence[Sequence[Sequence[tuple[int, float, int, int]]]], c
         The chosen option's index per group, or None if no choice fits.
 
     Example:
-        >>> choose([[[(3, 0.0, 0, 0), (1, 1.0, 0, 0)]], [[(2, 0.0, 1, 0), (1, 0.0, 0, 0)], [(1, 0.0, 1, 0), (1, 0.0, 0, 0)]]], 3)
+        >>> second = [[(2, 0.0, 1, 0), (1, 0.0, 0, 0)], [(1, 0.0, 1, 0), (1, 0.0, 0, 0)]]
+        >>> choose([[[(3, 0.0, 0, 0), (1, 1.0, 0, 0)]], second], 3)
         [1, 1]
     """
     if capacity < 0:
@@ -155,10 +156,11 @@ def choose(options: Sequence[Sequence[Sequence[tuple[int, float, int, int]]]], c
                 if sources <= 0:
                     continue
                 c, e = cost[p, :sources] + value, extra[p, :sources] + pen
-                window_cost, window_extra = new_cost[j, weight: weight + sources], new_extra[j, weight: weight + sources]
+                window = slice(weight, weight + sources)
+                window_cost, window_extra = new_cost[j, window], new_extra[j, window]
                 better = (c < window_cost) | ((c == window_cost) & (e < window_extra) & np.isfinite(c))
                 window_cost[better], window_extra[better] = c[better], e[better]
-                pick[j, weight: weight + sources][better] = p
+                pick[j, window][better] = p
         cost, extra = new_cost, new_extra
         picks.append(pick)
     if not np.isfinite(cost).any():

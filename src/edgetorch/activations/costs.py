@@ -27,10 +27,10 @@ only this block compressed (:func:`~edgetorch.activations.fidelity.gradient_fide
 reference step for all; a lossless form costs 0 without a step, its gradients being plain
 PyTorch's bit for bit, and so does every form of a block that stores nothing, such as a first
 convolution whose input the caller holds). Squared errors of independent perturbations add, so
-the solver sums them. Each lossy (block, form) is measured twice: after an exact previous block, which lends
-the boundary exactly, and after the previous block at 8 bits (:data:`LENDS_NOTHING`: it keeps a
-ReLU's output as a mask, so the block's ops read their own form), less what 8 bits there cost
-alone. A previous form that keeps every tensor exact (:func:`lossless`) takes the first; any
+the solver sums them. Each lossy (block, form) is measured twice: after an exact previous block,
+which lends the boundary exactly, and after the previous block at 8 bits (:data:`LENDS_NOTHING`:
+it keeps a ReLU's output as a mask, so the block's ops read their own form), less what 8 bits
+there cost alone. A previous form that keeps every tensor exact (:func:`lossless`) takes the first; any
 other, a recomputed one included, the second. Not captured: a lossy previous form that lends the
 boundary where 8 bits do not, or the other way round (the second is taken); and the next block
 is exact in both measurements, so where a block's last op saves its output lossily (a GELU's
