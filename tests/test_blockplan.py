@@ -261,6 +261,18 @@ def test_lossless_forms_cost_nothing_as_measured_too(measured):
     assert [f.mean_squared_relative_error for f in gradient_fidelities(model, batch, plans)] == [0.0] * len(plans)
 
 
+def test_a_block_after_one_that_stores_nothing_is_measured_once(measured):
+    """conv1 stores nothing (its input is the caller's), so it holds no copy of the boundary in any
+    form: bn1's cost is the same after every form of it, and measured once. Its premise, measured."""
+    model, batch, costs = measured
+    q4 = edgetorch.Quantized(4)
+    assert len({costs.cost("bn1", q4, after).fidelity for after in costs.forms}) == 1
+    alone, after_lossy = gradient_fidelities(model, batch, [PerBlock((("bn1", q4),), edgetorch.Dense()),
+                                                            PerBlock((("conv1", edgetorch.Quantized(8)), ("bn1", q4)),
+                                                                     edgetorch.Dense())])
+    assert alone.mean_squared_relative_error == after_lossy.mean_squared_relative_error > 0
+
+
 def test_a_block_after_a_lossy_block_reads_its_own_form_of_the_boundary(measured):
     # After an exact block, layer2.0's first convolution reads that block's exact copy of its
     # input; after a Back Razor block, which keeps only a ReLU mask of it, its own pruned copy.

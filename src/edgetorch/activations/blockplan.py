@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -340,14 +341,9 @@ def _smallest(groups: Sequence[Sequence[Sequence[FormCost]]], granularity: int) 
     options = [[[(math.ceil(max(c.stored_bytes, 0) / step), c.fidelity, 0, math.ceil(c.rerun_bytes / step))
                  for c in row] for row in g] for g in groups]
     # every plan fits ``high``: each block's bytes round up once, and the one rerun counted once more
-    low, high = 0, -(-most // step) + len(groups) + 1
-    while low < high:
-        middle = (low + high) // 2
-        if choose(options, middle) is None:
-            low = middle + 1
-        else:
-            high = middle
-    return choose(options, low)
+    high = -(-most // step) + len(groups) + 1
+    least = bisect.bisect_left(range(high + 1), True, key=lambda capacity: choose(options, capacity) is not None)
+    return choose(options, least)
 
 
 def assess(costs: BlockCosts, forms: Sequence[Form]) -> tuple[int, float]:

@@ -248,8 +248,8 @@ def measure_block_costs(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
                 rerun[(i, form)] = step.rerun[i]
     # a block that stores nothing after any form in any form (a first convolution, whose input is
     # the caller's) leaves every gradient exact: no fidelity steps for it
-    silent = {i for i in range(len(blocks)) if not any(b for (j, _, _), b in stored.items() if j == i)
-              and not any(b for (j, _), b in rerun.items() if j == i)}
+    storing = {key[0] for key, b in (*stored.items(), *rerun.items()) if b}
+    silent = set(range(len(blocks))) - storing
     fidelity = _fidelities(model, (x, y), blocks, forms, loss_fn, negligible, silent)
     seconds, dense_seconds = None, None
     if time_rounds:
@@ -436,13 +436,15 @@ def _fidelities(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bloc
     module docstring): every form with only the block compressed, the rest exact (lending); a
     lossy form also after the previous block in :data:`LENDS_NOTHING`, less what that costs alone.
     No step runs for a lossless form (its gradients are plain PyTorch's, bit for bit: tested) or for
-    the ``silent`` blocks, which store nothing: 0 for every key of theirs."""
+    the ``silent`` blocks, which store nothing: 0 for every key of theirs. After a silent block the
+    two measurements are one: it holds no copy of the boundary in any form, so the block always
+    stores its own."""
     zero = {(i, form, lends): 0.0 for i in range(len(blocks)) for form in forms for lends in (True, False)
             if i in silent or lossless(form)}
     keys = [(i, form, True) for i in range(len(blocks)) if i not in silent for form in forms if not lossless(form)]
     plans = {key: PerBlock(((blocks[key[0]], key[1]),), Dense()) for key in keys}
     for i in range(1, len(blocks)):
-        if i in silent:
+        if i in silent or i - 1 in silent:
             continue
         plans[(i - 1, LENDS_NOTHING, True)] = PerBlock(((blocks[i - 1], LENDS_NOTHING),), Dense())
         for form in forms:
@@ -451,6 +453,7 @@ def _fidelities(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], bloc
     fidelities = gradient_fidelities(model, batch, list(plans.values()), loss_fn=loss_fn, negligible=negligible)
     measured = {key: f.mean_squared_relative_error for key, f in zip(plans, fidelities)}
     costs = {key: measured[key] for key in keys}
+    costs.update({(i, form, False): costs[(i, form, True)] for i, form, _ in keys if i - 1 in silent})
     for i, form, lends in plans:
         if not lends:  # squared errors of independent perturbations add: take the neighbour's off
             costs[(i, form, False)] = max(0.0, measured[(i, form, False)] - measured[(i - 1, LENDS_NOTHING, True)])
