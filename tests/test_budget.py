@@ -13,8 +13,9 @@ import torchvision
 
 from edgetorch import Bitmap, Dense, Quantized, plan_memory
 from edgetorch.activations.budget import parse_bytes
-from edgetorch.activations.budget_blocks import fit_blocks
+from edgetorch.activations.budget_blocks import TimeBound, fit_blocks
 from edgetorch.activations.costs import BlockCosts, FormCost
+from edgetorch.activations.step import TrainingPolicy, parse_training_policy
 from test_blockplan import resnet18_first_half
 
 
@@ -362,12 +363,17 @@ def test_a_batch_the_model_cannot_train_at_is_ruled_out_not_raised(small, monkey
     assert plan.chosen is None and "nothing fits" in plan.reason and "at batch 1," not in plan.reason
 
 
-def test_a_per_block_plan_is_fitted_run_once_and_chosen_over_a_lossy_whole_model_policy(half, capsys):
+def test_a_per_block_plan_is_fitted_run_once_and_chosen_over_a_lossy_whole_model_policy(half, capsys, monkeypatch):
     """Given only 8-bit quantization whole-model, a per-block plan that fits at the same batch is
     chosen: dense everywhere has room here (fidelity cost 0, the least machinery). dense's line is
-    measured for the per-block prediction, but it was not offered, so it is no candidate."""
+    measured for the per-block prediction, but it was not offered, so it is no candidate. The plan's
+    step is timed beside the choice's: here the clock is replaced by a fixed ratio (tested below)."""
+    import edgetorch.activations.budget as budget
     from edgetorch.cli.finetune import _print_plan
 
+    timed = []
+    monkeypatch.setattr(budget, "_time_ratio", lambda model, batch, how, other_batch, other, loss_fn:
+                        timed.append((len(batch[0]), how, len(other_batch[0]), other.spec())) or 0.97)
     model, batch = half  # 4 blocks and the stem's 4 layers: fidelity steps grow with the blocks (57 s with all 8)
     roomy = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], per_block=True)
     assert "dense" in roomy.calibration_batches and "dense" not in {c.policy for c in roomy.candidates}
@@ -380,9 +386,9 @@ def test_a_per_block_plan_is_fitted_run_once_and_chosen_over_a_lossy_whole_model
     assert chosen is roomy.candidates[0] and chosen.policy == fit.plan.policy.spec() and chosen.exact
     assert (chosen.batch, chosen.measured_peak_bytes, chosen.fits) == (8, fit.measured_peak_bytes, True)
     assert roomy.reason.startswith("a plan of one form per block at batch 8: ")
-    assert "(the whole-model choice was quantized at batch 8)" in roomy.reason
-    from edgetorch.activations.step import parse_training_policy
-
+    assert roomy.reason.endswith("(the whole-model choice was quantized at batch 8; its step measured 0.97x that "
+                                 "choice's per sample)")
+    assert timed == [(8, TrainingPolicy(fit.plan.policy), 8, "quantized")] and fit.slowdown == 0.97
     assert parse_training_policy(chosen.policy).policy == fit.plan.policy
     _print_plan(roomy)  # the CLI's table: the plan's rows, named, with the chosen row pointing at them
     shown = " ".join(capsys.readouterr().out.replace("│", " ").split())
@@ -465,8 +471,8 @@ def test_a_per_block_plan_slower_than_the_whole_model_choice_allows_is_not_taken
 
 
 def test_the_time_bound_reaches_the_per_block_solver_at_every_batch():
-    """fit_blocks bounds each plan's predicted step by max_time_ratio times dense's at that batch:
-    block a at 8 bits costs less fidelity but 2 ms; b at 8 bits 0.5 ms."""
+    """fit_blocks bounds each plan's predicted step by the time bound (slowdown times the choice's
+    ratio) times dense's at that batch: block a at 8 bits costs less fidelity but 2 ms; b at 8 bits 0.5 ms."""
     forms = (Dense(), Quantized(8))
     costs = BlockCosts(("a", "b"), forms, (FormCost("a", forms[0], 100, 0, 0.0), FormCost("a", forms[1], 30, 0, 1.0),
                                            FormCost("b", forms[0], 100, 0, 0.0), FormCost("b", forms[1], 30, 0, 2.0)),
@@ -479,10 +485,79 @@ def test_the_time_bound_reaches_the_per_block_solver_at_every_batch():
         return sum(costs.cost(b, f).stored_bytes for b, f in how.policy.blocks) * batch // 2
 
     assert fit_blocks(costs, 2, [2], 150, 0.0, lambda b: 0, run, attempts=3).plan.fidelity == 1.0  # unbounded: a
-    fit = fit_blocks(costs, 2, [4, 2], 150, 0.0, lambda b: 0, run, attempts=3, max_time_ratio=1.1)
+    fit = fit_blocks(costs, 2, [4, 2], 150, 0.0, lambda b: 0, run, attempts=3, time_bound=TimeBound(1.1, 1.0))
     assert fit.batch == 2 and fit.plan.fidelity == 2.0 and fit.plan.predicted_seconds == pytest.approx(0.0105)
     assert runs[1:] == [["dense", "quantized"]]  # batch 4: both at 8 bits (120 bytes) are 1.25x dense: not run
-    assert fit_blocks(costs, 2, [2], 150, 0.0, lambda b: 0, run, attempts=3, max_time_ratio=1.01) is None
+    assert fit_blocks(costs, 2, [2], 150, 0.0, lambda b: 0, run, attempts=3, time_bound=TimeBound(1.01, 1.0)) is None
+
+
+def test_a_per_block_plan_timed_slower_than_the_bound_is_solved_again_faster():
+    """The plan that fits is timed beside the whole-model choice; measured over the bound, it is
+    solved again with the bound lowered by that error. Block a at 8 bits is the more faithful (1.0)
+    but 2 ms; b at 8 bits 0.5 ms; dense 10 ms. The bound allows 1.1 x 1.3 x 10 ms = 14.3 ms, so
+    a at 8 bits is predicted within it (12 ms); it measures 1.2x the choice's step (not 1.1x), and
+    the bound becomes 12 ms x 1.1 / 1.2 = 11 ms: b at 8 bits (10.5 ms) is taken, and measures 1.0x."""
+    forms = (Dense(), Quantized(8))
+    costs = BlockCosts(("a", "b"), forms, (FormCost("a", forms[0], 100, 0, 0.0), FormCost("a", forms[1], 30, 0, 1.0),
+                                           FormCost("b", forms[0], 100, 0, 0.0), FormCost("b", forms[1], 30, 0, 2.0)),
+                       Bitmap(), 0, 0.010, {("a", forms[0]): 0.0, ("a", forms[1]): 2e-3, ("b", forms[0]): 0.0,
+                                            ("b", forms[1]): 5e-4})
+    runs, timed = [], []
+
+    def run(batch, how):
+        runs.append(dict(how.policy.blocks)["a"].spec())
+        return sum(costs.cost(b, f).stored_bytes for b, f in how.policy.blocks) * batch // 2
+
+    def measure(batch, how):  # a made-up clock: 1.2x with block a at 8 bits, 1.0x without
+        timed.append(batch)
+        return 1.2 if dict(how.policy.blocks)["a"] == forms[1] else 1.0
+
+    fit = fit_blocks(costs, 2, [2], 150, 0.0, lambda b: 0, run, attempts=3, time_bound=TimeBound(1.1, 1.3, measure))
+    assert runs == ["quantized", "dense"] and timed == [2, 2]
+    assert fit.fits and fit.slowdown == 1.0 and fit.plan.fidelity == 2.0
+    # Every plan measured 1.5x: the bound falls to 12 ms x 1.1 / 1.5 = 8.8 ms, under dense's own
+    # 10 ms: no plan at batch 2, nor at batch 1 (the correction is kept), and the last tried is returned.
+    runs.clear()
+    fit = fit_blocks(costs, 2, [2, 1], 150, 0.0, lambda b: 0, run, attempts=5,
+                     time_bound=TimeBound(1.1, 1.3, lambda batch, how: 1.5))
+    assert runs == ["quantized"] and not fit.fits and fit.slowdown == 1.5 and fit.measured_peak_bytes == 130
+    # a plan that does not fit the budget is not timed
+    timed.clear()
+    assert not fit_blocks(costs, 2, [2], 150, 0.0, lambda b: 0, lambda b, how: 10**6, attempts=1,
+                          time_bound=TimeBound(1.1, 1.3, measure)).fits
+    assert timed == []
+
+
+def test_a_per_block_plan_timed_too_slow_leaves_the_whole_model_choice(monkeypatch):
+    """plan_memory with made-up costs (4 bits the only form that fits, predicted no slower than
+    dense) and a made-up clock: a plan measured at 2x the whole-model choice's step is not taken,
+    and the reason says so; measured at 1.05x it is. A real timing is a positive ratio."""
+    from torch import nn
+
+    import edgetorch.activations.budget as budget
+    from edgetorch.activations.blocks import find_blocks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU())
+                                                             for _ in range(3))), nn.Linear(64, 4))
+    blocks, forms = tuple(find_blocks(model)), (Dense(), Quantized(8), Quantized(4))
+    costs = BlockCosts(blocks, forms, tuple(FormCost(b, f, 64 if f == forms[2] else 2**40, 0, 1.0 if f == forms[2] else
+                                                     (0.0 if f == forms[0] else 2.0)) for b in blocks for f in forms),
+                       Bitmap(), 0, 1e-3, {(b, f): 0.0 for b in blocks for f in forms})
+    monkeypatch.setattr(budget, "measure_block_costs", lambda *args, **kwargs: costs)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    real = budget._time_ratio(model, batch, TrainingPolicy(Quantized(4)), batch, TrainingPolicy(Dense()),
+                              torch.nn.functional.cross_entropy)
+    assert real > 0 and all(p.grad is None for p in model.parameters())
+    monkeypatch.setattr(budget, "_time_ratio", lambda *args: 2.0)
+    plan = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], per_block=True)
+    assert plan.chosen.policy == "quantized" and not plan.blocks.fits and plan.blocks.slowdown == 2.0
+    assert plan.reason.endswith("; the last per-block plan tried, at batch 8, measured 2.00x the step time of "
+                                "quantized at batch 8 per sample (at most 1.1x)")
+    monkeypatch.setattr(budget, "_time_ratio", lambda *args: 1.05)
+    plan = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], per_block=True)
+    assert plan.chosen.policy.startswith("per-block(") and plan.blocks.fits and plan.blocks.slowdown == 1.05
+    assert plan.reason.endswith("its step measured 1.05x that choice's per sample)")
 
 
 def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter():

@@ -58,11 +58,12 @@ from torch.nn import functional as F
 
 from .._checks import check_positive_int
 from ..measure import SavedTensorLedger
+from ..measure.timing import interleave, wall_time
 from ..measure.process import (frozen_old_objects, held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed,
                                reset_peak)
 from .blocks import PerBlock, Recompute, find_blocks
 from .blockplan import assess
-from .budget_blocks import BlockFit, fit_blocks, scaled
+from .budget_blocks import BlockFit, TimeBound, fit_blocks, scaled
 from .checkpoint import find_stages
 from .costs import BlockCosts, lossless, measure_block_costs
 from .policies import BackRazor, Dense, Policy, Quantized
@@ -71,6 +72,7 @@ from .step import TrainingPolicy, forward_backward, parse_training_policy, resto
 #: A per-block plan may be this much slower per sample than the whole-model choice it replaces.
 MAX_SLOWDOWN = 1.1
 VERIFY_ATTEMPTS = 6  # candidates run at their own batch before giving up (each costs one step)
+TIME_ROUNDS = 3  # interleaved steps per side where a per-block plan is timed beside the whole-model choice
 DEFAULT_POLICIES = ("dense", "bitmap", "dense+checkpoint", "bitmap+checkpoint", "quantized:bits=8",
                     "quantized:bits=4", "backrazor:sparsity=0.8", "backrazor:sparsity=0.9",
                     "backrazor:sparsity=0.9,exact=int8", "backrazor:sparsity=0.95", "backrazor:sparsity=0.97",
@@ -211,7 +213,9 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         max_slowdown: where a whole-model candidate fits, a per-block plan's step may take at most
             this many times its step time per sample (both against dense's, from the per-block
             costs' timed steps; the candidate's from its calibration steps where its policy is not
-            one of the per-block forms); None for no bound.
+            one of the per-block forms), and the plan that fits is then timed beside the candidate
+            (``TIME_ROUNDS`` interleaved steps each) and solved again faster where it measures
+            slower than that; None for no bound.
 
     Returns:
         A :class:`MemoryPlan`.
@@ -408,21 +412,29 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                 # what one calibrated policy's step held, and nearer the batch trained at than small.
                 timed = min(line[5] for line in lines.values())
                 costs = measure_block_costs(model, sample(small), loss_fn=loss_fn, time_batch=sample(timed))
-                ratio = None if chosen is None or max_slowdown is None else max_slowdown * _step_time_ratio(chosen, costs)
                 per_sample = _anchor(chosen, costs, small, rest)
 
                 def anchored(b: int) -> int:
                     return rest(b) + int(per_sample * b)
 
-                fit = fit_blocks(costs, small, batches, budget_bytes, margin, anchored, run, VERIFY_ATTEMPTS, ratio)
+                def slowdown(b: int, how: TrainingPolicy) -> float:  # the plan's step beside the choice's
+                    return _time_ratio(model, sample(b), how, sample(chosen.batch),
+                                       parse_training_policy(chosen.policy), loss_fn)
+
+                bound = (None if chosen is None or max_slowdown is None
+                         else TimeBound(max_slowdown, _step_time_ratio(chosen, costs), slowdown))
+                fit = fit_blocks(costs, small, batches, budget_bytes, margin, anchored, run, VERIFY_ATTEMPTS, bound)
                 if fit is None:
-                    within = "" if ratio is None else (f" within {max_slowdown:g}x the step time of {chosen.policy} "
+                    within = "" if bound is None else (f" within {max_slowdown:g}x the step time of {chosen.policy} "
                                                        f"at batch {chosen.batch}")
                     skipped = f"; no per-block plan is predicted to fit{within}"
         del step  # its state goes with it
     less = (fit is not None and fit.fits and chosen is not None and chosen.batch >= fit.batch
             and _less_faithful(fit, chosen, costs))
-    if fit is not None and not fit.fits:
+    if fit is not None and not fit.fits and fit.slowdown is not None:
+        skipped = (f"; the last per-block plan tried, at batch {fit.batch}, measured {fit.slowdown:.2f}x the step time "
+                   f"of {chosen.policy} at batch {chosen.batch} per sample (at most {max_slowdown:g}x)")
+    elif fit is not None and not fit.fits:
         skipped = (f"; the last per-block plan tried, predicted at {fit.predicted_peak_bytes / 2**20:,.0f} MiB at batch "
                    f"{fit.batch}, measured {fit.measured_peak_bytes / 2**20:,.0f} MiB when run")
     elif less:
@@ -433,7 +445,8 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         whole = "nothing whole-model fits" if chosen is None else f"the whole-model choice was {chosen.policy} at batch {chosen.batch}"
         chosen = _block_candidate(fit)
         candidates.insert(0, chosen)
-        reason = f"a plan of one form per block at batch {fit.batch}: {fit.plan.reason} ({whole})"
+        timed = "" if fit.slowdown is None else f"; its step measured {fit.slowdown:.2f}x that choice's per sample"
+        reason = f"a plan of one form per block at batch {fit.batch}: {fit.plan.reason} ({whole}{timed})"
     return MemoryPlan(budget_bytes, candidates, chosen, reason, held + state_bytes,
                       {spec: line[4:] for spec, line in lines.items()}, peak_kind(device), fit)
 
@@ -448,6 +461,29 @@ def _block_candidate(fit: BlockFit) -> Candidate:
                      max((float(f.sparsity) for f in forms if isinstance(f, BackRazor)), default=0.0),
                      float("nan") if step is None else step / (step - extra),
                      sum(r.stored_bytes + r.rerun_bytes for r in fit.plan.rows), fit.measured_peak_bytes)
+
+
+def _time_ratio(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], how: TrainingPolicy,
+                other_batch: tuple[torch.Tensor, torch.Tensor], other: TrainingPolicy, loss_fn: Callable) -> float:
+    """A step's time per sample under ``how`` over one's under ``other``: the least of ``TIME_ROUNDS``
+    interleaved forward and backward passes each (as the block_plan bench times them), after one
+    untimed pass each. Gradients are cleared before each pass, outside the timed span, so no pass
+    holds another's and none accumulates."""
+    device = batch[0].device
+    steps = {"how": lambda: forward_backward(model, *batch, how, loss_fn),
+             "other": lambda: forward_backward(model, *other_batch, other, loss_fn)}
+
+    def timed(fn: Callable[[], object]) -> float:
+        for p in model.parameters():
+            p.grad = None
+        return wall_time(fn, device)
+
+    for fn in steps.values():
+        timed(fn)
+    times = interleave(steps, TIME_ROUNDS, rotate=True, measure=timed)
+    for p in model.parameters():
+        p.grad = None
+    return (min(times["how"]) / len(batch[0])) / (min(times["other"]) / len(other_batch[0]))
 
 
 def _step_time_ratio(candidate: Candidate, costs: BlockCosts) -> float:
