@@ -18,7 +18,10 @@ each budget:
    (:attr:`GradientFidelity.mean_squared_relative_error`, the cost the per-block solver minimises)
    of the choice and of the best whole-model candidate that fits, each on the batch it would
    train at, and the time per sample of every choice's step against plain PyTorch's at the
-   requested batch (interleaved, the least of each).
+   requested batch (interleaved, the least of each); on a CPU the times once more in a process
+   with glibc set as the planner sets it (``honest_malloc``: the planning run trains under it, and
+   it moves the ratios: deit_tiny's 4-bit step took 1.20x-1.23x plain's under the defaults and
+   1.42x under the planner's settings, ad hoc runs of this function).
 
 Once per model, ``torch.compile`` under torch's ``activation_memory_budget`` at each of
 ``COMPILE_RATIOS`` (it takes a ratio, not bytes): each ratio's step peak (the whole process's
@@ -164,18 +167,22 @@ def worker(name: str, device: str, budget: int, policies: list[str] | None = Non
     return result
 
 
-def measure(name: str, device: str, fidelity: list[list], timed: list[list]) -> dict:
+def measure(name: str, device: str, fidelity: list[list], timed: list[list], planner_malloc: bool = False) -> dict:
     """The fidelity cost of each ``[spec, batch]`` in ``fidelity`` on the batch it trains at, and the
     time per sample of each ``[spec, batch]`` in ``timed`` over plain PyTorch's at the requested batch
-    (interleaved rounds, the least of each)."""
+    (interleaved rounds, the least of each). ``planner_malloc``: with glibc set as the planner sets it
+    (``honest_malloc``), which ``finetune --memory-budget`` then trains under; else its defaults."""
     from functools import partial
 
     import torch.nn.functional as F
 
     from edgetorch.activations.fidelity import gradient_fidelity
     from edgetorch.activations.step import forward_backward, parse_training_policy
+    from edgetorch.measure.process import honest_malloc
     from edgetorch.measure.timing import interleave, wall_time
 
+    if planner_malloc and device == "cpu":
+        honest_malloc()
     model, x, y = _workload(name, device)
     out = {"fidelity": {}, "time_per_sample_vs_plain": {}}
     for spec, batch in fidelity:
@@ -312,7 +319,9 @@ def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, comp
         chosen, whole, ckpt = r["chosen"] or {}, r["whole"] or {}, (r.get("checkpoint") or {}).get("chosen") or {}
         measured = r.get("measured", {})
         cost = {spec: f"{m['fidelity_cost']:.3g}" for spec, m in measured.get("fidelity", {}).items()}
-        speed = {k: f"{v:.2f}" for k, v in measured.get("time_per_sample_vs_plain", {}).items()}
+        again = r.get("measured_planner_malloc", {}).get("time_per_sample_vs_plain", {})
+        speed = {k: f"{v:.2f}" + (f" / {again[k]:.2f}" if k in again else "")
+                 for k, v in measured.get("time_per_sample_vs_plain", {}).items()}
         peak, ckpt_peak = r.get("process_peak_bytes"), (r.get("checkpoint") or {}).get("process_peak_bytes")
         comp = compile_runs.get(r["model"])
         comp = None if comp is None or "error" in comp else comp
@@ -344,7 +353,10 @@ def _report(runs: list[dict], compile_runs: dict, device: str, quick: bool, comp
                if fixed_batch else "")
             + f"Each plan and checkpoint row is its own run (see the script's docstring). Fidelity cost: mean "
             "squared relative error of the weight gradients against plain PyTorch's on the batch trained at (0: "
-            "exact). Time: per sample, against plain PyTorch's step at the requested batch. Peak: "
+            "exact). Time: per sample, against plain PyTorch's step at the requested batch; where two are given, "
+            "in a process with glibc's default malloc settings / with the planner's (large allocations mapped and "
+            "returned at once, `honest_malloc`, which `plan_memory` sets and `finetune --memory-budget` then trains "
+            "under). Peak: "
             f"{peak_name} from start (planning included) to the end of {STEPS} training steps. torch.compile: the "
             "fastest `activation_memory_budget` ratio whose step peak fits the budget, its step time against eager "
             "and its step peak.\n\n")
@@ -428,6 +440,9 @@ def main() -> None:
                 timed = list({(c["policy"], c["batch"]): None for c in picked})
                 run["measured"] = _call(args.device, "measure", name=name, fidelity=fidelity,
                                         timed=[list(t) for t in timed])
+                if args.device == "cpu":  # the same steps under the allocator the planner's own run trains with
+                    run["measured_planner_malloc"] = _call(args.device, "measure", name=name, fidelity=[],
+                                                           timed=[list(t) for t in timed], planner_malloc=True)
             runs.append(run)
             _report(runs, compile_runs, args.device, args.quick, False, args.models, args.fixed_batch, args.fractions)
         # compile has no batch to choose or budget to meet: measured once, in a run of every budget point

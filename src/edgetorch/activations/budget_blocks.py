@@ -104,8 +104,8 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
         time_bound: the step time allowed (see :class:`TimeBound`); None for no bound.
 
     Returns:
-        A :class:`BlockFit` (``fits`` False if the last plan run did not fit), or None where no
-        plan is predicted to fit at any batch.
+        A :class:`BlockFit` (``fits`` False if the last plan run did not fit the budget, or was
+        timed slower than the bound allows), or None where no plan is predicted to fit at any batch.
     """
     last = None
     ceiling = int(budget_bytes / (1 + margin))  # what a measured peak must stay within
