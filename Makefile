@@ -26,8 +26,10 @@ data:
 
 # One worker per core (at most 4), each test file in one worker so its module fixtures are built once:
 # the tests are mostly single-threaded Python (the serial suite used ~1.0 of 2 cores).
+# --no-loadscope-reorder: hand the files out in collection order, longest first (tests/conftest.py);
+# by default xdist sorts them by their number of tests, and the long files of few tests came last.
 test: $(BIN)/.installed data
-	$(BIN)/python -m pytest -m "not cluster" -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -m "not cluster" -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # The Ray Serve cluster test: Ray's own start-up deadlines fail on a busy machine (see pyproject's markers).
 test-cluster: $(BIN)/.installed data

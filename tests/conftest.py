@@ -55,23 +55,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
-# pytest-xdist's loadfile hands out test files in collection order, and each runs whole on one worker:
-# when the longest files come last, one worker finishes them alone while the other idles (about
-# 35 s of a 743 s make test on 2 cores, 2026-11-27). Longest first (summed in-worker durations of
-# that run, seconds) balances the two. Order only: no test's result depends on it.
-_LONGEST_FILES = (
-    "test_reduce_grouped.py",  # 164
-    "test_codec_triton.py",  # 132
-    "test_readme.py",  # 129
-    "test_split_runtime.py",  # 84
-    "test_budget.py",  # 83
-    "test_finetune.py",  # 77
-    "test_split_train.py",  # 75
-    "test_split_bottleneck.py",  # 64
-    "test_cli_profile.py",  # 59
-    "test_slim_install.py",  # 51
-    "test_codec_triton_engine.py",  # 51
-    "test_split_attack.py",  # 50
+# pytest-xdist's loadfile runs each test file whole on one worker, handing the files out in collection
+# order with --no-loadscope-reorder (the Makefile passes it; by default it sorts them by their number of
+# tests, which put the long files of few tests last): when the longest files come last, one worker
+# finishes them alone while the other idles. Longest first (summed in-worker durations, seconds)
+# balances the two. Order only: no test's result depends on it.
+_LONGEST_FILES = (  # make test in place, 2026-11-28: 1,372 s summed, 725 s on the wall
+    "test_codec_triton.py",  # 138
+    "test_readme.py",  # 120
+    "test_reduce_grouped.py",  # 106
+    "test_budget.py",  # 86
+    "test_split_runtime.py",  # 77
+    "test_split_train.py",  # 74
+    "test_split_bottleneck.py",  # 74
+    "test_codec_triton_engine.py",  # 56
+    "test_split_attack.py",  # 54
+    "test_finetune.py",  # 52
+    "test_cli_profile.py",  # 50
+    "test_slim_install.py",  # 50
 )
 
 
