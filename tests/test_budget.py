@@ -439,13 +439,10 @@ def test_no_per_block_plan_is_sought_where_the_step_without_saved_tensors_breaks
     assert "at batch 64" in plan.reason and "measuring its costs" not in plan.reason
 
 
-def test_a_per_block_plan_slower_than_the_whole_model_choice_allows_is_not_taken(monkeypatch):
-    """A per-block plan takes at most max_slowdown times the whole-model choice's step time per
-    sample. The costs here are made up, and the whole-model choice (8-bit) is one of their forms, so
-    its time, and the bound, come from them, not from a clock: dense and 8 bits never fit, 4 bits
-    fits and takes 100 times dense's step, 8 bits no longer than dense. The fidelity costs are made
-    up too (4 bits the more faithful here, so a plan less faithful than 8 bits in every block does
-    not stand in its way). No plan is fast enough; unbounded, the 4-bit plan is taken."""
+def _mlp_with_made_up_costs(monkeypatch, four_bit_seconds: float):
+    """A three-block MLP, and made-up per-block costs that plan_memory takes instead of measuring
+    them: dense and 8 bits never fit, 4 bits fits (fidelity cost 1.0 a block, 8 bits' 2.0) and adds
+    ``four_bit_seconds`` to dense's 1 ms step; 8 bits adds nothing."""
     from torch import nn
 
     import edgetorch.activations.budget as budget
@@ -457,9 +454,20 @@ def test_a_per_block_plan_slower_than_the_whole_model_choice_allows_is_not_taken
     blocks, forms = tuple(find_blocks(model)), (Dense(), Quantized(8), Quantized(4))
     costs = BlockCosts(blocks, forms, tuple(FormCost(b, f, 64 if f == forms[2] else 2**40, 0, 1.0 if f == forms[2] else
                                                      (0.0 if f == forms[0] else 2.0)) for b in blocks for f in forms),
-                       Bitmap(), 0, 1e-3, {(b, f): 0.1 / len(blocks) if f == forms[2] else 0.0
+                       Bitmap(), 0, 1e-3, {(b, f): four_bit_seconds / len(blocks) if f == forms[2] else 0.0
                                            for b in blocks for f in forms})
     monkeypatch.setattr(budget, "measure_block_costs", lambda *args, **kwargs: costs)
+    return model
+
+
+def test_a_per_block_plan_slower_than_the_whole_model_choice_allows_is_not_taken(monkeypatch):
+    """A per-block plan takes at most max_slowdown times the whole-model choice's step time per
+    sample. The costs here are made up, and the whole-model choice (8-bit) is one of their forms, so
+    its time, and the bound, come from them, not from a clock: dense and 8 bits never fit, 4 bits
+    fits and takes 100 times dense's step, 8 bits no longer than dense. The fidelity costs are made
+    up too (4 bits the more faithful here, so a plan less faithful than 8 bits in every block does
+    not stand in its way). No plan is fast enough; unbounded, the 4-bit plan is taken."""
+    model = _mlp_with_made_up_costs(monkeypatch, four_bit_seconds=0.1)
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
     plan = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], per_block=True)
     assert plan.blocks is None and plan.chosen.policy == "quantized"
@@ -532,19 +540,9 @@ def test_a_per_block_plan_timed_too_slow_leaves_the_whole_model_choice(monkeypat
     """plan_memory with made-up costs (4 bits the only form that fits, predicted no slower than
     dense) and a made-up clock: a plan measured at 2x the whole-model choice's step is not taken,
     and the reason says so; measured at 1.05x it is. A real timing is a positive ratio."""
-    from torch import nn
-
     import edgetorch.activations.budget as budget
-    from edgetorch.activations.blocks import find_blocks
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU())
-                                                             for _ in range(3))), nn.Linear(64, 4))
-    blocks, forms = tuple(find_blocks(model)), (Dense(), Quantized(8), Quantized(4))
-    costs = BlockCosts(blocks, forms, tuple(FormCost(b, f, 64 if f == forms[2] else 2**40, 0, 1.0 if f == forms[2] else
-                                                     (0.0 if f == forms[0] else 2.0)) for b in blocks for f in forms),
-                       Bitmap(), 0, 1e-3, {(b, f): 0.0 for b in blocks for f in forms})
-    monkeypatch.setattr(budget, "measure_block_costs", lambda *args, **kwargs: costs)
+    model = _mlp_with_made_up_costs(monkeypatch, four_bit_seconds=0.0)
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
     real = budget._time_ratio(model, batch, TrainingPolicy(Quantized(4)), batch, TrainingPolicy(Dense()),
                               torch.nn.functional.cross_entropy)
