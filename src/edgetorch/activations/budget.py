@@ -58,9 +58,9 @@ from torch.nn import functional as F
 
 from .._checks import check_positive_int
 from ..measure import SavedTensorLedger
-from ..measure.timing import interleave, wall_time
 from ..measure.process import (frozen_old_objects, held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed,
                                reset_peak)
+from ..measure.timing import interleave, wall_time
 from .blocks import PerBlock, Recompute, find_blocks
 from .blockplan import assess
 from .budget_blocks import BlockFit, TimeBound, fit_blocks, scaled
