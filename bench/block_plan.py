@@ -172,14 +172,11 @@ def measure(name: str, device: str, fidelity: list[list], timed: list[list], pla
     time per sample of each ``[spec, batch]`` in ``timed`` over plain PyTorch's at the requested batch
     (interleaved rounds, the least of each). ``planner_malloc``: with glibc set as the planner sets it
     (``honest_malloc``), which ``finetune --memory-budget`` then trains under; else its defaults."""
-    from functools import partial
-
     import torch.nn.functional as F
 
     from edgetorch.activations.fidelity import gradient_fidelity
-    from edgetorch.activations.step import forward_backward, parse_training_policy
+    from edgetorch.activations.step import parse_training_policy, step_seconds
     from edgetorch.measure.process import honest_malloc
-    from edgetorch.measure.timing import interleave, wall_time
 
     if planner_malloc and device == "cpu":
         honest_malloc()
@@ -188,16 +185,9 @@ def measure(name: str, device: str, fidelity: list[list], timed: list[list], pla
     for spec, batch in fidelity:
         f = gradient_fidelity(model, (x[:batch], y[:batch]), spec)
         out["fidelity"][spec] = {"fidelity_cost": f.mean_squared_relative_error, "worst_cosine": f.worst_cosine}
-
-    def step(spec: str, batch: int) -> float:
-        model.zero_grad(set_to_none=True)  # outside the timed span
-        return wall_time(lambda: forward_backward(model, x[:batch], y[:batch], parse_training_policy(spec),
-                                                  F.cross_entropy), x.device)
-
-    variants = {f"{spec}@{batch}": partial(step, spec, batch) for spec, batch in [["dense", len(x)], *timed]}
-    for fn in variants.values():
-        fn()  # warm-up
-    times = {k: min(v) for k, v in interleave(variants, TIME_ROUNDS, rotate=True, measure=lambda fn: fn()).items()}
+    steps = {f"{spec}@{batch}": (x[:batch], y[:batch], parse_training_policy(spec))
+             for spec, batch in [["dense", len(x)], *timed]}
+    times = step_seconds(model, steps, F.cross_entropy, TIME_ROUNDS)
     plain = times[f"dense@{len(x)}"] / len(x)
     for spec, batch in timed:
         out["time_per_sample_vs_plain"][f"{spec}@{batch}"] = times[f"{spec}@{batch}"] / batch / plain

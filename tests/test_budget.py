@@ -589,3 +589,27 @@ def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter
     # given up (a smaller one is tried), not a ValueError from plan_blocks
     fit = fit_blocks(costs, 2, [2], 200, 0.0, lambda b: 0, lambda b, how: run(b, how) + 1000, attempts=3)
     assert runs == [200] and not fit.fits
+
+
+def test_step_seconds_runs_each_step_once_untimed_then_once_a_round_and_leaves_the_model_as_it_was():
+    """The one timer of training steps (the planner's time check, the per-block costs, the bench):
+    every step one untimed pass, then one per round, each with no gradient left from another; the
+    model's batch-norm statistics and gradients as they were."""
+    from torch import nn
+
+    from edgetorch.activations.step import TrainingPolicy, step_seconds
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(6, 8), torch.randint(0, 2, (6,))
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = model[1].running_mean.clone()
+    seen = []  # (batch, whether a gradient was left when the forward started)
+    model.register_forward_pre_hook(lambda m, args: seen.append((len(args[0]), m[0].weight.grad is not None)))
+    seconds = step_seconds(model, {"six": (x, y, TrainingPolicy(Dense())), "three": (x[:3], y[:3],
+                                                                                    TrainingPolicy(Quantized(8)))},
+                           torch.nn.functional.cross_entropy, rounds=2)
+    assert set(seconds) == {"six", "three"} and all(t > 0 for t in seconds.values())
+    assert sorted(b for b, _ in seen) == [3, 3, 3, 6, 6, 6] and not any(left for _, left in seen)
+    assert torch.equal(model[1].running_mean, before) and torch.equal(model[0].weight.grad, torch.ones(8, 8))
+    assert model[3].weight.grad is None

@@ -60,14 +60,13 @@ from .._checks import check_positive_int
 from ..measure import SavedTensorLedger
 from ..measure.process import (frozen_old_objects, held_bytes, honest_malloc, peak_bytes, peak_kind, release_freed,
                                reset_peak)
-from ..measure.timing import interleave, wall_time
 from .blocks import PerBlock, Recompute, find_blocks
 from .blockplan import assess
 from .budget_blocks import BlockFit, TimeBound, fit_blocks, scaled
 from .checkpoint import find_stages
 from .costs import BlockCosts, lossless, measure_block_costs
 from .policies import BackRazor, Dense, Policy, Quantized
-from .step import TrainingPolicy, forward_backward, parse_training_policy, restored
+from .step import TrainingPolicy, forward_backward, parse_training_policy, restored, step_seconds
 
 #: A per-block plan may be this much slower per sample than the whole-model choice it replaces.
 MAX_SLOWDOWN = 1.1
@@ -465,25 +464,11 @@ def _block_candidate(fit: BlockFit) -> Candidate:
 
 def _time_ratio(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], how: TrainingPolicy,
                 other_batch: tuple[torch.Tensor, torch.Tensor], other: TrainingPolicy, loss_fn: Callable) -> float:
-    """A step's time per sample under ``how`` over one's under ``other``: the least of ``TIME_ROUNDS``
-    interleaved forward and backward passes each (as the block_plan bench times them), after one
-    untimed pass each. Gradients are cleared before each pass, outside the timed span, so no pass
-    holds another's and none accumulates."""
-    device = batch[0].device
-    steps = {"how": lambda: forward_backward(model, *batch, how, loss_fn),
-             "other": lambda: forward_backward(model, *other_batch, other, loss_fn)}
-
-    def timed(fn: Callable[[], object]) -> float:
-        for p in model.parameters():
-            p.grad = None
-        return wall_time(fn, device)
-
-    for fn in steps.values():
-        timed(fn)
-    times = interleave(steps, TIME_ROUNDS, rotate=True, measure=timed)
-    for p in model.parameters():
-        p.grad = None
-    return (min(times["how"]) / len(batch[0])) / (min(times["other"]) / len(other_batch[0]))
+    """A step's time per sample under ``how`` over one's under ``other``, each the least of
+    ``TIME_ROUNDS`` interleaved passes (:func:`~edgetorch.activations.step.step_seconds`, as the
+    block_plan bench times its rows, with fewer rounds)."""
+    seconds = step_seconds(model, {"how": (*batch, how), "other": (*other_batch, other)}, loss_fn, TIME_ROUNDS)
+    return (seconds["how"] / len(batch[0])) / (seconds["other"] / len(other_batch[0]))
 
 
 def _step_time_ratio(candidate: Candidate, costs: BlockCosts) -> float:

@@ -74,11 +74,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..measure import SavedTensorLedger
-from ..measure.timing import interleave, wall_time
 from .blocks import PerBlock, Recompute, find_blocks
 from .fidelity import NEGLIGIBLE, gradient_fidelities
 from .policies import BackRazor, Bitmap, Dense, Policy, Quantized
-from .step import TrainingPolicy, forward_backward, restored, storing
+from .step import TrainingPolicy, forward_backward, restored, step_seconds, storing
 
 #: The forms a block is offered by default: exact, lossless, 8 and 4 bits, Back Razor with its
 #: exact forms exact or at 8 bits, and recomputation keeping a lossless bitmap.
@@ -280,23 +279,12 @@ def _extra_seconds(model: nn.Module, x: torch.Tensor, y: torch.Tensor, blocks: t
                    forms: tuple[Form, ...], default: Policy, loss_fn: Callable,
                    rounds: int) -> tuple[dict[Form, float], float]:
     """Each form's extra step time over every block ``Dense()`` (at least 0), and the dense step's
-    time: the least of ``rounds`` interleaved timed steps each, after one untimed step each (the
-    first step of a configuration watches its ops; later ones replay them)."""
+    time, each step timed by :func:`~edgetorch.activations.step.step_seconds` (``rounds`` rounds)."""
     configurations = [Dense(), *(form for form in forms if form != Dense())]
-
-    def step(form: Form) -> Callable[[], None]:
-        how = TrainingPolicy(PerBlock(tuple((b, form) for b in blocks), default))
-
-        def run() -> None:
-            with restored(model):
-                forward_backward(model, x, y, how, loss_fn)
-        return run
-
-    steps = [(str(k), step(form)) for k, form in enumerate(configurations)]
-    for _, run in steps:
-        run()
-    times = interleave(steps, rounds, rotate=True, measure=lambda fn: wall_time(fn, x.device))
-    least = [min(times[str(k)]) for k in range(len(configurations))]
+    steps = {str(k): (x, y, TrainingPolicy(PerBlock(tuple((b, form) for b in blocks), default)))
+             for k, form in enumerate(configurations)}
+    seconds = step_seconds(model, steps, loss_fn, rounds)
+    least = [seconds[str(k)] for k in range(len(configurations))]
     extra = {form: max(0.0, t - least[0]) for form, t in zip(configurations, least)}
     return extra, least[0]
 

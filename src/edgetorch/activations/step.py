@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..measure import SavedTensorLedger
+from ..measure.timing import interleave, wall_time
 from .blocks import PerBlock, recomputing
 from .checkpoint import checkpoint_stages
 from .engine import compress_activations
@@ -82,6 +84,42 @@ def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, how: Tr
         loss = loss_fn(model(x), y)
     loss.backward()
     return loss.detach()
+
+
+def step_seconds(model: nn.Module, steps: Mapping[str, tuple[torch.Tensor, torch.Tensor, TrainingPolicy]],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rounds: int) -> dict[str, float]:
+    """Each step's seconds on the wall clock: the least of ``rounds`` interleaved forward and
+    backward passes (the order rotated per round, so none always runs first), after one untimed pass
+    each (a configuration's first step watches its ops; later ones replay them). Gradients are
+    dropped before each pass, outside the timed span, so none adds into another's; the model is
+    left as it was (:class:`restored`).
+
+    Args:
+        model: the model, in the mode it trains in.
+        steps: name -> (x, y, training policy).
+        loss_fn: ``loss_fn(outputs, labels)``.
+        rounds: timed passes per step.
+
+    Returns:
+        name -> the least of its timed passes, in seconds.
+
+    Example:
+        >>> step_seconds(model, {"dense": (x, y, TrainingPolicy(Dense()))}, F.cross_entropy, 3)  # doctest: +SKIP
+        {'dense': 0.0123}
+    """
+    calls = {name: functools.partial(forward_backward, model, x, y, how, loss_fn) for name, (x, y, how) in steps.items()}
+    device = next(iter(steps.values()))[0].device
+
+    def timed(call: Callable[[], object]) -> float:
+        for p in model.parameters():
+            p.grad = None
+        return wall_time(call, device)
+
+    with restored(model):
+        for call in calls.values():
+            timed(call)
+        times = interleave(calls, rounds, rotate=True, measure=timed)
+    return {name: min(t) for name, t in times.items()}
 
 
 @contextlib.contextmanager
