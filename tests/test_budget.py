@@ -3,6 +3,7 @@ predictions against measured training runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 import torchvision
 
 from edgetorch import Bitmap, Dense, Quantized, plan_memory
+from edgetorch.activations import budget as budget_module
 from edgetorch.activations.budget import parse_bytes
 from edgetorch.activations.budget_blocks import TimeBound, fit_blocks
 from edgetorch.activations.costs import BlockCosts, FormCost
@@ -402,22 +404,54 @@ def test_a_per_block_plan_is_fitted_run_once_and_chosen_over_a_lossy_whole_model
     assert exact.blocks is None and exact.chosen.policy == "bitmap" and exact.chosen.batch == 8
 
 
-def test_no_per_block_plan_is_sought_where_measuring_its_costs_would_break_the_budget():
-    """Measuring a per-block plan's costs holds plain PyTorch's gradients beside each step's: one
-    copy of the trainable gradients more than training. MiniLM (22.7M parameters, small activations)
-    went 118 MiB over its budget there. Here 50 MB of weights and tiny activations: a budget that
-    8-bit quantization fits with 20 MB to spare is no room for that copy, so none is sought."""
+def _wide_mlp_with_tight_budget(optimizer: str) -> tuple:
+    """50 MB of weights and tiny activations, and a budget that 8-bit quantization fits with 20 MB
+    to spare under ``optimizer``."""
     from torch import nn
 
     torch.manual_seed(0)
     blocks = nn.Sequential(*(nn.Sequential(nn.Linear(2048, 2048), nn.ReLU()) for _ in range(3)))
     model = nn.Sequential(nn.Linear(64, 2048), blocks, nn.Linear(2048, 4))
     batch = (torch.randn(8, 64), torch.randint(0, 4, (8,)))
-    whole = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"])
-    predicted = whole.candidates[0].predicted_peak_bytes
-    plan = plan_memory(model, batch, int(predicted * 1.05) + 20 * 2**20, policies=["quantized:bits=8"], per_block=True)
+    whole = plan_memory(model, batch, "100GiB", policies=["quantized:bits=8"], optimizer=optimizer)
+    return model, batch, int(whole.candidates[0].predicted_peak_bytes * 1.05) + 20 * 2**20
+
+
+def test_no_per_block_plan_is_sought_where_measuring_its_costs_would_break_the_budget():
+    """Measuring a per-block plan's costs holds plain PyTorch's gradients beside each step's: one
+    copy of the trainable gradients more than training. MiniLM (22.7M parameters, small activations)
+    went 118 MiB over its budget there. With no optimizer state to drop meanwhile, 20 MB to spare
+    is no room for that 50 MB copy, so none is sought."""
+    model, batch, budget = _wide_mlp_with_tight_budget("sgd-no-momentum")
+    plan = plan_memory(model, batch, budget, policies=["quantized:bits=8"], optimizer="sgd-no-momentum", per_block=True)
     assert plan.blocks is None and (plan.chosen.policy, plan.chosen.batch) == ("quantized", 8)
     assert "no per-block plan: measuring its costs would need" in plan.reason
+
+
+def test_the_optimizer_state_makes_room_for_the_reference_gradient(monkeypatch):
+    """The costs take no optimizer step, so the state is dropped while they are measured and made
+    again before the plan's steps: with AdamW (two copies of the weights) the same tight budget now
+    leaves room for the reference copy, where holding both had sought no plan for MiniLM at any
+    budget below dense's."""
+    optimizers, seen = [], []
+    make, measure = budget_module._zero_lr_optimizer, budget_module.measure_block_costs
+
+    def remembered(*args, **kwargs):
+        optimizers.append(make(*args, **kwargs))
+        return optimizers[-1]
+
+    def costs_seeing_the_state(model, batch, **kwargs):
+        seen.append(len(optimizers[-1].state))
+        return measure(model, batch, (Dense(), Quantized(8), Quantized(4)), **kwargs)  # 9 ledger steps, not 64
+
+    model, batch, budget = _wide_mlp_with_tight_budget("adam")
+    monkeypatch.setattr(budget_module, "_zero_lr_optimizer", remembered)
+    monkeypatch.setattr(budget_module, "measure_block_costs", costs_seeing_the_state)
+    plan = plan_memory(model, batch, budget, policies=["quantized:bits=8"], optimizer="adam", per_block=True,
+                       max_slowdown=None)
+    assert "measuring its costs" not in plan.reason and plan.blocks is not None
+    assert seen == [0]  # measured with no state held
+    assert len(optimizers[-1].state) == len(list(model.parameters()))  # made again for the plan's steps
 
 
 def test_no_per_block_plan_is_sought_where_the_step_without_saved_tensors_breaks_the_budget():
@@ -523,12 +557,21 @@ def test_a_per_block_plan_timed_slower_than_the_bound_is_solved_again_faster():
     fit = fit_blocks(costs, 2, [2], 150, 0.0, lambda b: 0, run, attempts=3, time_bound=TimeBound(1.1, 1.3, measure))
     assert runs == ["quantized", "dense"] and timed == [2, 2]
     assert fit.fits and fit.slowdown == 1.0 and fit.plan.fidelity == 2.0
+    assert [(r.plan.fidelity, r.slowdown, r.fits) for r in fit.refused] == [(1.0, 1.2, False)]  # the plan timed 1.2x
+    # as plan_memory's reason says them (a plan over the budget by its measured peak)
+    over = dataclasses.replace(fit.refused[0], slowdown=None, batch=4, measured_peak_bytes=1500 << 20,
+                               predicted_peak_bytes=1400 << 20)
+    assert budget_module._refused(dataclasses.replace(fit, refused=(over, *fit.refused))) == (
+        "; plans run and refused before it: at batch 4, 1,500 MiB (predicted 1,400); at batch 2, 1.20x the "
+        "choice's step time")
+    assert budget_module._refused(dataclasses.replace(fit, refused=())) == ""
     # Every plan measured 1.5x: the bound falls to 12 ms x 1.1 / 1.5 = 8.8 ms, under dense's own
     # 10 ms: no plan at batch 2, nor at batch 1 (the correction is kept), and the last tried is returned.
     runs.clear()
     fit = fit_blocks(costs, 2, [2, 1], 150, 0.0, lambda b: 0, run, attempts=5,
                      time_bound=TimeBound(1.1, 1.3, lambda batch, how: 1.5))
     assert runs == ["quantized"] and not fit.fits and fit.slowdown == 1.5 and fit.measured_peak_bytes == 130
+    assert fit.refused == ()  # the one plan run is the one returned
     # a plan that does not fit the budget is not timed
     timed.clear()
     assert not fit_blocks(costs, 2, [2], 150, 0.0, lambda b: 0, lambda b, how: 10**6, attempts=1,
@@ -578,6 +621,9 @@ def test_a_per_block_plan_that_measures_above_the_budget_is_solved_again_tighter
     # batch 4: the smallest plan (120) measures 170, and solving again gives it again; batch 2: a
     # at 8 bits (130, 180 measured), then both (60, 110 measured)
     assert runs == [120, 130, 60] and fit.batch == 2 and fit.fits and fit.measured_peak_bytes == 110
+    # the plans run before it, as measured: each over the budget, none timed
+    assert [(r.batch, r.measured_peak_bytes, r.fits, r.slowdown) for r in fit.refused] == [(4, 170, False, None),
+                                                                                           (2, 180, False, None)]
     assert not fit_blocks(costs, 2, [4], 150, 0.0, lambda b: 0, run, attempts=5).fits  # measured, did not fit
     runs.clear()
     # a plan with slack under the limit: a at 8 bits (130) fits 180 by 50 and measures 190; taking

@@ -387,8 +387,10 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             # Measuring the costs compares each step's gradients with plain PyTorch's, held beside
             # them: one copy of the trainable gradients more than training holds (measured before
             # this check: MiniLM at 64 tokens, 1,192 MiB under a 1,074 MiB budget its plan kept).
+            # They take no optimizer step, so its state is dropped meanwhile (AdamW's is two such
+            # copies: with it held, MiniLM with AdamW sought no plan at any budget below dense's).
             reference = sum(p.numel() * p.element_size() for p in trainable)
-            measuring = predict(slope, intercept, small)[0] + reference
+            measuring = predict(slope, intercept, small)[0] - state_bytes + reference
             if measuring * (1 + margin) > budget_bytes:
                 skipped = (f"; no per-block plan: measuring its costs would need {measuring / 2**20:,.0f} MiB (a "
                            "reference gradient beside each step's)")
@@ -410,7 +412,11 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
                 # Timed on the smallest second calibration batch: every form's step there is within
                 # what one calibrated policy's step held, and nearer the batch trained at than small.
                 timed = min(line[5] for line in lines.values())
+                if step is not None:
+                    step.state.clear()
                 costs = measure_block_costs(model, sample(small), loss_fn=loss_fn, time_batch=sample(timed))
+                if step is not None:  # the state again, held before the plan's steps are measured
+                    _measure(model, *sample(small), TrainingPolicy(Dense()), loss_fn, None, step)
                 per_sample = _anchor(chosen, costs, small, rest)
 
                 def anchored(b: int) -> int:
@@ -432,10 +438,10 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
             and _less_faithful(fit, chosen, costs))
     if fit is not None and not fit.fits and fit.slowdown is not None:
         skipped = (f"; the last per-block plan tried, at batch {fit.batch}, measured {fit.slowdown:.2f}x the step time "
-                   f"of {chosen.policy} at batch {chosen.batch} per sample (at most {max_slowdown:g}x)")
+                   f"of {chosen.policy} at batch {chosen.batch} per sample (at most {max_slowdown:g}x){_refused(fit)}")
     elif fit is not None and not fit.fits:
         skipped = (f"; the last per-block plan tried, predicted at {fit.predicted_peak_bytes / 2**20:,.0f} MiB at batch "
-                   f"{fit.batch}, measured {fit.measured_peak_bytes / 2**20:,.0f} MiB when run")
+                   f"{fit.batch}, measured {fit.measured_peak_bytes / 2**20:,.0f} MiB when run{_refused(fit)}")
     elif less:
         skipped = (f"; the per-block plan that fits (fidelity cost {fit.plan.fidelity:.3g}) is less faithful than "
                    f"{chosen.policy} in every block")
@@ -445,9 +451,20 @@ def plan_memory(model: nn.Module, example_batch: torch.Tensor | tuple[torch.Tens
         chosen = _block_candidate(fit)
         candidates.insert(0, chosen)
         timed = "" if fit.slowdown is None else f"; its step measured {fit.slowdown:.2f}x that choice's per sample"
+        timed += _refused(fit)
         reason = f"a plan of one form per block at batch {fit.batch}: {fit.plan.reason} ({whole}{timed})"
     return MemoryPlan(budget_bytes, candidates, chosen, reason, held + state_bytes,
                       {spec: line[4:] for spec, line in lines.items()}, peak_kind(device), fit)
+
+
+def _refused(fit: BlockFit) -> str:
+    """The per-block plans run and refused before ``fit``, as the reason says them."""
+    if not fit.refused:
+        return ""
+    said = [f"at batch {r.batch}, " + (f"{r.slowdown:.2f}x the choice's step time" if r.slowdown is not None else
+                                      f"{r.measured_peak_bytes / 2**20:,.0f} MiB (predicted "
+                                      f"{r.predicted_peak_bytes / 2**20:,.0f})") for r in fit.refused]
+    return f"; plans run and refused before it: {'; '.join(said)}"
 
 
 def _block_candidate(fit: BlockFit) -> Candidate:

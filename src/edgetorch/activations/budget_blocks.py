@@ -48,6 +48,8 @@ class BlockFit:
             within the time bound where it was timed.
         slowdown: the plan's step time per sample over the whole-model choice's, measured beside it
             (:attr:`TimeBound.measure`); None where not timed.
+        refused: the plans run before this one and refused, in the order run: each measured over
+            the budget (``slowdown`` None) or slower than the time bound allows.
     """
 
     plan: BlockPlan
@@ -56,6 +58,7 @@ class BlockFit:
     measured_peak_bytes: int | None
     fits: bool
     slowdown: float | None = None
+    refused: tuple[BlockFit, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,10 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
 
     Returns:
         A :class:`BlockFit` (``fits`` False if the last plan run did not fit the budget, or was
-        timed slower than the bound allows), or None where no plan is predicted to fit at any batch.
+        timed slower than the bound allows; the plans refused before it in ``refused``), or None
+        where no plan is predicted to fit at any batch.
     """
+    run_plans: list[BlockFit] = []  # every plan run, as measured
     last = None
     ceiling = int(budget_bytes / (1 + margin))  # what a measured peak must stay within
     correction = 1.0  # the time bound's, from plans timed slower than predicted; kept for smaller batches
@@ -126,16 +131,17 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
             if fits and bound is not None and time_bound.measure is not None and plan.predicted_seconds:
                 slowdown = time_bound.measure(batch, TrainingPolicy(plan.policy))
                 last = dataclasses.replace(last, slowdown=slowdown, fits=slowdown <= time_bound.slowdown)
-                if not last.fits:
-                    # Its time erred by slowdown / time_bound.slowdown over what the bound allows: a plan
-                    # predicted that much faster than this one measures within the bound if it errs alike.
-                    # Below this plan's prediction, so another plan (or none: the next batch).
-                    tighter = plan.predicted_seconds * time_bound.slowdown / slowdown
-                    correction *= tighter / bound
-                    bound = tighter
-                    continue
-            if fits:
-                return last
+            run_plans.append(last)
+            if last.fits:
+                break
+            if fits:  # within the budget, timed too slow
+                # Its time erred by slowdown / time_bound.slowdown over what the bound allows: a plan
+                # predicted that much faster than this one measures within the bound if it errs alike.
+                # Below this plan's prediction, so another plan (or none: the next batch).
+                tighter = plan.predicted_seconds * time_bound.slowdown / last.slowdown
+                correction *= tighter / bound
+                bound = tighter
+                continue
             # The step measured its prediction's error above the prediction; a plan predicted at
             # most that much below the ceiling measures within it if it errs by as much. That is
             # below this plan's prediction (measured > ceiling >= predicted), so a smaller plan,
@@ -144,4 +150,6 @@ def fit_blocks(costs: BlockCosts, calibration_batch: int, batches: Sequence[int]
             limit = min(limit, ceiling - (measured - plan.predicted_bytes) - 1)
             if limit < 1:
                 break  # the step errs by more than the whole ceiling: no plan at this batch can fit
-    return last
+        if last is not None and last.fits:
+            break
+    return None if last is None else dataclasses.replace(last, refused=tuple(run_plans[:-1]))
