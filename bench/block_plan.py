@@ -44,8 +44,12 @@ exact policy, and a per-block plan is then compared with an exact choice at anot
 the smallest exact candidate only lossy whole-model policies fit the batch, and that is where a
 per-block plan can be strictly better.
 
+With ``--malloc-cost ROUNDS`` (``malloc_cost``) only the timing: plain PyTorch's step and the middle
+fixed-batch budget's two choices, under glibc's defaults and the planner's settings, in fresh
+processes.
+
 Run: ``python bench/block_plan.py [--quick] [--device cuda] [--fixed-batch] [--models M,...] [--fractions F,...]
-[--budget-s S]``
+[--budget-s S] [--malloc-cost ROUNDS]``
 (hours on 2 CPU cores; --quick: resnet18 at one low budget; --budget-s: start nothing new after S
 seconds, results so far are written).
 """
@@ -174,9 +178,11 @@ def measure(name: str, device: str, fidelity: list[list], timed: list[list], pla
     (``honest_malloc``), which ``finetune --memory-budget`` then trains under; else its defaults."""
     import torch.nn.functional as F
 
+    import torch
+
     from edgetorch.activations.fidelity import gradient_fidelity
     from edgetorch.activations.step import parse_training_policy, step_seconds
-    from edgetorch.measure.process import honest_malloc
+    from edgetorch.measure.process import honest_malloc, process_peak_bytes
 
     if planner_malloc and device == "cpu":
         honest_malloc()
@@ -191,7 +197,57 @@ def measure(name: str, device: str, fidelity: list[list], timed: list[list], pla
     plain = times[f"dense@{len(x)}"] / len(x)
     for spec, batch in timed:
         out["time_per_sample_vs_plain"][f"{spec}@{batch}"] = times[f"{spec}@{batch}"] / batch / plain
+    out["seconds_per_sample"] = {key: t / steps[key][0].shape[0] for key, t in times.items()}
+    out["process_peak_bytes"] = process_peak_bytes(torch.device(device))
     return out
+
+
+def malloc_cost(names: list[str], rounds: int) -> None:
+    """What the planner's malloc settings (``honest_malloc``, which ``finetune --memory-budget`` trains
+    under) cost a step against glibc's defaults: plain PyTorch's, the middle fixed-batch budget's
+    whole-model choice's and per-block plan's (from ``block_plan_fixed_batch_NAME.json``), each timed
+    by ``measure`` in a fresh process per setting, ``rounds`` pairs of processes, the order alternated
+    per round; the ratio is the median seconds per sample under the planner's settings over the
+    median under the defaults (processes apart: noisier than one run's ratios), beside each
+    process's peak resident memory."""
+    import statistics
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parent.parent / "docs" / "results"
+    rows, data = [], {}
+    for name in names:
+        record = json.loads((results / f"block_plan_fixed_batch_{name}.json").read_text())
+        middle = min(record["runs"], key=lambda r: abs(r["fraction"] - 0.5))
+        timed = [[c["policy"], c["batch"]] for c in (middle["whole"], middle["chosen"]) if c is not None]
+        runs = {False: [], True: []}
+        for i in range(rounds):
+            for planner in ((False, True) if i % 2 == 0 else (True, False)):
+                print(f"{name}: round {i}, {'planner' if planner else 'default'} malloc", file=sys.stderr, flush=True)
+                runs[planner].append(_call("cpu", "measure", name=name, fidelity=[], timed=timed, planner_malloc=planner))
+        failed = [r["error"] for r in runs[False] + runs[True] if "error" in r]
+        if failed:
+            raise RuntimeError(f"{name}: {failed[0]}")
+        data[name] = {"timed": timed, "runs": {"default": runs[False], "planner": runs[True]}}
+        for key in runs[False][0]["seconds_per_sample"]:
+            default = statistics.median(r["seconds_per_sample"][key] for r in runs[False])
+            planner = statistics.median(r["seconds_per_sample"][key] for r in runs[True])
+            spec, batch = key.rsplit("@", 1)
+            rows.append([name, _short(spec), batch, f"{1e3 * default:.1f}", f"{1e3 * planner:.1f}",
+                         f"{planner / default:.2f}"])
+        rows.append([name, "process peak MiB (largest)", "-", mib(max(r["process_peak_bytes"] for r in runs[False])),
+                     mib(max(r["process_peak_bytes"] for r in runs[True])), "-"])
+    body = (f"Each step timed by this bench's `measure` (one untimed pass, then the least of {TIME_ROUNDS} interleaved "
+            f"rounds) in a fresh process, {rounds} processes per setting, alternated; ms per sample is the median over "
+            "those processes. 'planner's' is glibc set as `plan_memory` sets it (`honest_malloc`: large allocations "
+            "mapped and returned at once, freed heap trimmed), which `finetune --memory-budget` then trains under; "
+            "'default' is glibc's own settings. The steps are forward and backward only (no optimizer step), at the "
+            "middle budget of the fixed-batch runs' choices. Peaks: each process's peak resident memory from start "
+            "(model build and the timed steps, no planning).\n\n")
+    body += table(["model", "step", "batch", "default ms/sample", "planner's ms/sample", "planner's / default"], rows,
+                  right=[2, 3, 4, 5])
+    write_results("block_plan_malloc_cost", "What the planner's malloc settings cost a training step (issue 26)", body,
+                  {"rounds": rounds, "models": data},
+                  f"bench/block_plan.py --malloc-cost {rounds} --models {','.join(names)}")
 
 
 def compiled(name: str, device: str) -> dict:
@@ -386,11 +442,17 @@ def main() -> None:
     parser.add_argument("--fractions", help="comma-separated budget points instead of 0.25,0.5,0.75 (results under "
                         "their own name; torch.compile is not run)")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start nothing new after this many seconds")
+    parser.add_argument("--malloc-cost", type=int, metavar="ROUNDS",
+                        help="time the --models' middle fixed-batch choices and plain PyTorch under glibc's defaults "
+                        "and the planner's malloc settings, ROUNDS processes each (results: block_plan_malloc_cost.*)")
     parser.add_argument("--call", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.call:
         kwargs = json.loads(args.call)
         print(json.dumps(CALLS[kwargs.pop("what")](device="cpu", **kwargs)))
+        return
+    if args.malloc_cost:
+        malloc_cost(args.models.split(",") if args.models else ["deit_tiny_b32", "mobilenet_v2"], args.malloc_cost)
         return
     started = time.perf_counter()
     names = args.models.split(",") if args.models else ["resnet18"] if args.quick else list(_models(args.device, larger=False))
