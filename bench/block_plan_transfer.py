@@ -19,9 +19,9 @@ the smallest exact candidate's (dense+checkpoint, say), and both plans train at 
 (``--min-batch 64``): only lossy whole-model policies fit there, so the accuracy of a lossy plan
 (per-block or whole-model) is what is measured, not the lossless bitmap's.
 
-With ``--model torchvision:resnet18`` the network is torchvision's resnet18 (BN trained), pretrained
-on digits by the zoo's recipe (32 px, 10 epochs; no ImageNet weights can be fetched here) and
-given to ``edgetorch finetune`` with ``--weights``; the rest as above.
+With ``--model torchvision:resnet18`` (or ``torchvision:mobilenet_v2``) the network is torchvision's
+(BN trained), pretrained on digits by the zoo's recipe (32 px, 10 epochs; no ImageNet weights can be
+fetched here) and given to ``edgetorch finetune`` with ``--weights``; the rest as above.
 
 With ``--model minilm`` the task is MiniLM-L6 (real pretrained weights) on Rotten Tomatoes
 snippets, with ``bench/minilm_finetune.py``'s data, recipe and scale (2,000 training snippets, one
@@ -83,7 +83,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fixed-batch", action="store_true",
                         help="budget below the smallest exact candidate, every plan at batch 64 (lossy plans)")
-    parser.add_argument("--model", choices=["zoo:cnn", "torchvision:resnet18", "minilm"], default="zoo:cnn")
+    parser.add_argument("--model", choices=["zoo:cnn", "torchvision:resnet18", "torchvision:mobilenet_v2", "minilm"],
+                        default="zoo:cnn")
     args = parser.parse_args()
     if args.model == "minilm":
         minilm_transfer()
@@ -147,7 +148,8 @@ def image_transfer(model: str, fixed: bool) -> None:
             "seeds of the run's validation accuracy minus FT-Full's at the same seed, in points.\n\n")
     body += table(["run", "chosen", "val accuracy % per seed", "mean %", "gap to FT-Full (points)", "within budget",
                    "largest process peak MiB"], rows, right=[3, 4, 6])
-    name = "block_plan_transfer" + ("_fixed_batch" if fixed else "") + ("" if model == "zoo:cnn" else "_resnet18")
+    name = ("block_plan_transfer" + ("_fixed_batch" if fixed else "")
+            + ("" if model == "zoo:cnn" else "_" + model.removeprefix("torchvision:")))
     script = ("bench/block_plan_transfer.py" + (" --fixed-batch" if fixed else "")
               + ("" if model == "zoo:cnn" else f" --model {model}"))
     write_results(name, "A short transfer fine-tune under a memory plan (issue 26)", body, script=script, data=(

@@ -108,9 +108,11 @@ RECIPES: dict[tuple[str, str], PretrainConfig] = {
         "torchvision:resnet18", "fashion-mnist", epochs=1, train_limit=12800, image_size=32),
     ("torchvision:mobilenet_v2", "fashion-mnist"): PretrainConfig(
         "torchvision:mobilenet_v2", "fashion-mnist", epochs=1, train_limit=25600, image_size=32),
-    # A transfer source for Fashion-MNIST, as ("cnn", "digits") is (bench/block_plan_transfer.py).
+    # Transfer sources for Fashion-MNIST, as ("cnn", "digits") is (bench/block_plan_transfer.py).
     ("torchvision:resnet18", "digits"): PretrainConfig("torchvision:resnet18", "digits", epochs=10, batch_size=64,
                                                        image_size=32),
+    ("torchvision:mobilenet_v2", "digits"): PretrainConfig("torchvision:mobilenet_v2", "digits", epochs=10,
+                                                           batch_size=64, image_size=32),
 }
 
 
