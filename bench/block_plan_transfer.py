@@ -36,8 +36,8 @@ bound refused it. Each policy then trains from the same head, batch order and dr
 (``finetune_minilm``). Peaks are not measured here (one process for all runs): the per-block
 plan's peak at this kind of budget is ``bench/block_plan.py``'s.
 
-Run: ``python bench/block_plan_transfer.py [--fixed-batch | --model minilm]`` (about 30 minutes
-on 2 CPU cores).
+Run: ``python bench/block_plan_transfer.py [--fixed-batch] [--model zoo:cnn | torchvision:resnet18 |
+torchvision:mobilenet_v2 | minilm]`` (about 30 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -68,6 +68,19 @@ def finetune(source: list[str], args: list[str], json_path: Path) -> dict:
     if isinstance(summary, str):
         raise RuntimeError(f"finetune {' '.join(args)} trained nothing: {summary}")
     return summary
+
+
+def middle_budget(smallest: int, top: int) -> int:
+    """FRACTION of the way from ``smallest`` to ``top`` (predicted peaks), with the planner's headroom."""
+    return int((smallest + FRACTION * (top - smallest)) * (1 + MARGIN))
+
+
+def accuracy_cells(results: list[dict], ft_full: list[dict]) -> list[str]:
+    """Per-seed accuracies, their mean and the mean paired gap to FT-Full ("-" for FT-Full itself), in %."""
+    accuracy = [r["val_accuracy"] for r in results]
+    gap = [100 * (a - f["val_accuracy"]) for a, f in zip(accuracy, ft_full)]
+    return [" / ".join(f"{100 * a:.2f}" for a in accuracy), f"{100 * statistics.mean(accuracy):.2f}",
+            "-" if results is ft_full else f"{statistics.mean(gap):+.2f}"]
 
 
 def _summary(run: dict) -> dict:
@@ -115,7 +128,7 @@ def image_transfer(model: str, fixed: bool) -> None:
         dense = (min(c["predicted_peak_bytes"] for c in at_batch if c["exact"]) if fixed else
                  next(c for c in at_batch if c["policy"] == "dense")["predicted_peak_bytes"])
         smallest = min(c["predicted_peak_bytes"] for c in at_batch)
-        budget = int((smallest + FRACTION * (dense - smallest)) * (1 + MARGIN))
+        budget = middle_budget(smallest, dense)
         print(f"budget {mib(budget)} MiB (smallest {mib(smallest)}, top {mib(dense)})", file=sys.stderr, flush=True)
         runs["ft_full"].append(_summary(first))
         whole = [a for spec in DEFAULT_POLICIES for a in ("--policy", spec)]
@@ -132,11 +145,8 @@ def image_transfer(model: str, fixed: bool) -> None:
              "whole_model": "best whole-model policy at the budget"}
     rows = []
     for key, results in runs.items():
-        accuracy = [r["val_accuracy"] for r in results]
-        gap = [100 * (a - f["val_accuracy"]) for a, f in zip(accuracy, runs["ft_full"])]
         rows.append([names[key], "; ".join(sorted({f"{r['policy']} b{r['batch']}" for r in results})),
-                     " / ".join(f"{100 * a:.2f}" for a in accuracy), f"{100 * statistics.mean(accuracy):.2f}",
-                     "-" if key == "ft_full" else f"{statistics.mean(gap):+.2f}",
+                     *accuracy_cells(results, runs["ft_full"]),
                      "-" if key == "ft_full" else ("yes" if all(r["within_budget"] for r in results) else "NO"),
                      "-" if key == "ft_full" else mib(max(r["process_peak_bytes"] for r in results))])
     trained = ", BN trained" if model != "zoo:cnn" else ""
@@ -183,7 +193,7 @@ def minilm_transfer() -> None:
     at_batch = [c for c in predicted if c.batch == text.BATCH]
     top = min(c.predicted_peak_bytes for c in at_batch if c.exact)
     smallest = min(c.predicted_peak_bytes for c in at_batch)
-    budget = int((smallest + FRACTION * (top - smallest)) * (1 + MARGIN))
+    budget = middle_budget(smallest, top)
     print(f"budget {mib(budget)} MiB (smallest {mib(smallest)}, top {mib(top)})", file=sys.stderr, flush=True)
     plans = {"whole_model": plan_memory(model, batch, budget, **plan_args)}
     restart_peaks(torch.device("cpu"))  # the per-block planning's own peak, measuring its costs included
@@ -212,10 +222,7 @@ def minilm_transfer() -> None:
              "untimed": "plan_memory(per_block=True, max_slowdown=None)"}
     rows = []
     for key, results in runs.items():
-        accuracy = [r["val_accuracy"] for r in results]
-        gap = [100 * (a - f["val_accuracy"]) for a, f in zip(accuracy, runs["ft_full"])]
-        rows.append([names[key], f"`{specs[key]}` b{text.BATCH}", " / ".join(f"{100 * a:.2f}" for a in accuracy),
-                     f"{100 * statistics.mean(accuracy):.2f}", "-" if key == "ft_full" else f"{statistics.mean(gap):+.2f}",
+        rows.append([names[key], f"`{specs[key]}` b{text.BATCH}", *accuracy_cells(results, runs["ft_full"]),
                      f"{plans[key].blocks.plan.fidelity:.3g}" if key != "ft_full" and plans[key].blocks
                      and specs[key].startswith("per-block(") else "-"])
     shape = list(batch[0].shape)
