@@ -61,6 +61,8 @@ import copy
 import dataclasses
 import gc
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -199,55 +201,90 @@ def measure(name: str, device: str, fidelity: list[list], timed: list[list], pla
         out["time_per_sample_vs_plain"][f"{spec}@{batch}"] = times[f"{spec}@{batch}"] / batch / plain
     out["seconds_per_sample"] = {key: t / steps[key][0].shape[0] for key, t in times.items()}
     out["process_peak_bytes"] = process_peak_bytes(torch.device(device))
+    out["minor_page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # the process's, from start
     return out
+
+
+# setting -> (honest_malloc in the process, environment added at its start)
+MALLOC_SETTINGS = {"default": (False, {}), "planner's": (True, {}),
+                   "planner's + huge pages": (True, {"THP_MEM_ALLOC_ENABLE": "1"})}
 
 
 def malloc_cost(names: list[str], rounds: int) -> None:
     """What the planner's malloc settings (``honest_malloc``, which ``finetune --memory-budget`` trains
     under) cost a step against glibc's defaults: plain PyTorch's, the middle fixed-batch budget's
     whole-model choice's and per-block plan's (from ``block_plan_fixed_batch_NAME.json``), each timed
-    by ``measure`` in a fresh process per setting, ``rounds`` pairs of processes, the order alternated
-    per round; the ratio is the median seconds per sample under the planner's settings over the
+    by ``measure`` in a fresh process per setting (``MALLOC_SETTINGS``), ``rounds`` processes each,
+    the order rotated per round; the ratio is the median seconds per sample under a setting over the
     median under the defaults (processes apart: noisier than one run's ratios), beside each
-    process's peak resident memory."""
-    import statistics
+    process's peak resident memory and its minor page faults. The third setting asks torch for huge
+    pages for tensors of 2 MiB or more (``THP_MEM_ALLOC_ENABLE``, read at the process's first
+    tensor): every large tensor is a fresh mapping under the planner's settings, so each first
+    touch faults, once per 4 KiB page without them."""
     from pathlib import Path
 
     results = Path(__file__).resolve().parent.parent / "docs" / "results"
-    rows, data = [], {}
+    settings = list(MALLOC_SETTINGS)
+    data = {}
     for name in names:
         record = json.loads((results / f"block_plan_fixed_batch_{name}.json").read_text())
         middle = min(record["runs"], key=lambda r: abs(r["fraction"] - 0.5))
         timed = [[c["policy"], c["batch"]] for c in (middle["whole"], middle["chosen"]) if c is not None]
-        runs = {False: [], True: []}
+        runs: dict[str, list[dict]] = {k: [] for k in settings}
         for i in range(rounds):
-            for planner in ((False, True) if i % 2 == 0 else (True, False)):
-                print(f"{name}: round {i}, {'planner' if planner else 'default'} malloc", file=sys.stderr, flush=True)
-                runs[planner].append(_call("cpu", "measure", name=name, fidelity=[], timed=timed, planner_malloc=planner))
-        failed = [r["error"] for r in runs[False] + runs[True] if "error" in r]
+            for setting in settings[i % len(settings):] + settings[:i % len(settings)]:
+                print(f"{name}: round {i}, {setting} malloc", file=sys.stderr, flush=True)
+                honest, env = MALLOC_SETTINGS[setting]
+                runs[setting].append(_call("cpu", "measure", env=env, name=name, fidelity=[], timed=timed,
+                                           planner_malloc=honest))
+        failed = [r["error"] for v in runs.values() for r in v if "error" in r]
         if failed:
             raise RuntimeError(f"{name}: {failed[0]}")
-        data[name] = {"timed": timed, "runs": {"default": runs[False], "planner": runs[True]}}
-        for key in runs[False][0]["seconds_per_sample"]:
-            default = statistics.median(r["seconds_per_sample"][key] for r in runs[False])
-            planner = statistics.median(r["seconds_per_sample"][key] for r in runs[True])
+        data[name] = {"timed": timed, "runs": runs}
+    write_malloc_cost(rounds, data)
+
+
+def write_malloc_cost(rounds: int, data: dict) -> None:
+    """``malloc_cost``'s table and results from its measurements (``data``: model -> timed steps and
+    runs per setting)."""
+    import statistics
+
+    settings = list(MALLOC_SETTINGS)
+    rows = []
+    for name, record in data.items():
+        runs = record["runs"]
+
+        def median(setting: str, field: str, key: str | None = None) -> float:
+            return statistics.median(r[field][key] if key else r[field] for r in runs[setting])
+
+        for key in runs["default"][0]["seconds_per_sample"]:
+            default = median("default", "seconds_per_sample", key)
+            cells = []
+            for setting in settings[1:]:
+                t = median(setting, "seconds_per_sample", key)
+                cells += [f"{1e3 * t:.1f}", f"{t / default:.2f}"]
             spec, batch = key.rsplit("@", 1)
-            rows.append([name, _short(spec), batch, f"{1e3 * default:.1f}", f"{1e3 * planner:.1f}",
-                         f"{planner / default:.2f}"])
-        rows.append([name, "process peak MiB (largest)", "-", mib(max(r["process_peak_bytes"] for r in runs[False])),
-                     mib(max(r["process_peak_bytes"] for r in runs[True])), "-"])
+            rows.append([name, _short(spec), batch, f"{1e3 * default:.1f}", *cells])
+        peaks = [mib(max(r["process_peak_bytes"] for r in runs[k])) for k in settings]
+        rows.append([name, "process peak MiB (largest)", "-", peaks[0], *[c for p in peaks[1:] for c in (p, "-")]])
+        faults = {k: median(k, "minor_page_faults") for k in settings}
+        rows.append([name, "minor page faults per process (median)", "-", f"{faults['default']:,.0f}",
+                     *[c for k in settings[1:] for c in (f"{faults[k]:,.0f}", f"{faults[k] / faults['default']:.2f}")]])
     body = (f"Each step timed by this bench's `measure` (one untimed pass, then the least of {TIME_ROUNDS} interleaved "
-            f"rounds) in a fresh process, {rounds} processes per setting, alternated; ms per sample is the median over "
-            "those processes. 'planner's' is glibc set as `plan_memory` sets it (`honest_malloc`: large allocations "
-            "mapped and returned at once, freed heap trimmed), which `finetune --memory-budget` then trains under; "
-            "'default' is glibc's own settings. The steps are forward and backward only (no optimizer step), at the "
-            "middle budget of the fixed-batch runs' choices. Peaks: each process's peak resident memory from start "
-            "(model build and the timed steps, no planning).\n\n")
-    body += table(["model", "step", "batch", "default ms/sample", "planner's ms/sample", "planner's / default"], rows,
-                  right=[2, 3, 4, 5])
+            f"rounds) in a fresh process, {rounds} processes per setting, order rotated; ms per sample is the median "
+            "over those processes. 'planner's' is glibc set as `plan_memory` sets it (`honest_malloc`: large "
+            "allocations mapped and returned at once, freed heap trimmed), which `finetune --memory-budget` then "
+            "trains under; 'default' is glibc's own settings; '+ huge pages' adds `THP_MEM_ALLOC_ENABLE=1` (torch "
+            "asks the kernel for 2 MiB pages for tensors of 2 MiB or more; not what the planner sets). The steps are "
+            "forward and backward only (no optimizer step), at the middle budget of the fixed-batch runs' choices. "
+            "Peaks: each process's peak resident memory from start (model build and the timed steps, no planning); "
+            "page faults: the process's minor faults from start.\n\n")
+    body += table(["model", "step", "batch", "default ms/sample", "planner's ms/sample", "/ default",
+                   "+ huge pages ms/sample", "/ default"], rows, right=[2, 3, 4, 5, 6, 7])
     write_results("block_plan_malloc_cost", "What the planner's malloc settings cost a training step (issue 26)", body,
-                  {"rounds": rounds, "models": data},
-                  f"bench/block_plan.py --malloc-cost {rounds} --models {','.join(names)}")
+                  {"rounds": rounds, "settings": {k: {"honest_malloc": h, "env": e} for k, (h, e) in
+                                                  MALLOC_SETTINGS.items()}, "models": data},
+                  f"bench/block_plan.py --malloc-cost {rounds} --models {','.join(data)}")
 
 
 def compiled(name: str, device: str) -> dict:
@@ -309,17 +346,19 @@ def compiled(name: str, device: str) -> dict:
     return {"eager_step_peak_bytes": peak_bytes(dev), "ratios": rows, "honest_malloc": honest}
 
 
-def _run(*args: str) -> dict:
-    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True)
+def _run(*args: str, env: dict[str, str] | None = None) -> dict:
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True,
+                          env={**os.environ, **env} if env else None)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _call(device: str, what: str, **kwargs) -> dict:
-    """One measurement: in a fresh process on a CPU (resident memory starts clean only there); in
-    this one on a GPU, after freeing the last and restarting the allocator's peaks."""
+def _call(device: str, what: str, env: dict[str, str] | None = None, **kwargs) -> dict:
+    """One measurement: in a fresh process on a CPU (resident memory starts clean only there), with
+    ``env`` added to its environment; in this one on a GPU, after freeing the last and restarting the
+    allocator's peaks."""
     if device != "cuda":
         try:
-            return _run("--call", json.dumps({"what": what, **kwargs}))
+            return _run("--call", json.dumps({"what": what, **kwargs}), env=env)
         except subprocess.CalledProcessError as e:  # recorded; the other models still run
             print(e.stderr[-3000:], file=sys.stderr)
             return {"error": e.stderr.strip().splitlines()[-1][:500] if e.stderr.strip() else f"exit {e.returncode}"}
