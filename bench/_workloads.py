@@ -152,3 +152,13 @@ class StepBench:
         for _ in range(steps):
             self.step(policy)
         return (time.perf_counter() - start) / steps
+
+
+def deit_tiny_96(num_classes: int = 1000) -> nn.Module:
+    """timm's deit_tiny_patch16_224 built for 96 px images (36 patches of 16 px), at random init: the
+    transfer bench's ViT as ``edgetorch finetune --model _workloads:deit_tiny_96`` (bench/ on the
+    path). 224 px has 196 patches a picture; the position embeddings are sized when the model is
+    built, so the size is the factory's (a model spec takes no arguments)."""
+    from timm.models import deit_tiny_patch16_224
+
+    return deit_tiny_patch16_224(num_classes=num_classes, img_size=96)

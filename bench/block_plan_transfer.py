@@ -4,7 +4,7 @@ beside full fine-tuning (FT-Full) and the best whole-model policy at the same bu
 The task: edgetorch's zoo CNN, pretrained on scikit-learn digits by the zoo's recipe (four residual
 blocks), fine-tuned on Fashion-MNIST (``--data fashion-mnist --train-limit N``: the first N training
 images, validated on the first N test images) at 96 px, batch 64, ``EPOCHS`` epochs of SGD with
-momentum at lr 0.01 (``OPTIMIZERS`` names the exceptions), cosine schedule; each run is ``edgetorch
+momentum at lr 0.01 (``RECIPES`` names the exceptions), cosine schedule; each run is ``edgetorch
 finetune`` in a fresh process, as a user runs it.
 
 1. FT-Full: ``--memory-budget 1000GiB`` at seed 0 (the planner chooses dense at the requested
@@ -26,6 +26,12 @@ fetched here) and given to ``edgetorch finetune`` with ``--weights``; the rest a
 does not train mobilenet_v2 in these 32 steps (FT-Full 30.4 / 19.3 / 29.8%, measured), so it takes Adam
 at 1e-3 (dense at seed 0: 67.9%; SGD at 0.003: 40.7%; Adam at 3e-4: 50.5%).
 
+With ``--model deit_tiny`` the network is timm's deit_tiny built for 96 px (``_workloads:deit_tiny_96``:
+36 patches; no pretrained ViT weights can be fetched here, and 224 px has 196 patches a picture), pretrained
+on digits first by ``edgetorch finetune`` itself (``SOURCE_ARGS``, at random init: 92.2% on the 359
+test digits when chosen), then fine-tuned with Adam at 3e-4 for 5 epochs (dense at seed 0, 2 epochs:
+30.7% at 1e-3, 37.6% at 3e-4, 26.9% at 1e-4, 33.6% with SGD at 0.01; 5 epochs at 3e-4: 52.1%).
+
 With ``--model minilm`` the task is MiniLM-L6 (real pretrained weights) on Rotten Tomatoes
 snippets, with ``bench/minilm_finetune.py``'s data, recipe and scale (2,000 training snippets, one
 epoch of batch 16, 1,000 test snippets of held-out films). There is no CLI for text, so the runs
@@ -39,13 +45,14 @@ bound refused it. Each policy then trains from the same head, batch order and dr
 (``finetune_minilm``). Peaks are not measured here (one process for all runs): the per-block
 plan's peak at this kind of budget is ``bench/block_plan.py``'s.
 
-Run: ``python bench/block_plan_transfer.py [--fixed-batch] [--model zoo:cnn | torchvision:resnet18 |
+Run: ``python bench/block_plan_transfer.py [--fixed-batch] [--model zoo:cnn | torchvision:resnet18 | deit_tiny |
 torchvision:mobilenet_v2 | minilm]`` (about 30 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -59,16 +66,21 @@ EPOCHS = 2
 TRAIN_LIMIT = 1000
 SIZE, BATCH = 96, 64
 MARGIN = 0.05  # plan_memory's default headroom
-# --optimizer and --lr where the default (SGD with momentum at 0.01) does not train the model
-OPTIMIZERS = {"torchvision:mobilenet_v2": ["--optimizer", "adam", "--lr", "0.001"]}
+# model -> (its --optimizer and --lr, epochs) where SGD with momentum at 0.01 for EPOCHS does not train it
+RECIPES = {"torchvision:mobilenet_v2": (["--optimizer", "adam", "--lr", "0.001"], EPOCHS),
+           "deit_tiny": (["--optimizer", "adam", "--lr", "0.0003"], 5)}
+# models without a zoo recipe: the factory (in bench/), trained on digits by the CLI as the source
+FACTORIES = {"deit_tiny": "_workloads:deit_tiny_96"}
+SOURCE_ARGS = ["--data", "digits", "--batch-size", "64", "--epochs", "15", "--optimizer", "adam", "--lr", "0.001",
+               "--policy", "dense", "--seed", "0"]
 FRACTION = 0.5
 
 
-def finetune(source: list[str], args: list[str], json_path: Path) -> dict:
-    """``edgetorch finetune`` of ``source`` (its --model and --weights) on this bench's task, in a
-    fresh process; its summary."""
+def finetune(source: list[str], args: list[str], json_path: Path, epochs: int = EPOCHS) -> dict:
+    """``edgetorch finetune`` of ``source`` (its --model, --weights and recipe) on this bench's task,
+    in a fresh process; its summary."""
     summary = run([*source, "--data", "fashion-mnist", "--train-limit", str(TRAIN_LIMIT), "--size",
-                   str(SIZE), "--batch-size", str(BATCH), "--epochs", str(EPOCHS), "--out",
+                   str(SIZE), "--batch-size", str(BATCH), "--epochs", str(epochs), "--out",
                    str(json_path.with_suffix("")), *args], json_path)
     if isinstance(summary, str):
         raise RuntimeError(f"finetune {' '.join(args)} trained nothing: {summary}")
@@ -101,7 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fixed-batch", action="store_true",
                         help="budget below the smallest exact candidate, every plan at batch 64 (lossy plans)")
-    parser.add_argument("--model", choices=["zoo:cnn", "torchvision:resnet18", "torchvision:mobilenet_v2", "minilm"],
+    parser.add_argument("--model", choices=["zoo:cnn", "torchvision:resnet18", "torchvision:mobilenet_v2", "deit_tiny",
+                                            "minilm"],
                         default="zoo:cnn")
     args = parser.parse_args()
     if args.model == "minilm":
@@ -115,18 +128,29 @@ def image_transfer(model: str, fixed: bool) -> None:
     a fresh process."""
     from edgetorch.activations.budget import DEFAULT_POLICIES
 
-    source = ["--model", model, *OPTIMIZERS.get(model, [])]
-    if model != "zoo:cnn":  # a zoo model starts from its digits weights; resnet18 is given them
-        from edgetorch.zoo import pretrained
-        from edgetorch.zoo.pretrain import checkpoint_paths, default_config
-
-        pretrained(model, dataset="digits")
-        source += ["--weights", str(checkpoint_paths(default_config(model, "digits"))[0])]
-
+    optimizer, epochs = RECIPES.get(model, ([], EPOCHS))
+    source = ["--model", FACTORIES.get(model, model), *optimizer]
     runs: dict[str, list[dict]] = {"ft_full": [], "plan": [], "whole_model": []}
+    source_note = "pretrained on digits"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        first = finetune(source, ["--seed", "0", "--memory-budget", "1000GiB"], tmp / "full0.json")
+        if model in FACTORIES:  # the CLI imports the factory's module in each run
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                     os.environ.get("PYTHONPATH")]))
+            digits = run(["--model", FACTORIES[model], "--size", str(SIZE), *SOURCE_ARGS, "--out", str(tmp / "source")],
+                         tmp / "source.json")
+            if isinstance(digits, str):
+                raise RuntimeError(f"pretraining {model} on digits trained nothing: {digits}")
+            source += ["--weights", str(tmp / "source" / "model.safetensors")]
+            source_note = (f"pretrained on digits at random init here, {100 * digits['val_accuracy']:.1f}% on the "
+                           f"test digits: {' '.join(SOURCE_ARGS)}")
+        elif model != "zoo:cnn":  # a zoo model starts from its digits weights; resnet18 is given them
+            from edgetorch.zoo import pretrained
+            from edgetorch.zoo.pretrain import checkpoint_paths, default_config
+
+            pretrained(model, dataset="digits")
+            source += ["--weights", str(checkpoint_paths(default_config(model, "digits"))[0])]
+        first = finetune(source, ["--seed", "0", "--memory-budget", "1000GiB"], tmp / "full0.json", epochs)
         at_batch = [c for c in first["plan"]["candidates"] if c["batch"] == BATCH]
         # the top of the range: dense's peak, or with --fixed-batch the smallest exact candidate's
         top_name = "the smallest exact candidate's" if fixed else "dense's"
@@ -141,9 +165,10 @@ def image_transfer(model: str, fixed: bool) -> None:
         for seed in SEEDS:
             s = ["--seed", str(seed)]
             if seed:
-                runs["ft_full"].append(_summary(finetune(source, [*s, "--policy", "dense"], tmp / f"full{seed}.json")))
-            runs["plan"].append(_summary(finetune(source, [*s, *at], tmp / f"plan{seed}.json")))
-            runs["whole_model"].append(_summary(finetune(source, [*s, *at, *whole], tmp / f"whole{seed}.json")))
+                runs["ft_full"].append(_summary(finetune(source, [*s, "--policy", "dense"], tmp / f"full{seed}.json",
+                                                         epochs)))
+            runs["plan"].append(_summary(finetune(source, [*s, *at], tmp / f"plan{seed}.json", epochs)))
+            runs["whole_model"].append(_summary(finetune(source, [*s, *at, *whole], tmp / f"whole{seed}.json", epochs)))
             print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]['val_accuracy']:.4f}" for k, v in runs.items()),
                   file=sys.stderr, flush=True)
     names = {"ft_full": "FT-Full (dense, batch 64)", "plan": "finetune --memory-budget (per-block allowed)",
@@ -154,10 +179,10 @@ def image_transfer(model: str, fixed: bool) -> None:
                      *accuracy_cells(results, runs["ft_full"]),
                      "-" if key == "ft_full" else ("yes" if all(r["within_budget"] for r in results) else "NO"),
                      "-" if key == "ft_full" else mib(max(r["process_peak_bytes"] for r in results))])
-    trained = ", BN trained" if model != "zoo:cnn" else ""
-    body = (f"{model} (pretrained on digits{trained}) fine-tuned on the first {TRAIN_LIMIT} Fashion-MNIST training "
-            f"images, validated on the first {TRAIN_LIMIT} test images, {SIZE} px, {EPOCHS} epochs "
-            f"({' '.join(OPTIMIZERS.get(model, ['SGD with momentum, lr 0.01']))}, cosine), seeds {list(SEEDS)}; "
+    trained = ", BN trained" if model.startswith("torchvision:") else ""
+    body = (f"{model} ({source_note}{trained}) fine-tuned on the first {TRAIN_LIMIT} Fashion-MNIST training "
+            f"images, validated on the first {TRAIN_LIMIT} test images, {SIZE} px, {epochs} epochs "
+            f"({' '.join(optimizer or ['SGD with momentum, lr 0.01'])}, cosine), seeds {list(SEEDS)}; "
             f"budget {mib(budget)} MiB: half way from the smallest whole-model candidate's predicted peak at batch "
             f"{BATCH} ({mib(smallest)} MiB) to {top_name} ({mib(dense)} MiB), with 5% headroom"
             f"{f', every plan at batch {BATCH} (--min-batch {BATCH})' if fixed else ''}. Accuracy gap: mean over "
