@@ -45,8 +45,8 @@ the smallest exact candidate only lossy whole-model policies fit the batch, and 
 per-block plan can be strictly better.
 
 With ``--malloc-cost ROUNDS`` (``malloc_cost``) only the timing: plain PyTorch's step and the middle
-fixed-batch budget's two choices, under glibc's defaults and the planner's settings, in fresh
-processes.
+fixed-batch budget's two choices, under glibc's defaults, the planner's settings and those with
+torch's huge pages (``MALLOC_SETTINGS``), in fresh processes.
 
 Run: ``python bench/block_plan.py [--quick] [--device cuda] [--fixed-batch] [--models M,...] [--fractions F,...]
 [--budget-s S] [--malloc-cost ROUNDS]``
@@ -178,9 +178,8 @@ def measure(name: str, device: str, fidelity: list[list], timed: list[list], pla
     time per sample of each ``[spec, batch]`` in ``timed`` over plain PyTorch's at the requested batch
     (interleaved rounds, the least of each). ``planner_malloc``: with glibc set as the planner sets it
     (``honest_malloc``), which ``finetune --memory-budget`` then trains under; else its defaults."""
-    import torch.nn.functional as F
-
     import torch
+    import torch.nn.functional as F
 
     from edgetorch.activations.fidelity import gradient_fidelity
     from edgetorch.activations.step import parse_training_policy, step_seconds
@@ -189,17 +188,16 @@ def measure(name: str, device: str, fidelity: list[list], timed: list[list], pla
     if planner_malloc and device == "cpu":
         honest_malloc()
     model, x, y = _workload(name, device)
-    out = {"fidelity": {}, "time_per_sample_vs_plain": {}}
+    out = {"fidelity": {}}
     for spec, batch in fidelity:
         f = gradient_fidelity(model, (x[:batch], y[:batch]), spec)
         out["fidelity"][spec] = {"fidelity_cost": f.mean_squared_relative_error, "worst_cosine": f.worst_cosine}
     steps = {f"{spec}@{batch}": (x[:batch], y[:batch], parse_training_policy(spec))
              for spec, batch in [["dense", len(x)], *timed]}
     times = step_seconds(model, steps, F.cross_entropy, TIME_ROUNDS)
-    plain = times[f"dense@{len(x)}"] / len(x)
-    for spec, batch in timed:
-        out["time_per_sample_vs_plain"][f"{spec}@{batch}"] = times[f"{spec}@{batch}"] / batch / plain
-    out["seconds_per_sample"] = {key: t / steps[key][0].shape[0] for key, t in times.items()}
+    out["seconds_per_sample"] = per_sample = {key: t / len(steps[key][0]) for key, t in times.items()}
+    out["time_per_sample_vs_plain"] = {f"{spec}@{batch}": per_sample[f"{spec}@{batch}"] / per_sample[f"dense@{len(x)}"]
+                                       for spec, batch in timed}
     out["process_peak_bytes"] = process_peak_bytes(torch.device(device))
     out["minor_page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # the process's, from start
     return out
@@ -482,8 +480,9 @@ def main() -> None:
                         "their own name; torch.compile is not run)")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start nothing new after this many seconds")
     parser.add_argument("--malloc-cost", type=int, metavar="ROUNDS",
-                        help="time the --models' middle fixed-batch choices and plain PyTorch under glibc's defaults "
-                        "and the planner's malloc settings, ROUNDS processes each (results: block_plan_malloc_cost.*)")
+                        help="time the --models' middle fixed-batch choices and plain PyTorch under glibc's defaults, "
+                        "the planner's malloc settings and those with huge pages, ROUNDS processes each (results: "
+                        "block_plan_malloc_cost.*)")
     parser.add_argument("--call", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.call:
